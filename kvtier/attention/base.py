@@ -1,0 +1,164 @@
+"""Paged-attention contract shared by the model, the engine and every backend.
+
+Pool layout (DESIGN §5.1), one tensor per tier::
+
+    pool[num_pages, layers, 2, page_size, kv_heads, head_dim]
+    kv_layer = pool[:, layer]          -> [num_pages, 2, page_size, kv_heads, head_dim]
+    kv_layer[:, 0] / kv_layer[:, 1]    -> K / V, strided views (pages are not adjacent)
+
+A batch flattens the *new* tokens of B sequences into T rows. Sequence b owns rows
+``query_start[b]:query_start[b+1]``; its new tokens sit at positions
+``context_lens[b] - query_len_b … context_lens[b] - 1`` (``context_lens`` counts the
+cached prefix *and* the new tokens). Token at position p of sequence b lives in page
+``block_tables[b, p // page_size]`` at offset ``p % page_size``; ``slot_mapping``
+holds ``page * page_size + offset`` for each new row so K/V can be written before
+attention reads them.
+
+    seq b, page_size 4, cached 6, new 3  (context_len 9)
+    positions   0 1 2 3 | 4 5 6 7 | 8
+    pages       [ p17  ]  [ p3   ]  [ p9 ]     block_tables[b] = [17, 3, 9]
+    new rows                  ^ ^     ^        query rows see keys 0..own position
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    query_start: torch.Tensor  # int32 [B + 1], cumulative new-token counts
+    context_lens: torch.Tensor  # int32 [B], cached + new tokens per sequence
+    block_tables: torch.Tensor  # int32 [B, max_pages], padded with 0
+    slot_mapping: torch.Tensor  # int64 [T], page * page_size + offset of each new token
+    page_size: int
+    # Host copies so backends can loop without device syncs.
+    query_start_list: list[int]
+    context_lens_list: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens_list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_list[-1]
+
+    @property
+    def max_query_len(self) -> int:
+        qs = self.query_start_list
+        return max(qs[i + 1] - qs[i] for i in range(len(qs) - 1))
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence contributes exactly one new token."""
+        return self.num_tokens == self.num_seqs
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        page_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        if not (len(query_lens) == len(context_lens) == len(block_tables)):
+            raise ValueError("query_lens, context_lens and block_tables must have one entry per sequence")
+        query_start = [0]
+        slots: list[int] = []
+        for q_len, ctx, table in zip(query_lens, context_lens, block_tables, strict=True):
+            if q_len < 1 or q_len > ctx:
+                raise ValueError(f"query_len {q_len} must be in [1, context_len={ctx}]")
+            if len(table) * page_size < ctx:
+                raise ValueError(f"block table of {len(table)} pages cannot hold {ctx} tokens")
+            query_start.append(query_start[-1] + q_len)
+            for pos in range(ctx - q_len, ctx):
+                slots.append(table[pos // page_size] * page_size + pos % page_size)
+        max_pages = max(len(t) for t in block_tables)
+        padded = [list(t) + [0] * (max_pages - len(t)) for t in block_tables]
+        return cls(
+            query_start=torch.tensor(query_start, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(list(context_lens), dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            page_size=page_size,
+            query_start_list=query_start,
+            context_lens_list=list(context_lens),
+        )
+
+
+class AttentionBackend(Protocol):
+    """A way to write new K/V into a layer's pages and attend over them.
+
+    ``q`` is ``[T, num_heads, head_dim]``; ``k``/``v`` are ``[T, kv_heads, head_dim]``;
+    ``kv_layer`` is ``pool[:, layer]``. ``num_heads`` is a multiple of ``kv_heads`` (GQA).
+    Attention is causal within the new tokens and full over the cached prefix.
+    """
+
+    name: str
+
+    def write_kv(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> None: ...
+
+    def forward(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata, scale: float
+    ) -> torch.Tensor: ...
+
+
+def write_kv_reference(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> None:
+    page_size = kv_layer.shape[2]
+    pages = md.slot_mapping // page_size
+    offsets = md.slot_mapping % page_size
+    kv_layer[pages, 0, offsets] = k.to(kv_layer.dtype)
+    kv_layer[pages, 1, offsets] = v.to(kv_layer.dtype)
+
+
+def attention_reference(
+    q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Readable, obviously-correct paged attention: gather each sequence's pages, then SDPA.
+
+    This is the oracle for faster backends, not the production path (the gather copies).
+    """
+    _, _, page_size, kv_heads, head_dim = kv_layer.shape
+    num_heads = q.shape[1]
+    out = torch.empty_like(q)
+    qs = md.query_start_list
+    for b, ctx in enumerate(md.context_lens_list):
+        start, end = qs[b], qs[b + 1]
+        q_len = end - start
+        num_pages = -(-ctx // page_size)
+        pages = md.block_tables[b, :num_pages].long()
+        k = kv_layer[pages, 0].reshape(-1, kv_heads, head_dim)[:ctx]
+        v = kv_layer[pages, 1].reshape(-1, kv_heads, head_dim)[:ctx]
+        # Query row i sits at position ctx - q_len + i and may see keys 0..that position.
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+        k_pos = torch.arange(ctx, device=q.device)[None, :]
+        mask = k_pos <= q_pos
+        qb = q[start:end].transpose(0, 1).to(k.dtype)  # [H, q_len, D]
+        kb = k.transpose(0, 1)
+        vb = v.transpose(0, 1)
+        if num_heads != kv_heads:
+            rep = num_heads // kv_heads
+            kb = kb.repeat_interleave(rep, dim=0)
+            vb = vb.repeat_interleave(rep, dim=0)
+        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
+        out[start:end] = ob.transpose(0, 1).to(out.dtype)
+    return out
+
+
+class ReferenceBackend:
+    name = "torch-reference"
+
+    def write_kv(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> None:
+        write_kv_reference(kv_layer, k, v, md)
+
+    def forward(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        return attention_reference(q, kv_layer, md, scale)

@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC stubs. Never edit; run `make proto`."""
