@@ -1,0 +1,293 @@
+"""The offline and step-level engine API that the worker drives.
+
+    engine = Engine.from_pretrained(path, page_size=16, num_pages=512)
+    results = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=8))
+
+or, step by step (what the worker's engine loop does)::
+
+    rid = engine.add_request(prompt, params)
+    while engine.has_unfinished():
+        for out in engine.step(): ...
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvtier.attention.registry import get_backend
+from kvtier.engine.params import FinishReason, SamplingParams
+from kvtier.engine.runner import ModelRunner
+from kvtier.engine.sampler import make_generator, sample
+from kvtier.engine.scheduler import Scheduler, SchedulerConfig
+from kvtier.engine.sequence import Sequence, SequenceStatus
+from kvtier.errors import InvalidArgument, NotFound
+from kvtier.hashing import NamespaceDigest, NamespaceIdentity, namespace_digest
+from kvtier.model import LlamaModel
+from kvtier.page_pool import PagePool, PoolGeometry
+from kvtier.radix import EvictionPolicy, RadixIndex
+
+log = logging.getLogger("kvtier.engine")
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step produced for one request: new tokens, and the end if it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: FinishReason
+    num_cached_tokens: int
+    num_computed_tokens: int
+    num_preemptions: int
+    logits: list[torch.Tensor] | None = field(default=None, repr=False)
+
+
+def weights_digest(path: Path) -> str:
+    """BLAKE2b of the checkpoint's config and tensor files (weights change → new namespace)."""
+    h = hashlib.blake2b(digest_size=16)
+    for file in sorted(path.glob("*.safetensors")) + [path / "config.json"]:
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+class Engine:
+    def __init__(
+        self,
+        model: LlamaModel,
+        *,
+        num_pages: int,
+        page_size: int = 16,
+        namespace: NamespaceIdentity | None = None,
+        attention_backend: str = "auto",
+        scheduler_config: SchedulerConfig | None = None,
+        eviction_policy: EvictionPolicy | None = None,
+        max_model_len: int | None = None,
+        record_logits: bool = False,
+    ) -> None:
+        if page_size < 1:
+            raise InvalidArgument(f"page_size must be >= 1, got {page_size}", field="page_size")
+        self.model = model
+        cfg = model.config
+        param = next(model.parameters())
+        num_layers, kv_heads, head_dim = model.kv_geometry
+        self.geometry = PoolGeometry(num_layers, kv_heads, head_dim, page_size, param.dtype)
+        self.pool = PagePool(num_pages, self.geometry, device=param.device)
+        self.index = RadixIndex(self.pool, eviction_policy)
+        self.scheduler = Scheduler(self.pool, self.index, scheduler_config)
+        self.backend = get_backend(attention_backend, param.device)
+        self.runner = ModelRunner(model, self.pool, self.backend)
+        self.vocab_size = cfg.vocab_size
+        self.max_model_len = min(max_model_len or cfg.max_context_len, cfg.max_context_len)
+        self.eos_token_ids: frozenset[int] = frozenset(cfg.eos_token_ids)
+        self.namespace = namespace or NamespaceIdentity(
+            model_id="unnamed", kv_dtype=_DTYPE_NAMES.get(param.dtype, "fp32"), page_size=page_size
+        )
+        self._digests: dict[NamespaceIdentity, NamespaceDigest] = {}
+        self.record_logits = record_logits
+        self._seqs: dict[str, Sequence] = {}
+        self._arrival = itertools.count()
+        self._request_ids = itertools.count()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        hbm_bytes: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        model_id: str | None = None,
+        **kwargs,
+    ) -> Engine:
+        path = Path(path)
+        model = LlamaModel.from_pretrained(path, dtype=dtype, device=device)
+        num_layers, kv_heads, head_dim = model.kv_geometry
+        geometry = PoolGeometry(num_layers, kv_heads, head_dim, page_size, dtype)
+        if num_pages is None:
+            if hbm_bytes is None:
+                raise InvalidArgument("give num_pages or hbm_bytes to size the page pool", field="num_pages")
+            num_pages = geometry.pages_for_bytes(hbm_bytes)
+            if num_pages < 1:
+                raise InvalidArgument(
+                    f"hbm_bytes={hbm_bytes} holds no page of {geometry.page_bytes} bytes", field="hbm_bytes"
+                )
+        namespace = kwargs.pop("namespace", None) or NamespaceIdentity(
+            model_id=model_id or path.name,
+            weights_digest=weights_digest(path),
+            rope_config=json.dumps(model.config.rope_scaling or {}, sort_keys=True),
+            kv_dtype=_DTYPE_NAMES.get(dtype, "fp32"),
+            page_size=page_size,
+        )
+        return cls(model, num_pages=num_pages, page_size=page_size, namespace=namespace, **kwargs)
+
+    # ---- requests -------------------------------------------------------------------
+    def digest_for(self, namespace: NamespaceIdentity | None) -> NamespaceDigest:
+        ns = namespace or self.namespace
+        digest = self._digests.get(ns)
+        if digest is None:
+            ns.validate()
+            digest = self._digests[ns] = namespace_digest(ns)
+        return digest
+
+    def validate_prompt(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise InvalidArgument("prompt_token_ids must not be empty", field="prompt_token_ids")
+        for i, tok in enumerate(prompt):
+            if not (0 <= tok < self.vocab_size):
+                raise InvalidArgument(
+                    f"prompt token id {tok} at index {i} is outside the vocabulary [0, {self.vocab_size})",
+                    field="prompt_token_ids",
+                )
+        if len(prompt) >= self.max_model_len:
+            raise InvalidArgument(
+                f"prompt of {len(prompt)} tokens leaves no room to generate: "
+                f"the model context is {self.max_model_len} tokens",
+                field="prompt_token_ids",
+            )
+
+    def add_request(
+        self,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        namespace: NamespaceIdentity | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        params.validate()
+        self.validate_prompt(prompt)
+        rid = request_id or f"req-{next(self._request_ids)}"
+        if rid in self._seqs:
+            raise InvalidArgument(f"request id {rid!r} is already in flight", field="request_id")
+        seq = Sequence(
+            request_id=rid,
+            prompt_len=len(prompt),
+            tokens=list(prompt),
+            params=params,
+            namespace=self.digest_for(namespace),
+            page_size=self.pool.page_size,
+            arrival=next(self._arrival),
+            priority=priority,
+            generator=make_generator(params),
+            logits_trace=[] if self.record_logits else None,
+        )
+        self.scheduler.add(seq)
+        self._seqs[rid] = seq
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and release its pages; False if it already finished."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.is_finished:
+            return False
+        seq.finish_reason = FinishReason.ABORTED
+        self.scheduler.finish(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get(self, request_id: str) -> Sequence:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise NotFound(f"no request {request_id!r}", field="request_id")
+        return seq
+
+    def pop_result(self, request_id: str) -> GenerationResult:
+        """The finished request's result; the engine forgets it afterwards."""
+        seq = self.get(request_id)
+        if not seq.is_finished:
+            raise InvalidArgument(f"request {request_id!r} has not finished", field="request_id")
+        del self._seqs[request_id]
+        assert seq.finish_reason is not None
+        return GenerationResult(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.tokens[: seq.prompt_len],
+            token_ids=seq.output,
+            finish_reason=seq.finish_reason,
+            num_cached_tokens=max(seq.num_cached_tokens, 0),
+            num_computed_tokens=seq.num_computed_tokens,
+            num_preemptions=seq.num_preemptions,
+            logits=seq.logits_trace,
+        )
+
+    # ---- stepping -------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None or not batch.seqs:
+            return []
+        logits = self.runner.run(batch.seqs)
+        outputs: list[StepOutput] = []
+        for seq, row in zip(batch.seqs, logits, strict=True):
+            seq.num_computed_tokens += seq.num_tokens - seq.num_computed
+            seq.num_computed = seq.num_tokens
+            self.scheduler.register_full_pages(seq)
+            if seq.logits_trace is not None:
+                seq.logits_trace.append(row.detach().float().cpu().clone())
+            token = sample(row, seq.params, seq.generator)
+            seq.tokens.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                seq.finish_reason = reason
+                self.scheduler.finish(seq)
+            outputs.append(StepOutput(seq.request_id, [token], reason is not None, reason))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        p = seq.params
+        tail = seq.tokens[seq.prompt_len :]
+        if p.tool_call_sequence and tail[-len(p.tool_call_sequence) :] == p.tool_call_sequence:
+            return FinishReason.TOOL_CALL
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return FinishReason.STOP
+        for stop in p.stop_sequences:
+            if tail[-len(stop) :] == stop:
+                return FinishReason.STOP
+        if seq.num_output >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        namespace: NamespaceIdentity | None = None,
+    ) -> list[GenerationResult]:
+        if not isinstance(params, list):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidArgument(f"{len(prompts)} prompts but {len(params)} sampling params", field="params")
+        rids = [self.add_request(p, sp, namespace=namespace) for p, sp in zip(prompts, params, strict=True)]
+        while any(not self._seqs[r].is_finished for r in rids):
+            self.step()
+        return [self.pop_result(r) for r in rids]
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+        for seq in self._seqs.values():
+            if seq.status is SequenceStatus.FINISHED and seq.pages:
+                raise AssertionError(f"finished {seq.request_id} still holds pages")

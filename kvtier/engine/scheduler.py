@@ -1,0 +1,259 @@
+"""Continuous batching over one page pool: admission, decode slots, preemption.
+
+Each ``schedule()`` returns one batch: newly admitted prefills when any fit, otherwise
+one decode token for every running sequence. Admission reserves pages for the prompt
+plus an output reservation; reservations are revised as a sequence grows (a new chunk
+is reserved when the old one is used up and pages are available). When a running
+sequence needs a page and none can be freed by eviction, the lowest-priority, newest
+sequence is preempted: its pages are released (full pages stay cached in the radix
+index) and it waits at the head of the queue, keeping its tokens and RNG state, to
+resume by recompute — mostly prefix-cache hits.
+
+    pool pages:  [ free | cached idle (evictable, leaves first) | in use ]
+    available for admission = free + evictable idle − Σ reservations of running seqs
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvtier.engine.sequence import Sequence, SequenceStatus
+from kvtier.errors import IntegrityError, ResourceExhausted
+from kvtier.page_pool import PageId, PagePool
+from kvtier.radix import RadixIndex
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    output_reservation_tokens: int = 64
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence]
+    is_prefill: bool
+    preempted: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, index: RadixIndex, config: SchedulerConfig | None = None) -> None:
+        self.pool = pool
+        self.index = index
+        self.config = config or SchedulerConfig()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- admission ------------------------------------------------------------------
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt that can ever be admitted: all pages, one slot kept to decode."""
+        return self.pool.num_pages * self.page_size - 1
+
+    def add(self, seq: Sequence) -> None:
+        limit = self.max_prompt_tokens()
+        if seq.num_tokens > limit:
+            raise ResourceExhausted(
+                f"prompt of {seq.num_tokens} tokens can never fit: the pool holds {self.pool.num_pages} "
+                f"pages of {self.page_size} tokens, so at most {limit} prompt tokens",
+                field="prompt_token_ids",
+            )
+        self.waiting.append(seq)
+
+    def _reservation(self, seq: Sequence) -> int:
+        remaining = seq.params.max_tokens - seq.num_output
+        tokens = min(max(remaining, 1), self.config.output_reservation_tokens)
+        return seq.pages_for(seq.num_tokens + tokens) - seq.pages_for(seq.num_tokens)
+
+    def _available(self) -> int:
+        reserved = sum(s.reserved_pages for s in self.running)
+        return self.pool.num_free + self.pool.num_cached_idle - reserved
+
+    def _allocate(self) -> PageId | None:
+        page = self.pool.allocate()
+        if page is None and self.index.evict(1) == 1:
+            page = self.pool.allocate()
+        return page
+
+    def _try_admit(self, seq: Sequence) -> bool:
+        ps = self.page_size
+        keys = seq.full_page_keys()
+        match = self.index.match(keys, seq.tokens)
+        hits = match.nodes
+        cached_tokens = len(hits) * ps
+        # The last prompt position must be computed to get logits; if every page hit,
+        # recompute that one token in a private copy of the last page (copy-on-write).
+        needs_cow = cached_tokens >= seq.num_tokens
+        if needs_cow:
+            cached_tokens = seq.num_tokens - 1
+        new_pages = seq.pages_for(seq.num_tokens) - len(hits) + (1 if needs_cow else 0)
+        reserve = self._reservation(seq)
+        idle_hits = sum(1 for n in hits if self.pool.ref_count(n.page) == 0)
+        available = self._available() - idle_hits
+        if new_pages + (reserve if self.running else 0) > available:
+            return False
+
+        pages: list[PageId] = []
+        for node in hits:
+            self.pool.acquire(node.page)
+            pages.append(node.page)
+        ok = True
+        if needs_cow:
+            private = self.pool.copy_on_write(pages[-1])
+            if private is None and self.index.evict(1) == 1:
+                private = self.pool.copy_on_write(pages[-1])
+            if private is None:
+                ok = False
+            else:
+                pages[-1] = private
+        while ok and len(pages) < seq.pages_for(seq.num_tokens):
+            page = self._allocate()
+            if page is None:
+                ok = False
+            else:
+                pages.append(page)
+        if not ok:  # the evictable estimate was optimistic: undo, wait
+            for page in pages:
+                self.pool.release(page)
+            return False
+
+        seq.pages = pages
+        seq.num_computed = cached_tokens
+        seq.num_registered = len(hits) - (1 if needs_cow else 0)
+        seq.reserved_pages = min(reserve, max(self._available(), 0))
+        if seq.num_cached_tokens < 0:
+            seq.num_cached_tokens = cached_tokens
+        seq.status = SequenceStatus.RUNNING
+        return True
+
+    # ---- scheduling -----------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        admitted: list[Sequence] = []
+        budget = self.config.max_num_batched_tokens
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if admitted and seq.num_tokens > budget:
+                break
+            if not self._try_admit(seq):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            admitted.append(seq)
+            budget -= seq.num_tokens - seq.num_computed
+        if admitted:
+            return ScheduledBatch(seqs=admitted, is_prefill=True)
+        if not self.running:
+            return None
+        return self._schedule_decode()
+
+    def _victim_order(self) -> list[Sequence]:
+        # Highest priority first; among equals, oldest first. Victims come from the end.
+        return sorted(self.running, key=lambda s: (-s.priority, s.arrival))
+
+    def _schedule_decode(self) -> ScheduledBatch:
+        order = self._victim_order()
+        batch: list[Sequence] = []
+        preempted: list[Sequence] = []
+        while order:
+            seq = order.pop(0)
+            if len(seq.pages) * self.page_size > seq.num_computed:
+                batch.append(seq)
+                continue
+            page = self._allocate()
+            while page is None and order:
+                victim = order.pop()
+                self.preempt(victim)
+                preempted.append(victim)
+                page = self._allocate()
+            if page is None:
+                # Nothing left to preempt but the sequence itself.
+                self.preempt(seq)
+                preempted.append(seq)
+                continue
+            seq.pages.append(page)
+            if seq.reserved_pages > 0:
+                seq.reserved_pages -= 1
+            elif self._available() > 0:
+                seq.reserved_pages = min(self._reservation(seq), self._available())
+            batch.append(seq)
+        return ScheduledBatch(seqs=batch, is_prefill=False, preempted=preempted)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Release every page; keep tokens and RNG state; wait at the head of the queue."""
+        self._release_pages(seq)
+        seq.num_computed = 0
+        seq.num_registered = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+    # ---- completion -----------------------------------------------------------------
+    def register_full_pages(self, seq: Sequence) -> None:
+        """Offer pages that just became full to the index so later requests can share them."""
+        num_full = seq.num_computed // self.page_size
+        if seq.num_registered >= num_full:
+            return
+        keys = seq.full_page_keys()
+        for i in range(seq.num_registered, num_full):
+            if keys[i] in self.index:
+                continue  # cached already (our own hit, or a duplicate computed by another seq)
+            parent = keys[i - 1] if i > 0 else None
+            if self.index.insert(keys[i], parent, seq.pages[i], seq.page_tokens(i)) is None:
+                self._reinsert_chain(seq, i)
+        seq.num_registered = num_full
+
+    def _reinsert_chain(self, seq: Sequence, upto: int) -> None:
+        # An ancestor we duplicated privately was evicted from the index; our pages hold
+        # the same bytes, so re-cache the whole chain from the root down.
+        keys = seq.full_page_keys()
+        for j in range(upto + 1):
+            if keys[j] not in self.index:
+                parent = keys[j - 1] if j > 0 else None
+                if self.index.insert(keys[j], parent, seq.pages[j], seq.page_tokens(j)) is None:
+                    raise IntegrityError(f"cannot cache page {j} of {seq.request_id}: parent missing")
+
+    def finish(self, seq: Sequence) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self._release_pages(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _release_pages(self, seq: Sequence) -> None:
+        pages, seq.pages = seq.pages, []
+        seq.reserved_pages = 0
+        for page in pages:
+            self.pool.release(page)
+
+    def check_integrity(self) -> None:
+        held: dict[PageId, int] = {}
+        for seq in self.running:
+            if seq.status is not SequenceStatus.RUNNING:
+                raise IntegrityError(f"{seq.request_id} is in the running list as {seq.status.value}")
+            if len(seq.pages) < seq.pages_for(seq.num_computed):
+                raise IntegrityError(f"{seq.request_id} computed {seq.num_computed} tokens in {len(seq.pages)} pages")
+            for page in seq.pages:
+                held[page] = held.get(page, 0) + 1
+        for seq in self.waiting:
+            if seq.pages:
+                raise IntegrityError(f"waiting {seq.request_id} still holds {len(seq.pages)} pages")
+        for page, count in held.items():
+            if self.pool.ref_count(page) != count:
+                raise IntegrityError(
+                    f"page {page}: sequences hold {count} references, pool counts {self.pool.ref_count(page)}"
+                )
+        if sum(1 for r in range(self.pool.num_pages) if self.pool.ref_count(PageId(r)) > 0) != len(held):
+            raise IntegrityError("a page is referenced by no running sequence (leak)")
+        self.index.check_integrity()

@@ -1,0 +1,94 @@
+import pytest
+
+from kvtier.errors import IntegrityError
+
+from factories import keys_for, make_index
+
+
+def cache_chain(index, tokens, page_size=4, tenant="t"):
+    """Allocate, insert and release a chain of pages as a finished sequence would."""
+    keys = keys_for(tokens, page_size, tenant)
+    pages = []
+    for i, key in enumerate(keys):
+        page = index.pool.allocate()
+        assert page is not None
+        index.insert(key, keys[i - 1] if i else None, page, tokens[i * page_size : (i + 1) * page_size])
+        pages.append(page)
+    for page in pages:
+        index.pool.release(page)
+    return keys, pages
+
+
+def test_longest_match_and_token_check():
+    index = make_index()
+    tokens = list(range(12))
+    keys, pages = cache_chain(index, tokens)
+    m = index.match(keys_for(list(range(8)) + [99, 99, 99, 99]), list(range(8)) + [99] * 4)
+    assert m.pages == pages[:2]
+    # Same keys but different tokens (a forged collision) stop the match.
+    bad = list(tokens)
+    bad[5] = 77
+    assert index.match(keys, bad).num_pages == 1
+    index.check_integrity()
+
+
+def test_tenants_with_identical_tokens_do_not_match():
+    index = make_index()
+    cache_chain(index, list(range(8)), tenant="a")
+    assert index.match(keys_for(list(range(8)), tenant="b"), list(range(8))).num_pages == 0
+
+
+def test_insert_requires_parent_and_rejects_duplicates():
+    index = make_index()
+    keys = keys_for(list(range(8)))
+    p = index.pool.allocate()
+    assert index.insert(keys[1], keys[0], p, [4, 5, 6, 7]) is None  # parent missing
+    q = index.pool.allocate()
+    assert index.insert(keys[0], None, q, [0, 1, 2, 3]) is not None
+    assert index.insert(keys[0], None, p, [0, 1, 2, 3]) is None  # duplicate key stays private
+    assert not index.pool.is_cached(p)
+    index.pool.release(p)
+    index.pool.release(q)
+    index.check_integrity()
+
+
+def test_eviction_takes_leaves_before_parents_in_lru_order():
+    index = make_index(num_pages=12)
+    a_keys, a_pages = cache_chain(index, list(range(12)))  # chain a: 3 pages
+    b_keys, b_pages = cache_chain(index, [50 + t for t in range(8)])  # chain b: 2 pages
+    index.match(a_keys[:1], None)  # touch a's root: it is now the most recent
+    order = []
+    index.on_remove.append(lambda n: order.append(n.key))
+    assert index.evict(5) == 5
+    # a's leaves go first (oldest leaf), a's root can only go after its children,
+    # b's chain goes leaf-first; every key is evicted after all its descendants.
+    pos = {k: i for i, k in enumerate(order)}
+    assert pos[a_keys[2]] < pos[a_keys[1]] < pos[a_keys[0]]
+    assert pos[b_keys[1]] < pos[b_keys[0]]
+    assert order[0] == a_keys[2]
+    assert index.pool.num_free == 12
+    index.check_integrity()
+
+
+def test_pages_in_use_and_pinned_are_never_evicted():
+    index = make_index(num_pages=6)
+    keys, pages = cache_chain(index, list(range(8)))
+    index.pool.acquire(pages[1])  # a running sequence holds the leaf
+    assert index.evict(10) == 0
+    index.pool.release(pages[1])
+    index.pin(keys[1])
+    assert index.evict(10) == 0
+    index.unpin(keys[1])
+    assert index.evict(10) == 2
+    index.check_integrity()
+
+
+def test_remove_of_an_inner_node_is_refused():
+    index = make_index()
+    keys, _ = cache_chain(index, list(range(8)))
+    with pytest.raises(IntegrityError):
+        index.remove(keys[0])
+    index.remove(keys[1])
+    index.remove(keys[0])
+    assert len(index) == 0
+    index.check_integrity()
