@@ -1,0 +1,340 @@
+"""The ``kvtier`` command line (DESIGN §6 "Client and CLI").
+
+One function per command on the module-level ``app``; later commands (up, status,
+workers, ...) plug in the same way with ``@app.command()``. Commands raise domain errors;
+``main`` turns every ``KvtierError`` and unreadable file into one ``error: ...`` line
+on stderr and exit code 2, never a traceback. Usage errors (an unknown flag, a word
+where a number belongs) are typer's, with the same exit code.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from kvtier.capacity import (
+    CapacityPlan,
+    PageSizeStudy,
+    page_size_study,
+    plan,
+    read_lengths_csv,
+    validate_budget,
+    validate_headroom,
+    validate_page_size,
+)
+from kvtier.errors import InvalidArgument, KvtierError
+from kvtier.geometry import load_geometry, parse_dtype
+
+EXIT_BAD_INPUT = 2
+GIB = 1 << 30
+DEMO_TRACE = Path("../shared/traces/azure_llm_inference_2023_code.csv")
+DEMO_TRACE_COLUMN = "ContextTokens"
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+_TIER_LABELS = {"hbm": "HBM", "dram": "DRAM", "nvme": "NVMe"}
+
+app = typer.Typer(
+    name="kvtier",
+    help="kvtier: distributed KV-cache tiering for LLM serving (HBM -> DRAM -> NVMe).",
+    pretty_exceptions_enable=False,
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="rich",
+)
+
+
+def _console() -> Console:
+    # Piped output (CI logs, `| less`) gets a fixed width instead of rich's 80 columns,
+    # which would wrap the tier table.
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
+
+
+def _gib_to_bytes(gib: float, flag: str, *, positive: bool = False) -> int:
+    validate_budget(gib, name=flag, positive=positive)
+    return round(gib * GIB)
+
+
+def _format_bytes(num_bytes: float) -> str:
+    num_bytes = float(num_bytes)  # Fraction has no format spec before Python 3.12
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(num_bytes) < 1024 or unit == "TiB":
+            return f"{num_bytes:,.0f} {unit}" if unit == "B" else f"{num_bytes:,.2f} {unit}"
+        num_bytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def _json_number(value: Any) -> int | float:
+    """Fractions (fp4 bytes per token) as JSON numbers: whole ones as integers."""
+    return int(value) if value == int(value) else float(value)
+
+
+@app.command("plan")
+def plan_command(
+    model_config: Annotated[
+        Path,
+        typer.Option(
+            "--model-config",
+            help="A model's config.json, or a checkpoint directory (config.json + *.safetensors: "
+            "weight bytes are then summed exactly from the safetensors headers).",
+        ),
+    ],
+    kv_dtype: Annotated[str, typer.Option(help="KV element type: bf16, fp16, fp32, fp8 or fp4.")] = "bf16",
+    page_size: Annotated[int, typer.Option(help="Tokens per page, a power of two in [1, 1024].")] = 16,
+    hbm_gib: Annotated[
+        float, typer.Option(help="Device memory of one GPU, GiB (weights come out of it).")
+    ] = 80.0,
+    dram_gib: Annotated[float, typer.Option(help="Host memory given to the DRAM tier, GiB.")] = 0.0,
+    nvme_gib: Annotated[float, typer.Option(help="Disk given to the NVMe tier, GiB.")] = 0.0,
+    context: Annotated[
+        list[int] | None,
+        typer.Option(
+            help="Context length of one session, in tokens; repeat for several (default: 4096 and 32768)."
+        ),
+    ] = None,
+    headroom: Annotated[
+        float, typer.Option(help="Share of HBM left after weights kept free for activations, in [0, 1).")
+    ] = 0.15,
+    weights_dtype: Annotated[
+        str | None,
+        typer.Option(
+            help="Serve the weights in this dtype (estimate from the config) instead of the checkpoint's."
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+    lengths_csv: Annotated[
+        Path | None, typer.Option(help="CSV of request lengths for a page-size study (needs --column).")
+    ] = None,
+    column: Annotated[str | None, typer.Option(help="Column of --lengths-csv holding token counts.")] = None,
+    budget_tokens: Annotated[
+        int | None, typer.Option(help="Study: share of requests whose allocated slots fit this many tokens.")
+    ] = None,
+) -> None:
+    """Capacity plan: KV bytes per token and page, pages, tokens and sessions per tier.
+
+    [bold]Examples[/bold]
+
+      kvtier plan --model-config ./Llama-3.1-8B/config.json --hbm-gib 80 --dram-gib 256 --context 32768
+
+      kvtier plan --model-config ./ckpt --kv-dtype fp8 --page-size 32 --json
+
+      kvtier plan --model-config config.json --lengths-csv trace.csv --column ContextTokens --budget-tokens 8192
+    """
+    kv_dtype = parse_dtype(kv_dtype, field="--kv-dtype")[0]
+    validate_page_size(page_size, name="--page-size")
+    validate_headroom(headroom, name="--headroom")
+    budgets = (
+        _gib_to_bytes(hbm_gib, "--hbm-gib", positive=True),
+        _gib_to_bytes(dram_gib, "--dram-gib"),
+        _gib_to_bytes(nvme_gib, "--nvme-gib"),
+    )
+    contexts = context or [4096, 32768]
+    for length in contexts:
+        if length < 1:
+            raise InvalidArgument(f"--context must be >= 1, got {length}", field="--context")
+    if budget_tokens is not None and budget_tokens < 1:
+        raise InvalidArgument(f"--budget-tokens must be >= 1, got {budget_tokens}", field="--budget-tokens")
+    if (lengths_csv is None) != (column is None):
+        raise InvalidArgument(
+            "--lengths-csv and --column go together; give both or neither", field="--column"
+        )
+
+    geometry = load_geometry(model_config)
+    if weights_dtype is not None:
+        geometry = geometry.with_weights_dtype(parse_dtype(weights_dtype, field="--weights-dtype")[0])
+    result = plan(geometry, kv_dtype, page_size, *budgets, context_lengths=contexts, headroom=headroom)
+    study = None
+    if lengths_csv is not None and column is not None:
+        study = page_size_study(read_lengths_csv(lengths_csv, column), budget_tokens=budget_tokens)
+
+    if as_json:
+        typer.echo(json.dumps(plan_json(result, study), indent=2))
+        return
+    console = _console()
+    print_plan(console, result)
+    if study is not None:
+        print_study(console, study, f"{lengths_csv} column {column}")
+
+
+@app.command("demo")
+def demo_command(
+    quick: Annotated[bool, typer.Option(help="Shorter output: fewer context lengths.")] = False,
+) -> None:
+    """Plan Llama-3.1-8B on one 80 GiB GPU with DRAM and NVMe tiers, then study page sizes on a real trace.
+
+    [bold]Example[/bold]
+
+      kvtier demo --quick
+    """
+    run_planner_demo(_console(), quick=quick)
+
+
+def run_planner_demo(console: Console, *, quick: bool = False) -> None:
+    """The planner on the bundled Llama-3.1-8B config and the Azure code trace, when present."""
+    console.rule("kvtier capacity planner: Llama-3.1-8B, bf16 KV, 16-token pages")
+    example = importlib.resources.files("kvtier") / "examples" / "llama-3.1-8b.json"
+    with importlib.resources.as_file(example) as path:
+        geometry = load_geometry(path)
+    contexts = (8192, 32768) if quick else (8192, 32768, 131072)
+    print_plan(console, plan(geometry, "bf16", 16, 80 * GIB, 256 * GIB, 2000 * GIB, contexts))
+
+    candidates = dict.fromkeys([(Path.cwd() / DEMO_TRACE).resolve(), (_REPO_ROOT / DEMO_TRACE).resolve()])
+    trace = next((p for p in candidates if p.is_file()), None)
+    if trace is None:
+        console.print(
+            f"trace {DEMO_TRACE} not found (relative to the repository root); skipping the page-size study"
+        )
+        return
+    lengths = read_lengths_csv(trace, DEMO_TRACE_COLUMN)
+    print_study(
+        console, page_size_study(lengths, budget_tokens=4096), f"{trace.name} column {DEMO_TRACE_COLUMN}"
+    )
+
+
+def plan_json(result: CapacityPlan, study: PageSizeStudy | None = None) -> dict[str, Any]:
+    g = result.geometry
+    tiers = result.tiers
+    out: dict[str, Any] = {
+        "model": {
+            "architecture": g.architecture,
+            "model_type": g.model_type,
+            "attention": g.attention_kind,
+            "num_layers": g.num_layers,
+            "num_attention_heads": g.num_attention_heads,
+            "num_kv_heads": g.num_kv_heads,
+            "head_dim": g.head_dim,
+            "hidden_size": g.hidden_size,
+            "vocab_size": g.vocab_size,
+            "num_experts": g.num_experts,
+            "param_count": g.param_count,
+            "weights_dtype": g.weights_dtype,
+            "max_position_embeddings": g.max_position_embeddings,
+        },
+        "kv_dtype": result.kv_dtype,
+        "page_size": result.page_size,
+        "headroom": result.headroom,
+        "bytes_per_token": _json_number(result.bytes_per_token),
+        "bytes_per_page": result.bytes_per_page,
+        "weights_bytes": g.weights_bytes,
+        "weights_source": g.weights_source,
+        "latent": g.is_latent,
+        "note": result.latent_note,
+        "budget_bytes": {t.tier: t.budget_bytes for t in tiers},
+        "kv_budget_bytes": {t.tier: t.kv_bytes for t in tiers},
+        "pages": {t.tier: t.num_pages for t in tiers},
+        "tokens": {t.tier: t.num_tokens for t in tiers},
+        "sessions": {t.tier: {str(n): s for n, s in t.sessions.items()} for t in tiers},
+        "notes": list(result.notes),
+    }
+    if study is not None:
+        out["page_size_study"] = {
+            "num_requests": study.num_requests,
+            "num_tokens": study.num_tokens,
+            "max_length": study.max_length,
+            "budget_tokens": study.budget_tokens,
+            "rows": [
+                {
+                    "page_size": r.page_size,
+                    "fragmentation_pct": r.fragmentation_pct,
+                    "page_table_entries": r.num_page_table_entries,
+                    "mean_entries_per_request": r.mean_entries_per_request,
+                    "fit_budget_pct": r.fit_budget_pct,
+                }
+                for r in study.rows
+            ],
+        }
+    return out
+
+
+def print_plan(console: Console, result: CapacityPlan) -> None:
+    g = result.geometry
+    heads = f"{g.num_attention_heads} query / {g.num_kv_heads} KV heads, head_dim {g.head_dim}"
+    if g.is_latent:
+        heads = f"{g.num_attention_heads} query heads, one {g.latent_dim}-element latent per layer"
+    console.print(
+        f"[bold]{escape(g.architecture)}[/bold] ({escape(g.model_type)}): {g.num_layers} layers, "
+        f"{g.attention_kind} {heads}"
+    )
+    console.print(
+        f"weights: {g.param_count / 1e9:,.2f} B params x {g.weights_dtype} = {_format_bytes(g.weights_bytes)} "
+        f"({g.weights_source})"
+    )
+    console.print(
+        f"KV: {_format_bytes(result.bytes_per_token)} per token ({result.kv_dtype}), "
+        f"page of {result.page_size} tokens = {_format_bytes(result.bytes_per_page)}"
+    )
+
+    per_session = Table(title="one session")
+    for name in ("context tokens", "pages", "KV bytes"):
+        per_session.add_column(name, justify="right")
+    for n in result.context_lengths:
+        pages = math.ceil(n / result.page_size)
+        per_session.add_row(f"{n:,}", f"{pages:,}", _format_bytes(pages * result.bytes_per_page))
+    console.print(per_session)
+
+    tiers = Table(title=f"per tier (HBM headroom {result.headroom:.0%} after weights)")
+    for name in ("tier", "budget", "reserved", "KV bytes", "pages", "tokens"):
+        tiers.add_column(name, justify="left" if name == "tier" else "right")
+    for n in result.context_lengths:
+        tiers.add_column(f"sessions @ {n:,}", justify="right")
+    for t in result.tiers:
+        tiers.add_row(
+            _TIER_LABELS[t.tier],
+            _format_bytes(t.budget_bytes),
+            _format_bytes(t.reserved_bytes),
+            _format_bytes(t.kv_bytes),
+            f"{t.num_pages:,}",
+            f"{t.num_tokens:,}",
+            *(f"{t.sessions[n]:,}" for n in result.context_lengths),
+        )
+    console.print(tiers)
+    for note in result.notes:
+        console.print(f"note: {escape(note)}")
+
+
+def print_study(console: Console, study: PageSizeStudy, source: str) -> None:
+    mean = study.num_tokens / study.num_requests
+    table = Table(
+        title=f"page-size study: {study.num_requests:,} requests from {escape(source)}, "
+        f"mean {mean:,.0f} tokens, max {study.max_length:,}"
+    )
+    columns = ["page size", "fragmentation", "page-table entries", "entries / request"]
+    if study.budget_tokens is not None:
+        columns.append(f"fit {study.budget_tokens:,} tokens")
+    for name in columns:
+        table.add_column(name, justify="right")
+    for r in study.rows:
+        cells = [str(r.page_size), f"{r.fragmentation_pct:.2f} %", f"{r.num_page_table_entries:,}"]
+        cells.append(f"{r.mean_entries_per_request:,.1f}")
+        if r.fit_budget_pct is not None:
+            cells.append(f"{r.fit_budget_pct:.1f} %")
+        table.add_row(*cells)
+    console.print(table)
+
+
+def _fail(message: str) -> NoReturn:
+    # One line, so scripts can show it whole; parser messages (YAML, JSON) may span several.
+    one_line = " ".join(part.strip() for part in message.splitlines() if part.strip())
+    print(f"error: {one_line}", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        app(args=argv, prog_name="kvtier")
+    except KvtierError as exc:
+        _fail(str(exc))
+    except OSError as exc:
+        _fail(f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc))
+
+
+if __name__ == "__main__":
+    main()

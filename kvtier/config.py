@@ -1,0 +1,390 @@
+"""Typed configuration: one frozen dataclass per process, built once at start-up (STYLE 9).
+
+    flags (overrides)  >  KVTIER_<FIELD> environment  >  file (.toml / .yaml)  >  defaults
+
+Every field carries a ``Setting`` in its metadata: a help line and the accepted range or
+choices. ``load_config`` coerces strings (env vars are always strings) to the field's
+type, then checks each value where it came from, so an error names the field, what is
+accepted and the source: "page_size must be a power of two in [1, 1024], got 12 (from
+KVTIER_PAGE_SIZE)". Cross-field rules live in each class's ``check()``.
+
+Sizes in bytes also accept units from strings: ``80GiB``, ``512Mi`` (binary) or
+``2TB`` (decimal), as in Kubernetes quantities.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from kvtier.errors import ConfigError
+from kvtier.hashing import KV_DTYPES
+from kvtier.log import LOG_LEVELS
+
+ENV_PREFIX = "KVTIER_"
+_SETTING = "kvtier.setting"
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+_NONE = frozenset({"", "none", "null"})
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "ki": 2**10,
+    "kib": 2**10,
+    "mi": 2**20,
+    "mib": 2**20,
+    "gi": 2**30,
+    "gib": 2**30,
+    "ti": 2**40,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(-?[0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+C = TypeVar("C")
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """What one field accepts. Bounds are inclusive unless ``min_open``."""
+
+    help: str
+    min: float | None = None
+    max: float | None = None
+    min_open: bool = False
+    choices: tuple[str, ...] = ()
+    power_of_two: bool = False
+    is_size: bool = False
+
+    def accepts(self, value: Any) -> bool:
+        if value is None:
+            return True  # only Optional fields can hold None; coercion guarantees that
+        if isinstance(value, tuple):
+            return all(self.accepts(item) for item in value)
+        if self.choices:
+            return value in self.choices
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            if isinstance(value, float) and math.isnan(value):
+                return False
+            if self.min is not None and (value <= self.min if self.min_open else value < self.min):
+                return False
+            if self.max is not None and value > self.max:
+                return False
+            if self.power_of_two and (value < 1 or int(value) & (int(value) - 1)):
+                return False
+        return True
+
+    def describe(self) -> str:
+        """The accepted values in words, as error messages and help texts show them."""
+        if self.choices:
+            return "one of " + ", ".join(self.choices)
+        lo, hi = _number(self.min), _number(self.max)
+        if self.min is not None and self.max is not None:
+            bounds = f"in {'(' if self.min_open else '['}{lo}, {hi}]"
+        elif self.min is not None:
+            bounds = f"{'>' if self.min_open else '>='} {lo}"
+        elif self.max is not None:
+            bounds = f"<= {hi}"
+        else:
+            bounds = ""
+        return f"a power of two {bounds}".strip() if self.power_of_two else bounds
+
+
+def setting(default: Any, help: str, **accepted: Any) -> Any:
+    """A dataclass field with its ``Setting``; ``accepted`` holds Setting's range keywords."""
+    return dataclasses.field(default=default, metadata={_SETTING: Setting(help, **accepted)})
+
+
+def _number(value: float | None) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _show(value: Any) -> str:
+    return repr(value) if isinstance(value, str | Path) else str(value)
+
+
+def _log_level() -> Any:
+    return setting("info", "log verbosity", choices=tuple(LOG_LEVELS))
+
+
+def _log_json() -> Any:
+    return setting(False, "write logs as one JSON object per line")
+
+
+def _metrics_port() -> Any:
+    return setting(None, "Prometheus endpoint port; unset serves no metrics", min=0, max=65535)
+
+
+def _state_dir() -> Any:
+    return setting(Path("~/.kvtier"), "directory for embedded Redis data, NVMe page files and logs")
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerConfig:
+    host: str = setting("127.0.0.1", "address the gRPC server listens on (0.0.0.0 for every interface)")
+    port: int = setting(50051, "gRPC port; 0 picks a free one", min=0, max=65535)
+    redis_url: str | None = setting(None, "Redis or Valkey URL; unset starts an embedded Valkey in state_dir")
+    state_dir: Path = _state_dir()
+    lease_ttl_s: float = setting(
+        3.0, "a worker whose lease is this old is treated as gone", min=0, max=600, min_open=True
+    )
+    heartbeat_interval_s: float = setting(
+        1.0, "how often workers are told to renew their lease", min=0, max=60, min_open=True
+    )
+    tier_weight_hbm: float = setting(1.0, "routing value of a matched token already in HBM", min=0, max=1)
+    tier_weight_dram: float = setting(0.8, "routing value of a matched token in DRAM", min=0, max=1)
+    tier_weight_nvme: float = setting(0.5, "routing value of a matched token on NVMe", min=0, max=1)
+    auth_token_file: Path | None = setting(None, "file of bearer tokens and their roles; unset disables auth")
+    metrics_port: int | None = _metrics_port()
+    log_level: str = _log_level()
+    log_json: bool = _log_json()
+
+    def check(self) -> None:
+        # A live worker renews at least twice per TTL, so one late heartbeat never expires it.
+        if self.heartbeat_interval_s * 2 > self.lease_ttl_s:
+            raise ConfigError(
+                f"heartbeat_interval_s ({self.heartbeat_interval_s:g}) must be at most half of "
+                f"lease_ttl_s ({self.lease_ttl_s:g}) so one late heartbeat does not expire a live worker",
+                field="heartbeat_interval_s",
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    host: str = setting("127.0.0.1", "address the worker's gRPC server listens on")
+    port: int = setting(
+        0, "gRPC port; 0 picks a free one (the worker registers its address)", min=0, max=65535
+    )
+    controller_address: str = setting("127.0.0.1:50051", "host:port of the controller")
+    model: Path | None = setting(None, "checkpoint directory; unset creates a small random-weight model")
+    device: str = setting("auto", "where the model and the HBM tier live", choices=("auto", "cpu", "cuda"))
+    page_size: int = setting(16, "tokens per KV page", min=1, max=1024, power_of_two=True)
+    kv_cache_dtype: str = setting(
+        "auto", "KV element type; auto is fp32 on CPU, bf16 on GPU", choices=("auto", *KV_DTYPES)
+    )
+    gpu_memory_utilization: float = setting(
+        0.9, "share of device memory for weights + KV when hbm_bytes is unset", min=0, max=1, min_open=True
+    )
+    hbm_bytes: int | None = setting(
+        None, "HBM tier budget; unset derives it from gpu_memory_utilization", min=1, is_size=True
+    )
+    dram_bytes: int = setting(1 << 30, "DRAM tier budget (host memory)", min=0, is_size=True)
+    nvme_bytes: int = setting(0, "NVMe tier budget; 0 disables the tier", min=0, is_size=True)
+    nvme_dir: Path | None = setting(None, "directory for NVMe page files; unset uses state_dir/nvme")
+    max_model_len: int | None = setting(None, "longest sequence; unset uses the model's limit", min=1)
+    state_dir: Path = _state_dir()
+    auth_token_file: Path | None = setting(None, "file holding this worker's bearer token")
+    metrics_port: int | None = _metrics_port()
+    log_level: str = _log_level()
+    log_json: bool = _log_json()
+
+
+@dataclass(frozen=True, slots=True)
+class ClientConfig:
+    controller_address: str = setting("127.0.0.1:50051", "host:port of the controller")
+    auth_token_file: Path | None = setting(None, "file holding this client's bearer token")
+    timeout_s: float = setting(30.0, "deadline of one call", min=0, max=3600, min_open=True)
+    max_retries: int = setting(3, "retries of idempotent calls on UNAVAILABLE", min=0, max=10)
+    retry_backoff_s: float = setting(
+        0.2, "first retry delay, doubled per retry", min=0, max=60, min_open=True
+    )
+    log_level: str = _log_level()
+    log_json: bool = _log_json()
+
+
+@dataclass(frozen=True, slots=True)
+class SettingInfo:
+    """One field as people see it, for help texts and documentation."""
+
+    name: str
+    env_var: str
+    flag: str
+    default: Any
+    accepted: str
+    help: str
+
+
+def settings_of(cls: type) -> tuple[SettingInfo, ...]:
+    return tuple(
+        SettingInfo(
+            name=f.name,
+            env_var=ENV_PREFIX + f.name.upper(),
+            flag="--" + f.name.replace("_", "-"),
+            default=f.default,
+            accepted=_setting(f).describe(),
+            help=_setting(f).help,
+        )
+        for f in dataclasses.fields(cls)
+    )
+
+
+def _setting(f: dataclasses.Field[Any]) -> Setting:
+    return f.metadata.get(_SETTING) or Setting(help="")
+
+
+class _CoercionError(Exception):
+    def __init__(self, expected: str) -> None:
+        super().__init__(expected)
+        self.expected = expected
+
+
+def _parse_size(text: str) -> int:
+    match = _SIZE_RE.match(text)
+    unit = match and _SIZE_UNITS.get(match.group(2).lower())
+    if not match or unit is None:
+        raise _CoercionError("a size in bytes such as 4294967296, 4GiB or 512Mi")
+    value = float(match.group(1)) * unit
+    if value != int(value):
+        raise _CoercionError("a whole number of bytes")
+    return int(value)
+
+
+def _coerce(value: Any, hint: Any, spec: Setting) -> Any:
+    """``value`` (a string from env/flags, or a file's scalar) as an instance of ``hint``."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.strip().lower() in _NONE):
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+        return _coerce(value, hint, spec)
+    if typing.get_origin(hint) is tuple:
+        items = [s.strip() for s in value.split(",") if s.strip()] if isinstance(value, str) else value
+        if not isinstance(items, list | tuple):
+            raise _CoercionError("a list (comma-separated in env vars and flags)")
+        return tuple(_coerce(item, args[0], spec) for item in items)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in _TRUE or text in _FALSE:
+            return text in _TRUE
+        raise _CoercionError("true or false")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            if spec.is_size:
+                return _parse_size(value)
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass
+        raise _CoercionError("an integer")
+    if hint is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        try:
+            return float(str(value).strip())
+        except ValueError:
+            raise _CoercionError("a number") from None
+    if hint is Path:
+        if isinstance(value, str | Path):
+            return Path(value).expanduser()
+        raise _CoercionError("a path")
+    if hint is str:
+        if isinstance(value, str | int | float) and not isinstance(value, bool):
+            return str(value)
+        raise _CoercionError("a string")
+    raise TypeError(f"config fields of type {hint!r} are not supported")
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    suffix = path.suffix.lower()
+    if suffix not in (".toml", ".yaml", ".yml"):
+        raise ConfigError(f"config file {path} must end in .toml, .yaml or .yml", field="config")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}", field="config") from exc
+    try:
+        data = tomllib.loads(text) if suffix == ".toml" else yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(
+            f"config file {path} is not valid {suffix[1:].upper()}: {exc}", field="config"
+        ) from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {path} must hold a mapping of setting names to values", field="config"
+        )
+    return data
+
+
+def _unknown(key: str, names: list[str], where: str) -> ConfigError:
+    close = difflib.get_close_matches(key.replace("-", "_"), names, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known settings: {', '.join(names)}"
+    return ConfigError(f"unknown setting {key!r} {where}{hint}", field=key)
+
+
+def load_config(
+    cls: type[C],
+    *,
+    file: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> C:
+    """Build and validate ``cls`` from defaults, a file, ``KVTIER_*`` variables and flags.
+
+    ``overrides`` are flag values by field name; ``None`` means the flag was not given.
+    Unknown keys in the file or in ``overrides`` are errors; unrelated ``KVTIER_*``
+    variables are ignored because every process shares the prefix.
+    """
+    env = os.environ if env is None else env
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    names = list(fields)
+    raw: dict[str, tuple[Any, str]] = {name: (f.default, "default") for name, f in fields.items()}
+    if file is not None:
+        path = Path(file).expanduser()
+        for key, value in _read_file(path).items():
+            if key not in fields:
+                raise _unknown(key, names, f"in config file {path}")
+            raw[key] = (value, f"from {path}")
+    for name in names:
+        if (value := env.get(ENV_PREFIX + name.upper())) is not None:
+            raw[name] = (value, f"from {ENV_PREFIX}{name.upper()}")
+    for key, value in (overrides or {}).items():
+        if key not in fields:
+            raise _unknown(key, names, "in overrides")
+        if value is not None:
+            raw[key] = (value, f"from --{key.replace('_', '-')}")
+
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for name, (value, source) in raw.items():
+        spec = _setting(fields[name])
+        try:
+            coerced = _coerce(value, hints[name], spec)
+        except _CoercionError as exc:
+            raise ConfigError(
+                f"{name} must be {exc.expected}, got {_show(value)} ({source})", field=name
+            ) from None
+        if not spec.accepts(coerced):
+            raise ConfigError(
+                f"{name} must be {spec.describe()}, got {_show(coerced)} ({source})", field=name
+            )
+        values[name] = coerced
+    config = cls(**values)
+    check = getattr(config, "check", None)
+    if check is not None:
+        check()
+    return config
