@@ -1,0 +1,225 @@
+{{/*
+Names. Every object name derives from kvtier.fullname; Kubernetes names stop at 63 characters
+and the longest suffix added here is "-valkey-headless" (16), hence the 47-character cut.
+*/}}
+{{- define "kvtier.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 47 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvtier.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 47 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 47 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 47 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvtier.controllerName" -}}{{ include "kvtier.fullname" . }}-controller{{- end -}}
+{{- define "kvtier.valkeyName" -}}{{ include "kvtier.fullname" . }}-valkey{{- end -}}
+{{- define "kvtier.configName" -}}{{ include "kvtier.fullname" . }}-config{{- end -}}
+{{- define "kvtier.rayClusterName" -}}{{ include "kvtier.fullname" . }}{{- end -}}
+
+{{- define "kvtier.controllerServiceAccount" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "kvtier.controllerName" .) .Values.serviceAccount.controllerName -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.controllerName -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvtier.rayServiceAccount" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (printf "%s-ray" (include "kvtier.fullname" .)) .Values.serviceAccount.rayName -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.rayName -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Labels. Selector labels never change after install (Deployment/StatefulSet selectors are
+immutable), so they hold only name, instance and component.
+Call with (dict "ctx" $ "component" "controller").
+*/}}
+{{- define "kvtier.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvtier.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "kvtier.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "kvtier.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/part-of: kvtier
+{{- with .ctx.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Selects every Ray pod (head and workers) of this release, for NetworkPolicy peers. */}}
+{{- define "kvtier.rayPodsSelector" -}}
+matchLabels:
+  app.kubernetes.io/name: {{ include "kvtier.name" . }}
+  app.kubernetes.io/instance: {{ .Release.Name }}
+matchExpressions:
+  - key: app.kubernetes.io/component
+    operator: In
+    values: [ray-head, ray-worker]
+{{- end -}}
+
+{{- define "kvtier.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* The controller address workers dial: the controller Service's cluster DNS name. */}}
+{{- define "kvtier.controllerAddress" -}}
+{{- printf "%s.%s.svc:%d" (include "kvtier.controllerName" .) .Release.Namespace (int .Values.controller.port) -}}
+{{- end -}}
+
+{{- define "kvtier.bundledRedisHost" -}}
+{{- printf "%s.%s.svc" (include "kvtier.valkeyName" .) .Release.Namespace -}}
+{{- end -}}
+
+{{/*
+The Redis URL when it is not secret (bundled Valkey without a password, or an external URL
+given in values); empty when it must come from a Secret through the environment.
+*/}}
+{{- define "kvtier.plainRedisUrl" -}}
+{{- if eq .Values.redis.mode "bundled" -}}
+{{- if not .Values.redis.bundled.auth.existingSecret -}}
+{{- printf "redis://%s:%d/0" (include "kvtier.bundledRedisHost" .) (int .Values.redis.bundled.port) -}}
+{{- end -}}
+{{- else -}}
+{{- .Values.redis.external.url -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Fails the render on combinations the schema cannot express. */}}
+{{- define "kvtier.validate" -}}
+{{- $w := .Values.ray.worker -}}
+{{- if or (lt (int $w.replicas) (int $w.minReplicas)) (gt (int $w.replicas) (int $w.maxReplicas)) -}}
+{{- fail (printf "ray.worker.replicas (%d) must lie in [ray.worker.minReplicas (%d), ray.worker.maxReplicas (%d)]" (int $w.replicas) (int $w.minReplicas) (int $w.maxReplicas)) -}}
+{{- end -}}
+{{- if eq .Values.redis.mode "external" -}}
+{{- if and .Values.redis.external.url .Values.redis.external.existingSecret -}}
+{{- fail "redis.external: set url or existingSecret, not both" -}}
+{{- end -}}
+{{- if not (or .Values.redis.external.url .Values.redis.external.existingSecret) -}}
+{{- fail "redis.mode is external: set redis.external.url, or redis.external.existingSecret for a URL with a password" -}}
+{{- end -}}
+{{- end -}}
+{{- if and .Values.auth.enabled (not .Values.auth.existingSecret) -}}
+{{- fail "auth.enabled needs auth.existingSecret: the name of a Secret holding the tokens files" -}}
+{{- end -}}
+{{- if and .Values.tls.enabled (not .Values.tls.existingSecret) -}}
+{{- fail "tls.enabled needs tls.existingSecret: the name of a kubernetes.io/tls Secret" -}}
+{{- end -}}
+{{- if gt (mulf .Values.controller.heartbeatIntervalS 2.0) (float64 .Values.controller.leaseTtlS) -}}
+{{- fail (printf "controller.heartbeatIntervalS (%v) must be at most half of controller.leaseTtlS (%v)" .Values.controller.heartbeatIntervalS .Values.controller.leaseTtlS) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* TLS files of every kvtier process; callers include it only when tls.enabled. */}}
+{{- define "kvtier.tlsEnv" -}}
+- name: KVTIER_TLS_CERT_FILE
+  value: /etc/kvtier/tls/tls.crt
+- name: KVTIER_TLS_KEY_FILE
+  value: /etc/kvtier/tls/tls.key
+- name: KVTIER_TLS_CA_FILE
+  value: /etc/kvtier/tls/ca.crt
+{{- end -}}
+
+{{/*
+Volumes of a kvtier container. Call with (dict "ctx" $ "role" "controller"|"worker"):
+the config file is that role's TOML; the auth Secret contributes only that role's key.
+*/}}
+{{- define "kvtier.volumes" -}}
+{{- $v := .ctx.Values -}}
+- name: config
+  configMap:
+    name: {{ include "kvtier.configName" .ctx }}
+    items:
+      - key: {{ .role }}.toml
+        path: config.toml
+{{- if $v.auth.enabled }}
+- name: auth
+  secret:
+    secretName: {{ $v.auth.existingSecret }}
+    defaultMode: 0440
+    items:
+      - key: {{ ternary $v.auth.tokensKey $v.auth.workerTokenKey (eq .role "controller") }}
+        path: {{ ternary "tokens" "worker-token" (eq .role "controller") }}
+{{- end }}
+{{- if $v.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ ternary $v.tls.existingSecret (default $v.tls.existingSecret $v.tls.workerExistingSecret) (eq .role "controller") }}
+    defaultMode: 0440
+{{- end }}
+{{- end -}}
+
+{{- define "kvtier.volumeMounts" -}}
+- name: config
+  mountPath: /etc/kvtier/config.toml
+  subPath: config.toml
+  readOnly: true
+{{- if .Values.auth.enabled }}
+- name: auth
+  mountPath: /etc/kvtier/auth
+  readOnly: true
+{{- end }}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: /etc/kvtier/tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* Memory of one GPU worker pod in GiB: DRAM tier for each GPU, host overhead, /dev/shm. */}}
+{{- define "kvtier.workerMemoryGiB" -}}
+{{- $w := .Values.ray.worker -}}
+{{- add (mul (int $w.gpusPerWorker) (int .Values.kvCache.dramGiBPerGpu)) (int $w.hostOverheadGiB) (int $w.shmGiB) -}}
+{{- end -}}
+
+{{/* NVMe volume size of one GPU worker pod in GiB: the tier for each GPU plus 1 GiB slack. */}}
+{{- define "kvtier.nvmeVolumeGiB" -}}
+{{- add1 (mul (int .Values.ray.worker.gpusPerWorker) (int .Values.kvCache.nvme.gibPerGpu)) -}}
+{{- end -}}
+
+{{/* Controller environment: secret-derived settings and file paths (empty by default). */}}
+{{- define "kvtier.controllerEnv" -}}
+{{- $c := .Values.controller -}}
+{{- if and (eq .Values.redis.mode "external") .Values.redis.external.existingSecret }}
+- name: KVTIER_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.redis.external.existingSecret }}
+      key: {{ .Values.redis.external.existingSecretKey }}
+{{- else if and (eq .Values.redis.mode "bundled") .Values.redis.bundled.auth.existingSecret }}
+- name: KVTIER_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.redis.bundled.auth.existingSecret }}
+      key: {{ .Values.redis.bundled.auth.passwordKey }}
+- name: KVTIER_REDIS_URL
+  value: {{ printf "redis://:$(KVTIER_REDIS_PASSWORD)@%s:%d/0" (include "kvtier.bundledRedisHost" .) (int .Values.redis.bundled.port) | quote }}
+{{- end }}
+{{- if .Values.auth.enabled }}
+- name: KVTIER_AUTH_TOKEN_FILE
+  value: /etc/kvtier/auth/tokens
+{{- end }}
+{{- if .Values.tls.enabled }}
+- name: KVTIER_HEALTH_PORT
+  value: {{ $c.healthPort | quote }}
+{{ include "kvtier.tlsEnv" . }}
+{{- end }}
+{{- with $c.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
