@@ -1,0 +1,115 @@
+"""Attention backends by name, and the start-up choice among them.
+
+    name               device  needs
+    torch-reference    any     nothing (gather + SDPA; the oracle)
+    cpu-fused          cpu     a C++ compiler and ninja (built on first use, cached)
+    flash-attn         cuda    flash-attn >= 2.6, fp16/bf16 pool, page_size % 256 == 0
+
+``auto`` takes the fastest one that works here: flash-attn on CUDA when importable (and the
+page size fits, if given), cpu-fused on CPU when its kernel builds, else torch-reference.
+``KVTIER_ATTENTION_BACKEND`` replaces ``auto`` (an explicit name passed by the caller wins,
+since it already is a configured choice). The resolved choice is logged once per process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+
+import torch
+
+from kvtier.attention.base import AttentionBackend, ReferenceBackend
+from kvtier.errors import FailedPrecondition, InvalidArgument
+
+logger = logging.getLogger("kvtier.attention")
+
+ENV_VAR = "KVTIER_ATTENTION_BACKEND"
+AUTO = "auto"
+
+
+def _cpu_fused() -> AttentionBackend:
+    from kvtier.attention.cpu_fused import CpuFusedBackend
+
+    return CpuFusedBackend()
+
+
+def _flash_attn() -> AttentionBackend:
+    from kvtier.attention.cuda import FlashAttnBackend
+
+    return FlashAttnBackend()
+
+
+BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
+    "torch-reference": ReferenceBackend,
+    "cpu-fused": _cpu_fused,
+    "flash-attn": _flash_attn,
+}
+_DEVICE_TYPES = {"cpu-fused": "cpu", "flash-attn": "cuda"}
+
+_logged: set[tuple[str, str, str]] = set()
+_log_lock = threading.Lock()
+
+
+def known_backends() -> list[str]:
+    return [AUTO, *sorted(BACKENDS)]
+
+
+def _auto(device: torch.device, page_size: int | None) -> tuple[str, str]:
+    """Return (backend name, why) for ``auto`` on ``device``."""
+    if device.type == "cuda":
+        from kvtier.attention.cuda import FlashAttnBackend, flash_attn_installed
+
+        if not flash_attn_installed():
+            return "torch-reference", "flash-attn is not installed"
+        if page_size is not None and not FlashAttnBackend.supports(page_size):
+            return "torch-reference", f"flash-attn needs page_size % 256 == 0, pool has {page_size}"
+        return "flash-attn", "CUDA device with flash-attn"
+    if device.type == "cpu":
+        from kvtier.attention.cpu_fused import load_kernel
+
+        try:
+            load_kernel()
+        except FailedPrecondition as exc:
+            return "torch-reference", str(exc)
+        return "cpu-fused", "C++ kernel built"
+    return "torch-reference", f"no fused backend for device type {device.type!r}"
+
+
+def get_backend(
+    name: str = AUTO, device: torch.device | str = "cpu", *, page_size: int | None = None
+) -> AttentionBackend:
+    """Build the attention backend called ``name`` for pools on ``device``.
+
+    Raises ``InvalidArgument`` for an unknown name or a backend that cannot serve the
+    device, ``FailedPrecondition`` when an explicitly named backend is not installed.
+    """
+    device = torch.device(device)
+    requested = name
+    if name == AUTO:
+        requested = os.environ.get(ENV_VAR, "").strip() or AUTO
+    if requested != AUTO and requested not in BACKENDS:
+        source = f"{ENV_VAR}={requested!r}" if requested != name else repr(requested)
+        raise InvalidArgument(
+            f"unknown attention backend {source}; known: {', '.join(known_backends())}",
+            field="attention_backend",
+        )
+    if requested == AUTO:
+        chosen, why = _auto(device, page_size)
+    else:
+        chosen, why = requested, "explicit" if requested == name else f"from {ENV_VAR}"
+        wanted = _DEVICE_TYPES.get(chosen)
+        if wanted is not None and wanted != device.type:
+            raise InvalidArgument(
+                f"attention backend {chosen!r} runs on {wanted} pools, not {device.type}; "
+                f"use 'auto' or one of {', '.join(known_backends())}",
+                field="attention_backend",
+            )
+    backend = BACKENDS[chosen]()
+    key = (requested, chosen, device.type)
+    with _log_lock:
+        if key not in _logged:
+            _logged.add(key)
+            logger.info("attention backend %s on %s (%s)", chosen, device.type, why)
+    return backend

@@ -1,0 +1,186 @@
+"""Decode attention: paged backends against dense SDPA over contiguous K/V.
+
+    python -m loadtests.bench_attention [--json] [--iterations N]
+
+The dense baseline is ``scaled_dot_product_attention`` on ``q [B, H, 1, D]`` and contiguous
+``k/v [B, kv_heads, ctx, D]`` holding the same values as the pool. Two forms are timed,
+GQA through ``enable_gqa=True`` and K/V pre-expanded to ``H`` heads (expansion not timed);
+the faster one is the baseline, so the ratio never flatters the paged path. Pages of the
+paged pool are a random sample of a pool ``pool_slack`` times larger than needed, with
+``num_layers`` layers, as a busy pool leaves them. Each iteration runs every variant
+back to back, so noise from other processes on a shared machine lands on all of them;
+``paged_over_dense_decode`` is the median of the per-iteration ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kvtier.attention.base import AttentionBackend, AttentionMetadata, ReferenceBackend
+from kvtier.attention.registry import get_backend
+
+GEOMETRIES = (
+    # (num_seqs, context_len, num_heads, num_kv_heads)
+    (8, 2048, 8, 8),
+    (8, 2048, 16, 8),
+    (8, 512, 8, 8),
+    (8, 512, 16, 8),
+)
+
+
+def _time_ms(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def measure_decode(
+    num_seqs: int = 8,
+    context_len: int = 2048,
+    num_heads: int = 8,
+    num_kv_heads: int = 8,
+    head_dim: int = 128,
+    page_size: int = 16,
+    *,
+    num_layers: int = 2,
+    pool_slack: float = 2.0,
+    iterations: int = 20,
+    warmup: int = 3,
+    backend: AttentionBackend | None = None,
+    include_reference: bool = True,
+    seed: int = 0,
+) -> dict:
+    """Time one decode step (``num_seqs`` rows, each over ``context_len`` keys) three ways.
+
+    ``backend`` defaults to ``get_backend("auto")``. Returns medians in milliseconds, the
+    ratio ``paged_over_dense_decode`` (median of per-iteration paged/dense-best), the
+    thread count used by every variant, and ``max_abs_diff`` between paged and dense
+    outputs as a sanity check.
+    """
+    backend = backend or get_backend("auto", "cpu")
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    pages_per_seq = -(-context_len // page_size)
+    num_used = num_seqs * pages_per_seq
+    num_pages = max(num_used, int(num_used * pool_slack))
+    pool = torch.zeros(num_pages, num_layers, 2, page_size, num_kv_heads, head_dim)
+    kv_layer = pool[:, num_layers - 1]
+    page_ids = rng.sample(range(num_pages), num_used)
+    tables = [page_ids[i * pages_per_seq : (i + 1) * pages_per_seq] for i in range(num_seqs)]
+    used = torch.tensor(page_ids)
+    kv_layer[used] = torch.randn(num_used, 2, page_size, num_kv_heads, head_dim, generator=gen)
+
+    md = AttentionMetadata.build([1] * num_seqs, [context_len] * num_seqs, tables, page_size)
+    q = torch.randn(num_seqs, num_heads, head_dim, generator=gen)
+    scale = head_dim**-0.5
+
+    # Dense K/V with the same values, [B, kv_heads, ctx, D] contiguous.
+    table_t = torch.tensor(tables)
+    k = kv_layer[table_t, 0].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :context_len]
+    v = kv_layer[table_t, 1].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :context_len]
+    k = k.transpose(1, 2).contiguous()
+    v = v.transpose(1, 2).contiguous()
+    group = num_heads // num_kv_heads
+    k_expanded = k.repeat_interleave(group, dim=1) if group > 1 else k
+    v_expanded = v.repeat_interleave(group, dim=1) if group > 1 else v
+    q_dense = q[:, :, None, :]
+
+    variants: dict[str, Callable[[], torch.Tensor]] = {
+        "dense_gqa": lambda: F.scaled_dot_product_attention(q_dense, k, v, scale=scale, enable_gqa=True),
+        "dense_expanded": lambda: F.scaled_dot_product_attention(
+            q_dense, k_expanded, v_expanded, scale=scale
+        ),
+        "paged": lambda: backend.forward(q, kv_layer, md, scale),
+    }
+    if include_reference:
+        reference = ReferenceBackend()
+        variants["paged_reference"] = lambda: reference.forward(q, kv_layer, md, scale)
+
+    dense_out = variants["dense_gqa"]()[:, :, 0]
+    max_abs_diff = (variants["paged"]() - dense_out).abs().max().item()
+
+    for _ in range(warmup):
+        for fn in variants.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(iterations):
+        for name, fn in variants.items():
+            times[name].append(_time_ms(fn))
+    dense_best = min(("dense_gqa", "dense_expanded"), key=lambda name: statistics.median(times[name]))
+    ratios = [p / d for p, d in zip(times["paged"], times[dense_best], strict=True)]
+
+    result = {
+        "num_seqs": num_seqs,
+        "context_len": context_len,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "page_size": page_size,
+        "dtype": "float32",
+        "threads": torch.get_num_threads(),
+        "iterations": iterations,
+        "backend": backend.name,
+        "dense_baseline": dense_best,
+        "max_abs_diff": max_abs_diff,
+        "paged_over_dense_decode": statistics.median(ratios),
+    }
+    for name, samples in times.items():
+        result[f"{name}_ms"] = statistics.median(samples)
+    if include_reference:
+        result["reference_over_dense_decode"] = result["paged_reference_ms"] / result[f"{dense_best}_ms"]
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--backend", default="auto", help="attention backend name (default: auto)")
+    parser.add_argument(
+        "--no-reference", action="store_true", help="skip the (slow) gather-then-SDPA reference"
+    )
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads for every variant")
+    args = parser.parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+
+    backend = get_backend(args.backend, "cpu")
+    results = [
+        measure_decode(
+            seqs,
+            ctx,
+            heads,
+            kv_heads,
+            iterations=args.iterations,
+            backend=backend,
+            include_reference=not args.no_reference,
+        )
+        for seqs, ctx, heads, kv_heads in GEOMETRIES
+    ]
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    print(f"backend={backend.name} threads={torch.get_num_threads()} fp32 page_size=16 (median ms)")
+    header = (
+        f"{'seqs x ctx':>11} {'H/kv':>6} {'dense':>16} {'paged':>8} {'reference':>10} {'paged/dense':>12}"
+    )
+    print(header)
+    for r in results:
+        dense = f"{r[r['dense_baseline'] + '_ms']:.2f} ({r['dense_baseline'][6:]})"
+        ref = f"{r['paged_reference_ms']:.2f}" if "paged_reference_ms" in r else "-"
+        print(
+            f"{r['num_seqs']:>4} x {r['context_len']:<4} {r['num_heads']:>3}/{r['num_kv_heads']:<2} {dense:>16} "
+            f"{r['paged_ms']:>8.2f} {ref:>10} {r['paged_over_dense_decode']:>12.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
