@@ -31,7 +31,8 @@ def prompts(n=4, lens=PROMPT_LENS, seed=0, vocab=256):
 
 
 def make_engine(path, *, page_size=4, num_pages=256, **kwargs) -> Engine:
-    return Engine.from_pretrained(path, page_size=page_size, num_pages=num_pages, attention_backend="auto", **kwargs)
+    kwargs.setdefault("attention_backend", "auto")
+    return Engine.from_pretrained(path, page_size=page_size, num_pages=num_pages, **kwargs)
 
 
 def assert_matches_oracle(hf, result, steps):
@@ -45,10 +46,20 @@ def assert_matches_oracle(hf, result, steps):
     assert result.token_ids == ref[p - 1 : p - 1 + steps].argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
-@pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_greedy_batch_equals_transformers(checkpoints, hf_models, arch, page_size):
-    engine = make_engine(checkpoints[arch], page_size=page_size, num_pages=4096 // page_size, record_logits=True)
+@pytest.mark.parametrize(
+    "arch,page_size,backend",
+    [(a, p, "auto") for a in ("llama", "mistral", "qwen2") for p in (1, 4, 16)]
+    + [("llama", 4, "torch-reference"), ("qwen2", 16, "torch-reference")],
+)
+def test_greedy_batch_equals_transformers(checkpoints, hf_models, arch, page_size, backend):
+    engine = make_engine(
+        checkpoints[arch],
+        page_size=page_size,
+        num_pages=4096 // page_size,
+        record_logits=True,
+        attention_backend=backend,
+    )
+    assert engine.backend.name == ("cpu-fused" if backend == "auto" else backend)
     steps = 48
     params = SamplingParams(max_tokens=steps, ignore_eos=True)
     results = engine.generate(prompts(), params)
