@@ -196,3 +196,12 @@ def test_bad_requests_are_rejected_with_clear_errors(checkpoints):
     assert not engine.has_unfinished()
     assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].finish_reason is FinishReason.LENGTH
     engine.check_integrity()
+
+
+def test_sequence_that_outgrows_the_pool_finishes_with_length(checkpoints):
+    engine = make_engine(checkpoints["llama"], page_size=4, num_pages=6)
+    r = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=100, ignore_eos=True))[0]
+    assert r.finish_reason is FinishReason.LENGTH
+    assert len(r.prompt_token_ids) + len(r.token_ids) == 6 * 4 + 1  # every slot used, last token unfed
+    assert engine.pool.num_in_use == 0
+    engine.check_integrity()

@@ -237,10 +237,16 @@ class Engine:
     # ---- stepping -------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
-        if batch is None or not batch.seqs:
+        if batch is None:
             return []
-        logits = self.runner.run(batch.seqs)
         outputs: list[StepOutput] = []
+        for seq in batch.capped:
+            seq.finish_reason = FinishReason.LENGTH
+            self.scheduler.finish(seq)
+            outputs.append(StepOutput(seq.request_id, [], True, FinishReason.LENGTH))
+        if not batch.seqs:
+            return outputs
+        logits = self.runner.run(batch.seqs)
         for seq, row in zip(batch.seqs, logits, strict=True):
             seq.num_computed_tokens += seq.num_tokens - seq.num_computed
             seq.num_computed = seq.num_tokens

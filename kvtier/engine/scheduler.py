@@ -36,6 +36,9 @@ class ScheduledBatch:
     seqs: list[Sequence]
     is_prefill: bool
     preempted: list[Sequence] = field(default_factory=list)
+    # Sequences that outgrew the whole pool: they can never get another page, so the
+    # engine finishes them (LENGTH) instead of preempting them into a wait that never ends.
+    capped: list[Sequence] = field(default_factory=list)
 
 
 class Scheduler:
@@ -163,10 +166,14 @@ class Scheduler:
         order = self._victim_order()
         batch: list[Sequence] = []
         preempted: list[Sequence] = []
+        capped: list[Sequence] = []
         while order:
             seq = order.pop(0)
             if len(seq.pages) * self.page_size > seq.num_computed:
                 batch.append(seq)
+                continue
+            if len(seq.pages) >= self.pool.num_pages:
+                capped.append(seq)
                 continue
             page = self._allocate()
             while page is None and order:
@@ -185,7 +192,7 @@ class Scheduler:
             elif self._available() > 0:
                 seq.reserved_pages = min(self._reservation(seq), self._available())
             batch.append(seq)
-        return ScheduledBatch(seqs=batch, is_prefill=False, preempted=preempted)
+        return ScheduledBatch(seqs=batch, is_prefill=False, preempted=preempted, capped=capped)
 
     def preempt(self, seq: Sequence) -> None:
         """Release every page; keep tokens and RNG state; wait at the head of the queue."""

@@ -1,0 +1,22 @@
+"""Fixtures shared by the whole suite: one real Valkey/Redis server and one local Ray
+instance per test session (each is expensive to start; tests get clean state inside)."""
+
+from __future__ import annotations
+
+import pytest
+
+from valkey_fixture import flushed_redis_url, redis_client, redis_url  # noqa: F401
+
+
+@pytest.fixture(scope="session")
+def local_ray():
+    """One local Ray instance per test session (~5 s, ~0.8 GB).
+
+    ``address="local"`` starts a fresh instance instead of joining a stale session left
+    in Ray's temp directory.
+    """
+    import ray
+
+    ray.init(address="local", num_cpus=2, object_store_memory=200 * 1024**2, include_dashboard=False)
+    yield
+    ray.shutdown()

@@ -1,0 +1,507 @@
+"""The worker process as a Ray actor (one per GPU), with explicit start-up phases.
+
+    actor = ray.remote(**actor_options(config))(WorkerActor).remote(config, worker_id="w0")
+    init_device → load_model → allocate_pools → serve          (run_phases does all four)
+
+The constructor is cheap (it only stores the configuration), so a failure names the
+phase it happened in, and the owner can retry or report it. ``serve()`` starts the gRPC
+server and the controller link on an asyncio loop running on a background thread of the
+actor (``WorkerRuntime``); the actor's own methods stay synchronous.
+
+Restarts: with ``max_restarts`` Ray re-creates the process, but only the constructor
+runs again; ``check_health()`` then raises ``FailedPrecondition`` and the owner calls
+``run_phases`` again (the worker comes back with a new boot id and address). Every phase
+is idempotent (a repeat returns the first result), so ``run_phases`` simply resends a
+call that met a restart in progress.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from kvtier.config import WorkerConfig, load_config, settings_of
+from kvtier.engine.engine import Engine, weights_digest
+from kvtier.errors import ConfigError, FailedPrecondition, Unavailable
+from kvtier.hashing import NamespaceIdentity
+from kvtier.log import get_logger, setup_logging
+from kvtier.model import LlamaModel
+from kvtier.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
+from kvtier.page_pool import PoolGeometry
+from kvtier.records import WorkerStats
+from kvtier.worker.link import WorkerLink
+from kvtier.worker.servicer import WorkerServer, advertised_host, default_worker_id, serve_worker
+from kvtier.worker.sizing import size_hbm_pool
+
+log = get_logger("kvtier.worker.actor")
+
+T = TypeVar("T")
+
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0  # until WorkerConfig has heartbeat_interval_s
+TINY_MODEL_DIR = "models/tiny"
+_KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_PHASES = ("init_device", "load_model", "allocate_pools", "serve")
+
+
+# --------------------------------------------------------------------------- flags
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerArgs:
+    """The worker's configuration plus the two settings WorkerConfig does not hold yet."""
+
+    config: WorkerConfig
+    worker_id: str | None = None
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
+
+
+# vLLM's flag names where vLLM has one; kvtier's own names otherwise.
+_FLAG_FIELDS: dict[str, str] = {
+    "--model": "model",
+    "--host": "host",
+    "--port": "port",
+    "--controller": "controller_address",
+    "--device": "device",
+    "--block-size": "page_size",
+    "--kv-cache-dtype": "kv_cache_dtype",
+    "--gpu-memory-utilization": "gpu_memory_utilization",
+    "--max-model-len": "max_model_len",
+    "--hbm-bytes": "hbm_bytes",
+    "--dram-bytes": "dram_bytes",
+    "--nvme-bytes": "nvme_bytes",
+    "--nvme-dir": "nvme_dir",
+    "--state-dir": "state_dir",
+    "--auth-token-file": "auth_token_file",
+    "--metrics-port": "metrics_port",
+    "--log-level": "log_level",
+}
+
+
+def worker_args(argv: Sequence[str] | None = None, *, env: Mapping[str, str] | None = None) -> WorkerArgs:
+    """Parse worker flags (vLLM names: ``--block-size`` is the page size) into ``WorkerArgs``.
+
+    Values are validated by ``load_config``, so errors name the ``WorkerConfig`` field.
+    """
+    helps = {
+        s.name: f"{s.help} ({s.accepted or 'default ' + str(s.default)}; env {s.env_var})"
+        for s in settings_of(WorkerConfig)
+    }
+    parser = argparse.ArgumentParser(prog="python -m kvtier.worker", description="Run one kvtier worker.")
+    parser.add_argument("--config", help="configuration file (.toml or .yaml)")
+    for flag, name in _FLAG_FIELDS.items():
+        parser.add_argument(flag, dest=name, help=helps[name])
+    parser.add_argument("--controller-address", dest="controller_address", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--log-json", dest="log_json", action="store_const", const="true", help=helps["log_json"]
+    )
+    parser.add_argument("--worker-id", help="worker id, stable across restarts of the same slot")
+    parser.add_argument(
+        "--heartbeat-interval-s",
+        type=float,
+        default=DEFAULT_HEARTBEAT_INTERVAL_S,
+        help="seconds between heartbeats to the controller",
+    )
+    ns = vars(parser.parse_args(argv))
+    overrides = {name: ns.pop(name) for name in [*_FLAG_FIELDS.values(), "log_json"] if name in ns}
+    try:
+        config = load_config(WorkerConfig, file=ns.pop("config"), env=env, overrides=overrides)
+    except ConfigError as err:  # name the flag as the user typed it (--block-size, not --page-size)
+        own_flag = "--" + (err.field or "").replace("_", "-")
+        typed = next((flag for flag, name in _FLAG_FIELDS.items() if name == err.field), own_flag)
+        raise ConfigError(
+            err.message.replace(f"from {own_flag})", f"from {typed})"), field=err.field
+        ) from None
+    interval = ns.pop("heartbeat_interval_s")
+    if not 0 < interval <= 60:
+        raise ConfigError(
+            f"heartbeat_interval_s must be in (0, 60], got {interval}", field="heartbeat_interval_s"
+        )
+    return WorkerArgs(config=config, worker_id=ns.pop("worker_id"), heartbeat_interval_s=interval)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def ensure_tiny_model(state_dir: Path) -> Path:
+    """The built-in random-weight model under ``state_dir``, written once (fixed seed).
+
+    Written to a private directory and renamed into place, so concurrent workers never
+    see a half-written checkpoint; the loser of the race discards its copy.
+    """
+    target = state_dir.expanduser() / TINY_MODEL_DIR
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
+    write_random_checkpoint(scratch, TINY_LLAMA_CONFIG, seed=0)
+    try:
+        os.rename(scratch, target)
+        log.info("built-in model written", extra={"path": str(target)})
+    except OSError:  # another worker got there first
+        for file in scratch.iterdir():
+            file.unlink()
+        scratch.rmdir()
+    return target
+
+
+def model_namespace(path: Path, model: LlamaModel, *, page_size: int, kv_dtype: str) -> NamespaceIdentity:
+    """The worker's namespace identity; the same fields as ``Engine.from_pretrained`` derives."""
+    return NamespaceIdentity(
+        model_id=path.name,
+        weights_digest=weights_digest(path),
+        rope_config=json.dumps(model.config.rope_scaling or {}, sort_keys=True),
+        kv_dtype=kv_dtype,
+        page_size=page_size,
+    )
+
+
+def module_bytes(model: torch.nn.Module) -> int:
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class WorkerRuntime:
+    """An asyncio loop on a daemon thread; synchronous code submits coroutines to it."""
+
+    def __init__(self, name: str = "kvtier-worker-io") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
+
+
+# --------------------------------------------------------------------------- the actor
+
+
+class WorkerActor:
+    """One worker: device, model, page pools, gRPC server and controller link."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        *,
+        worker_id: str | None = None,
+        heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
+        connect_controller: bool = True,
+        attention_backend: str = "auto",
+    ) -> None:
+        self.config = config
+        self.worker_id = worker_id or default_worker_id()
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._connect_controller = connect_controller
+        self._attention_backend = attention_backend
+        self._device: torch.device | None = None
+        self._dtype: torch.dtype | None = None
+        self._kv_dtype: str | None = None
+        self._model: LlamaModel | None = None
+        self._model_path: Path | None = None
+        self._engine: Engine | None = None
+        self._runtime: WorkerRuntime | None = None
+        self._server: WorkerServer | None = None
+        self._link: WorkerLink | None = None
+        self._results: dict[str, Any] = {}  # phase -> its result; a repeated phase returns it
+        setup_logging(config.log_level, config.log_json)
+
+    # ---- phases -------------------------------------------------------------------------
+    def init_device(self) -> str:
+        if "init_device" in self._results:
+            return self._results["init_device"]
+        has_cuda = torch.cuda.is_available()
+        wanted = self.config.device
+        if wanted == "cuda" and not has_cuda:
+            raise ConfigError(
+                "device is cuda but this worker sees no CUDA device; use --device cpu or give the actor a GPU",
+                field="device",
+            )
+        use_cuda = wanted == "cuda" or (wanted == "auto" and has_cuda)
+        kv_dtype = self.config.kv_cache_dtype
+        if kv_dtype == "auto":
+            kv_dtype = "bf16" if use_cuda else "fp32"
+        if kv_dtype not in _KV_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype {kv_dtype} is not supported by the engine yet; use one of {', '.join(_KV_DTYPES)}",
+                field="kv_cache_dtype",
+            )
+        if use_cuda:
+            torch.cuda.set_device(0)
+        self._device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+        self._kv_dtype = kv_dtype
+        self._dtype = _KV_DTYPES[kv_dtype]  # the model runs in the KV dtype (the engine's pool follows it)
+        log.info(
+            "device ready",
+            extra={"device": str(self._device), "kv_dtype": kv_dtype, "worker_id": self.worker_id},
+        )
+        self._results["init_device"] = str(self._device)
+        return str(self._device)
+
+    def load_model(self) -> dict[str, Any]:
+        if "load_model" in self._results:
+            return self._results["load_model"]
+        if self._device is None or self._dtype is None:
+            raise FailedPrecondition("call init_device() before load_model()")
+        path = (
+            Path(self.config.model).expanduser()
+            if self.config.model
+            else ensure_tiny_model(self.config.state_dir)
+        )
+        self._model = LlamaModel.from_pretrained(path, dtype=self._dtype, device=self._device)
+        self._model_path = path
+        info = {"model_id": path.name, "path": str(path), "weights_bytes": module_bytes(self._model)}
+        log.info("model loaded", extra=info)
+        self._results["load_model"] = info
+        return info
+
+    def allocate_pools(self) -> dict[str, Any]:
+        if "allocate_pools" in self._results:
+            return self._results["allocate_pools"]
+        if self._model is None or self._model_path is None or self._kv_dtype is None:
+            raise FailedPrecondition("call load_model() before allocate_pools()")
+        assert self._device is not None and self._dtype is not None
+        page_size = self.config.page_size
+        num_layers, kv_heads, head_dim = self._model.kv_geometry
+        geometry = PoolGeometry(num_layers, kv_heads, head_dim, page_size, self._dtype)
+        budget = size_hbm_pool(
+            gpu_memory_utilization=self.config.gpu_memory_utilization,
+            weights_bytes=module_bytes(self._model),
+            configured_bytes=self.config.hbm_bytes,
+            use_gpu=self._device.type == "cuda",
+        )
+        num_pages = geometry.pages_for_bytes(budget.kv_bytes)
+        if num_pages < 1:
+            raise ConfigError(
+                f"the HBM budget of {budget.kv_bytes} bytes ({budget.source}) holds no page of "
+                f"{geometry.page_bytes} bytes; raise --hbm-bytes or --gpu-memory-utilization",
+                field="hbm_bytes",
+            )
+        namespace = model_namespace(
+            self._model_path, self._model, page_size=page_size, kv_dtype=self._kv_dtype
+        )
+        self._engine = Engine(
+            self._model,
+            num_pages=num_pages,
+            page_size=page_size,
+            namespace=namespace,
+            attention_backend=self._attention_backend,
+            max_model_len=self.config.max_model_len,
+        )
+        info = {
+            "num_pages": num_pages,
+            "page_bytes": geometry.page_bytes,
+            "hbm_bytes": num_pages * geometry.page_bytes,
+            "source": budget.source,
+            "max_model_len": self._engine.max_model_len,
+        }
+        log.info("page pools allocated", extra=info)
+        self._results["allocate_pools"] = info
+        return info
+
+    def serve(self) -> str:
+        """Start the gRPC server (and the controller link); returns the address to dial."""
+        if self._engine is None:
+            raise FailedPrecondition("call allocate_pools() before serve()")
+        if self._server is not None:
+            return self._server.address
+        self._runtime = self._runtime or WorkerRuntime()
+        self._server = self._runtime.run(
+            serve_worker(
+                self._engine,
+                host=self.config.host,
+                port=self.config.port,
+                worker_id=self.worker_id,
+                advertise_host=self._advertise_host(),
+            )
+        )
+        if self._connect_controller:
+            self._link = WorkerLink(
+                self._server.loop,
+                controller_address=self.config.controller_address,
+                worker_id=self._server.worker_id,
+                address=self._server.address,
+                boot_id=self._server.boot_id,
+                heartbeat_interval_s=self._heartbeat_interval_s,
+                token=_read_token(self.config.auth_token_file),
+            )
+            self._runtime.run(_start(self._link))
+        return self._server.address
+
+    # ---- queries -----------------------------------------------------------------------
+    def address(self) -> str:
+        if self._server is None:
+            raise FailedPrecondition("the worker is not serving; run its phases (run_phases)")
+        return self._server.address
+
+    def namespace(self) -> NamespaceIdentity:
+        """The namespace identity requests for this worker's model must carry (tenant unset)."""
+        if self._engine is None:
+            raise FailedPrecondition(f"the worker has no model yet (last phase: {self.phase()})")
+        return self._engine.namespace
+
+    def phase(self) -> str:
+        """The last phase completed: "constructed", "init_device", ..., "serve"."""
+        done = [self._device, self._model, self._engine, self._server]
+        completed = [name for name, result in zip(_PHASES, done, strict=True) if result is not None]
+        return completed[-1] if completed else "constructed"
+
+    def check_health(self) -> None:
+        """Raise unless the engine thread runs and the gRPC server answers its health check."""
+        if self._server is None or self._runtime is None:
+            raise FailedPrecondition(f"the worker is not serving (last phase: {self.phase()})")
+        if not self._server.loop.is_alive:
+            raise Unavailable("the worker's engine thread has stopped")
+        self._runtime.run(_probe(self._server.address), timeout_s=10.0)
+
+    def stats(self) -> WorkerStats:
+        if self._server is None or self._runtime is None:
+            raise FailedPrecondition(f"the worker is not serving (last phase: {self.phase()})")
+        return self._runtime.run(self._server.servicer.stats(), timeout_s=10.0)
+
+    def is_link_connected(self) -> bool:
+        return self._link is not None and self._link.is_connected
+
+    def shutdown(self, grace_s: float = 2.0) -> None:
+        if self._runtime is None:
+            return
+        if self._link is not None:
+            self._runtime.run(self._link.stop())
+            self._link = None
+        if self._server is not None:
+            self._runtime.run(self._server.stop(grace_s))
+            self._server = None
+        self._runtime.close()
+        self._runtime = None
+
+    def _advertise_host(self) -> str:
+        host = self.config.host
+        if host not in ("0.0.0.0", "::", ""):
+            return host
+        with contextlib.suppress(Exception):
+            import ray
+
+            if ray.is_initialized():
+                return ray.util.get_node_ip_address()
+        return advertised_host(host)
+
+
+async def _start(link: WorkerLink) -> None:
+    link.start()
+
+
+async def _probe(address: str) -> None:
+    import grpc.aio
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        response = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=5.0
+        )
+    if response.status != health_pb2.HealthCheckResponse.SERVING:
+        raise Unavailable(
+            f"the worker's health service reports {health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)}"
+        )
+
+
+def _read_token(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return path.expanduser().read_text().strip() or None
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot read auth_token_file {path}: {exc.strerror}", field="auth_token_file"
+        ) from exc
+
+
+# --------------------------------------------------------------------------- Ray glue
+
+
+def actor_options(config: WorkerConfig, *, max_restarts: int = 0, name: str | None = None) -> dict[str, Any]:
+    """``ray.remote`` options: one GPU when the worker runs on CUDA (``device=auto`` asks the
+    cluster whether it has any), else one CPU; tasks are never retried (Generate is not
+    idempotent, and the phases are driven by the owner)."""
+    import ray
+
+    if config.device == "cuda":
+        num_gpus = 1
+    elif config.device == "cpu":
+        num_gpus = 0
+    else:
+        num_gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    options: dict[str, Any] = {
+        "num_cpus": 1,
+        "num_gpus": num_gpus,
+        "max_restarts": max_restarts,
+        "max_task_retries": 0,
+    }
+    if name is not None:
+        options["name"] = name
+    return options
+
+
+def call_actor(actor: Any, method: str, *, timeout_s: float = 600.0) -> Any:
+    """``ray.get(actor.method.remote())``, waiting out a restart in progress.
+
+    Only for the actor's idempotent methods (the phases, queries): a call that met the
+    restart may or may not have run, so it is simply sent again.
+    """
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get(getattr(actor, method).remote(), timeout=max(deadline - time.monotonic(), 0.1))
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
+
+
+def run_phases(actor: Any, *, timeout_s: float = 600.0) -> str:
+    """Drive a new or restarted actor through every phase (each is idempotent); returns its address."""
+    deadline = time.monotonic() + timeout_s
+    for phase in _PHASES:
+        result = call_actor(actor, phase, timeout_s=max(deadline - time.monotonic(), 0.1))
+    return result
+
+
+def start_worker_actor(
+    config: WorkerConfig,
+    *,
+    worker_id: str,
+    name: str | None = None,
+    max_restarts: int = 0,
+    connect_controller: bool = True,
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
+    timeout_s: float = 600.0,
+) -> tuple[Any, str]:
+    """Create a ``WorkerActor`` in the connected Ray cluster and run its phases."""
+    import ray
+
+    actor_cls = ray.remote(**actor_options(config, max_restarts=max_restarts, name=name))(WorkerActor)
+    actor = actor_cls.remote(
+        config,
+        worker_id=worker_id,
+        heartbeat_interval_s=heartbeat_interval_s,
+        connect_controller=connect_controller,
+    )
+    return actor, run_phases(actor, timeout_s=timeout_s)

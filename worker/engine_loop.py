@@ -1,0 +1,586 @@
+"""The bridge between asyncio (gRPC, the WorkerLink) and the Engine, which is not thread-safe.
+
+One dedicated thread owns the Engine. Everything that touches it (admission, abort,
+``step()``, integrity checks, stats, inventory, page drops) runs on that thread, as an
+operation posted to the thread's inbox; results and generated tokens travel back with
+``loop.call_soon_threadsafe`` into an ``asyncio.Future`` or a per-request
+``asyncio.Queue``::
+
+    asyncio side                         engine thread
+    submit(req) ──post(admit)──────────► add_request ─┐ (errors come back before any token)
+          ◄────────future────────────────────────────┘
+    queue.get() ◄──call_soon_threadsafe── step() → TokenChunk …, GenerateFinal
+    consumer cancelled ──post(abort)───► abort + pop_result (pages released exactly once)
+
+The thread runs ``step()`` while there is work and blocks on a condition when idle.
+
+Usage accounting (``kvtier.records.Usage``; P prompt tokens, C cached, G generated)::
+
+    prompt_tokens     = P
+    cached_tokens     = C: prompt tokens served from the prefix cache at first admission
+                        (a whole-prompt hit reports P - 1: the last position is recomputed
+                        to get logits)
+    promoted_tokens   = 0 until lower tiers exist (cached tokens promoted from DRAM/NVMe)
+    generated_tokens  = G
+    recomputed_tokens = tokens whose K/V the model computed beyond what an uninterrupted
+                        run needs, i.e. beyond the uncached prompt suffix (P - C) and the
+                        decode steps (G - 1; the last sampled token is never fed back):
+                            max(0, computed - (P - C) - max(G - 1, 0))
+                        0 unless the request was preempted (or, later, a page failed its
+                        checksum) and had to rebuild K/V it once had.
+
+Page events: the loop listens to the radix index and buffers an INSERT (parent key and
+depth, tier HBM) or DROP per page, with the page's namespace digest. A radix node does
+not know its namespace, so the loop keeps a side map page key → digest: a child inherits
+its parent's digest; a depth-1 page is matched against the root keys of the namespaces
+admitted so far (``next_key(root, tokens) == key``; one hash per known namespace).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvtier.engine.engine import Engine, StepOutput
+from kvtier.errors import IntegrityError, KvtierError, Unavailable
+from kvtier.hashing import NamespaceDigest, PageKey, next_key, root_key, short
+from kvtier.log import get_logger, redact_tokens
+from kvtier.radix import RadixNode
+from kvtier.records import (
+    GenerateEvent,
+    GenerateFinal,
+    GenerateRequest,
+    IntegrityReport,
+    IntegrityResult,
+    InventoryPage,
+    NamespaceInventory,
+    PageEvent,
+    RunId,
+    TierOccupancy,
+    TokenChunk,
+    TokensByTier,
+    Usage,
+)
+from kvtier.tiers import Tier
+
+log = get_logger("kvtier.worker.engine")
+
+T = TypeVar("T")
+
+# Page events waiting for the WorkerLink. Beyond this (no controller connected for a
+# long time) the buffer is dropped and the link sends a full snapshot instead.
+MAX_BUFFERED_PAGE_EVENTS = 1 << 16
+# When step() makes no progress (nothing admissible, e.g. the pool is full of pinned
+# pages) the thread waits this long for news instead of spinning.
+STALLED_WAIT_S = 0.005
+# Counting pinned pages is O(pool); publish the load for heartbeats at most this often
+# while busy (and always when the engine goes idle).
+LOAD_PUBLISH_INTERVAL_S = 0.05
+
+
+def new_run_id() -> RunId:
+    return RunId(uuid.uuid4().hex[:16])
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """Occupancy and queue lengths as of the end of one engine iteration."""
+
+    tiers: tuple[TierOccupancy, ...]
+    queue_depth: int  # admitted to the engine, not yet running
+    num_running_seqs: int
+
+
+@dataclass(frozen=True, slots=True)
+class DropOutcome:
+    """Result of ``drop_pages``: pages removed, and pages kept because a sequence holds
+    them (or a descendant) or they are pinned."""
+
+    num_dropped: int
+    num_kept: int
+    num_missing: int
+
+
+@dataclass(slots=True, eq=False)
+class _Run:
+    """One generation. Fields below the line are touched by the engine thread only."""
+
+    run_id: RunId
+    request: GenerateRequest
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[GenerateEvent | BaseException]
+    submitted_at: float
+    is_done: bool = False  # asyncio side: the final event (or an error) was received
+    # ---- engine thread
+    first_token_at: float | None = None
+    num_emitted: int = 0
+
+
+@dataclass(slots=True)
+class _Inbox:
+    ops: deque[Callable[[], None]] = field(default_factory=deque)
+    is_stopping: bool = False  # the thread should finish
+    is_closed: bool = False  # the thread has finished; nothing posted will run
+
+
+class EngineLoop:
+    """Owns ``engine`` on one thread; the asyncio side talks to it through ``submit`` and
+    the ``async`` query methods. Start with ``start()``; stop with ``await close()``."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        name: str = "kvtier-engine",
+        on_failure: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self._name = name
+        self._on_failure = on_failure
+        self._cond = threading.Condition()
+        self._inbox = _Inbox()
+        self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None
+        self.is_draining = False
+        # Counters, written by the engine thread (metrics and tests read them).
+        self.num_finished = 0
+        self.num_cancelled = 0
+        # ---- engine thread only
+        self._runs: dict[str, _Run] = {}
+        self._key_digest: dict[PageKey, NamespaceDigest] = {}
+        self._roots: dict[NamespaceDigest, PageKey] = {}
+        # ---- shared, under _events_lock
+        self._events_lock = threading.Lock()
+        self._events: list[PageEvent] = []
+        self._events_lost = False
+        self._load = self._measure_load()
+        self._load_at = time.monotonic()
+        engine.index.on_insert.append(self._on_insert)
+        engine.index.on_remove.append(self._on_remove)
+
+    # ---- lifecycle ------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the engine loop is already started")
+        self._thread = threading.Thread(target=self._main, name=self._name, daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.failure is None
+
+    async def close(self) -> None:
+        """Stop the thread; in-flight requests end with ``Unavailable``."""
+        with self._cond:
+            self._inbox.is_stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+    # ---- requests -------------------------------------------------------------------
+    async def submit(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
+        """Generate for ``request``: ``TokenChunk`` events, then exactly one ``GenerateFinal``.
+
+        Admission errors (``InvalidArgument``, ``ResourceExhausted``) raise on the first
+        ``__anext__``, before any token. Closing or cancelling the iterator aborts the
+        request in the engine; its pages are released exactly once. Use it under
+        ``contextlib.aclosing`` so that an early exit closes it at once.
+        """
+        if self.is_draining:
+            raise Unavailable("this worker is draining and admits no new requests; route to another worker")
+        aloop = asyncio.get_running_loop()
+        run = _Run(
+            run_id=new_run_id(),
+            request=request,
+            loop=aloop,
+            queue=asyncio.Queue(),
+            submitted_at=time.perf_counter(),
+        )
+        try:
+            await self._call(lambda: self._admit(run))
+            while True:
+                item = await run.queue.get()
+                if isinstance(item, BaseException):
+                    run.is_done = True
+                    raise item
+                if isinstance(item, GenerateFinal):
+                    run.is_done = True
+                    yield item
+                    return
+                yield item
+        finally:
+            if not run.is_done:
+                # Ordered after the admission in the inbox, so it always finds the run
+                # (or nothing, when admission failed or the request already finished).
+                self._post(lambda: self._abort(run))
+
+    # ---- queries (each runs on the engine thread, so it sees a consistent state) ------
+    async def check_integrity(self) -> IntegrityResult:
+        return await self._call(self._check_integrity)
+
+    async def stats(self) -> EngineLoad:
+        return await self._call(self._measure_load)
+
+    @property
+    def latest_load(self) -> EngineLoad:
+        """The load as of at most ``LOAD_PUBLISH_INTERVAL_S`` ago; never waits for the engine."""
+        return self._load
+
+    async def inventory(self, *, reset_page_events: bool = False) -> list[NamespaceInventory]:
+        """Every cached page by namespace and tier, parents before children.
+
+        With ``reset_page_events`` the buffered page events are discarded in the same
+        engine-thread step: the inventory already reflects them (a snapshot replaces them).
+        """
+        return await self._call(lambda: self._inventory(reset_page_events))
+
+    async def drop_pages(self, digest: NamespaceDigest, keys: tuple[PageKey, ...]) -> DropOutcome:
+        """Remove ``keys`` and their descendants from the cache where no sequence holds them."""
+        return await self._call(lambda: self._drop_pages(digest, keys))
+
+    def drain_page_events(self) -> list[PageEvent]:
+        """Page events since the last drain, oldest first (any thread)."""
+        with self._events_lock:
+            events, self._events = self._events, []
+        return events
+
+    def consume_page_events_lost(self) -> bool:
+        """True once after the buffer overflowed: the receiver needs a full snapshot."""
+        with self._events_lock:
+            lost, self._events_lost = self._events_lost, False
+        return lost
+
+    # ---- posting ----------------------------------------------------------------------
+    def _post(self, op: Callable[[], None]) -> bool:
+        """Queue ``op`` for the engine thread; False when the thread is gone (it never runs)."""
+        with self._cond:
+            if self._inbox.is_closed:
+                return False
+            self._inbox.ops.append(op)
+            self._cond.notify()
+            return True
+
+    def _call(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """Run ``fn`` on the engine thread; its result or exception arrives in the future."""
+        if self._thread is None or self.failure is not None:
+            raise self._unavailable()
+        aloop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = aloop.create_future()
+
+        def op() -> None:
+            try:
+                result = fn()
+            except Exception as exc:  # handed to the awaiting coroutine
+                _deliver(aloop, _set_exception, future, exc)
+            else:
+                _deliver(aloop, _set_result, future, result)
+
+        if not self._post(op):
+            future.set_exception(self._unavailable())
+        return future
+
+    def _unavailable(self) -> Unavailable:
+        if self._thread is None:
+            return Unavailable("the worker's engine loop is not started")
+        if self.failure is not None:
+            return Unavailable("the worker's engine stopped after an internal error; route to another worker")
+        return Unavailable("the worker's engine is not running; route to another worker")
+
+    # ---- engine thread ----------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while (
+                        not self._inbox.ops
+                        and not self._inbox.is_stopping
+                        and not self.engine.has_unfinished()
+                    ):
+                        self._cond.wait()
+                    if self._inbox.is_stopping:
+                        break
+                    ops = list(self._inbox.ops)
+                    self._inbox.ops.clear()
+                for op in ops:
+                    op()
+                if self.engine.has_unfinished():
+                    outputs = self.engine.step()
+                    if outputs:
+                        self._dispatch(outputs)
+                    else:
+                        with self._cond:
+                            if not self._inbox.ops and not self._inbox.is_stopping:
+                                self._cond.wait(STALLED_WAIT_S)
+                now = time.monotonic()
+                if now - self._load_at >= LOAD_PUBLISH_INTERVAL_S or not self.engine.has_unfinished():
+                    self._load, self._load_at = self._measure_load(), now
+        except BaseException as exc:  # a bug in the engine: stop serving rather than guess
+            self.failure = exc
+            log.error("engine loop stopped after an unexpected error", exc_info=exc)
+            if self._on_failure is not None:
+                self._on_failure(exc)
+            self._fail_all(self._unavailable())
+        else:
+            self._fail_all(_shutting_down())
+        finally:
+            self._fail_pending_calls()
+
+    def _fail_all(self, error: KvtierError) -> None:
+        for run in list(self._runs.values()):
+            try:
+                self._abort(run)
+            except Exception:  # the engine may be broken; consumers must still hear
+                log.exception("could not abort a run while stopping", extra={"run_id": run.run_id})
+            self._emit(run, error)
+
+    def _fail_pending_calls(self) -> None:
+        # Operations posted while the thread was stopping must not leave callers waiting:
+        # run them (admissions among them are failed right after), then refuse new ones.
+        with self._cond:
+            self._inbox.is_stopping = self._inbox.is_closed = True
+            ops = list(self._inbox.ops)
+            self._inbox.ops.clear()
+        for op in ops:
+            try:
+                op()
+            except Exception:
+                log.exception("an operation posted while stopping failed")
+        self._fail_all(self._unavailable() if self.failure is not None else _shutting_down())
+
+    def _admit(self, run: _Run) -> None:
+        request = run.request
+        digest = self.engine.digest_for(request.namespace)
+        self.engine.add_request(
+            list(request.prompt_token_ids),
+            request.sampling,
+            request_id=run.run_id,
+            priority=request.priority,
+            namespace=request.namespace,
+        )
+        if digest not in self._roots:
+            self._roots[digest] = root_key(digest)
+        self._runs[run.run_id] = run
+        log.info(
+            "generation admitted",
+            extra={
+                "run_id": run.run_id,
+                "request_id": request.request_id,
+                "prompt": redact_tokens(request.prompt_token_ids),
+                "max_tokens": request.sampling.max_tokens,
+                "namespace": short(digest),
+            },
+        )
+
+    def _abort(self, run: _Run) -> None:
+        if self._runs.pop(run.run_id, None) is None:
+            return
+        self.engine.abort(run.run_id)
+        result = self.engine.pop_result(run.run_id)
+        self.num_cancelled += 1
+        log.info(
+            "generation cancelled",
+            extra={"run_id": run.run_id, "generated_tokens": len(result.token_ids)},
+        )
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        now = time.perf_counter()
+        for out in outputs:
+            run = self._runs.get(out.request_id)
+            if run is None:
+                raise IntegrityError(f"the engine stepped request {out.request_id} that no run owns")
+            if out.new_token_ids:
+                if run.first_token_at is None:
+                    run.first_token_at = now
+                self._emit(run, TokenChunk(token_ids=tuple(out.new_token_ids), index=run.num_emitted))
+                run.num_emitted += len(out.new_token_ids)
+            if out.finished:
+                del self._runs[run.run_id]
+                self.num_finished += 1
+                self._emit(run, self._final(run))
+
+    def _final(self, run: _Run) -> GenerateFinal:
+        result = self.engine.pop_result(run.run_id)
+        num_prompt = len(result.prompt_token_ids)
+        num_cached = result.num_cached_tokens
+        num_generated = len(result.token_ids)
+        needed = (num_prompt - num_cached) + max(num_generated - 1, 0)
+        usage = Usage(
+            prompt_tokens=num_prompt,
+            cached_tokens=num_cached,
+            promoted_tokens=0,
+            recomputed_tokens=max(0, result.num_computed_tokens - needed),
+            generated_tokens=num_generated,
+            cached_tokens_by_tier=TokensByTier(hbm_tokens=num_cached),
+        )
+        first = run.first_token_at if run.first_token_at is not None else time.perf_counter()
+        ttft_ms = (first - run.submitted_at) * 1000.0
+        log.info(
+            "generation finished",
+            extra={
+                "run_id": run.run_id,
+                "finish_reason": result.finish_reason.value,
+                "prompt_tokens": num_prompt,
+                "cached_tokens": num_cached,
+                "generated_tokens": num_generated,
+                "recomputed_tokens": usage.recomputed_tokens,
+                "num_preemptions": result.num_preemptions,
+                "ttft_ms": round(ttft_ms, 2),
+            },
+        )
+        return GenerateFinal(
+            usage=usage, finish_reason=result.finish_reason, run_id=run.run_id, ttft_ms=ttft_ms
+        )
+
+    def _emit(self, run: _Run, item: GenerateEvent | BaseException) -> None:
+        try:
+            run.loop.call_soon_threadsafe(run.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's event loop is closed: nobody will read or abort
+            self._abort(run)
+
+    def _measure_load(self) -> EngineLoad:
+        counts = self.engine.pool.counts()
+        hbm = TierOccupancy(
+            tier=Tier.HBM,
+            total_pages=counts.total,
+            free_pages=counts.free,
+            cached_pages=counts.cached,
+            in_use_pages=counts.in_use,
+            pinned_pages=counts.pinned,
+        )
+        scheduler = self.engine.scheduler
+        return EngineLoad(
+            tiers=(hbm,), queue_depth=len(scheduler.waiting), num_running_seqs=len(scheduler.running)
+        )
+
+    def _check_integrity(self) -> IntegrityResult:
+        checks: list[tuple[str, Tier | None, Callable[[], None]]] = [
+            ("pool", Tier.HBM, self.engine.pool.check_integrity),
+            ("radix", Tier.HBM, self.engine.index.check_integrity),
+            ("engine", None, self.engine.check_integrity),
+            ("engine_loop", None, self._check_runs),
+        ]
+        reports = []
+        for component, tier, check in checks:
+            try:
+                check()
+            except (IntegrityError, AssertionError) as exc:
+                reports.append(IntegrityReport(component=component, tier=tier, problem=str(exc)))
+            else:
+                reports.append(IntegrityReport(component=component, tier=tier))
+        return IntegrityResult(reports=tuple(reports))
+
+    def _check_runs(self) -> None:
+        scheduler = self.engine.scheduler
+        in_engine = {seq.request_id for seq in [*scheduler.waiting, *scheduler.running]}
+        if in_engine != set(self._runs):
+            raise IntegrityError(
+                f"{len(in_engine)} requests in the scheduler but {len(self._runs)} runs in flight "
+                f"({len(in_engine - set(self._runs))} without a run, {len(set(self._runs) - in_engine)} without a request)"
+            )
+        missing = [node for node in self.engine.index.nodes() if node.key not in self._key_digest]
+        if missing:
+            raise IntegrityError(
+                f"{len(missing)} cached pages have no namespace (e.g. {short(missing[0].key)})"
+            )
+
+    # ---- page events (engine thread: the index calls these) ---------------------------
+    def _on_insert(self, node: RadixNode) -> None:
+        digest = self._digest_of(node)
+        if digest is None:
+            log.error("a cached page matches no admitted namespace", extra={"page": short(node.key)})
+            return
+        self._key_digest[node.key] = digest
+        parent_key = node.parent.key if node.parent is not None else self._roots[digest]
+        self._buffer(PageEvent.insert(digest, node.key, parent_key, node.depth, node.tier))
+
+    def _on_remove(self, node: RadixNode) -> None:
+        digest = self._key_digest.pop(node.key, None)
+        if digest is not None:
+            self._buffer(PageEvent.drop(digest, node.key, node.tier))
+
+    def _digest_of(self, node: RadixNode) -> NamespaceDigest | None:
+        if node.parent is not None:
+            return self._key_digest.get(node.parent.key)
+        for digest, root in self._roots.items():
+            if next_key(root, node.tokens) == node.key:
+                return digest
+        return None
+
+    def _buffer(self, event: PageEvent) -> None:
+        with self._events_lock:
+            if len(self._events) >= MAX_BUFFERED_PAGE_EVENTS:
+                self._events.clear()
+                self._events_lost = True
+            if not self._events_lost:
+                self._events.append(event)
+
+    def _inventory(self, reset_page_events: bool) -> list[NamespaceInventory]:
+        if reset_page_events:
+            with self._events_lock:
+                self._events.clear()
+                self._events_lost = False
+        groups: dict[tuple[NamespaceDigest, Tier], list[InventoryPage]] = {}
+        for node in sorted(self.engine.index.nodes(), key=lambda n: n.depth):
+            digest = self._key_digest.get(node.key)
+            if digest is None:
+                continue
+            parent_key = node.parent.key if node.parent is not None else self._roots[digest]
+            page = InventoryPage(page_key=node.key, parent_key=parent_key, depth=node.depth)
+            groups.setdefault((digest, node.tier), []).append(page)
+        return [
+            NamespaceInventory(namespace_digest=digest, tier=tier, pages=tuple(pages))
+            for (digest, tier), pages in groups.items()
+        ]
+
+    def _drop_pages(self, digest: NamespaceDigest, keys: tuple[PageKey, ...]) -> DropOutcome:
+        index = self.engine.index
+        targets: set[PageKey] = set()
+        num_missing = 0
+        for key in keys:
+            if key in index and self._key_digest.get(key) == digest:
+                targets.add(key)
+            else:
+                num_missing += 1
+        if not targets:
+            return DropOutcome(num_dropped=0, num_kept=0, num_missing=num_missing)
+        # Descendants of a target go too; one pass in depth order finds them.
+        subtree: list[RadixNode] = []
+        for node in sorted(index.nodes(), key=lambda n: n.depth):
+            if node.key in targets or (node.parent is not None and node.parent.key in targets):
+                targets.add(node.key)
+                subtree.append(node)
+        num_dropped = 0
+        for node in reversed(subtree):  # leaves before their parents
+            if index.is_evictable(node):
+                index.remove(node.key)
+                num_dropped += 1
+        return DropOutcome(
+            num_dropped=num_dropped, num_kept=len(subtree) - num_dropped, num_missing=num_missing
+        )
+
+
+def _shutting_down() -> Unavailable:
+    return Unavailable("the worker is shutting down; route to another worker")
+
+
+def _deliver(aloop: asyncio.AbstractEventLoop, setter: Callable[..., None], *args: Any) -> None:
+    try:
+        aloop.call_soon_threadsafe(setter, *args)
+    except RuntimeError:  # the awaiting loop is closed; nobody is waiting any more
+        pass
+
+
+def _set_result(future: asyncio.Future[Any], result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

@@ -1,0 +1,343 @@
+"""The worker's end of ``WorkerLink.Connect``: inventory up, commands down (DESIGN §3).
+
+One bidi stream per connection, reopened with exponential backoff (capped at
+``max_backoff_s``) whenever it breaks. On every (re)connect the worker sends, in order:
+
+    Register ─► InventorySnapshotChunk… (as_of_seq = last batch seq) ─► then, interleaved:
+    Heartbeat (every heartbeat_interval_s)  PageEventBatch (every batch_interval_s)  CommandAck
+
+Sequence numbers of heartbeats and page-event batches grow by one per message within a
+boot (``boot_id``), across reconnects too; batches lost with a broken stream leave a gap
+in ``seq``, and the fresh snapshot that follows every reconnect covers it.
+
+Snapshot consistency: buffered page events are discarded on the engine thread in the
+same step that lists the inventory, and no batch is drained while a snapshot is being
+taken (``_send_lock``), so a snapshot with ``as_of_seq = n`` reflects exactly the
+batches up to n and every later batch holds later changes.
+
+Commands: ``Drop`` (idle pages leave the cache; pages a sequence holds are kept),
+``RequestSnapshot`` and ``Drain`` are carried out; the others are acknowledged with
+``error_code="UNSUPPORTED"`` until the tiers work implements them. Every command is
+acknowledged exactly once, by id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import uuid
+from collections.abc import Sequence
+
+import grpc
+import grpc.aio
+
+from kvtier.errors import KvtierError
+from kvtier.log import get_logger
+from kvtier.records import (
+    BootId,
+    CommandAck,
+    CommandId,
+    ControllerCommand,
+    DrainCommand,
+    DropCommand,
+    Heartbeat,
+    InventorySnapshotChunk,
+    ModelIdentity,
+    NamespaceInventory,
+    PageEventBatch,
+    Registration,
+    RequestSnapshotCommand,
+    SnapshotId,
+    TierCapacity,
+    WorkerEvent,
+    WorkerId,
+)
+from kvtier.rpc import convert
+from kvtier.rpc._gen import worker_link_pb2, worker_link_pb2_grpc
+from kvtier.tiers import Tier
+from kvtier.worker.engine_loop import EngineLoop
+
+log = get_logger("kvtier.worker.link")
+
+# Keepalive pings detect a controller that vanished without closing the connection
+# (the stream is open for the channel's whole life, so pings never go out idle).
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_send_message_length", convert.MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", convert.MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+)
+UNSUPPORTED = "UNSUPPORTED"
+
+
+def registration_for(loop: EngineLoop, *, worker_id: str, address: str, boot_id: str) -> Registration:
+    engine = loop.engine
+    pool = engine.pool
+    return Registration(
+        worker_id=WorkerId(worker_id),
+        address=address,
+        boot_id=BootId(boot_id),
+        model=ModelIdentity.of(engine.namespace),
+        page_size=pool.page_size,
+        capacities=(
+            TierCapacity(
+                tier=Tier.HBM,
+                capacity_pages=pool.num_pages,
+                capacity_bytes=pool.num_pages * pool.geometry.page_bytes,
+            ),
+        ),
+    )
+
+
+def snapshot_chunks(
+    snapshot_id: SnapshotId,
+    inventories: Sequence[NamespaceInventory],
+    as_of_seq: int,
+    max_pages: int = convert.MAX_SNAPSHOT_CHUNK_PAGES,
+) -> list[InventorySnapshotChunk]:
+    """Split inventories into chunks of at most ``max_pages`` pages (always at least one chunk)."""
+    chunks: list[list[NamespaceInventory]] = [[]]
+    room = max_pages
+    for inventory in inventories:
+        pages = inventory.pages
+        while pages:
+            if room == 0:
+                chunks.append([])
+                room = max_pages
+            part, pages = pages[:room], pages[room:]
+            chunks[-1].append(NamespaceInventory(inventory.namespace_digest, inventory.tier, tuple(part)))
+            room -= len(part)
+    return [
+        InventorySnapshotChunk(
+            snapshot_id=snapshot_id,
+            chunk_index=i,
+            is_last=i == len(chunks) - 1,
+            as_of_seq=as_of_seq,
+            inventories=tuple(chunk),
+        )
+        for i, chunk in enumerate(chunks)
+    ]
+
+
+class WorkerLink:
+    """Keeps the worker connected to the controller until ``stop()``."""
+
+    def __init__(
+        self,
+        loop: EngineLoop,
+        *,
+        controller_address: str,
+        worker_id: str,
+        address: str,
+        boot_id: str,
+        heartbeat_interval_s: float = 1.0,
+        batch_interval_s: float = 0.05,
+        max_batch_events: int = 512,
+        initial_backoff_s: float = 0.05,
+        max_backoff_s: float = 2.0,
+        token: str | None = None,
+    ) -> None:
+        if not 1 <= max_batch_events <= convert.MAX_BATCH_EVENTS:
+            raise ValueError(
+                f"max_batch_events must be in [1, {convert.MAX_BATCH_EVENTS}], got {max_batch_events}"
+            )
+        self._loop = loop
+        self.controller_address = controller_address
+        self.registration = registration_for(loop, worker_id=worker_id, address=address, boot_id=boot_id)
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._batch_interval_s = batch_interval_s
+        self._max_batch_events = max_batch_events
+        self._initial_backoff_s = initial_backoff_s
+        self._max_backoff_s = max_backoff_s
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._heartbeat_seq = 0
+        self._batch_seq = 0
+        self._send_lock = asyncio.Lock()
+        self._outbox: asyncio.Queue[WorkerEvent] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.connected = asyncio.Event()
+        self.num_connections = 0  # successful registrations so far
+
+    # ---- lifecycle ------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="kvtier-worker-link")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    @property
+    def is_connected(self) -> bool:
+        return self.connected.is_set()
+
+    # ---- connection ------------------------------------------------------------------
+    async def _run(self) -> None:
+        num_failures = 0
+        while True:
+            try:
+                await self._session()
+                reason = "the controller closed the stream"
+            except grpc.aio.AioRpcError as err:
+                reason = f"{err.code().name}: {err.details()}"
+            except asyncio.InvalidStateError:
+                reason = "the stream finished while writing"
+            except KvtierError as err:
+                reason = err.message
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug; keep the worker connected anyway
+                log.error("worker link session failed", exc_info=exc)
+                reason = "internal error"
+            was_connected = self.is_connected
+            self.connected.clear()
+            num_failures = 0 if was_connected else num_failures + 1
+            delay = min(self._max_backoff_s, self._initial_backoff_s * 2 ** max(num_failures - 1, 0))
+            delay *= random.uniform(0.5, 1.0)  # jitter: workers of a restarted controller spread out
+            # Loud once per outage, quiet while retrying.
+            log.log(
+                logging.WARNING if was_connected or num_failures == 1 else logging.DEBUG,
+                "controller link down; reconnecting",
+                extra={
+                    "controller": self.controller_address,
+                    "reason": reason,
+                    "retry_in_s": round(delay, 3),
+                },
+            )
+            await asyncio.sleep(delay)
+
+    async def _session(self) -> None:
+        async with grpc.aio.insecure_channel(self.controller_address, options=CHANNEL_OPTIONS) as channel:
+            call = worker_link_pb2_grpc.WorkerLinkStub(channel).Connect(metadata=self._metadata)
+            try:
+                await call.write(convert.to_proto_worker_event(self.registration))
+                self._outbox = outbox = asyncio.Queue()
+                await self._send_snapshot(SnapshotId(f"connect-{uuid.uuid4().hex[:12]}"))
+                tasks = [
+                    asyncio.create_task(self._write_loop(call, outbox)),
+                    asyncio.create_task(self._read_loop(call)),
+                    asyncio.create_task(self._heartbeat_loop()),
+                    asyncio.create_task(self._event_loop()),
+                ]
+                self.num_connections += 1
+                self.connected.set()
+                log.info(
+                    "registered with the controller",
+                    extra={"controller": self.controller_address, "worker_id": self.registration.worker_id},
+                )
+                try:
+                    done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for task in tasks:
+                        task.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                for task in done:
+                    task.result()  # re-raise what ended the session
+            finally:
+                self._outbox = None
+                call.cancel()
+
+    async def _write_loop(self, call: grpc.aio.StreamStreamCall, outbox: asyncio.Queue[WorkerEvent]) -> None:
+        while True:
+            event = await outbox.get()
+            await call.write(convert.to_proto_worker_event(event))
+
+    async def _read_loop(self, call: grpc.aio.StreamStreamCall) -> None:
+        while True:
+            message = await call.read()
+            if message is grpc.aio.EOF:
+                return
+            await self._execute(message)
+
+    def _send(self, event: WorkerEvent) -> None:
+        if self._outbox is not None:
+            self._outbox.put_nowait(event)
+
+    # ---- outgoing ----------------------------------------------------------------------
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            load = self._loop.latest_load
+            self._heartbeat_seq += 1
+            self._send(
+                Heartbeat(
+                    seq=self._heartbeat_seq,
+                    tiers=load.tiers,
+                    queue_depth=load.queue_depth,
+                    num_running_seqs=load.num_running_seqs,
+                )
+            )
+            await asyncio.sleep(self._heartbeat_interval_s)
+
+    async def _event_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._batch_interval_s)
+            if self._loop.consume_page_events_lost():
+                log.warning("page events overflowed while disconnected; sending a full snapshot")
+                await self._send_snapshot(SnapshotId(f"overflow-{uuid.uuid4().hex[:12]}"))
+                continue
+            async with self._send_lock:
+                events = self._loop.drain_page_events()
+                for start in range(0, len(events), self._max_batch_events):
+                    self._batch_seq += 1
+                    batch = tuple(events[start : start + self._max_batch_events])
+                    self._send(PageEventBatch(seq=self._batch_seq, events=batch))
+
+    async def _send_snapshot(self, snapshot_id: SnapshotId) -> int:
+        async with self._send_lock:
+            inventories = await self._loop.inventory(reset_page_events=True)
+            chunks = snapshot_chunks(snapshot_id, inventories, as_of_seq=self._batch_seq)
+            for chunk in chunks:
+                self._send(chunk)
+        num_pages = sum(c.num_pages for c in chunks)
+        log.info("inventory snapshot sent", extra={"snapshot_id": snapshot_id, "num_pages": num_pages})
+        return num_pages
+
+    # ---- commands ------------------------------------------------------------------------
+    async def _execute(self, message: worker_link_pb2.ControllerCommand) -> None:
+        command_id = CommandId(message.command_id)
+        try:
+            command = convert.from_proto_controller_command(message)
+            ack = await self._carry_out(command)
+        except KvtierError as err:
+            ack = CommandAck(command_id, error_code=err.code, error_message=err.message)
+        self._send(ack)
+
+    async def _carry_out(self, command: ControllerCommand) -> CommandAck:
+        body = command.command
+        if isinstance(body, DropCommand):
+            outcome = await self._loop.drop_pages(body.namespace_digest, body.page_keys)
+            log.info(
+                "drop command carried out",
+                extra={
+                    "command_id": command.command_id,
+                    "num_dropped": outcome.num_dropped,
+                    "num_kept": outcome.num_kept,
+                    "num_missing": outcome.num_missing,
+                },
+            )
+            if outcome.num_kept:
+                return CommandAck(
+                    command.command_id,
+                    error_code="FAILED_PRECONDITION",
+                    error_message=f"{outcome.num_kept} of {outcome.num_kept + outcome.num_dropped} pages are "
+                    "held by running sequences or pinned and were kept",
+                )
+            return CommandAck(command.command_id)
+        if isinstance(body, RequestSnapshotCommand):
+            await self._send_snapshot(body.snapshot_id)
+            return CommandAck(command.command_id)
+        if isinstance(body, DrainCommand):
+            self._loop.is_draining = body.draining
+            log.info("drain state changed", extra={"draining": body.draining})
+            return CommandAck(command.command_id)
+        return CommandAck(
+            command.command_id,
+            error_code=UNSUPPORTED,
+            error_message=f"this worker does not carry out {type(body).__name__} yet",
+        )

@@ -1,0 +1,257 @@
+"""The worker's gRPC server: ``kvtier.v1.Worker`` plus ``grpc.health.v1`` and reflection.
+
+The servicer is a thin shell (STYLE 7): convert the message, check that the request is
+for the model this worker serves, hand it to the ``EngineLoop``, convert the events
+back. Status codes come from ``kvtier.rpc.status`` only.
+
+Cancellation: when the caller closes the stream or its deadline passes, grpc cancels
+the handler; the ``EngineLoop.submit`` iterator is closed on the way out and aborts the
+request in the engine, which releases its pages exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import socket
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health as grpc_health
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvtier.engine.engine import Engine
+from kvtier.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
+from kvtier.hashing import NamespaceIdentity
+from kvtier.log import get_logger
+from kvtier.records import BootId, WorkerId, WorkerStats
+from kvtier.rpc import convert
+from kvtier.rpc._gen import worker_pb2, worker_pb2_grpc
+from kvtier.rpc.status import rpc_errors
+from kvtier.worker.engine_loop import EngineLoop
+
+log = get_logger("kvtier.worker.servicer")
+
+HealthServicer = grpc_health.aio.HealthServicer
+WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+# Every kvtier server: messages up to MAX_MESSAGE_BYTES, and client keepalive pings (the
+# channels of kvtier.client and the WorkerLink ping every 20 s) are welcome.
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_send_message_length", convert.MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", convert.MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+)
+
+# The namespace fields that must equal the worker's own: they change the KV bytes, and a
+# digest derived from other values would file this worker's pages under a namespace that
+# the controller (deriving from the same request fields) never looks up.
+_MODEL_FIELDS = ("weights_digest", "rope_config", "kv_dtype", "page_size")
+
+
+def principal_tenant(context: grpc.aio.ServicerContext) -> str | None:
+    """The tenant of the authenticated caller, or None while authentication is off.
+
+    The one hook for auth (DESIGN §8): once bearer tokens exist, this returns the
+    tenant bound to the caller's token and a request can no longer pick another one.
+    """
+    return None
+
+
+def resolve_tenant(namespace: NamespaceIdentity, tenant: str | None) -> NamespaceIdentity:
+    if tenant is None:
+        return namespace  # no authentication configured: the payload's tenant stands
+    if namespace.tenant and namespace.tenant != tenant:
+        raise PermissionDenied(
+            "namespace.tenant names a tenant this caller may not act for", field="namespace.tenant"
+        )
+    return dataclasses.replace(namespace, tenant=tenant)
+
+
+def check_serves(namespace: NamespaceIdentity, served: NamespaceIdentity) -> None:
+    """Raise unless ``namespace`` is for the model ``served`` (tenant and tokenizer are free)."""
+    if namespace.model_id != served.model_id:
+        raise NotFound(
+            f"namespace.model_id {namespace.model_id!r} is not served by this worker; "
+            f"it serves {served.model_id!r}",
+            field="namespace.model_id",
+        )
+    if namespace.adapter:
+        raise NotFound(
+            f"namespace.adapter {namespace.adapter!r} is not loaded on this worker; it serves the base model only",
+            field="namespace.adapter",
+        )
+    for name in _MODEL_FIELDS:
+        got, want = getattr(namespace, name), getattr(served, name)
+        if got != want:
+            raise InvalidArgument(
+                f"namespace.{name} is {got!r} but model {served.model_id!r} on this worker has {want!r}",
+                field=f"namespace.{name}",
+            )
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, loop: EngineLoop, *, worker_id: WorkerId, boot_id: BootId) -> None:
+        self._loop = loop
+        self._worker_id = worker_id
+        self._boot_id = boot_id
+
+    @rpc_errors
+    async def Generate(
+        self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.GenerateEvent]:
+        generate = convert.from_proto_generate_request(request)
+        namespace = resolve_tenant(generate.namespace, principal_tenant(context))
+        check_serves(namespace, self._loop.engine.namespace)
+        generate = dataclasses.replace(generate, namespace=namespace)
+        async with contextlib.aclosing(self._loop.submit(generate)) as events:
+            async for event in events:
+                yield convert.to_proto_generate_event(event)
+
+    @rpc_errors
+    async def CheckIntegrity(
+        self, request: worker_pb2.CheckIntegrityRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.CheckIntegrityResponse:
+        return convert.to_proto_integrity_result(await self._loop.check_integrity())
+
+    @rpc_errors
+    async def Stats(
+        self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.StatsResponse:
+        return convert.to_proto_worker_stats(await self.stats())
+
+    async def stats(self) -> WorkerStats:
+        load = await self._loop.stats()
+        return WorkerStats(
+            worker_id=self._worker_id,
+            boot_id=self._boot_id,
+            tiers=load.tiers,
+            queue_depth=load.queue_depth,
+            num_running_seqs=load.num_running_seqs,
+        )
+
+
+@dataclass(slots=True, eq=False)
+class WorkerServer:
+    """A running worker server. ``address`` is what the worker registers with the controller."""
+
+    server: grpc.aio.Server
+    loop: EngineLoop
+    servicer: WorkerServicer
+    health: HealthServicer
+    worker_id: WorkerId
+    boot_id: BootId
+    host: str
+    port: int
+    advertise_host: str
+
+    @property
+    def address(self) -> str:
+        return join_host_port(self.advertise_host, self.port)
+
+    @property
+    def engine(self) -> Engine:
+        return self.loop.engine
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        """Stop admitting, let streams end for ``grace_s``, then stop the engine thread."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        await self.loop.close()
+
+
+def join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def default_worker_id() -> WorkerId:
+    return WorkerId(f"worker-{socket.gethostname()}-{os.getpid()}")
+
+
+def advertised_host(host: str) -> str:
+    """The host others should dial: the listen host, or this machine's address for a wildcard."""
+    if host not in ("0.0.0.0", "::", "[::]", ""):
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+async def serve_worker(
+    engine: Engine,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    worker_id: str | None = None,
+    boot_id: str | None = None,
+    advertise_host: str | None = None,
+) -> WorkerServer:
+    """Start the engine thread and the gRPC server on ``host:port`` (0: a free port)."""
+    worker_id = WorkerId(worker_id) if worker_id else default_worker_id()
+    boot = BootId(boot_id or uuid.uuid4().hex)
+    health = HealthServicer()
+    aloop = asyncio.get_running_loop()
+    background: set[asyncio.Task[None]] = set()
+
+    def on_engine_failure(exc: BaseException) -> None:  # engine thread
+        def mark_not_serving() -> None:
+            for service in ("", WORKER_SERVICE):
+                task = aloop.create_task(health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING))
+                background.add(task)
+                task.add_done_callback(background.discard)
+
+        with contextlib.suppress(RuntimeError):
+            aloop.call_soon_threadsafe(mark_not_serving)
+
+    loop = EngineLoop(engine, on_failure=on_engine_failure)
+    servicer = WorkerServicer(loop, worker_id=worker_id, boot_id=boot)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (WORKER_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    listen = join_host_port(host, port)
+    try:
+        bound = server.add_insecure_port(listen)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise Unavailable(
+            f"the worker cannot listen on {listen}; is the port in use? pass port 0 for a free one"
+        )
+    loop.start()
+    await server.start()
+    for service in ("", WORKER_SERVICE):
+        await health.set(service, health_pb2.HealthCheckResponse.SERVING)
+    result = WorkerServer(
+        server=server,
+        loop=loop,
+        servicer=servicer,
+        health=health,
+        worker_id=worker_id,
+        boot_id=boot,
+        host=host,
+        port=bound,
+        advertise_host=advertise_host or advertised_host(host),
+    )
+    log.info(
+        "worker serving",
+        extra={
+            "worker_id": worker_id,
+            "address": result.address,
+            "model_id": engine.namespace.model_id,
+            "num_pages": engine.pool.num_pages,
+            "page_size": engine.pool.page_size,
+        },
+    )
+    return result
