@@ -1,0 +1,1056 @@
+"""The NVMe tier: fixed-size page slots in preallocated files (DESIGN §6, decision record 0002).
+
+Layout of ``<directory>/slots-NNN.kvt`` (every number little-endian)::
+
+    offset 0                  file superblock (4096 B): magic, version, geometry, slot range
+    4096 + i * slot_bytes     slot i of this file:
+                                header   4096 B  (fields below, zero padded)
+                                payload  page_bytes rounded up to 4096, zero padded
+
+    header  0  magic "KVTSLOT\\0"   8  version u16      10 state u16        12 slot u32
+           16  generation u64      24  payload_bytes u64                   32 payload_checksum u64
+           40  algorithm u16       42  num_tokens u16  44 flags u32 (bit 0: has parent)
+           48  page key 16 B       64  namespace digest 16 B               80 parent key 16 B
+           96  header crc32 over [0, 96) + tokens       128 tokens int32 × num_tokens
+
+Write protocol: one ``pwritev`` per run of consecutive slots carries header and payload
+together; the header is written COMPLETE with the payload's checksum. Nothing relies on
+the order in which the device persists sectors: a slot counts as recovered only if its
+header crc, its state and the checksum of its payload all agree, so a write torn by a
+crash or power loss is discarded at recovery, and a read always verifies the payload
+anyway. With ``SyncPolicy.DATA`` each write call ends with ``fdatasync`` (acknowledged
+pages survive power loss; costs a device flush per call); the default ``NONE`` survives a
+process crash and leaves power loss to the checksums (pages written shortly before are
+lost, never served corrupt). A freed slot's header is rewritten FREE by ``flush_frees``
+(off the engine thread) before the slot is handed out again, so a dropped page does not
+come back at the next start. ``<directory>/lock`` holds an exclusive ``flock``.
+
+Concurrency: ``write_pages``/``read_pages`` run in transfer worker threads while the
+engine thread allocates and frees; the slot table is guarded by one lock and the I/O
+runs outside it (positional I/O needs no shared file offset). A caller never frees a
+slot that has a read or write in flight.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import fcntl
+import heapq
+import math
+import mmap
+import os
+import re
+import struct
+import threading
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple, NewType
+
+import numpy as np
+import torch
+
+from kvtier.checksum import CHECKSUM_ALGORITHM, page_checksums, to_unsigned
+from kvtier.errors import (
+    ConfigError,
+    FailedPrecondition,
+    IntegrityError,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
+from kvtier.hashing import KEY_BYTES, NamespaceDigest, PageKey
+from kvtier.page_pool import PoolGeometry
+
+SlotId = NewType("SlotId", int)
+
+ALIGN = 4096
+HEADER_BYTES = ALIGN
+FORMAT_VERSION = 1
+MAX_TOKENS_PER_SLOT = (HEADER_BYTES - 128) // 4
+DEFAULT_FILE_BYTES = 1 << 30
+_SLOT_MAGIC = b"KVTSLOT\0"
+_FILE_MAGIC = b"KVTFILE\0"
+_HEADER = struct.Struct("<8sHHIQQQHHI16s16s16s")  # 96 bytes, then crc32 at 96
+_SUPER = struct.Struct("<8sHHIIIQQIIII16s")
+_TOKENS_AT = 128
+_FILE_RE = re.compile(r"^slots-(\d{3,})\.kvt$")
+_NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+_IOV_MAX = 1020
+_ZERO_HEADER = bytes(HEADER_BYTES)
+
+
+class DiskFull(ResourceExhausted):
+    """The NVMe directory ran out of space or hit a file size limit; the pool is unchanged
+    (the slots of the failed call are free again) and the caller drops the pages instead."""
+
+
+class NvmeIOError(Unavailable):
+    """The device failed an I/O for another reason (EIO, ...); the slots of the call are free."""
+
+
+class SyncPolicy(enum.Enum):
+    NONE = "none"  # survives a process crash; power loss may lose (never corrupt) recent pages
+    DATA = "data"  # fdatasync after every write call: acknowledged pages survive power loss
+
+
+class SlotState(enum.IntEnum):
+    """On-disk state. EMPTY is what a preallocated, never written slot reads as (zeros)."""
+
+    EMPTY = 0
+    FREE = 1
+    COMPLETE = 2
+
+
+class SlotVerdict(enum.Enum):
+    """Outcome of reading one slot. Only OK bytes may be used."""
+
+    OK = "ok"
+    CHECKSUM_MISMATCH = "payload checksum mismatch"
+    HEADER_CORRUPT = "header corrupt"
+    NOT_COMPLETE = "slot not complete"
+    WRONG_PAGE = "slot holds another page"
+    SHORT_READ = "short read (file truncated)"
+
+    @property
+    def ok(self) -> bool:
+        return self is SlotVerdict.OK
+
+
+@dataclass(slots=True)
+class SlotHeader:
+    slot: int
+    state: SlotState
+    generation: int
+    payload_bytes: int
+    payload_checksum: int
+    key: bytes
+    namespace: bytes
+    parent_key: PageKey | None = None
+    tokens: tuple[int, ...] = ()
+    algorithm: int = CHECKSUM_ALGORITHM
+
+    def encode(self) -> bytes:
+        """The header's significant bytes (fields, crc, tokens); the rest of the 4096 is zero."""
+        if len(self.tokens) > MAX_TOKENS_PER_SLOT:
+            raise InvalidArgument(
+                f"a slot header holds at most {MAX_TOKENS_PER_SLOT} tokens, got {len(self.tokens)}"
+            )
+        fixed = _HEADER.pack(
+            _SLOT_MAGIC,
+            FORMAT_VERSION,
+            int(self.state),
+            self.slot,
+            self.generation,
+            self.payload_bytes,
+            self.payload_checksum,
+            self.algorithm,
+            len(self.tokens),
+            1 if self.parent_key is not None else 0,
+            self.key,
+            self.namespace,
+            self.parent_key or bytes(KEY_BYTES),
+        )
+        tokens = np.asarray(self.tokens, dtype="<i4").tobytes() if self.tokens else b""
+        crc = zlib.crc32(tokens, zlib.crc32(fixed))
+        return fixed + crc.to_bytes(4, "little") + bytes(_TOKENS_AT - _HEADER.size - 4) + tokens
+
+    def encode_into(self, buf: memoryview) -> bytes:
+        """Write the header into a 4096-byte buffer; returns its significant bytes."""
+        if len(buf) != HEADER_BYTES:
+            raise ValueError(f"a slot header is encoded into {HEADER_BYTES} bytes, got {len(buf)}")
+        encoded = self.encode()
+        buf[: len(encoded)] = encoded
+        buf[len(encoded) :] = _ZERO_HEADER[len(encoded) :]
+        return encoded
+
+    @classmethod
+    def decode(cls, buf: memoryview | bytes) -> SlotHeader | None:
+        """The header in ``buf``, ``None`` for a never-written (all-zero magic) slot; raises
+        ``ValueError`` naming the fault when the bytes are not a valid header."""
+        fixed = bytes(buf[: _HEADER.size])
+        magic, version, state, slot, gen, nbytes, cks, algo, ntok, flags, key, ns, parent = _HEADER.unpack(
+            fixed
+        )
+        if magic == bytes(8):
+            return None
+        if magic != _SLOT_MAGIC:
+            raise ValueError("bad magic")
+        if version != FORMAT_VERSION:
+            raise ValueError(f"format version {version}, this build reads {FORMAT_VERSION}")
+        if ntok > MAX_TOKENS_PER_SLOT:
+            raise ValueError("token count out of range")
+        tokens = bytes(buf[_TOKENS_AT : _TOKENS_AT + 4 * ntok])
+        stored = int.from_bytes(buf[_HEADER.size : _HEADER.size + 4], "little")
+        if zlib.crc32(tokens, zlib.crc32(fixed)) != stored:
+            raise ValueError("header checksum mismatch")
+        if state not in SlotState._value2member_map_:
+            raise ValueError(f"unknown state {state}")
+        return cls(
+            slot=slot,
+            state=SlotState(state),
+            generation=gen,
+            payload_bytes=nbytes,
+            payload_checksum=cks,
+            key=key,
+            namespace=ns,
+            parent_key=PageKey(parent) if flags & 1 else None,
+            tokens=tuple(np.frombuffer(tokens, dtype="<i4").tolist()),
+            algorithm=algo,
+        )
+
+
+class RecoveredPage(NamedTuple):
+    slot: SlotId
+    key: PageKey
+    namespace: NamespaceDigest
+    checksum: int
+    generation: int
+    parent_key: PageKey | None
+    tokens: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class RecoveryReport:
+    recovered: list[RecoveredPage] = field(default_factory=list)
+    discarded: list[tuple[SlotId, str]] = field(default_factory=list)
+    num_empty: int = 0  # never written or freed: nothing to recover, nothing lost
+
+
+class NvmeCounts(NamedTuple):
+    total: int
+    free: int
+    reserved: int  # allocated, not written yet
+    stored: int
+    releasing: int = 0  # freed, header rewrite pending (allocatable after ``flush_frees``)
+
+
+@dataclass(slots=True)
+class _Entry:
+    key: PageKey
+    namespace: NamespaceDigest
+    checksum: int
+    generation: int
+    header: bytes  # significant header bytes as written: a read that finds them is intact
+
+
+# In-memory slot states. RELEASING: freed, but its header on disk still says COMPLETE
+# until ``flush_frees`` rewrites it; not allocatable before that (the rewrite must not
+# land on the next page's header).
+_FREE, _RESERVED, _STORED, _RELEASING = 0, 1, 2, 3
+
+
+def slot_bytes_for(geometry: PoolGeometry) -> int:
+    return HEADER_BYTES + _round_up(geometry.page_bytes, ALIGN)
+
+
+def slots_for_bytes(capacity_bytes: int, geometry: PoolGeometry) -> int:
+    """How many page slots ``capacity_bytes`` of disk holds (headers and padding included)."""
+    return max(0, capacity_bytes) // slot_bytes_for(geometry)
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def _aligned_buffer(num_bytes: int) -> mmap.mmap:
+    return mmap.mmap(-1, max(ALIGN, _round_up(num_bytes, ALIGN)))  # anonymous maps are page aligned
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    if t.device.type != "cpu":
+        raise InvalidArgument(f"NVMe I/O needs host tensors, got one on {t.device}; stage through DRAM")
+    if not t.is_contiguous():
+        raise InvalidArgument("NVMe I/O needs contiguous page tensors")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _page_views(pages: torch.Tensor | Sequence[torch.Tensor], n: int, page_bytes: int) -> list[memoryview]:
+    """Zero-copy byte views of ``n`` pages: one conversion for a run tensor ``[n, ...]``."""
+    if isinstance(pages, torch.Tensor):
+        whole = _byte_view(pages)
+        if len(whole) != n * page_bytes:
+            raise InvalidArgument(
+                f"{n} pages of {page_bytes} bytes expected, got a tensor of {len(whole)} bytes"
+            )
+        return [whole[i * page_bytes : (i + 1) * page_bytes] for i in range(n)]
+    views = [_byte_view(p) for p in pages]
+    bad = [len(v) for v in views if len(v) != page_bytes]
+    if bad:
+        raise InvalidArgument(f"a page of {bad[0]} bytes, the pool's pages have {page_bytes}")
+    return views
+
+
+class _Scratch(threading.local):
+    """Per-thread aligned buffers for headers and bounce copies (grown, never shrunk)."""
+
+    def __init__(self) -> None:
+        self.headers = _aligned_buffer(ALIGN)
+        self.staging = _aligned_buffer(ALIGN)
+
+    def header_area(self, num_bytes: int) -> memoryview:
+        if len(self.headers) < num_bytes:
+            self.headers = _aligned_buffer(num_bytes)
+        return memoryview(self.headers)[:num_bytes]
+
+    def staging_area(self, num_bytes: int) -> memoryview:
+        if len(self.staging) < num_bytes:
+            self.staging = _aligned_buffer(num_bytes)
+        return memoryview(self.staging)[:num_bytes]
+
+
+class NvmePool:
+    """Page slots on local disk. Slot lifecycle (in memory; the disk state follows it):
+
+        free --allocate--> reserved --write_pages--> stored --free--> releasing
+         ^ ^                   │                                           │
+         │ └─ free, DiskFull ──┘                                           │
+         └──────────────── flush_frees (header rewritten FREE) ────────────┘
+
+    Contract: ``write_pages`` takes reserved slots and makes them stored; on ``DiskFull``
+    or ``NvmeIOError`` every slot of that call is free again (the pool took the release).
+    ``read_pages`` takes stored slots and never frees. Each allocation is freed once.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        num_slots: int,
+        geometry: PoolGeometry,
+        *,
+        create: bool = True,
+        sync: SyncPolicy = SyncPolicy.NONE,
+        slots_per_file: int | None = None,
+        direct_io: bool | None = None,
+        verify_payload_on_recover: bool = True,
+        max_io_bytes: int = 16 << 20,
+    ) -> None:
+        if num_slots < 1:
+            raise ConfigError(f"nvme num_slots must be >= 1, got {num_slots}", field="nvme.num_slots")
+        self.directory = Path(directory)
+        self.geometry = geometry
+        self.num_slots = num_slots
+        self.sync = sync
+        self.page_bytes = geometry.page_bytes
+        self.payload_bytes = _round_up(self.page_bytes, ALIGN)
+        self.slot_bytes = HEADER_BYTES + self.payload_bytes
+        self.slots_per_file = slots_per_file or max(1, min(num_slots, DEFAULT_FILE_BYTES // self.slot_bytes))
+        self.max_slots_per_io = max(1, min(_IOV_MAX // 3, round(max_io_bytes / self.slot_bytes)))
+        self._verify_on_recover = verify_payload_on_recover
+        self._lock = threading.Lock()
+        self._scratch = _Scratch()
+        self._zero_pad = _aligned_buffer(self.payload_bytes - self.page_bytes or ALIGN)
+        self._state = [_FREE] * num_slots
+        self._entries: dict[SlotId, _Entry] = {}
+        self._by_key: dict[tuple[bytes, bytes], SlotId] = {}
+        self._free: list[SlotId] = []
+        self._releasing: list[SlotId] = []
+        self._next_generation = 1
+        self._fds: list[int] = []
+        self._lock_fd: int | None = None
+        self.is_direct = False
+        self._open_files(create, direct_io)
+        self.recovery = self.recover()
+
+    # ---- files ------------------------------------------------------------------------
+    @property
+    def num_files(self) -> int:
+        return math.ceil(self.num_slots / self.slots_per_file)
+
+    def _file_path(self, index: int) -> Path:
+        return self.directory / f"slots-{index:03d}.kvt"
+
+    def _superblock(self, index: int) -> bytes:
+        first = index * self.slots_per_file
+        g = self.geometry
+        body = _SUPER.pack(
+            _FILE_MAGIC,
+            FORMAT_VERSION,
+            0,
+            index,
+            first,
+            min(self.slots_per_file, self.num_slots - first),
+            self.slot_bytes,
+            self.page_bytes,
+            g.num_layers,
+            g.kv_heads,
+            g.head_dim,
+            g.page_size,
+            str(g.dtype).removeprefix("torch.").encode()[:16],
+        )
+        return body + zlib.crc32(body).to_bytes(4, "little")
+
+    def _open_files(self, create: bool, direct_io: bool | None) -> None:
+        if create:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        elif not self.directory.is_dir():
+            raise ConfigError(
+                f"nvme directory {self.directory} does not exist; create it or pass create=True"
+            )
+        self._take_directory_lock()
+        present = sorted(int(m.group(1)) for p in self.directory.iterdir() if (m := _FILE_RE.match(p.name)))
+        extra = [i for i in present if i >= self.num_files]
+        if extra:
+            raise ConfigError(
+                f"{self.directory} holds slot file {self._file_path(extra[0]).name} beyond the "
+                f"{self.num_files} files that {self.num_slots} slots need; use the capacity it was "
+                "created with or an empty directory",
+                field="nvme.capacity_bytes",
+            )
+        want_direct = direct_io is not False and hasattr(os, "O_DIRECT")
+        created: list[Path] = []
+        try:
+            for index in range(self.num_files):
+                path = self._file_path(index)
+                if index not in present and not create:
+                    raise ConfigError(f"slot file {path} is missing and create=False")
+                fd = self._open_one(path, index, fresh=index not in present, created=created)
+                self._fds.append(fd)
+            self.is_direct = want_direct and self._switch_to_direct()
+            if direct_io and not self.is_direct:
+                raise ConfigError(f"O_DIRECT is not supported on {self.directory}", field="nvme.direct_io")
+        except BaseException:
+            self.close()
+            for path in created:
+                path.unlink(missing_ok=True)
+            raise
+
+    def _open_one(self, path: Path, index: int, *, fresh: bool, created: list[Path]) -> int:
+        expected = self._superblock(index)
+        first = index * self.slots_per_file
+        file_bytes = ALIGN + min(self.slots_per_file, self.num_slots - first) * self.slot_bytes
+        if fresh:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            created.append(path)
+            try:
+                self._preallocate(fd, path, file_bytes)
+            except BaseException:
+                os.close(fd)
+                raise
+            os.pwrite(fd, expected, 0)
+            os.fsync(fd)
+            return fd
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        found = os.pread(fd, len(expected), 0)
+        if found != expected:
+            os.close(fd)
+            raise ConfigError(
+                f"{path} was created for another geometry or capacity (superblock differs); point "
+                "nvme.dir at an empty directory or delete its slot files",
+                field="nvme.dir",
+            )
+        if os.fstat(fd).st_size < file_bytes:
+            # A truncated file: give the lost tail back its extents (they read as empty
+            # slots); the slot cut in the middle fails its checksum at recovery.
+            self._preallocate(fd, path, file_bytes)
+        return fd
+
+    def _take_directory_lock(self) -> None:
+        """One pool per directory: two writers would hand the same slot to two pages."""
+        fd = os.open(self.directory / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(
+                f"nvme directory {self.directory} is in use by another pool (process or worker); give each "
+                "worker its own directory",
+                field="nvme.dir",
+            ) from None
+        self._lock_fd = fd
+
+    @staticmethod
+    def _preallocate(fd: int, path: Path, file_bytes: int) -> None:
+        try:
+            os.posix_fallocate(fd, 0, file_bytes)
+        except OSError as exc:
+            if exc.errno in _NO_SPACE:
+                raise DiskFull(
+                    f"cannot preallocate {file_bytes} bytes for {path}: {os.strerror(exc.errno)}; free disk "
+                    "space or lower the NVMe capacity",
+                    field="nvme.capacity_bytes",
+                ) from exc
+            raise
+
+    def _switch_to_direct(self) -> bool:
+        """Reopen every file with O_DIRECT when the filesystem takes it (tmpfs and some
+        overlays refuse it with EINVAL, at open or at the first I/O)."""
+        direct: list[int] = []
+        probe = _aligned_buffer(ALIGN)
+        try:
+            for index in range(self.num_files):
+                fd = os.open(self._file_path(index), os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT)
+                direct.append(fd)
+                os.preadv(fd, [probe], 0)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            for fd in direct:
+                os.close(fd)
+            return False
+        finally:
+            probe.close()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = direct
+        return True
+
+    def close(self) -> None:
+        if self._fds:
+            self.flush_frees()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+    def __enter__(self) -> NvmePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _locate(self, slot: int) -> tuple[int, int]:
+        index, i = divmod(slot, self.slots_per_file)
+        return self._fds[index], ALIGN + i * self.slot_bytes
+
+    # ---- allocation -------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Slots an allocation can get (releasing ones included: it flushes them)."""
+        return len(self._free) + len(self._releasing)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - self.num_free
+
+    def counts(self) -> NvmeCounts:
+        with self._lock:
+            stored = len(self._entries)
+            free, releasing = len(self._free), len(self._releasing)
+            return NvmeCounts(
+                self.num_slots, free, self.num_slots - free - releasing - stored, stored, releasing
+            )
+
+    def allocate(self) -> SlotId | None:
+        got = self.allocate_many(1)
+        return got[0] if got else None
+
+    def allocate_many(self, n: int) -> list[SlotId] | None:
+        """``n`` reserved slots, lowest free ids first (so they tend to form runs), or
+        ``None`` when fewer than ``n`` are free (all or nothing)."""
+        if n > len(self._free) and self._releasing:
+            self.flush_frees()
+        with self._lock:
+            if n > len(self._free):
+                return None
+            slots = [heapq.heappop(self._free) for _ in range(n)]
+            for s in slots:
+                self._state[s] = _RESERVED
+            return slots
+
+    def free(self, slot: SlotId) -> None:
+        """Give back a reserved or stored slot. No I/O: a stored slot is RELEASING until
+        ``flush_frees`` marks its header FREE (the transfer engine's disk lane does that
+        before each NVMe job, and ``allocate_many`` when it runs short), so a free on the
+        engine thread never waits for the disk. A crash before the flush brings the page
+        back at the next start, verified and under its own key: never wrong bytes."""
+        with self._lock:
+            state = self._state[slot]
+            if state in (_FREE, _RELEASING):
+                raise IntegrityError(f"free of nvme slot {slot} that is already free")
+            entry = self._entries.pop(slot, None)
+            if entry is not None:
+                del self._by_key[(entry.key, entry.namespace)]
+                self._state[slot] = _RELEASING
+                self._releasing.append(slot)
+            else:
+                self._state[slot] = _FREE
+                heapq.heappush(self._free, slot)
+
+    def flush_frees(self) -> int:
+        """Mark every releasing slot FREE on disk and make it allocatable; returns how many."""
+        with self._lock:
+            batch, self._releasing = self._releasing, []
+            generations = [self._take_generation() for _ in batch]
+        for slot, generation in zip(batch, generations, strict=True):
+            self._invalidate(slot, generation)
+        with self._lock:
+            for slot in batch:
+                self._state[slot] = _FREE
+                heapq.heappush(self._free, slot)
+        return len(batch)
+
+    def entry(self, slot: SlotId) -> tuple[PageKey, NamespaceDigest, int] | None:
+        """``(key, namespace, checksum)`` of a stored slot, ``None`` otherwise."""
+        with self._lock:
+            e = self._entries.get(slot)
+            return (e.key, e.namespace, e.checksum) if e else None
+
+    def is_reserved(self, slot: SlotId) -> bool:
+        """Allocated and not written yet: a valid target for ``write_pages``."""
+        with self._lock:
+            return self._state[slot] == _RESERVED
+
+    def lookup(self, key: PageKey, namespace: NamespaceDigest) -> SlotId | None:
+        with self._lock:
+            return self._by_key.get((key, namespace))
+
+    def _take_generation(self) -> int:
+        g = self._next_generation
+        self._next_generation += 1
+        return g
+
+    def _invalidate(self, slot: int, generation: int) -> None:
+        buf = self._scratch.header_area(HEADER_BYTES)
+        SlotHeader(slot, SlotState.FREE, generation, 0, 0, bytes(KEY_BYTES), bytes(KEY_BYTES)).encode_into(
+            buf
+        )
+        fd, offset = self._locate(slot)
+        try:
+            os.pwritev(fd, [buf], offset)
+        except OSError:
+            # Best effort: a stale COMPLETE header only brings back a verified, content-
+            # addressed page at the next start, never wrong bytes.
+            pass
+
+    # ---- I/O --------------------------------------------------------------------------
+    def _runs(self, slots: Sequence[int]) -> list[list[int]]:
+        """Positions into ``slots``, grouped into runs of consecutive slots in one file."""
+        order = sorted(range(len(slots)), key=lambda i: slots[i])
+        runs: list[list[int]] = []
+        for i in order:
+            run = runs[-1] if runs else None
+            s = slots[i]
+            if (
+                run
+                and slots[run[-1]] + 1 == s
+                and s % self.slots_per_file != 0
+                and len(run) < self.max_slots_per_io
+            ):
+                run.append(i)
+            else:
+                runs.append([i])
+        return runs
+
+    def _can_target(self, pages: torch.Tensor | Sequence[torch.Tensor], run: Sequence[int]) -> bool:
+        """Whether I/O can go straight to the memory of ``pages[i] for i in run``. O_DIRECT
+        wants aligned addresses and lengths; otherwise the run bounces through an aligned buffer."""
+        if not self.is_direct:
+            return True
+        if self.page_bytes % 512:
+            return False
+        if isinstance(pages, torch.Tensor):
+            return pages.data_ptr() % ALIGN == 0 and self.page_bytes % ALIGN == 0
+        return all(pages[i].data_ptr() % ALIGN == 0 for i in run)
+
+    def write_pages(
+        self,
+        slots: Sequence[SlotId],
+        pages: torch.Tensor | Sequence[torch.Tensor],
+        keys: Sequence[PageKey],
+        namespaces: Sequence[NamespaceDigest],
+        checksums: Sequence[int],
+        *,
+        parents: Sequence[PageKey | None] | None = None,
+        tokens: Sequence[Sequence[int]] | None = None,
+    ) -> None:
+        """Store ``pages[i]`` (one page each, host memory) in reserved ``slots[i]``.
+
+        Consecutive slots go out in one ``pwritev`` each. ``checksums`` are the values
+        taken when the pages left HBM; they are stored, not recomputed, so corruption
+        in between is caught at promotion rather than laundered here. Raises
+        ``DiskFull``/``NvmeIOError`` with every slot of the call free again.
+        """
+        n = len(slots)
+        for name, seq in (
+            ("pages", pages),
+            ("keys", keys),
+            ("namespaces", namespaces),
+            ("checksums", checksums),
+        ):
+            if len(seq) != n:
+                raise InvalidArgument(f"write_pages: {n} slots but {len(seq)} {name}", field=name)
+        with self._lock:
+            for s, key, ns in zip(slots, keys, namespaces, strict=True):
+                if self._state[s] != _RESERVED:
+                    raise InvalidArgument(f"write_pages: nvme slot {s} is not reserved (allocate it first)")
+                other = self._by_key.get((key, ns))
+                if other is not None:
+                    raise InvalidArgument(f"write_pages: page already stored in nvme slot {other}")
+            generations = [self._take_generation() for _ in range(n)]
+        views = _page_views(pages, n, self.page_bytes)
+        headers = [
+            SlotHeader(
+                slot=slots[i],
+                state=SlotState.COMPLETE,
+                generation=generations[i],
+                payload_bytes=self.page_bytes,
+                payload_checksum=to_unsigned(checksums[i]),
+                key=keys[i],
+                namespace=namespaces[i],
+                parent_key=parents[i] if parents else None,
+                tokens=tuple(tokens[i]) if tokens else (),
+            )
+            for i in range(n)
+        ]
+        written: list[int] = []
+        encoded: list[bytes] = [b""] * n
+        touched: set[int] = set()
+        try:
+            for run in self._runs(slots):
+                fd, offset = self._locate(slots[run[0]])
+                direct = self._can_target(pages, run)
+                written_headers = self._write_run(
+                    fd, offset, [headers[i] for i in run], [views[i] for i in run], direct
+                )
+                for i, h in zip(run, written_headers, strict=True):
+                    encoded[i] = h
+                written.extend(run)
+                touched.add(fd)
+            if self.sync is SyncPolicy.DATA:
+                for fd in touched:
+                    os.fdatasync(fd)
+        except OSError as exc:
+            # The failing run may have landed in part (a short write): mark every slot of
+            # the call FREE on disk so none of it comes back at the next start.
+            for s, g in zip(slots, generations, strict=True):
+                self._invalidate(s, g)
+            with self._lock:
+                for s in slots:
+                    self._state[s] = _FREE
+                    heapq.heappush(self._free, s)
+            where = f"{len(written)} of {n} pages written to {self.directory} before the failure"
+            if exc.errno in _NO_SPACE:
+                raise DiskFull(
+                    f"NVMe tier out of space ({os.strerror(exc.errno)}); {where}; the pages "
+                    "were not stored, drop them or free slots"
+                ) from exc
+            raise NvmeIOError(f"NVMe write failed ({exc}); {where}") from exc
+        with self._lock:
+            for i, s in enumerate(slots):
+                self._state[s] = _STORED
+                entry = _Entry(keys[i], namespaces[i], to_unsigned(checksums[i]), generations[i], encoded[i])
+                self._entries[s] = entry
+                self._by_key[(keys[i], namespaces[i])] = s
+
+    def _write_run(
+        self, fd: int, offset: int, headers: list[SlotHeader], views: list[memoryview], direct: bool
+    ) -> list[bytes]:
+        """Write one run of slots; returns each header's significant bytes."""
+        k = len(headers)
+        encoded: list[bytes] = []
+        hdr = self._scratch.header_area(k * HEADER_BYTES)
+        iov: list[memoryview] = []
+        staging = None
+        if not direct:
+            staging = self._scratch.staging_area(k * self.payload_bytes)
+        pad = memoryview(self._zero_pad)[: self.payload_bytes - self.page_bytes]
+        for j, (h, v) in enumerate(zip(headers, views, strict=True)):
+            hb = hdr[j * HEADER_BYTES : (j + 1) * HEADER_BYTES]
+            encoded.append(h.encode_into(hb))
+            iov.append(hb)
+            if staging is not None:
+                area = staging[j * self.payload_bytes : (j + 1) * self.payload_bytes]
+                area[: self.page_bytes] = v
+                area[self.page_bytes :] = pad
+                iov.append(area)
+            else:
+                iov.append(v)
+                if len(pad):
+                    iov.append(pad)
+        _pwritev_all(fd, iov, offset)
+        return encoded
+
+    def read_pages(
+        self, slots: Sequence[SlotId], out: torch.Tensor | Sequence[torch.Tensor]
+    ) -> list[SlotVerdict]:
+        """Read stored ``slots[i]`` into ``out[i]`` and verify each one.
+
+        Returns one verdict per slot; bytes of a slot whose verdict is not OK are
+        garbage and must not be used (the caller frees the slot and recomputes). A run
+        ``out`` tensor ``[n, ...]`` is checksummed in one batched reduction.
+        """
+        n = len(slots)
+        if len(out) != n:
+            raise InvalidArgument(f"read_pages: {n} slots but {len(out)} output pages", field="out")
+        with self._lock:
+            entries = []
+            for s in slots:
+                e = self._entries.get(s)
+                if e is None:
+                    raise InvalidArgument(f"read_pages: nvme slot {s} holds no page")
+                entries.append(e)
+        views = _page_views(out, n, self.page_bytes)
+        verdicts: list[SlotVerdict | None] = [None] * n
+        for run in self._runs(slots):
+            fd, offset = self._locate(slots[run[0]])
+            direct = self._can_target(out, run)
+            got = self._read_run(fd, offset, [views[i] for i in run], direct)
+            for j, i in enumerate(run):
+                verdicts[i] = _check_header(got[j], slots[i], entries[i], self.page_bytes)
+        # Verify the bytes where they landed (after any bounce copy): end to end.
+        if isinstance(out, torch.Tensor):
+            sums = [to_unsigned(v) for v in page_checksums(out).tolist()]
+        else:
+            sums = [to_unsigned(int(page_checksums(t.reshape(1, -1))[0])) for t in out]
+        result: list[SlotVerdict] = []
+        for i in range(n):
+            v = verdicts[i]
+            if v is SlotVerdict.OK and sums[i] != entries[i].checksum:
+                v = SlotVerdict.CHECKSUM_MISMATCH
+            assert v is not None
+            result.append(v)
+        return result
+
+    def _read_run(
+        self, fd: int, offset: int, views: list[memoryview], direct: bool
+    ) -> list[memoryview | None]:
+        """Read one run; returns each slot's header bytes, or None where the file ended."""
+        k = len(views)
+        hdr = self._scratch.header_area(k * HEADER_BYTES)
+        staging = None
+        if not direct:
+            staging = self._scratch.staging_area(k * self.payload_bytes)
+        sink = self._scratch.staging_area(self.payload_bytes) if staging is None else None
+        iov: list[memoryview] = []
+        for j, v in enumerate(views):
+            iov.append(hdr[j * HEADER_BYTES : (j + 1) * HEADER_BYTES])
+            if staging is not None:
+                iov.append(staging[j * self.payload_bytes : (j + 1) * self.payload_bytes])
+            else:
+                iov.append(v)
+                if self.payload_bytes > self.page_bytes:
+                    assert sink is not None
+                    iov.append(sink[: self.payload_bytes - self.page_bytes])
+        num_read = _preadv_all(fd, iov, offset)
+        result: list[memoryview | None] = []
+        for j, v in enumerate(views):
+            complete = num_read >= (j + 1) * self.slot_bytes
+            if staging is not None and complete:
+                start = j * self.payload_bytes
+                v[:] = staging[start : start + self.page_bytes]
+            result.append(hdr[j * HEADER_BYTES : (j + 1) * HEADER_BYTES] if complete else None)
+        return result
+
+    # ---- recovery ---------------------------------------------------------------------
+    def recover(self) -> RecoveryReport:
+        """Rebuild the slot table from disk: every slot whose header is intact, COMPLETE
+        and (unless disabled) whose payload matches its checksum comes back with its key
+        and namespace; torn or corrupt slots are discarded, their headers marked FREE.
+
+        Called by the constructor; calling it again needs a pool with no reserved slot.
+        """
+        self.flush_frees()
+        with self._lock:
+            if any(s == _RESERVED for s in self._state):
+                raise FailedPrecondition("recover() while slots are reserved (a write may be in flight)")
+            self._state = [_FREE] * self.num_slots
+            self._entries.clear()
+            self._by_key.clear()
+        report = RecoveryReport()
+        best: dict[tuple[bytes, bytes], tuple[SlotId, SlotHeader]] = {}
+        bad: list[SlotId] = []
+        max_generation = 0
+        chunk = self.max_slots_per_io
+        buf = _aligned_buffer(chunk * self.slot_bytes)
+        try:
+            starts = [
+                start
+                for first in range(0, self.num_slots, self.slots_per_file)
+                for start in range(first, min(self.num_slots, first + self.slots_per_file), chunk)
+            ]
+            for start in starts:
+                end = min(
+                    self.num_slots, start + chunk, (start // self.slots_per_file + 1) * self.slots_per_file
+                )
+                for slot, header, reason in self._scan(list(range(start, end)), buf):
+                    if header is not None:
+                        max_generation = max(max_generation, header.generation)
+                    if reason is not None:
+                        report.discarded.append((SlotId(slot), reason))
+                        bad.append(SlotId(slot))
+                    elif header is None or header.state is not SlotState.COMPLETE:
+                        report.num_empty += 1
+                    else:
+                        ident = (header.key, header.namespace)
+                        prev = best.get(ident)
+                        if prev is None or prev[1].generation < header.generation:
+                            if prev is not None:
+                                report.discarded.append((prev[0], f"duplicate of slot {slot}"))
+                                bad.append(prev[0])
+                            best[ident] = (SlotId(slot), header)
+                        else:
+                            report.discarded.append((SlotId(slot), f"duplicate of slot {prev[0]}"))
+                            bad.append(SlotId(slot))
+        finally:
+            buf.close()
+        with self._lock:
+            self._next_generation = max(self._next_generation, max_generation + 1)
+            for (key, ns), (slot, h) in sorted(best.items(), key=lambda kv: kv[1][0]):
+                self._state[slot] = _STORED
+                self._entries[slot] = _Entry(
+                    PageKey(key), NamespaceDigest(ns), h.payload_checksum, h.generation, h.encode()
+                )
+                self._by_key[(key, ns)] = slot
+                report.recovered.append(
+                    RecoveredPage(
+                        slot,
+                        PageKey(key),
+                        NamespaceDigest(ns),
+                        h.payload_checksum,
+                        h.generation,
+                        h.parent_key,
+                        h.tokens,
+                    )
+                )
+            self._free = [SlotId(s) for s in range(self.num_slots) if self._state[s] == _FREE]
+            heapq.heapify(self._free)
+            generations = [self._take_generation() for _ in bad]
+        for slot, g in zip(bad, generations, strict=True):
+            self._invalidate(slot, g)
+        report.discarded.sort()
+        return report
+
+    def _scan(self, slots: list[int], buf: mmap.mmap) -> list[tuple[int, SlotHeader | None, str | None]]:
+        fd, offset = self._locate(slots[0])
+        view = memoryview(buf)[: len(slots) * self.slot_bytes]
+        if self._verify_on_recover:
+            num_read = _preadv_all(fd, [view], offset)
+            complete = [num_read >= (j + 1) * self.slot_bytes for j in range(len(slots))]
+        else:
+            complete = []
+            for j in range(len(slots)):
+                part = view[j * self.slot_bytes : j * self.slot_bytes + HEADER_BYTES]
+                complete.append(_preadv_all(fd, [part], offset + j * self.slot_bytes) == HEADER_BYTES)
+        out: list[tuple[int, SlotHeader | None, str | None]] = []
+        payloads: list[int] = []
+        for j, slot in enumerate(slots):
+            base = j * self.slot_bytes
+            if not complete[j]:
+                out.append((slot, None, SlotVerdict.SHORT_READ.value))
+                continue
+            try:
+                header = SlotHeader.decode(view[base : base + HEADER_BYTES])
+            except ValueError as exc:
+                out.append((slot, None, f"{SlotVerdict.HEADER_CORRUPT.value}: {exc}"))
+                continue
+            reason = None
+            if header is not None and header.state is SlotState.COMPLETE:
+                if header.slot != slot:
+                    reason = f"{SlotVerdict.WRONG_PAGE.value}: header names slot {header.slot}"
+                elif header.payload_bytes != self.page_bytes or header.algorithm != CHECKSUM_ALGORITHM:
+                    reason = f"{SlotVerdict.HEADER_CORRUPT.value}: payload size or checksum algorithm differs"
+                elif self._verify_on_recover:
+                    payloads.append(j)
+            out.append((slot, header, reason))
+        if payloads:
+            pages = torch.frombuffer(buf, dtype=torch.uint8, count=len(slots) * self.slot_bytes)
+            pages = pages.view(len(slots), self.slot_bytes)[:, HEADER_BYTES : HEADER_BYTES + self.page_bytes]
+            sums = page_checksums(pages[payloads]).tolist()
+            for j, value in zip(payloads, sums, strict=True):
+                slot, header, _ = out[j]
+                assert header is not None
+                if to_unsigned(value) != header.payload_checksum:
+                    out[j] = (slot, header, SlotVerdict.CHECKSUM_MISMATCH.value)
+            del pages
+        return out
+
+    # ---- integrity --------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise with the numbers when the slot table does not add up."""
+        with self._lock:
+            problems: list[str] = []
+            free = set(self._free)
+            if len(free) != len(self._free):
+                problems.append("a slot appears twice in the free list")
+            num_free = sum(1 for s in self._state if s == _FREE)
+            num_reserved = sum(1 for s in self._state if s == _RESERVED)
+            num_stored = sum(1 for s in self._state if s == _STORED)
+            num_releasing = sum(1 for s in self._state if s == _RELEASING)
+            if any(self._state[s] != _FREE for s in free) or len(free) != num_free:
+                problems.append(f"free list has {len(free)} slots, table has {num_free} free")
+            releasing = set(self._releasing)
+            if (
+                len(releasing) != len(self._releasing)
+                or len(releasing) != num_releasing
+                or any(self._state[s] != _RELEASING for s in releasing)
+            ):
+                problems.append(f"releasing list has {len(self._releasing)} slots, table has {num_releasing}")
+            if set(self._entries) != {s for s in range(self.num_slots) if self._state[s] == _STORED}:
+                problems.append(f"{len(self._entries)} entries for {num_stored} stored slots")
+            if len(self._by_key) != len(self._entries) or any(
+                self._entries.get(s) is None or (self._entries[s].key, self._entries[s].namespace) != k
+                for k, s in self._by_key.items()
+            ):
+                problems.append("key map disagrees with the slot entries")
+            if num_free + num_reserved + num_stored + num_releasing != self.num_slots:
+                problems.append(
+                    f"free {num_free} + reserved {num_reserved} + stored {num_stored} + releasing "
+                    f"{num_releasing} != total {self.num_slots}"
+                )
+            if any(e.generation >= self._next_generation for e in self._entries.values()):
+                problems.append("an entry's generation is not below the next generation")
+        if problems:
+            raise IntegrityError("nvme pool integrity: " + "; ".join(problems))
+
+
+def _check_header(raw: memoryview | None, slot: int, entry: _Entry, page_bytes: int) -> SlotVerdict:
+    if raw is None:
+        return SlotVerdict.SHORT_READ
+    if raw[: len(entry.header)] == entry.header:
+        return SlotVerdict.OK  # byte for byte what was written (one compare, no decode)
+    try:
+        header = SlotHeader.decode(raw)
+    except ValueError:
+        return SlotVerdict.HEADER_CORRUPT
+    if header is None or header.state is not SlotState.COMPLETE:
+        return SlotVerdict.NOT_COMPLETE
+    if header.payload_bytes != page_bytes:
+        return SlotVerdict.HEADER_CORRUPT
+    if (
+        header.slot != slot
+        or header.key != entry.key
+        or header.namespace != entry.namespace
+        or header.generation != entry.generation
+        or header.payload_checksum != entry.checksum
+    ):
+        return SlotVerdict.WRONG_PAGE
+    return SlotVerdict.OK
+
+
+def _advance(iov: list[memoryview], done: int) -> list[memoryview]:
+    """The buffers still to transfer after ``done`` bytes of ``iov`` went through."""
+    rest: list[memoryview] = []
+    for b in iov:
+        if done >= len(b):
+            done -= len(b)
+            continue
+        rest.append(b[done:])
+        done = 0
+    return rest
+
+
+def _pwritev_all(fd: int, iov: list[memoryview], offset: int) -> None:
+    total = sum(len(b) for b in iov)
+    done = 0
+    while done < total:
+        n = os.pwritev(fd, _advance(iov, done) if done else iov, offset + done)
+        if n == 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        done += n
+
+
+def _preadv_all(fd: int, iov: list[memoryview], offset: int) -> int:
+    """Bytes read; fewer than asked only at end of file."""
+    total = sum(len(b) for b in iov)
+    done = 0
+    while done < total:
+        n = os.preadv(fd, _advance(iov, done) if done else iov, offset + done)
+        if n == 0:
+            break
+        done += n
+    return done

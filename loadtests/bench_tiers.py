@@ -1,0 +1,418 @@
+"""Tier moves against what the hardware gives: kvtier's page transfers vs `dd` and memcpy.
+
+    python -m loadtests.bench_tiers [--json] [--dir PATH] [--mib N] [--repeats N]
+
+Baselines, measured in the same run on the same directory:
+
+* ``dd`` with O_DIRECT (``oflag=direct`` / ``iflag=direct``), sequential, at ``bs=1M`` and
+  at ``bs=16M`` (kvtier's largest I/O); the faster of the two is the baseline, so a ratio
+  never flatters kvtier. Where the directory refuses O_DIRECT (tmpfs, some overlays), dd
+  writes with ``conv=fdatasync`` and the read comes from the page cache, which cannot
+  be dropped without root: the read baseline is then marked ``cached``.
+* memcpy: ``dst.copy_(src)`` of one large host tensor.
+
+kvtier numbers go through ``TransferEngine`` (worker threads, slot runs, checksums):
+DRAM -> NVMe and NVMe -> DRAM (verified) for page groups, HBM -> DRAM (checksummed) and
+DRAM -> HBM (verified) on the CPU. Throughput counts page bytes only (slot headers and
+padding are overhead the ratio pays for). Every measurement runs once per iteration, back
+to back with its baseline, and each ratio is the median of its per-iteration ratios.
+Two geometries: the tiny test model (32 KiB pages) and Llama-3.1-8B (bf16, 2 MiB pages).
+
+``decode_slowdown_during_demotion`` needs the engine's decode step; it stays null until
+a caller passes one to ``decode_slowdown_during_demotion`` (see ``demote_in_background``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvtier.checksum import page_checksums
+from kvtier.dram_pool import DramPool, aligned_host_tensor, make_dram_pool
+from kvtier.nvme_pool import NvmePool
+from kvtier.page_pool import PagePool, PoolGeometry
+from kvtier.tiers import Tier
+from kvtier.transfer import TransferEngine, TransferReason
+
+GEOMETRIES = {
+    "tiny": PoolGeometry(num_layers=4, kv_heads=2, head_dim=32, page_size=16, dtype=torch.float32),
+    "llama-3.1-8b": PoolGeometry(num_layers=32, kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16),
+}
+REPO = Path(__file__).resolve().parents[1]
+NS = b"bench-namespace!"
+_DD_RATE = re.compile(r"(\d+) bytes .* copied, ([\d.]+) s")
+
+
+def direct_io_supported(directory: Path) -> bool:
+    directory.mkdir(parents=True, exist_ok=True)
+    fd_path = tempfile.mktemp(dir=directory, prefix=".odirect-probe-")
+    try:
+        fd = os.open(fd_path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    try:
+        buf = aligned_host_tensor(4096)
+        buf.zero_()
+        os.pwritev(fd, [memoryview(buf.numpy())], 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(fd_path)
+
+
+def pick_directory(explicit: str | None) -> tuple[Path, bool]:
+    """The benchmark directory and whether it takes O_DIRECT. Default: the first of the
+    repository's ``.state/`` and ``/tmp`` that does (tmpfs /tmp would not)."""
+    if explicit:
+        path = Path(explicit)
+        return path, direct_io_supported(path)
+    candidates = [REPO / ".state" / "bench-tiers", Path(tempfile.gettempdir()) / "kvtier-bench-tiers"]
+    for path in candidates:
+        if direct_io_supported(path):
+            return path, True
+    return candidates[0], False
+
+
+def _dd(args: list[str]) -> float:
+    out = subprocess.run(["dd", *args], capture_output=True, text=True, check=True)
+    match = _DD_RATE.search(out.stderr)
+    if not match:
+        raise RuntimeError(f"cannot parse dd output: {out.stderr.strip()}")
+    return int(match.group(1)) / float(match.group(2))
+
+
+def dd_once(directory: Path, total_mib: int, direct: bool) -> dict:
+    """One sequential write and read of ``total_mib`` at bs=1M and bs=16M; the faster of
+    the two block sizes is the baseline."""
+    path = directory / "dd-baseline.bin"
+    result: dict = {}
+    try:
+        for bs_mib in (1, 16):
+            count = max(1, total_mib // bs_mib)
+            w_flags = ["oflag=direct"] if direct else ["conv=fdatasync"]
+            r_flags = ["iflag=direct"] if direct else []
+            result[f"write_{bs_mib}M_Bps"] = _dd(
+                ["if=/dev/zero", f"of={path}", f"bs={bs_mib}M", f"count={count}", *w_flags]
+            )
+            result[f"read_{bs_mib}M_Bps"] = _dd([f"if={path}", "of=/dev/null", f"bs={bs_mib}M", *r_flags])
+    finally:
+        path.unlink(missing_ok=True)
+    result["write_Bps"] = max(result["write_1M_Bps"], result["write_16M_Bps"])
+    result["read_Bps"] = max(result["read_1M_Bps"], result["read_16M_Bps"])
+    return result
+
+
+class Memcpy:
+    """``dst.copy_(src)`` of one large host tensor, with torch's default intra-op threads and
+    with one (what a transfer lane uses); the faster is the baseline, never flattering kvtier."""
+
+    def __init__(self, num_bytes: int) -> None:
+        self.src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8)
+        self.dst = torch.empty_like(self.src)
+        self.dst.copy_(self.src)  # fault the pages in before timing
+
+    def once(self) -> dict:
+        default_threads = torch.get_num_threads()
+        result: dict = {}
+        try:
+            for threads in sorted({default_threads, 1}):
+                torch.set_num_threads(threads)
+                start = time.perf_counter()
+                self.dst.copy_(self.src)
+                result[f"{threads}_threads_Bps"] = self.src.numel() / (time.perf_counter() - start)
+        finally:
+            torch.set_num_threads(default_threads)
+        result["Bps"] = max(result.values())
+        return result
+
+
+def _fill(pool: PagePool, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    pool.tensor.copy_(torch.randn(pool.tensor.shape, generator=g).to(pool.tensor.dtype))
+
+
+def _claim_all(pool: PagePool) -> None:
+    while pool.allocate() is not None:
+        pass
+
+
+def _timed_transfers(engine: TransferEngine, submit: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    submit()
+    if not engine.wait_idle(timeout_s=120):
+        raise RuntimeError("transfers did not finish within 120 s")
+    elapsed = time.perf_counter() - start
+    done = engine.poll_completed()
+    bad = [d for d in done if not d.is_ok]
+    if bad:
+        raise RuntimeError(f"{len(bad)} benchmark transfers failed: {bad[0].status} {bad[0].error}")
+    return elapsed
+
+
+class NvmeBench:
+    """DRAM -> NVMe and NVMe -> DRAM through the engine, in transfers of ~16 MiB page groups."""
+
+    def __init__(self, directory: Path, geometry: PoolGeometry, total_bytes: int) -> None:
+        self.geometry = g = geometry
+        self.n = n = max(1, total_bytes // g.page_bytes)
+        self.group = max(1, (16 << 20) // g.page_bytes)
+        self.pool_dir = directory / f"nvme-{g.num_layers}x{g.kv_heads}x{g.head_dim}"
+        shutil.rmtree(self.pool_dir, ignore_errors=True)
+        self.dram = make_dram_pool(n, g)
+        _fill(self.dram, 1)
+        _claim_all(self.dram)
+        self.sums = page_checksums(self.dram.tensor).numpy()
+        self.nvme = NvmePool(self.pool_dir, n, g)
+        self.engine = TransferEngine(PagePool(1, g), self.dram, self.nvme)
+        self.keys = [i.to_bytes(16, "little") for i in range(n)]
+        self.once()  # the first round also converts the preallocated extents to written ones
+
+    def once(self) -> dict:
+        n, group, engine = self.n, self.group, self.engine
+        self.dram.set_checksums(range(n), self.sums)  # as if the pages had just left HBM
+        slots = self.nvme.allocate_many(n)
+        assert slots is not None
+
+        def write() -> None:
+            for g0 in range(0, n, group):
+                pairs = [(i, slots[i]) for i in range(g0, min(n, g0 + group))]
+                engine.submit(
+                    Tier.DRAM,
+                    Tier.NVME,
+                    pairs,
+                    TransferReason.WATERMARK,
+                    keys=[self.keys[i] for i, _ in pairs],
+                    namespaces=[NS] * len(pairs),
+                )
+
+        def read() -> None:
+            for g0 in range(0, n, group):
+                pairs = [(slots[i], i) for i in range(g0, min(n, g0 + group))]
+                engine.submit(Tier.NVME, Tier.DRAM, pairs, TransferReason.PREFETCH)
+
+        page_bytes = n * self.geometry.page_bytes
+        result = {
+            "write_Bps": page_bytes / _timed_transfers(engine, write),
+            "read_Bps": page_bytes / _timed_transfers(engine, read),
+        }
+        for s in slots:
+            self.nvme.free(s)
+        self.nvme.flush_frees()
+        return result
+
+    def close(self) -> None:
+        self.engine.close()
+        self.nvme.close()
+        shutil.rmtree(self.pool_dir, ignore_errors=True)
+
+
+@dataclass
+class PoolPair:
+    hbm: PagePool
+    dram: DramPool
+    engine: TransferEngine
+
+
+def make_pool_pair(geometry: PoolGeometry, total_bytes: int) -> PoolPair:
+    n = max(1, total_bytes // geometry.page_bytes)
+    hbm, dram = PagePool(n, geometry), make_dram_pool(n, geometry)
+    _fill(hbm, 2)
+    _claim_all(hbm)
+    _claim_all(dram)
+    return PoolPair(hbm, dram, TransferEngine(hbm, dram))
+
+
+class CopyBench:
+    """HBM -> DRAM (checksummed) and DRAM -> HBM (verified) through the engine's copy lane."""
+
+    def __init__(self, geometry: PoolGeometry, total_bytes: int) -> None:
+        self.pair = make_pool_pair(geometry, total_bytes)
+        self.pairs = [(i, i) for i in range(self.pair.hbm.num_pages)]
+        self.once()  # the first round faults the DRAM pages in
+
+    def once(self) -> dict:
+        engine, pairs = self.pair.engine, self.pairs
+        num_bytes = len(pairs) * self.pair.hbm.geometry.page_bytes
+        demote = _timed_transfers(
+            engine, lambda: engine.submit(Tier.HBM, Tier.DRAM, pairs, TransferReason.WATERMARK)
+        )
+        promote = _timed_transfers(
+            engine, lambda: engine.submit(Tier.DRAM, Tier.HBM, pairs, TransferReason.PROMOTION_ON_HIT)
+        )
+        return {"demote_Bps": num_bytes / demote, "promote_Bps": num_bytes / promote}
+
+    def close(self) -> None:
+        self.pair.engine.close()
+
+
+def demote_in_background(pool_pair: PoolPair, n_bytes: int) -> Callable[[], float]:
+    """Start demoting ``n_bytes`` of HBM pages to DRAM on the engine's copy lane; returns a
+    function that waits for the demotion and returns its duration in seconds."""
+    g = pool_pair.hbm.geometry
+    n = min(pool_pair.hbm.num_pages, max(1, n_bytes // g.page_bytes))
+    start = time.perf_counter()
+    pool_pair.engine.submit(Tier.HBM, Tier.DRAM, [(i, i) for i in range(n)], TransferReason.WATERMARK)
+
+    def wait() -> float:
+        pool_pair.engine.wait_idle(timeout_s=120)
+        pool_pair.engine.poll_completed()
+        return time.perf_counter() - start
+
+    return wait
+
+
+def decode_slowdown_during_demotion(
+    decode_step: Callable[[], None] | None,
+    pool_pair: PoolPair | None = None,
+    n_bytes: int = 256 << 20,
+    steps: int = 20,
+) -> float | None:
+    """Median decode step time while ``n_bytes`` demote in the background over the idle median.
+
+    TODO(engine integration): the worker's benchmark passes its real decode step (one
+    batched decode of the engine) and the pool pair backing it; until then this is None.
+    """
+    if decode_step is None or pool_pair is None:
+        return None
+    idle = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        decode_step()
+        idle.append(time.perf_counter() - start)
+    wait = demote_in_background(pool_pair, n_bytes)
+    busy: list[float] = []
+    while pool_pair.engine.num_pending and len(busy) < steps:
+        start = time.perf_counter()
+        decode_step()
+        busy.append(time.perf_counter() - start)
+    wait()
+    return statistics.median(busy) / statistics.median(idle) if busy else None
+
+
+def run(directory: Path, direct: bool, total_mib: int, repeats: int) -> dict:
+    """Every measurement once per iteration, back to back, so noise from other processes
+    on a shared machine lands on baseline and kvtier alike; each ratio is the median of
+    its per-iteration ratios."""
+    total = total_mib << 20
+    started = time.perf_counter()
+    memcpy = Memcpy(total)
+    benches = {name: (NvmeBench(directory, g, total), CopyBench(g, total)) for name, g in GEOMETRIES.items()}
+    iterations: list[dict] = []
+    try:
+        for _ in range(repeats):
+            it: dict = {
+                "dd": dd_once(directory, total_mib, direct),
+                "memcpy": memcpy.once(),
+                "geometries": {},
+            }
+            for name, (nvme, copy) in benches.items():
+                n, c = nvme.once(), copy.once()
+                it["geometries"][name] = {
+                    **n,
+                    **c,
+                    "nvme_write_vs_direct": n["write_Bps"] / it["dd"]["write_Bps"],
+                    "nvme_read_vs_direct": n["read_Bps"] / it["dd"]["read_Bps"],
+                    "dram_demote_vs_memcpy": c["demote_Bps"] / it["memcpy"]["Bps"],
+                    "dram_promote_vs_memcpy": c["promote_Bps"] / it["memcpy"]["Bps"],
+                }
+            iterations.append(it)
+    finally:
+        for nvme, copy in benches.values():
+            nvme.close()
+            copy.close()
+    ratio_names = (
+        "nvme_write_vs_direct",
+        "nvme_read_vs_direct",
+        "dram_demote_vs_memcpy",
+        "dram_promote_vs_memcpy",
+    )
+    per_geometry = {
+        name: {
+            "page_bytes": g.page_bytes,
+            **{r: statistics.median(it["geometries"][name][r] for it in iterations) for r in ratio_names},
+        }
+        for name, g in GEOMETRIES.items()
+    }
+    per = per_geometry.values()
+    return {
+        # Headline ratios: the worse geometry (and direction), so nothing is flattered.
+        "nvme_write_vs_direct": min(p["nvme_write_vs_direct"] for p in per),
+        "nvme_read_vs_direct": min(p["nvme_read_vs_direct"] for p in per),
+        "dram_copy_vs_memcpy": min(min(p["dram_demote_vs_memcpy"], p["dram_promote_vs_memcpy"]) for p in per),
+        "decode_slowdown_during_demotion": decode_slowdown_during_demotion(None),
+        "geometries": per_geometry,
+        "dir": str(directory),
+        "o_direct": direct,
+        "dd_read_cached": not direct,
+        "iterations": iterations,
+        "elapsed_s": time.perf_counter() - started,
+    }
+
+
+def _gbps(bps: float) -> str:
+    return f"{bps / 1e9:6.2f} GB/s"
+
+
+def print_report(r: dict) -> None:
+    print(f"directory {r['dir']}  O_DIRECT {'yes' if r['o_direct'] else 'NO (buffered dd, cached read)'}")
+    for i, it in enumerate(r["iterations"]):
+        dd, mc = it["dd"], it["memcpy"]
+        print(
+            f"iteration {i}: dd write {_gbps(dd['write_1M_Bps'])} (1M) {_gbps(dd['write_16M_Bps'])} (16M)"
+            f"  read {_gbps(dd['read_1M_Bps'])} (1M) {_gbps(dd['read_16M_Bps'])} (16M)"
+            f"  memcpy {_gbps(mc['Bps'])}"
+        )
+        for name, p in it["geometries"].items():
+            print(
+                f"  {name:13s} DRAM->NVMe {_gbps(p['write_Bps'])} x{p['nvme_write_vs_direct']:.2f}"
+                f"  NVMe->DRAM {_gbps(p['read_Bps'])} x{p['nvme_read_vs_direct']:.2f}"
+                f"  HBM->DRAM {_gbps(p['demote_Bps'])} x{p['dram_demote_vs_memcpy']:.2f}"
+                f"  DRAM->HBM {_gbps(p['promote_Bps'])} x{p['dram_promote_vs_memcpy']:.2f}"
+            )
+    for name, p in r["geometries"].items():
+        print(
+            f"median {name} ({p['page_bytes'] // 1024} KiB pages): "
+            + "  ".join(f"{k} {v:.2f}" for k, v in p.items() if k != "page_bytes")
+        )
+    print(
+        f"nvme_write_vs_direct {r['nvme_write_vs_direct']:.2f}  "
+        f"nvme_read_vs_direct {r['nvme_read_vs_direct']:.2f}"
+        f"  dram_copy_vs_memcpy {r['dram_copy_vs_memcpy']:.2f}  decode_slowdown_during_demotion "
+        f"{r['decode_slowdown_during_demotion']}  ({r['elapsed_s']:.0f} s)"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--dir", help="directory for the files (default: .state/ or /tmp, whichever takes O_DIRECT)"
+    )
+    parser.add_argument("--mib", type=int, default=256, help="bytes moved per measurement, in MiB")
+    parser.add_argument("--repeats", type=int, default=3, help="iterations; ratios are per-iteration medians")
+    args = parser.parse_args(argv)
+    directory, direct = pick_directory(args.dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    result = run(directory, direct, args.mib, args.repeats)
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        print_report(result)
+
+
+if __name__ == "__main__":
+    main()
