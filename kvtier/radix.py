@@ -1,13 +1,22 @@
-"""Local prefix index: page key → cached page, as a tree (DESIGN §5 decisions 2, 4, 7).
+"""Local prefix index: page key → cached page in some tier, as a tree (DESIGN §5.2–5.7).
 
 Page keys are chained hashes, so a key names a page *and its whole prefix*; the tree
-only records parent links so that eviction can take leaves before their parents (a
-cached prefix is never orphaned). A node's page belongs to the index ("cached" in the
-pool); sequences that hit it take references on that page.
+records parent links so that eviction takes leaves before their parents (a cached
+prefix is never orphaned). A node's page belongs to the index ("cached" in its pool);
+sequences that hit an HBM node take references on that page.
 
-Evictable = leaf, page ref count 0, not pinned. Candidates sit in a heap keyed by the
-eviction policy's priority, pushed when a node *becomes* evictable and checked again
-when popped (lazy invalidation), so eviction costs O(log n) per page, not a scan.
+Tiers along a chain never get faster going down: a child lives in its parent's tier or
+a slower one. So every tier's eviction takes *its own* leaves (nodes with no child in
+the same or a faster tier), and a match is an HBM prefix followed by slower pages.
+
+    root ─ a(HBM) ─ b(HBM) ─ c(DRAM) ─ d(NVMe)
+                  └ e(HBM)
+    may leave their tier: b and e (HBM), c (DRAM), d (NVMe); a only after b and e did.
+
+Evictable in tier t = node in t, no child in t or faster, not pinned, not moving, and
+(HBM only) page ref count 0. Candidates sit in one heap per tier keyed by the eviction
+policy's priority, pushed when a node *becomes* evictable and checked again when popped
+(lazy invalidation), so eviction costs O(log n) per page, not a scan.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtier.errors import IntegrityError
-from kvtier.hashing import PageKey, short
+from kvtier.hashing import NamespaceDigest, PageKey, short
 from kvtier.page_pool import PageId, PagePool
 from kvtier.tiers import Tier
 
@@ -31,15 +40,27 @@ class RadixNode:
     page: PageId
     tokens: tuple[int, ...]
     depth: int  # 1 for the first page of a sequence
-    tier: Tier = Tier.HBM
+    namespace: NamespaceDigest | None = None
+    tier: Tier = Tier.HBM  # ``page`` is a page id in this tier's pool (a slot id for NVMe)
     last_access: int = 0
-    num_children: int = 0
     pins: int = 0
     version: int = 0  # bumped on every heap push; older heap entries are stale
+    moving: bool = False  # a transfer is copying this page to another tier
+    checksum: int | None = None  # taken when the page left HBM
+    children: dict[PageKey, RadixNode] = field(default_factory=dict)
+    child_tiers: list[int] = field(default_factory=lambda: [0, 0, 0])  # children per tier
+
+    @property
+    def num_children(self) -> int:
+        return len(self.children)
 
     @property
     def is_leaf(self) -> bool:
-        return self.num_children == 0
+        return not self.children
+
+    def is_leaf_in(self, tier: Tier) -> bool:
+        """No child in ``tier`` or a faster one (so this node may leave ``tier``)."""
+        return sum(self.child_tiers[:tier]) == 0
 
 
 class EvictionPolicy(Protocol):
@@ -77,13 +98,18 @@ class RadixIndex:
         self.pool = pool
         self.policy: EvictionPolicy = policy or LRUPolicy()
         self._nodes: dict[PageKey, RadixNode] = {}
-        self._by_page: dict[PageId, RadixNode] = {}
-        self._heap: list[tuple[float, int, int, RadixNode]] = []
+        self._by_page: dict[PageId, RadixNode] = {}  # HBM nodes only
+        self._heaps: dict[Tier, list[tuple[float, int, int, RadixNode]]] = {t: [] for t in Tier}
         self._tick = itertools.count(1)
         self._push_order = itertools.count()
         # Observers of index membership (page events for the directory, metrics).
         self.on_insert: list[Callable[[RadixNode], None]] = []
         self.on_remove: list[Callable[[RadixNode], None]] = []
+        self.on_move: list[Callable[[RadixNode, Tier], None]] = []
+        # Set by the tier manager: free a DRAM page / NVMe slot that a node leaves, and
+        # try to keep an HBM victim by moving it down (True) instead of dropping it.
+        self.release_lower: Callable[[RadixNode], None] | None = None
+        self.spill: Callable[[RadixNode], bool] | None = None
         pool.on_idle = self._page_became_idle
 
     def __len__(self) -> int:
@@ -120,19 +146,29 @@ class RadixIndex:
 
     # ---- membership ---------------------------------------------------------------
     def insert(
-        self, key: PageKey, parent_key: PageKey | None, page: PageId, tokens: Sequence[int]
+        self,
+        key: PageKey,
+        parent_key: PageKey | None,
+        page: PageId,
+        tokens: Sequence[int],
+        namespace: NamespaceDigest | None = None,
+        *,
+        tier: Tier = Tier.HBM,
+        checksum: int | None = None,
     ) -> RadixNode | None:
         """Cache ``page`` under ``key``. The caller holds a reference on ``page``.
 
         Returns None when the key is already cached (the caller's page stays private)
-        or when the parent is not cached (the index is prefix-closed).
+        or when the parent is not cached (the index is prefix-closed). A node in a lower
+        tier (restored after a restart) is inserted with ``tier`` and its ``checksum``;
+        its location then belongs to the index.
         """
         if key in self._nodes:
             return None
         parent = None
         if parent_key is not None:
             parent = self._nodes.get(parent_key)
-            if parent is None:
+            if parent is None or tier < parent.tier:
                 return None
         if len(tokens) != self.pool.page_size:
             raise ValueError(f"a cached page holds exactly {self.pool.page_size} tokens, got {len(tokens)}")
@@ -142,13 +178,19 @@ class RadixIndex:
             page=page,
             tokens=tuple(tokens),
             depth=1 if parent is None else parent.depth + 1,
+            namespace=namespace,
+            tier=tier,
+            checksum=checksum,
             last_access=next(self._tick),
         )
-        self.pool.mark_cached(page)
         self._nodes[key] = node
-        self._by_page[page] = node
+        if tier is Tier.HBM:
+            self.pool.mark_cached(page)
+            self._by_page[page] = node
         if parent is not None:
-            parent.num_children += 1
+            parent.children[key] = node
+            parent.child_tiers[tier - 1] += 1
+        self._push_if_evictable(node)
         for listener in self.on_insert:
             listener(node)
         return node
@@ -162,36 +204,82 @@ class RadixIndex:
             raise IntegrityError(f"page {short(key)} has {node.num_children} cached children")
         self._detach(node)
 
+    def drop_subtree(self, node: RadixNode) -> int:
+        """Remove a node and everything below it (children first); returns how many went."""
+        count = 0
+        for child in list(node.children.values()):
+            count += self.drop_subtree(child)
+        self._detach(node)
+        return count + 1
+
     def _detach(self, node: RadixNode) -> None:
         del self._nodes[node.key]
-        del self._by_page[node.page]
-        self.pool.unmark_cached(node.page)
+        self._leave_location(node)
         parent = node.parent
         if parent is not None:
-            parent.num_children -= 1
-            if parent.is_leaf:
-                self._push_if_evictable(parent)
+            del parent.children[node.key]
+            parent.child_tiers[node.tier - 1] -= 1
+            self._push_if_evictable(parent)
         for listener in self.on_remove:
             listener(node)
+
+    def _leave_location(self, node: RadixNode) -> None:
+        if node.tier is Tier.HBM:
+            del self._by_page[node.page]
+            self.pool.unmark_cached(node.page)
+        elif self.release_lower is not None:
+            self.release_lower(node)
+
+    def move(self, node: RadixNode, tier: Tier, page: int, checksum: int | None = None) -> None:
+        """Point a node at a copy of its page in another tier (the copy is complete).
+
+        Leaving HBM frees the old page unless a sequence holds it; entering HBM caches
+        the new page (the caller holds a reference on it, as for ``insert``).
+        """
+        if self._nodes.get(node.key) is not node:
+            raise IntegrityError(f"move of page {short(node.key)} that is not cached")
+        parent = node.parent
+        if parent is not None and tier < parent.tier:
+            raise IntegrityError(f"page {short(node.key)} cannot move above its parent's tier")
+        if any(tier > c.tier for c in node.children.values()):
+            raise IntegrityError(f"page {short(node.key)} cannot move below a child's tier")
+        old = node.tier
+        self._leave_location(node)
+        node.tier, node.page, node.checksum = tier, page, checksum
+        if tier is Tier.HBM:
+            self.pool.mark_cached(PageId(page))
+            self._by_page[PageId(page)] = node
+        if parent is not None:
+            parent.child_tiers[old - 1] -= 1
+            parent.child_tiers[tier - 1] += 1
+            self._push_if_evictable(parent)
+        self._push_if_evictable(node)
+        for listener in self.on_move:
+            listener(node, old)
 
     # ---- pins ---------------------------------------------------------------------
     def pin(self, key: PageKey) -> None:
         """Keep a page and (implicitly, since leaves go first) its ancestors resident."""
         node = self._nodes[key]
         node.pins += 1
-        self.pool.pin(node.page)
+        if node.tier is Tier.HBM:
+            self.pool.pin(node.page)
 
     def unpin(self, key: PageKey) -> None:
         node = self._nodes[key]
         if node.pins <= 0:
             raise IntegrityError(f"page {short(key)} is not pinned")
         node.pins -= 1
-        self.pool.unpin(node.page)
+        if node.tier is Tier.HBM:
+            self.pool.unpin(node.page)
         self._push_if_evictable(node)
 
     # ---- eviction -----------------------------------------------------------------
     def is_evictable(self, node: RadixNode) -> bool:
-        return node.is_leaf and node.pins == 0 and self.pool.ref_count(node.page) == 0
+        """May leave its tier now: a leaf of that tier, unpinned, not moving, unheld."""
+        if node.pins or node.moving or not node.is_leaf_in(node.tier):
+            return False
+        return node.tier is not Tier.HBM or self.pool.ref_count(node.page) == 0
 
     def _page_became_idle(self, page: PageId) -> None:
         node = self._by_page.get(page)
@@ -201,43 +289,83 @@ class RadixIndex:
     def _push_if_evictable(self, node: RadixNode) -> None:
         if self._nodes.get(node.key) is node and self.is_evictable(node):
             node.version += 1
-            heapq.heappush(self._heap, (self.policy.priority(node), next(self._push_order), node.version, node))
+            heapq.heappush(
+                self._heaps[node.tier], (self.policy.priority(node), next(self._push_order), node.version, node)
+            )
+
+    def pop_victims(self, tier: Tier, num_pages: int) -> list[RadixNode]:
+        """Up to ``num_pages`` evictable nodes of ``tier`` in policy order.
+
+        The caller moves or drops each one, or hands it back with ``requeue``.
+        """
+        heap = self._heaps[tier]
+        victims: list[RadixNode] = []
+        while len(victims) < num_pages and heap:
+            _, _, version, node = heapq.heappop(heap)
+            if version != node.version or self._nodes.get(node.key) is not node or node.tier is not tier:
+                continue
+            if not self.is_evictable(node):
+                continue
+            node.version += 1  # its remaining heap entries are stale now
+            victims.append(node)
+        return victims
+
+    def requeue(self, node: RadixNode) -> None:
+        self._push_if_evictable(node)
 
     def evict(self, num_pages: int) -> int:
-        """Evict up to ``num_pages`` idle leaves in policy order; returns how many went."""
-        evicted = 0
-        while evicted < num_pages and self._heap:
-            _, _, version, node = heapq.heappop(self._heap)
-            if version != node.version or self._nodes.get(node.key) is not node or not self.is_evictable(node):
-                continue
-            self._detach(node)
-            evicted += 1
-        return evicted
+        """Free up to ``num_pages`` HBM pages from idle HBM leaves in policy order.
+
+        With a tier manager attached, ``spill`` frees the victim's page (moving it down a
+        tier when one has room); otherwise it is dropped with what hangs below it.
+        """
+        freed = 0
+        while freed < num_pages:
+            victims = self.pop_victims(Tier.HBM, 1)
+            if not victims:
+                break
+            node = victims[0]
+            if self.spill is None or not self.spill(node):
+                self.drop_subtree(node)
+            freed += 1
+        return freed
 
     def reprioritize(self) -> None:
-        """Rebuild the candidate heap (after a policy change or a policy input changed)."""
-        self._heap.clear()
+        """Rebuild the candidate heaps (after a policy change or a policy input changed)."""
+        for heap in self._heaps.values():
+            heap.clear()
         for node in self._nodes.values():
             self._push_if_evictable(node)
 
-    def check_integrity(self) -> None:
-        children: dict[PageKey, int] = {}
+    def count_by_tier(self) -> dict[Tier, int]:
+        counts = dict.fromkeys(Tier, 0)
         for node in self._nodes.values():
-            if self._by_page.get(node.page) is not node:
-                raise IntegrityError(f"page {node.page} of node {short(node.key)} is not indexed by page")
-            if not self.pool.is_cached(node.page):
-                raise IntegrityError(f"page {node.page} of node {short(node.key)} is not marked cached")
+            counts[node.tier] += 1
+        return counts
+
+    def check_integrity(self) -> None:
+        for node in self._nodes.values():
+            where = f"node {short(node.key)}"
+            if node.tier is Tier.HBM:
+                if self._by_page.get(node.page) is not node:
+                    raise IntegrityError(f"HBM page {node.page} of {where} is not indexed by page")
+                if not self.pool.is_cached(node.page):
+                    raise IntegrityError(f"HBM page {node.page} of {where} is not marked cached")
+            tiers = [0, 0, 0]
+            for key, child in node.children.items():
+                if self._nodes.get(key) is not child or child.parent is not node:
+                    raise IntegrityError(f"{where} lists a child that is not cached under it")
+                if child.tier < node.tier:
+                    raise IntegrityError(f"{where} in {node.tier.label} has a child in faster {child.tier.label}")
+                tiers[child.tier - 1] += 1
+            if tiers != node.child_tiers:
+                raise IntegrityError(f"{where} counts children per tier {node.child_tiers}, has {tiers}")
             if node.parent is not None:
                 if self._nodes.get(node.parent.key) is not node.parent:
-                    raise IntegrityError(f"node {short(node.key)} has an uncached parent")
-                children[node.parent.key] = children.get(node.parent.key, 0) + 1
+                    raise IntegrityError(f"{where} has an uncached parent")
                 if node.depth != node.parent.depth + 1:
-                    raise IntegrityError(f"node {short(node.key)} depth {node.depth} breaks the chain")
-        for node in self._nodes.values():
-            if node.num_children != children.get(node.key, 0):
-                raise IntegrityError(
-                    f"node {short(node.key)} counts {node.num_children} children, has {children.get(node.key, 0)}"
-                )
-        if len(self._by_page) != len(self._nodes):
-            raise IntegrityError("page map and key map differ in size")
+                    raise IntegrityError(f"{where} depth {node.depth} breaks the chain")
+        num_hbm = sum(1 for n in self._nodes.values() if n.tier is Tier.HBM)
+        if len(self._by_page) != num_hbm:
+            raise IntegrityError(f"page map holds {len(self._by_page)} HBM pages, index has {num_hbm}")
         self.pool.check_integrity()

@@ -27,11 +27,12 @@ from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampler import make_generator, sample
 from kvtier.engine.scheduler import Scheduler, SchedulerConfig
 from kvtier.engine.sequence import Sequence, SequenceStatus
-from kvtier.errors import InvalidArgument, NotFound
+from kvtier.errors import IntegrityError, InvalidArgument, NotFound
 from kvtier.hashing import NamespaceDigest, NamespaceIdentity, namespace_digest
 from kvtier.model import LlamaModel
 from kvtier.page_pool import PagePool, PoolGeometry
 from kvtier.radix import EvictionPolicy, RadixIndex
+from kvtier.tier_manager import TierConfig, TierManager
 
 log = logging.getLogger("kvtier.engine")
 
@@ -57,6 +58,8 @@ class GenerationResult:
     num_cached_tokens: int
     num_computed_tokens: int
     num_preemptions: int
+    num_promoted_tokens: int = 0
+    promotion_wait_s: float = 0.0
     logits: list[torch.Tensor] | None = field(default=None, repr=False)
 
 
@@ -83,6 +86,7 @@ class Engine:
         eviction_policy: EvictionPolicy | None = None,
         max_model_len: int | None = None,
         record_logits: bool = False,
+        tier_config: TierConfig | None = None,
     ) -> None:
         if page_size < 1:
             raise InvalidArgument(f"page_size must be >= 1, got {page_size}", field="page_size")
@@ -93,7 +97,8 @@ class Engine:
         self.geometry = PoolGeometry(num_layers, kv_heads, head_dim, page_size, param.dtype)
         self.pool = PagePool(num_pages, self.geometry, device=param.device)
         self.index = RadixIndex(self.pool, eviction_policy)
-        self.scheduler = Scheduler(self.pool, self.index, scheduler_config)
+        self.tiers = TierManager(self.index, tier_config) if tier_config is not None else None
+        self.scheduler = Scheduler(self.pool, self.index, scheduler_config, self.tiers)
         self.backend = get_backend(attention_backend, param.device)
         self.runner = ModelRunner(model, self.pool, self.backend)
         self.vocab_size = cfg.vocab_size
@@ -231,11 +236,15 @@ class Engine:
             num_cached_tokens=max(seq.num_cached_tokens, 0),
             num_computed_tokens=seq.num_computed_tokens,
             num_preemptions=seq.num_preemptions,
+            num_promoted_tokens=seq.num_promoted_tokens,
+            promotion_wait_s=seq.promotion_wait_s,
             logits=seq.logits_trace,
         )
 
     # ---- stepping -------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        if self.tiers is not None:
+            self.tiers.maintain()
         batch = self.scheduler.schedule()
         if batch is None:
             return []
@@ -293,7 +302,15 @@ class Engine:
         return [self.pop_result(r) for r in rids]
 
     def check_integrity(self) -> None:
+        """Raise with the numbers if any pool, index or sequence accounting is off."""
         self.scheduler.check_integrity()
+        if self.tiers is not None:
+            self.tiers.check_integrity()
         for seq in self._seqs.values():
             if seq.status is SequenceStatus.FINISHED and seq.pages:
-                raise AssertionError(f"finished {seq.request_id} still holds pages")
+                raise IntegrityError(f"finished {seq.request_id} still holds pages")
+
+    def close(self) -> None:
+        """Stop the transfer threads and close the NVMe files (pages on disk stay recoverable)."""
+        if self.tiers is not None:
+            self.tiers.close()

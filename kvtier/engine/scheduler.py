@@ -22,6 +22,8 @@ from kvtier.engine.sequence import Sequence, SequenceStatus
 from kvtier.errors import IntegrityError, ResourceExhausted
 from kvtier.page_pool import PageId, PagePool
 from kvtier.radix import RadixIndex
+from kvtier.tier_manager import TierManager
+from kvtier.tiers import Tier
 
 
 @dataclass(slots=True)
@@ -42,9 +44,16 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, index: RadixIndex, config: SchedulerConfig | None = None) -> None:
+    def __init__(
+        self,
+        pool: PagePool,
+        index: RadixIndex,
+        config: SchedulerConfig | None = None,
+        tiers: TierManager | None = None,
+    ) -> None:
         self.pool = pool
         self.index = index
+        self.tiers = tiers
         self.config = config or SchedulerConfig()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -92,13 +101,13 @@ class Scheduler:
         keys = seq.full_page_keys()
         match = self.index.match(keys, seq.tokens)
         hits = match.nodes
-        cached_tokens = len(hits) * ps
-        # The last prompt position must be computed to get logits; if every page hit,
-        # recompute that one token in a private copy of the last page (copy-on-write).
-        needs_cow = cached_tokens >= seq.num_tokens
-        if needs_cow:
-            cached_tokens = seq.num_tokens - 1
-        new_pages = seq.pages_for(seq.num_tokens) - len(hits) + (1 if needs_cow else 0)
+        num_hbm = next((i for i, n in enumerate(hits) if n.tier is not Tier.HBM), len(hits))
+        lower = hits[num_hbm:] if self.tiers is not None else []
+        hits = hits[:num_hbm]
+        total_pages = seq.pages_for(seq.num_tokens)
+        # Admission counts every page not already in HBM, promoted ones included.
+        full_hit = (num_hbm + len(lower)) * ps >= seq.num_tokens
+        new_pages = total_pages - num_hbm + (1 if full_hit else 0)
         reserve = self._reservation(seq)
         idle_hits = sum(1 for n in hits if self.pool.ref_count(n.page) == 0)
         available = self._available() - idle_hits
@@ -109,6 +118,20 @@ class Scheduler:
         for node in hits:
             self.pool.acquire(node.page)
             pages.append(node.page)
+        if lower:
+            assert self.tiers is not None
+            wait_start = self.tiers.counters.promotion_wait_s
+            promoted = self.tiers.promote(lower)  # each comes with one reference for us
+            pages.extend(n.page for n in promoted)
+            hits = hits + promoted
+            seq.num_promoted_tokens += len(promoted) * ps
+            seq.promotion_wait_s += self.tiers.counters.promotion_wait_s - wait_start
+        cached_tokens = len(hits) * ps
+        # The last prompt position must be computed to get logits; if every page hit,
+        # recompute that one token in a private copy of the last page (copy-on-write).
+        needs_cow = cached_tokens >= seq.num_tokens
+        if needs_cow:
+            cached_tokens = seq.num_tokens - 1
         ok = True
         if needs_cow:
             private = self.pool.copy_on_write(pages[-1])
@@ -118,7 +141,7 @@ class Scheduler:
                 ok = False
             else:
                 pages[-1] = private
-        while ok and len(pages) < seq.pages_for(seq.num_tokens):
+        while ok and len(pages) < total_pages:
             page = self._allocate()
             if page is None:
                 ok = False
@@ -216,7 +239,7 @@ class Scheduler:
             if keys[i] in self.index:
                 continue  # cached already (our own hit, or a duplicate computed by another seq)
             parent = keys[i - 1] if i > 0 else None
-            if self.index.insert(keys[i], parent, seq.pages[i], seq.page_tokens(i)) is None:
+            if self.index.insert(keys[i], parent, seq.pages[i], seq.page_tokens(i), seq.namespace) is None:
                 self._reinsert_chain(seq, i)
         seq.num_registered = num_full
 
@@ -227,7 +250,7 @@ class Scheduler:
         for j in range(upto + 1):
             if keys[j] not in self.index:
                 parent = keys[j - 1] if j > 0 else None
-                if self.index.insert(keys[j], parent, seq.pages[j], seq.page_tokens(j)) is None:
+                if self.index.insert(keys[j], parent, seq.pages[j], seq.page_tokens(j), seq.namespace) is None:
                     raise IntegrityError(f"cannot cache page {j} of {seq.request_id}: parent missing")
 
     def finish(self, seq: Sequence) -> None:
@@ -256,11 +279,14 @@ class Scheduler:
         for seq in self.waiting:
             if seq.pages:
                 raise IntegrityError(f"waiting {seq.request_id} still holds {len(seq.pages)} pages")
+        if self.tiers is not None:
+            for page, count in self.tiers.hbm_holds().items():
+                held[page] = held.get(page, 0) + count
         for page, count in held.items():
             if self.pool.ref_count(page) != count:
                 raise IntegrityError(
                     f"page {page}: sequences hold {count} references, pool counts {self.pool.ref_count(page)}"
                 )
         if sum(1 for r in range(self.pool.num_pages) if self.pool.ref_count(PageId(r)) > 0) != len(held):
-            raise IntegrityError("a page is referenced by no running sequence (leak)")
+            raise IntegrityError("a page is referenced by no running sequence or transfer (leak)")
         self.index.check_integrity()

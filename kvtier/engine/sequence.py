@@ -46,6 +46,8 @@ class Sequence:
     # Accounting reported back to the caller.
     num_cached_tokens: int = -1  # prefix hit at first admission; -1 until admitted
     num_computed_tokens: int = 0  # K/V computed by the model, recomputation included
+    num_promoted_tokens: int = 0  # cached tokens copied up from DRAM/NVMe before prefill
+    promotion_wait_s: float = 0.0  # eviction-induced first-token latency
     num_preemptions: int = 0
     logits_trace: list[torch.Tensor] | None = None
     _keys: list[PageKey] = field(default_factory=list)

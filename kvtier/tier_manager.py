@@ -1,0 +1,513 @@
+"""Moves cached pages between HBM, DRAM and NVMe for one engine (DESIGN §5 decisions 5–7).
+
+Three paths, all applied to the radix index only once the bytes are where it says:
+
+- **Watermark demotion** (asynchronous): when a tier's free pages fall below
+  ``1 − high``, its coldest evictable pages are copied one tier down by the transfer
+  engine until ``1 − low`` is free again. Decode keeps stepping meanwhile; a page that a
+  sequence picked up again before the copy finished stays where it is.
+- **Spill** (synchronous fallback): an allocation that finds no free HBM page moves one
+  victim down at once instead of dropping it; with no room below, the victim is dropped.
+- **Promotion on hit**: matched pages in DRAM/NVMe are copied into HBM before prefill,
+  each verified against the checksum it carried since it left HBM. A mismatch drops
+  that page and everything below it (the engine recomputes them) — wrong bytes are
+  never used. The wait is recorded as eviction-induced first-token latency.
+
+Every page held by a transfer carries an extra reference (HBM/DRAM) or a reserved slot
+(NVMe) until its ``TransferDone`` is applied, so nothing it reads can be reused.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtier.checksum import page_checksum
+from kvtier.dram_pool import DramPool
+from kvtier.errors import IntegrityError, InvalidArgument, KvtierError
+from kvtier.hashing import short
+from kvtier.nvme_pool import NvmePool, SlotId
+from kvtier.page_pool import PageId, PagePool
+from kvtier.radix import RadixIndex, RadixNode
+from kvtier.tiers import Tier
+from kvtier.transfer import TransferDone, TransferEngine, TransferId, TransferReason, TransferStatus
+
+log = logging.getLogger("kvtier.tiers")
+
+
+@dataclass(slots=True)
+class Watermark:
+    """Occupied fractions: above ``high`` the tier sheds pages until it is at ``low``."""
+
+    high: float = 0.95
+    low: float = 0.85
+
+    def validate(self, name: str) -> None:
+        if not (0.0 < self.low <= self.high <= 1.0):
+            raise InvalidArgument(
+                f"{name} watermarks need 0 < low <= high <= 1, got low={self.low} high={self.high}",
+                field=f"{name}.watermark",
+            )
+
+
+@dataclass(slots=True)
+class TierConfig:
+    dram_pages: int = 0
+    nvme_slots: int = 0
+    nvme_dir: Path | None = None
+    hbm_watermark: Watermark = field(default_factory=Watermark)
+    dram_watermark: Watermark = field(default_factory=Watermark)
+    max_batch_pages: int = 256  # pages per asynchronous transfer
+    failure_backoff_s: float = 2.0  # after a failed write into a tier, leave it alone this long
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """Totals for telemetry. Bytes moved per tier pair include synchronous spills."""
+
+    bytes_moved: dict[tuple[Tier, Tier], int] = field(default_factory=dict)
+    pages_moved: dict[tuple[Tier, Tier], int] = field(default_factory=dict)
+    pages_dropped: int = 0
+    checksum_failures: int = 0
+    demotions_abandoned: int = 0  # a sequence reused the page while it was being copied
+    disk_full_events: int = 0
+    promotion_wait_s: float = 0.0
+    promoted_pages: int = 0
+
+    def moved(self, src: Tier, dst: Tier, num_pages: int, page_bytes: int) -> None:
+        pair = (src, dst)
+        self.pages_moved[pair] = self.pages_moved.get(pair, 0) + num_pages
+        self.bytes_moved[pair] = self.bytes_moved.get(pair, 0) + num_pages * page_bytes
+
+
+@dataclass(slots=True)
+class _Pending:
+    nodes: list[RadixNode]
+    dsts: list[int]
+    src: Tier
+    dst: Tier
+
+
+class TierManager:
+    """Owns the DRAM and NVMe pools and the transfer engine of one engine.
+
+    Runs on the engine thread only (``maintain`` once per step); the transfer engine's
+    worker threads never touch the index.
+    """
+
+    def __init__(self, index: RadixIndex, config: TierConfig) -> None:
+        config.hbm_watermark.validate("hbm")
+        config.dram_watermark.validate("dram")
+        self.index = index
+        self.hbm: PagePool = index.pool
+        self.config = config
+        geometry = self.hbm.geometry
+        self.page_bytes = geometry.page_bytes
+        self.dram = DramPool(config.dram_pages, geometry) if config.dram_pages > 0 else None
+        self.nvme: NvmePool | None = None
+        if config.nvme_slots > 0:
+            if config.nvme_dir is None:
+                raise InvalidArgument("an NVMe tier needs a directory", field="nvme_dir")
+            self.nvme = NvmePool(config.nvme_dir, config.nvme_slots, geometry)
+        self.transfers = TransferEngine(self.hbm, self.dram, self.nvme)
+        self.counters = TierCounters()
+        self._pending: dict[TransferId, _Pending] = {}
+        # A tier whose writes fail (disk full, I/O errors) gets no new pages for a while,
+        # so the engine drops instead of retrying the same failing copy every step.
+        self._failing_until: dict[Tier, float] = {}
+        index.release_lower = self._release_lower
+        index.spill = self.spill
+        if self.nvme is not None:
+            self._restore_nvme()
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return [t for t, p in ((Tier.HBM, self.hbm), (Tier.DRAM, self.dram), (Tier.NVME, self.nvme)) if p]
+
+    def close(self) -> None:
+        self.transfers.close()
+        self.poll()
+        if self.nvme is not None:
+            self.nvme.close()
+
+    # ---- locations ------------------------------------------------------------------
+    def _release_lower(self, node: RadixNode) -> None:
+        if node.tier is Tier.DRAM:
+            assert self.dram is not None
+            self.dram.unmark_cached(PageId(node.page))
+        elif node.tier is Tier.NVME:
+            assert self.nvme is not None
+            self.nvme.free(SlotId(node.page))
+
+    def _num_free(self, tier: Tier) -> int:
+        pool = {Tier.HBM: self.hbm, Tier.DRAM: self.dram, Tier.NVME: self.nvme}[tier]
+        return 0 if pool is None else pool.num_free
+
+    def _capacity(self, tier: Tier) -> int:
+        if tier is Tier.NVME:
+            return 0 if self.nvme is None else self.nvme.num_slots
+        pool = self.hbm if tier is Tier.HBM else self.dram
+        return 0 if pool is None else pool.num_pages
+
+    def _allocate(self, tier: Tier) -> int | None:
+        """A destination page/slot in ``tier``, making room there by moving or dropping."""
+        for _ in range(2):
+            if tier is Tier.DRAM and self.dram is not None:
+                page = self.dram.allocate()
+                if page is not None:
+                    return page
+            elif tier is Tier.NVME and self.nvme is not None:
+                slot = self.nvme.allocate()
+                if slot is not None:
+                    return slot
+            elif tier is Tier.HBM:
+                page = self.hbm.allocate()
+                if page is not None:
+                    return page
+            if not self._make_room(tier):
+                return None
+        return None
+
+    def _make_room(self, tier: Tier) -> bool:
+        if tier is Tier.HBM:
+            return self.index.evict(1) == 1
+        victims = self.index.pop_victims(tier, 1)
+        if not victims:
+            return False
+        victim = victims[0]
+        if tier is Tier.DRAM and self._move_now(victim, Tier.NVME, allow_room=True):
+            return True
+        self.counters.pages_dropped += self.index.drop_subtree(victim)
+        return True
+
+    # ---- synchronous moves ----------------------------------------------------------
+    def spill(self, node: RadixNode) -> bool:
+        """Free an HBM victim's page now (allocation fallback): move it down a tier, or
+        drop it with its subtree when no lower tier has room or works."""
+        for tier in (Tier.DRAM, Tier.NVME):
+            if self._move_now(node, tier, allow_room=True):
+                return True
+        self.counters.pages_dropped += self.index.drop_subtree(node)
+        return True
+
+    def is_usable(self, tier: Tier) -> bool:
+        return self._capacity(tier) > 0 and time.monotonic() >= self._failing_until.get(tier, 0.0)
+
+    def _mark_failing(self, tier: Tier) -> None:
+        self._failing_until[tier] = time.monotonic() + self.config.failure_backoff_s
+
+    def _move_now(self, node: RadixNode, dst: Tier, *, allow_room: bool) -> bool:
+        if not self.is_usable(dst):
+            return False
+        node.moving = True  # not a victim while we make room below
+        try:
+            target = self._allocate(dst) if allow_room else None
+            if target is None:
+                return False
+            src_bytes = self._page_tensor(node)
+            checksum = node.checksum if node.tier is not Tier.HBM else page_checksum(src_bytes)
+            if dst is Tier.DRAM:
+                assert self.dram is not None
+                self.dram.tensor[target].copy_(src_bytes)
+                self.dram.set_checksums([PageId(target)], [checksum])
+                self._adopt_dram(PageId(target))
+            else:
+                assert self.nvme is not None
+                try:
+                    self.nvme.write_pages(
+                        [SlotId(target)], src_bytes[None], [node.key], [node.namespace or b"\0" * 16], [checksum],
+                        parents=[node.parent.key if node.parent else None], tokens=[node.tokens],
+                    )
+                except KvtierError as exc:  # disk full or failing: drop instead (the slot is free again)
+                    self.counters.disk_full_events += 1
+                    self._mark_failing(Tier.NVME)
+                    log.warning("nvme write failed, dropping instead: %s", exc)
+                    return False
+            self.counters.moved(node.tier, dst, 1, self.page_bytes)
+            src = node.tier
+            node.moving = False
+            self.index.move(node, dst, target, checksum)
+            log.debug("moved page %s %s -> %s", short(node.key), src.label, dst.label)
+            return True
+        finally:
+            node.moving = False
+
+    def _page_tensor(self, node: RadixNode):
+        if node.tier is Tier.HBM:
+            return self.hbm.tensor[node.page]
+        if node.tier is Tier.DRAM:
+            assert self.dram is not None
+            return self.dram.tensor[node.page]
+        raise InvalidArgument("NVMe pages are read through promotion, not copied in place")
+
+    def _adopt_dram(self, page: PageId) -> None:
+        """The index now owns this DRAM page (allocated with one reference)."""
+        assert self.dram is not None
+        self.dram.mark_cached(page)
+        self.dram.release(page)
+
+    # ---- asynchronous demotion --------------------------------------------------------
+    def maintain(self) -> None:
+        """Apply finished transfers, then start demotions where a tier is above its watermark."""
+        self.poll()
+        self._demote_over_watermark(Tier.HBM, self.config.hbm_watermark, Tier.DRAM if self.dram else Tier.NVME)
+        if self.dram is not None:
+            self._demote_over_watermark(Tier.DRAM, self.config.dram_watermark, Tier.NVME)
+
+    def _demote_over_watermark(self, tier: Tier, mark: Watermark, dst: Tier) -> None:
+        capacity = self._capacity(tier)
+        if capacity == 0 or not self.is_usable(dst):
+            return
+        if capacity - self._num_free(tier) <= mark.high * capacity:
+            return
+        in_flight = sum(len(p.nodes) for p in self._pending.values() if p.src is tier)
+        want = math.ceil((1.0 - mark.low) * capacity) - self._num_free(tier) - in_flight
+        if want > 0:
+            self.demote(tier, dst, min(want, self.config.max_batch_pages), TransferReason.WATERMARK)
+
+    def demote(self, src: Tier, dst: Tier, num_pages: int, reason: TransferReason) -> TransferId | None:
+        """Start copying up to ``num_pages`` of ``src``'s coldest idle pages to ``dst``."""
+        victims = self._with_ancestors(self.index.pop_victims(src, num_pages), src, num_pages)
+        nodes, dsts = [], []
+        for node in victims:
+            node.moving = True
+            target = self._allocate(dst)
+            if target is None:
+                node.moving = False
+                self.index.requeue(node)
+                break
+            nodes.append(node)
+            dsts.append(target)
+        for node in victims[len(nodes) :]:
+            self.index.requeue(node)
+        if not nodes:
+            return None
+        src_pool = self.hbm if src is Tier.HBM else self.dram
+        assert src_pool is not None
+        for node in nodes:  # held until applied: not freed or reused under the copy
+            src_pool.acquire(PageId(node.page))
+        kwargs = {}
+        if dst is Tier.NVME:
+            kwargs = dict(
+                keys=[n.key for n in nodes],
+                namespaces=[n.namespace or b"\0" * 16 for n in nodes],
+                parents=[n.parent.key if n.parent else None for n in nodes],
+                tokens=[n.tokens for n in nodes],
+            )
+        if src is Tier.DRAM:
+            assert self.dram is not None
+            self.dram.set_checksums([PageId(n.page) for n in nodes], [n.checksum or 0 for n in nodes])
+        transfer = self.transfers.submit(src, dst, list(zip([n.page for n in nodes], dsts, strict=True)), reason, **kwargs)
+        self._pending[transfer.transfer_id] = _Pending(nodes, dsts, src, dst)
+        return transfer.transfer_id
+
+    def _with_ancestors(self, victims: list[RadixNode], tier: Tier, limit: int) -> list[RadixNode]:
+        """Extend leaf victims upwards: a parent whose same-tier children all go in this
+        batch can go too. Deepest first, so applying in order never puts a child above
+        its parent's tier."""
+        chosen = {n.key: n for n in victims}
+        for leaf in victims:
+            node = leaf.parent
+            while node is not None and len(chosen) < limit and node.key not in chosen:
+                same_or_faster = [c for c in node.children.values() if c.tier <= tier]
+                if (
+                    node.tier is not tier
+                    or node.pins
+                    or node.moving
+                    or (tier is Tier.HBM and self.hbm.ref_count(PageId(node.page)) > 0)
+                    or any(c.key not in chosen for c in same_or_faster)
+                ):
+                    break
+                chosen[node.key] = node
+                node = node.parent
+        return sorted(chosen.values(), key=lambda n: -n.depth)
+
+    def hbm_holds(self) -> dict[PageId, int]:
+        """HBM pages this manager holds a reference on (sources of demotions in flight)."""
+        holds: dict[PageId, int] = {}
+        for p in self._pending.values():
+            if p.src is Tier.HBM:
+                for node in p.nodes:
+                    holds[PageId(node.page)] = holds.get(PageId(node.page), 0) + 1
+        return holds
+
+    def poll(self) -> None:
+        for done in self.transfers.poll_completed():
+            self._apply_demotion(done)
+
+    def _apply_demotion(self, done: TransferDone) -> None:
+        pending = self._pending.pop(done.transfer.transfer_id, None)
+        if pending is None:
+            return
+        src_pool = self.hbm if pending.src is Tier.HBM else self.dram
+        assert src_pool is not None
+        moved = 0
+        for i, (node, target) in enumerate(zip(pending.nodes, pending.dsts, strict=True)):
+            node.moving = False
+            still_here = self.index.get(node.key) is node and node.tier is pending.src
+            # Our own hold is the only reference: no sequence picked the page up meanwhile.
+            idle = still_here and src_pool.ref_count(PageId(node.page)) == 1
+            src_pool.release(PageId(node.page))
+            # A child that stayed behind (reused meanwhile) keeps its parent in this tier.
+            children_below = all(c.tier >= pending.dst for c in node.children.values())
+            if done.is_ok and idle and children_below:
+                checksum = done.checksums[i] if i < len(done.checksums) else node.checksum
+                if pending.dst is Tier.DRAM:
+                    assert self.dram is not None
+                    self.dram.set_checksums([PageId(target)], [checksum])
+                    self._adopt_dram(PageId(target))
+                self.index.move(node, pending.dst, target, checksum)
+                moved += 1
+                continue
+            if not (done.dst_released and pending.dst is Tier.NVME):
+                self._free_target(pending.dst, target)
+            if still_here:
+                if done.is_ok:
+                    self.counters.demotions_abandoned += 1
+                self.index.requeue(node)
+        if moved:
+            self.counters.moved(pending.src, pending.dst, moved, self.page_bytes)
+        if done.error is not None:
+            self.counters.disk_full_events += 1
+            self._mark_failing(pending.dst)
+            log.warning("demotion %s -> %s failed: %s", pending.src.label, pending.dst.label, done.error)
+
+    def _free_target(self, tier: Tier, target: int) -> None:
+        if tier is Tier.DRAM:
+            assert self.dram is not None
+            self.dram.release(PageId(target))
+        elif tier is Tier.NVME:
+            assert self.nvme is not None
+            self.nvme.free(SlotId(target))
+        else:
+            self.hbm.release(PageId(target))
+
+    def wait_idle(self, timeout_s: float = 30.0) -> None:
+        """Block until every started transfer is applied (tests, drain, shutdown)."""
+        self.transfers.wait_idle(timeout_s)
+        self.poll()
+
+    def demote_all(self, dst: Tier) -> int:
+        """Move every idle cached page above ``dst`` down to it, synchronously (drain, tests)."""
+        if dst is Tier.DRAM:
+            steps = [(Tier.HBM, Tier.DRAM)]
+        elif self.dram is not None:
+            steps = [(Tier.HBM, Tier.DRAM), (Tier.DRAM, Tier.NVME)]
+        else:
+            steps = [(Tier.HBM, Tier.NVME)]
+        moved = 0
+        for src, to in steps:
+            while victims := self.index.pop_victims(src, 1):
+                if not self._move_now(victims[0], to, allow_room=True):
+                    self.index.requeue(victims[0])
+                    break
+                moved += 1
+        return moved
+
+    # ---- promotion --------------------------------------------------------------------
+    def promote(self, nodes: Sequence[RadixNode]) -> list[RadixNode]:
+        """Bring matched lower-tier pages (a chain, parents first) into HBM, verified.
+
+        Returns the leading nodes now in HBM, each with one reference held for the
+        caller. A page that fails its checksum is dropped with its subtree; nodes after
+        it are not returned (the caller recomputes from there).
+        """
+        if not nodes:
+            return []
+        start = time.perf_counter()
+        for node in nodes:
+            node.moving = True  # not a victim while we make room
+        pages: list[PageId] = []
+        for _ in nodes:
+            page = self._allocate(Tier.HBM)
+            if page is None:
+                break
+            pages.append(PageId(page))
+        for node in nodes:
+            node.moving = False
+        nodes = list(nodes[: len(pages)])
+        promoted: list[RadixNode] = []
+        failed_at: RadixNode | None = None
+        groups: dict[Tier, list[int]] = {}
+        for i, node in enumerate(nodes):
+            groups.setdefault(node.tier, []).append(i)
+        ok = [False] * len(nodes)
+        for tier, idx in groups.items():
+            if tier is Tier.DRAM:
+                assert self.dram is not None
+                self.dram.set_checksums([PageId(nodes[i].page) for i in idx], [nodes[i].checksum or 0 for i in idx])
+            transfer = self.transfers.submit(
+                tier, Tier.HBM, [(nodes[i].page, pages[i]) for i in idx], TransferReason.PROMOTION_ON_HIT,
+                priority=10,
+            )
+            done = self._wait(transfer.transfer_id)
+            verified = done.verified or [done.is_ok] * len(idx)
+            for j, i in enumerate(idx):
+                ok[i] = done.status is TransferStatus.OK and verified[j]
+            self.counters.moved(tier, Tier.HBM, sum(ok[i] for i in idx), self.page_bytes)
+        for i, node in enumerate(nodes):
+            if ok[i] and failed_at is None:
+                self.index.move(node, Tier.HBM, pages[i])
+                promoted.append(node)
+            else:
+                self.hbm.release(pages[i])
+                if failed_at is None:
+                    failed_at = node
+        if failed_at is not None and self.index.get(failed_at.key) is failed_at:
+            self.counters.checksum_failures += 1
+            self.counters.pages_dropped += self.index.drop_subtree(failed_at)
+            log.warning("page %s failed its checksum on promotion; dropped and recomputed", short(failed_at.key))
+        self.counters.promotion_wait_s += time.perf_counter() - start
+        self.counters.promoted_pages += len(promoted)
+        return promoted
+
+    def _wait(self, transfer_id: TransferId) -> TransferDone:
+        while True:
+            for done in self.transfers.poll_completed():
+                if done.transfer.transfer_id == transfer_id:
+                    return done
+                self._apply_demotion(done)
+            time.sleep(0.0002)
+
+    # ---- restart ----------------------------------------------------------------------
+    def _restore_nvme(self) -> None:
+        """Re-index pages the NVMe pool recovered, parents before children."""
+        assert self.nvme is not None
+        report = self.nvme.recovery
+        if report is None or not report.recovered:
+            return
+        pending = {p.key: p for p in report.recovered}
+        restored = 0
+        progress = True
+        while pending and progress:
+            progress = False
+            for key, page in list(pending.items()):
+                if page.parent_key is not None and page.parent_key in pending:
+                    continue
+                node = self.index.insert(
+                    key, page.parent_key, page.slot, page.tokens or (), page.namespace,
+                    tier=Tier.NVME, checksum=page.checksum,
+                ) if page.tokens and len(page.tokens) == self.hbm.page_size else None
+                if node is None:
+                    self.nvme.free(page.slot)
+                else:
+                    restored += 1
+                del pending[key]
+                progress = True
+        log.info("restored %d NVMe pages into the index (%d discarded)", restored, len(report.discarded))
+
+    def check_integrity(self) -> None:
+        self.index.check_integrity()
+        if self.dram is not None:
+            self.dram.check_integrity()
+            held = sum(1 for n in self.index.nodes() if n.tier is Tier.DRAM)
+            cached = sum(1 for p in range(self.dram.num_pages) if self.dram.is_cached(PageId(p)))
+            if held != cached:
+                raise IntegrityError(f"DRAM caches {cached} pages but the index places {held} there")
+        if self.nvme is not None:
+            self.nvme.check_integrity()
+        self.transfers.check_integrity()

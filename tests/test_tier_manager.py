@@ -1,0 +1,243 @@
+"""Tiering inside the engine: demotion, verified promotion, recovery — against the oracle."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.engine import Engine, SamplingParams, SchedulerConfig
+from kvtier.hashing import page_keys
+from kvtier.nvme_pool import HEADER_BYTES
+from kvtier.tier_manager import TierConfig, Watermark
+from kvtier.tiers import Tier
+from kvtier.transfer import TransferReason
+
+from hf_checkpoints import build_checkpoint, hf_logits, load_hf
+
+PS = 4
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("tier-ckpt") / "llama", "llama", seed=7)
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt):
+    return load_hf(ckpt)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def tiered(ckpt, tmp_path, *, num_pages=256, dram=64, nvme=64, page_size=PS, **kwargs) -> Engine:
+    config = TierConfig(dram_pages=dram, nvme_slots=nvme, nvme_dir=tmp_path / "nvme" if nvme else None)
+    return Engine.from_pretrained(ckpt, page_size=page_size, num_pages=num_pages, tier_config=config, **kwargs)
+
+
+def plain(ckpt, **kwargs) -> Engine:
+    return Engine.from_pretrained(ckpt, page_size=PS, num_pages=256, **kwargs)
+
+
+def assert_oracle(hf, result):
+    full = result.prompt_token_ids + result.token_ids
+    ref = hf_logits(hf, full)
+    p = len(result.prompt_token_ids)
+    for i, row in enumerate(result.logits):
+        torch.testing.assert_close(row, ref[p - 1 + i], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("down_to", [Tier.DRAM, Tier.NVME])
+def test_prefix_moved_down_and_back_equals_oracle_and_unmoved_run(ckpt, hf, tmp_path, down_to):
+    engine = tiered(ckpt, tmp_path, record_logits=True)
+    base = prompt(14, seed=1)  # 3 full pages + 2 tokens
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    engine.generate([base], params)
+    moved = engine.tiers.demote_all(down_to)
+    counts = engine.index.count_by_tier()
+    # 14 + 10 tokens, 23 with K/V: 5 full pages, every one now in the lower tier.
+    assert moved >= 5 and counts[Tier.HBM] == 0 and counts[down_to] == 5
+    engine.check_integrity()
+
+    follow = base[:12] + [5, 6, 7]
+    r = engine.generate([follow], params)[0]
+    assert r.num_cached_tokens == 12 and r.num_promoted_tokens == 12
+    assert r.token_ids == plain(ckpt).generate([follow], params)[0].token_ids
+    assert_oracle(hf, r)
+    stats = engine.tiers.transfers.stats()
+    assert stats.bytes_moved[(down_to, Tier.HBM)] == 3 * engine.geometry.page_bytes
+    assert engine.tiers.counters.checksum_failures == 0
+    engine.check_integrity()
+    engine.close()
+
+
+def test_flipped_byte_on_nvme_is_rejected_and_recomputed(ckpt, hf, tmp_path):
+    engine = tiered(ckpt, tmp_path, dram=0, record_logits=True)
+    base = prompt(14, seed=2)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    reference = plain(ckpt).generate([base[:12] + [9]], params)[0]
+    engine.generate([base], params)
+    engine.tiers.demote_all(Tier.NVME)
+    second_key = page_keys(engine.digest_for(None), base, PS)[1]
+    node = engine.index.get(second_key)
+    assert node is not None and node.tier is Tier.NVME
+    nvme = engine.tiers.nvme
+    index, i = divmod(node.page, nvme.slots_per_file)
+    path = nvme._file_path(index)
+    offset = HEADER_BYTES + i * nvme.slot_bytes + HEADER_BYTES + 100  # inside the payload
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+    r = engine.generate([base[:12] + [9]], params)[0]
+    assert engine.tiers.counters.checksum_failures == 1
+    assert r.num_promoted_tokens == PS  # only the first page came back; the rest recomputed
+    assert r.num_cached_tokens == PS
+    assert r.token_ids == reference.token_ids
+    assert_oracle(hf, r)
+    assert engine.index.get(second_key) is None or engine.index.get(second_key).tier is Tier.HBM
+    engine.check_integrity()
+    engine.close()
+
+
+def test_decode_keeps_stepping_while_a_large_demotion_is_in_flight(ckpt, tmp_path):
+    engine = tiered(ckpt, tmp_path, num_pages=2048, dram=0, nvme=2048, page_size=16)
+    fill = [prompt(496, seed=100 + i) for i in range(24)]  # ~744 cached pages
+    engine.generate(fill, SamplingParams(max_tokens=1))
+    rid = engine.add_request(prompt(20, seed=3), SamplingParams(max_tokens=300, ignore_eos=True))
+    engine.step()
+    tid = engine.tiers.demote(Tier.HBM, Tier.NVME, 10_000, TransferReason.WATERMARK)
+    assert tid is not None
+    in_flight = len(engine.tiers._pending[tid].nodes)
+    assert in_flight > 500
+    steps_during = 0
+    while engine.tiers.transfers.num_pending and engine.has_unfinished():
+        engine.step()
+        steps_during += 1
+    assert steps_during >= 1, "decode must not wait for the demotion"
+    engine.tiers.wait_idle()
+    counts = engine.index.count_by_tier()
+    assert counts[Tier.NVME] == in_flight
+    while engine.has_unfinished():
+        engine.step()
+    assert len(engine.pop_result(rid).token_ids) == 300
+    engine.check_integrity()
+    engine.close()
+
+
+def test_watermark_demotion_runs_in_the_background(ckpt, tmp_path):
+    config = TierConfig(dram_pages=128, hbm_watermark=Watermark(high=0.5, low=0.25))
+    engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=64, tier_config=config)
+    engine.generate([prompt(60, seed=s) for s in range(4)], SamplingParams(max_tokens=4))
+    for _ in range(3):
+        engine.step()  # maintain() runs at each step, even with nothing to schedule
+        engine.tiers.wait_idle()
+    assert engine.pool.num_free >= 0.75 * 64 - 1
+    assert engine.index.count_by_tier()[Tier.DRAM] > 0
+    assert engine.tiers.transfers.stats().bytes_moved[(Tier.HBM, Tier.DRAM)] > 0
+    engine.check_integrity()
+    engine.close()
+
+
+def test_full_nvme_tier_evicts_by_policy_and_keeps_serving(ckpt, hf, tmp_path):
+    engine = tiered(ckpt, tmp_path, dram=0, nvme=6, record_logits=True)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for s in range(4):
+        engine.generate([prompt(13, seed=20 + s)], params)  # 4 full pages cached each
+        engine.tiers.demote_all(Tier.NVME)
+    counts = engine.index.count_by_tier()
+    assert counts[Tier.NVME] <= 6 and counts[Tier.HBM] == 0
+    assert engine.tiers.counters.pages_dropped > 0
+    engine.check_integrity()
+    last = prompt(13, seed=23)
+    r = engine.generate([last], params)[0]
+    assert_oracle(hf, r)
+    engine.check_integrity()
+    engine.close()
+
+
+def test_preemption_with_tiers_resumes_deterministically(ckpt, tmp_path):
+    prompts = [prompt(n, seed=40 + i) for i, n in enumerate([6, 11, 9, 14, 7, 10, 12, 8])]
+    params = [SamplingParams(max_tokens=20, temperature=0.8, seed=i) for i in range(8)]
+    reference = plain(ckpt).generate(prompts, params)
+    engine = tiered(
+        ckpt, tmp_path, num_pages=24, dram=128, nvme=0, scheduler_config=SchedulerConfig(output_reservation_tokens=4)
+    )
+    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_integrity()
+    results = [engine.pop_result(r) for r in rids]
+    assert sum(r.num_preemptions for r in results) > 0
+    assert sum(r.num_promoted_tokens for r in results) > 0, "preempted pages should come back from DRAM"
+    assert [r.token_ids for r in results] == [r.token_ids for r in reference]
+    engine.close()
+
+
+def test_restart_restores_nvme_pages_into_the_index(ckpt, tmp_path):
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    base = prompt(17, seed=5)
+    first = tiered(ckpt, tmp_path, dram=0)
+    first.generate([base], params)
+    first.tiers.demote_all(Tier.NVME)
+    on_disk = first.index.count_by_tier()[Tier.NVME]
+    assert on_disk == 5  # 17 + 6 tokens, 22 with K/V
+    first.close()
+
+    second = tiered(ckpt, tmp_path, dram=0)
+    assert second.index.count_by_tier()[Tier.NVME] == on_disk
+    r = second.generate([base[:16] + [1]], params)[0]
+    assert r.num_cached_tokens == 16 and r.num_promoted_tokens == 16
+    assert r.token_ids == plain(ckpt).generate([base[:16] + [1]], params)[0].token_ids
+    second.check_integrity()
+    second.close()
+
+
+DISK_FULL = textwrap.dedent(
+    """
+    import json, resource, signal, sys
+    import torch
+    from pathlib import Path
+    from kvtier.engine import Engine, SamplingParams
+    from kvtier.tier_manager import TierConfig
+    from kvtier.tiers import Tier
+    ckpt, nvme_dir = sys.argv[1], Path(sys.argv[2])
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death
+    cfg = TierConfig(nvme_slots=32, nvme_dir=nvme_dir)
+    engine = Engine.from_pretrained(ckpt, page_size=4, num_pages=16, tier_config=cfg)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))  # below the first slot
+    p = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = [[(7 * i + j) % 256 for j in range(13)] for i in range(5)]
+    outs = [engine.generate([q], p)[0].token_ids for q in prompts]
+    moved = engine.tiers.demote_all(Tier.NVME)
+    engine.check_integrity()
+    print(json.dumps({"outs": outs, "disk_full": engine.tiers.counters.disk_full_events,
+                      "dropped": engine.tiers.counters.pages_dropped, "moved": moved,
+                      "nvme": engine.index.count_by_tier()[Tier.NVME]}))
+    """
+)
+
+
+def test_disk_full_falls_back_to_dropping_and_keeps_serving(ckpt, tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-c", DISK_FULL, str(ckpt), str(tmp_path / "nvme")],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(Path.cwd())},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["disk_full"] > 0 and result["nvme"] == 0 and result["moved"] == 0
+    assert result["dropped"] > 0
+    expected = plain(ckpt).generate(
+        [[(7 * i + j) % 256 for j in range(13)] for i in range(5)], SamplingParams(max_tokens=8, ignore_eos=True)
+    )
+    assert result["outs"] == [r.token_ids for r in expected]
