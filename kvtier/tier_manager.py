@@ -63,6 +63,9 @@ class TierConfig:
     dram_watermark: Watermark = field(default_factory=Watermark)
     max_batch_pages: int = 256  # pages per asynchronous transfer
     failure_backoff_s: float = 2.0  # after a failed write into a tier, leave it alone this long
+    # Anti-thrash budget for background demotion (promotions are never paced). On the
+    # CPU the copy competes with decode for cores; on a GPU it rides a copy engine.
+    demotion_budget_bytes_per_s: float | None = 256 << 20
 
 
 @dataclass(slots=True)
@@ -113,7 +116,9 @@ class TierManager:
             if config.nvme_dir is None:
                 raise InvalidArgument("an NVMe tier needs a directory", field="nvme_dir")
             self.nvme = NvmePool(config.nvme_dir, config.nvme_slots, geometry)
-        self.transfers = TransferEngine(self.hbm, self.dram, self.nvme)
+        self.transfers = TransferEngine(
+            self.hbm, self.dram, self.nvme, budget_bytes_per_s=config.demotion_budget_bytes_per_s
+        )
         self.counters = TierCounters()
         self._pending: dict[TransferId, _Pending] = {}
         # A tier whose writes fail (disk full, I/O errors) gets no new pages for a while,

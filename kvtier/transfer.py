@@ -195,6 +195,7 @@ class _Job:
     done: bool = False
     moved_bytes: int = 0
     dst_released: bool = False
+    started_at: float = 0.0
 
 
 class _Lane:
@@ -264,7 +265,9 @@ class TransferEngine:
         chunk_bytes: int = 2 << 20,
         intra_op_threads: int = 1,
         on_done: Callable[[TransferDone], None] | None = None,
+        budget_bytes_per_s: float | None = None,
     ) -> None:
+        self.budget_bytes_per_s = budget_bytes_per_s
         self._pools: dict[Tier, PagePool | NvmePool] = {Tier.HBM: hbm}
         if dram is not None:
             self._pools[Tier.DRAM] = dram
@@ -507,7 +510,7 @@ class TransferEngine:
         t = job.transfer
         if self.nvme is not None and job.lane is self._disk_lane:
             self.nvme.flush_frees()  # header rewrites of freed slots, off the engine thread
-        started = time.monotonic()
+        started = job.started_at = time.monotonic()
         queued_s = started - t.submitted_at
         try:
             checksums, verified = self._run(job)
@@ -553,10 +556,18 @@ class TransferEngine:
             runs.extend(segment[c : c + limit] for c in range(0, len(segment), limit))
         return runs
 
-    @staticmethod
-    def _check_cancel(job: _Job) -> None:
+    def _check_cancel(self, job: _Job) -> None:
+        """Called between runs: honours cancellation, and paces background transfers to
+        ``budget_bytes_per_s`` (promotions are never paced: a request waits on them)."""
         if job.cancel_requested:
             raise _Cancelled
+        budget = self.budget_bytes_per_s
+        if budget and not job.transfer.is_promotion and job.moved_bytes:
+            ahead_s = job.moved_bytes / budget - (time.monotonic() - job.started_at)
+            if ahead_s > 0:
+                time.sleep(min(ahead_s, 0.05))
+                if job.cancel_requested:
+                    raise _Cancelled
 
     def _run(self, job: _Job) -> tuple[list[int], list[bool] | None]:
         if not self.is_cuda:

@@ -18,8 +18,9 @@ padding are overhead the ratio pays for). Every measurement runs once per iterat
 to back with its baseline, and each ratio is the median of its per-iteration ratios.
 Two geometries: the tiny test model (32 KiB pages) and Llama-3.1-8B (bf16, 2 MiB pages).
 
-``decode_slowdown_during_demotion`` needs the engine's decode step; it stays null until
-a caller passes one to ``decode_slowdown_during_demotion`` (see ``demote_in_background``).
+``decode_slowdown_during_demotion``: the engine's decode step (built-in tiny model, 8
+sequences) while 256 MiB of cached pages demote HBM -> DRAM through the engine's own tier
+manager, over the same step with no transfer running.
 """
 
 from __future__ import annotations
@@ -41,8 +42,12 @@ import torch
 
 from kvtier.checksum import page_checksums
 from kvtier.dram_pool import DramPool, aligned_host_tensor, make_dram_pool
+from kvtier.engine import Engine, SamplingParams
+from kvtier.hashing import next_key, root_key
+from kvtier.model.loader import write_random_checkpoint
 from kvtier.nvme_pool import NvmePool
 from kvtier.page_pool import PagePool, PoolGeometry
+from kvtier.tier_manager import TierConfig, Watermark
 from kvtier.tiers import Tier
 from kvtier.transfer import TransferEngine, TransferReason
 
@@ -259,48 +264,71 @@ class CopyBench:
         self.pair.engine.close()
 
 
-def demote_in_background(pool_pair: PoolPair, n_bytes: int) -> Callable[[], float]:
-    """Start demoting ``n_bytes`` of HBM pages to DRAM on the engine's copy lane; returns a
-    function that waits for the demotion and returns its duration in seconds."""
-    g = pool_pair.hbm.geometry
-    n = min(pool_pair.hbm.num_pages, max(1, n_bytes // g.page_bytes))
-    start = time.perf_counter()
-    pool_pair.engine.submit(Tier.HBM, Tier.DRAM, [(i, i) for i in range(n)], TransferReason.WATERMARK)
+def decode_slowdown_during_demotion(n_bytes: int = 256 << 20, steps: int = 10, batch: int = 8) -> dict:
+    """Median engine decode step time while ``n_bytes`` of cached HBM pages demote to DRAM
+    in the background (the engine's own tier manager and transfer engine) over the median
+    step time with no transfer running. The engine benchmark's model, ``batch`` sequences
+    decoding (a tiny model's step is all Python overhead and would measure the GIL)."""
+    from loadtests.bench_engine import BENCH_CONFIG
 
-    def wait() -> float:
-        pool_pair.engine.wait_idle(timeout_s=120)
-        pool_pair.engine.poll_completed()
-        return time.perf_counter() - start
-
-    return wait
-
-
-def decode_slowdown_during_demotion(
-    decode_step: Callable[[], None] | None,
-    pool_pair: PoolPair | None = None,
-    n_bytes: int = 256 << 20,
-    steps: int = 20,
-) -> float | None:
-    """Median decode step time while ``n_bytes`` demote in the background over the idle median.
-
-    TODO(engine integration): the worker's benchmark passes its real decode step (one
-    batched decode of the engine) and the pool pair backing it; until then this is None.
-    """
-    if decode_step is None or pool_pair is None:
-        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_random_checkpoint(Path(tmp) / "bench-model", BENCH_CONFIG, seed=0)
+        geometry_probe = Engine.from_pretrained(path, page_size=16, num_pages=1)
+        page_bytes = geometry_probe.geometry.page_bytes
+        num_cached = max(1, n_bytes // page_bytes)
+        num_pages = num_cached + 256
+        engine = Engine.from_pretrained(
+            path, page_size=16, num_pages=num_pages,
+            tier_config=TierConfig(dram_pages=num_cached, hbm_watermark=Watermark(1.0, 1.0)),
+        )
+    # Cached pages to demote: chains of 64 pages with random bytes, idle (as a busy
+    # cache would leave them after its requests finished).
+    index, pool = engine.index, engine.pool
+    gen = torch.Generator().manual_seed(0)
+    digest = engine.digest_for(None)
+    held = []
+    for chain in range(0, num_cached, 64):
+        parent = None
+        for depth in range(min(64, num_cached - chain)):
+            page = pool.allocate()
+            pool.tensor[page].normal_(generator=gen)
+            key = next_key(parent or root_key(digest), [chain, depth] + [0] * 14)
+            index.insert(key, parent, page, [chain, depth] + [0] * 14, digest)
+            held.append(page)
+            parent = key
+    for page in held:
+        pool.release(page)
+    vocab = BENCH_CONFIG["vocab_size"]
+    for _ in range(batch):
+        prompt = torch.randint(0, vocab, (128,), generator=gen).tolist()
+        engine.add_request(prompt, SamplingParams(max_tokens=100_000, ignore_eos=True))
+    engine.step()  # prefill
+    for _ in range(3):
+        engine.step()
     idle = []
     for _ in range(steps):
         start = time.perf_counter()
-        decode_step()
+        engine.step()
         idle.append(time.perf_counter() - start)
-    wait = demote_in_background(pool_pair, n_bytes)
+    t0 = time.perf_counter()
+    engine.tiers.demote(Tier.HBM, Tier.DRAM, num_cached, TransferReason.WATERMARK)
     busy: list[float] = []
-    while pool_pair.engine.num_pending and len(busy) < steps:
+    while engine.tiers.transfers.num_pending and len(busy) < 10 * steps:
         start = time.perf_counter()
-        decode_step()
+        engine.step()
         busy.append(time.perf_counter() - start)
-    wait()
-    return statistics.median(busy) / statistics.median(idle) if busy else None
+    engine.tiers.wait_idle()
+    demote_s = time.perf_counter() - t0
+    moved = engine.tiers.counters.bytes_moved.get((Tier.HBM, Tier.DRAM), 0)
+    engine.close()
+    return {
+        "ratio": statistics.median(busy) / statistics.median(idle) if busy else None,
+        "idle_step_ms": statistics.median(idle) * 1e3,
+        "busy_step_ms": statistics.median(busy) * 1e3 if busy else None,
+        "steps_during_demotion": len(busy),
+        "demoted_bytes": moved,
+        "demote_s": demote_s,
+    }
 
 
 def run(directory: Path, direct: bool, total_mib: int, repeats: int) -> dict:
@@ -334,6 +362,7 @@ def run(directory: Path, direct: bool, total_mib: int, repeats: int) -> dict:
         for nvme, copy in benches.values():
             nvme.close()
             copy.close()
+    slowdown = decode_slowdown_during_demotion(256 << 20)
     ratio_names = (
         "nvme_write_vs_direct",
         "nvme_read_vs_direct",
@@ -353,7 +382,8 @@ def run(directory: Path, direct: bool, total_mib: int, repeats: int) -> dict:
         "nvme_write_vs_direct": min(p["nvme_write_vs_direct"] for p in per),
         "nvme_read_vs_direct": min(p["nvme_read_vs_direct"] for p in per),
         "dram_copy_vs_memcpy": min(min(p["dram_demote_vs_memcpy"], p["dram_promote_vs_memcpy"]) for p in per),
-        "decode_slowdown_during_demotion": decode_slowdown_during_demotion(None),
+        "decode_slowdown_during_demotion": slowdown["ratio"],
+        "decode_during_demotion": slowdown,
         "geometries": per_geometry,
         "dir": str(directory),
         "o_direct": direct,
