@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import tempfile
 import threading
@@ -33,14 +32,16 @@ from typing import Any, TypeVar
 import torch
 
 from kvtier.config import WorkerConfig, load_config, settings_of
-from kvtier.engine.engine import Engine, weights_digest
+from kvtier.engine.engine import Engine, default_namespace
 from kvtier.errors import ConfigError, FailedPrecondition, Unavailable
 from kvtier.hashing import NamespaceIdentity
 from kvtier.log import get_logger, setup_logging
 from kvtier.model import LlamaModel
 from kvtier.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
+from kvtier.nvme_pool import slots_for_bytes
 from kvtier.page_pool import PoolGeometry
 from kvtier.records import WorkerStats
+from kvtier.tier_manager import TierConfig
 from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import WorkerServer, advertised_host, default_worker_id, serve_worker
 from kvtier.worker.sizing import size_hbm_pool
@@ -157,14 +158,8 @@ def ensure_tiny_model(state_dir: Path) -> Path:
 
 
 def model_namespace(path: Path, model: LlamaModel, *, page_size: int, kv_dtype: str) -> NamespaceIdentity:
-    """The worker's namespace identity; the same fields as ``Engine.from_pretrained`` derives."""
-    return NamespaceIdentity(
-        model_id=path.name,
-        weights_digest=weights_digest(path),
-        rope_config=json.dumps(model.config.rope_scaling or {}, sort_keys=True),
-        kv_dtype=kv_dtype,
-        page_size=page_size,
-    )
+    """The worker's namespace identity: exactly what ``Engine.from_pretrained`` derives."""
+    return default_namespace(path, model, page_size=page_size, kv_dtype=kv_dtype)
 
 
 def module_bytes(model: torch.nn.Module) -> int:
@@ -297,6 +292,11 @@ class WorkerActor:
         namespace = model_namespace(
             self._model_path, self._model, page_size=page_size, kv_dtype=self._kv_dtype
         )
+        tier_config = TierConfig(
+            dram_pages=self.config.dram_bytes // geometry.page_bytes,
+            nvme_slots=slots_for_bytes(self.config.nvme_bytes, geometry),
+            nvme_dir=self.config.nvme_dir or Path(self.config.state_dir).expanduser() / "nvme" / self.worker_id,
+        )
         self._engine = Engine(
             self._model,
             num_pages=num_pages,
@@ -304,6 +304,7 @@ class WorkerActor:
             namespace=namespace,
             attention_backend=self._attention_backend,
             max_model_len=self.config.max_model_len,
+            tier_config=tier_config if tier_config.dram_pages or tier_config.nvme_slots else None,
         )
         info = {
             "num_pages": num_pages,
@@ -311,6 +312,8 @@ class WorkerActor:
             "hbm_bytes": num_pages * geometry.page_bytes,
             "source": budget.source,
             "max_model_len": self._engine.max_model_len,
+            "dram_pages": tier_config.dram_pages,
+            "nvme_slots": tier_config.nvme_slots,
         }
         log.info("page pools allocated", extra=info)
         self._results["allocate_pools"] = info

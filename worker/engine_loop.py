@@ -20,7 +20,7 @@ Usage accounting (``kvtier.records.Usage``; P prompt tokens, C cached, G generat
     cached_tokens     = C: prompt tokens served from the prefix cache at first admission
                         (a whole-prompt hit reports P - 1: the last position is recomputed
                         to get logits)
-    promoted_tokens   = 0 until lower tiers exist (cached tokens promoted from DRAM/NVMe)
+    promoted_tokens   = cached tokens copied up from DRAM/NVMe before prefill (a subset of cached)
     generated_tokens  = G
     recomputed_tokens = tokens whose K/V the model computed beyond what an uninterrupted
                         run needs, i.e. beyond the uncached prompt suffix (P - C) and the
@@ -163,6 +163,7 @@ class EngineLoop:
         self._load_at = time.monotonic()
         engine.index.on_insert.append(self._on_insert)
         engine.index.on_remove.append(self._on_remove)
+        engine.index.on_move.append(self._on_move)
 
     # ---- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
@@ -413,10 +414,14 @@ class EngineLoop:
         usage = Usage(
             prompt_tokens=num_prompt,
             cached_tokens=num_cached,
-            promoted_tokens=0,
+            promoted_tokens=result.num_promoted_tokens,
             recomputed_tokens=max(0, result.num_computed_tokens - needed),
             generated_tokens=num_generated,
-            cached_tokens_by_tier=TokensByTier(hbm_tokens=num_cached),
+            cached_tokens_by_tier=TokensByTier(
+                hbm_tokens=num_cached - result.num_promoted_tokens,
+                dram_tokens=result.promoted_tokens_by_tier.get(Tier.DRAM, 0),
+                nvme_tokens=result.promoted_tokens_by_tier.get(Tier.NVME, 0),
+            ),
         )
         first = run.first_token_at if run.first_token_at is not None else time.perf_counter()
         ttft_ms = (first - run.submitted_at) * 1000.0
@@ -453,16 +458,28 @@ class EngineLoop:
             in_use_pages=counts.in_use,
             pinned_pages=counts.pinned,
         )
+        tiers = [hbm]
+        manager = self.engine.tiers
+        if manager is not None:
+            by_tier = self.engine.index.count_by_tier()
+            if manager.dram is not None:
+                d = manager.dram.counts()
+                tiers.append(TierOccupancy(Tier.DRAM, d.total, d.free, d.cached, d.in_use, d.pinned))
+            if manager.nvme is not None:
+                n = manager.nvme
+                cached = by_tier[Tier.NVME]
+                free = min(n.num_free, n.num_slots - cached)
+                tiers.append(TierOccupancy(Tier.NVME, n.num_slots, free, cached, n.num_slots - free - cached, 0))
         scheduler = self.engine.scheduler
         return EngineLoad(
-            tiers=(hbm,), queue_depth=len(scheduler.waiting), num_running_seqs=len(scheduler.running)
+            tiers=tuple(tiers), queue_depth=len(scheduler.waiting), num_running_seqs=len(scheduler.running)
         )
 
     def _check_integrity(self) -> IntegrityResult:
         checks: list[tuple[str, Tier | None, Callable[[], None]]] = [
             ("pool", Tier.HBM, self.engine.pool.check_integrity),
             ("radix", Tier.HBM, self.engine.index.check_integrity),
-            ("engine", None, self.engine.check_integrity),
+            ("engine", None, self.engine.check_integrity),  # includes the DRAM/NVMe tiers
             ("engine_loop", None, self._check_runs),
         ]
         reports = []
@@ -504,7 +521,14 @@ class EngineLoop:
         if digest is not None:
             self._buffer(PageEvent.drop(digest, node.key, node.tier))
 
+    def _on_move(self, node: RadixNode, from_tier: Tier) -> None:
+        digest = self._key_digest.get(node.key)
+        if digest is not None:
+            self._buffer(PageEvent.move(digest, node.key, node.tier, from_tier))
+
     def _digest_of(self, node: RadixNode) -> NamespaceDigest | None:
+        if node.namespace is not None:
+            return node.namespace
         if node.parent is not None:
             return self._key_digest.get(node.parent.key)
         for digest, root in self._roots.items():

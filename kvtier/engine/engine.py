@@ -33,6 +33,7 @@ from kvtier.model import LlamaModel
 from kvtier.page_pool import PagePool, PoolGeometry
 from kvtier.radix import EvictionPolicy, RadixIndex
 from kvtier.tier_manager import TierConfig, TierManager
+from kvtier.tiers import Tier
 
 log = logging.getLogger("kvtier.engine")
 
@@ -59,6 +60,7 @@ class GenerationResult:
     num_computed_tokens: int
     num_preemptions: int
     num_promoted_tokens: int = 0
+    promoted_tokens_by_tier: dict[Tier, int] = field(default_factory=dict)
     promotion_wait_s: float = 0.0
     logits: list[torch.Tensor] | None = field(default=None, repr=False)
 
@@ -71,6 +73,19 @@ def weights_digest(path: Path) -> str:
             while chunk := f.read(1 << 22):
                 h.update(chunk)
     return h.hexdigest()
+
+
+def default_namespace(
+    path: Path, model: LlamaModel, *, page_size: int, kv_dtype: str, model_id: str | None = None
+) -> NamespaceIdentity:
+    """The identity an engine serving this checkpoint derives its page keys from."""
+    return NamespaceIdentity(
+        model_id=model_id or path.name,
+        weights_digest=weights_digest(path),
+        rope_config=json.dumps(model.config.rope_scaling or {}, sort_keys=True),
+        kv_dtype=kv_dtype,
+        page_size=page_size,
+    )
 
 
 class Engine:
@@ -138,12 +153,8 @@ class Engine:
                 raise InvalidArgument(
                     f"hbm_bytes={hbm_bytes} holds no page of {geometry.page_bytes} bytes", field="hbm_bytes"
                 )
-        namespace = kwargs.pop("namespace", None) or NamespaceIdentity(
-            model_id=model_id or path.name,
-            weights_digest=weights_digest(path),
-            rope_config=json.dumps(model.config.rope_scaling or {}, sort_keys=True),
-            kv_dtype=_DTYPE_NAMES.get(dtype, "fp32"),
-            page_size=page_size,
+        namespace = kwargs.pop("namespace", None) or default_namespace(
+            path, model, page_size=page_size, kv_dtype=_DTYPE_NAMES.get(dtype, "fp32"), model_id=model_id
         )
         return cls(model, num_pages=num_pages, page_size=page_size, namespace=namespace, **kwargs)
 
@@ -237,6 +248,7 @@ class Engine:
             num_computed_tokens=seq.num_computed_tokens,
             num_preemptions=seq.num_preemptions,
             num_promoted_tokens=seq.num_promoted_tokens,
+            promoted_tokens_by_tier=dict(seq.promoted_tokens_by_tier),
             promotion_wait_s=seq.promotion_wait_s,
             logits=seq.logits_trace,
         )

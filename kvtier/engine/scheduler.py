@@ -121,10 +121,13 @@ class Scheduler:
         if lower:
             assert self.tiers is not None
             wait_start = self.tiers.counters.promotion_wait_s
+            source_tiers = [n.tier for n in lower]
             promoted = self.tiers.promote(lower)  # each comes with one reference for us
             pages.extend(n.page for n in promoted)
             hits = hits + promoted
             seq.num_promoted_tokens += len(promoted) * ps
+            for tier in source_tiers[: len(promoted)]:
+                seq.promoted_tokens_by_tier[tier] = seq.promoted_tokens_by_tier.get(tier, 0) + ps
             seq.promotion_wait_s += self.tiers.counters.promotion_wait_s - wait_start
         cached_tokens = len(hits) * ps
         # The last prompt position must be computed to get logits; if every page hit,

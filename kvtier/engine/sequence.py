@@ -18,6 +18,7 @@ import torch
 from kvtier.engine.params import FinishReason, SamplingParams
 from kvtier.hashing import NamespaceDigest, PageKey, next_key, root_key
 from kvtier.page_pool import PageId
+from kvtier.tiers import Tier
 
 
 class SequenceStatus(enum.Enum):
@@ -47,6 +48,7 @@ class Sequence:
     num_cached_tokens: int = -1  # prefix hit at first admission; -1 until admitted
     num_computed_tokens: int = 0  # K/V computed by the model, recomputation included
     num_promoted_tokens: int = 0  # cached tokens copied up from DRAM/NVMe before prefill
+    promoted_tokens_by_tier: dict[Tier, int] = field(default_factory=dict)
     promotion_wait_s: float = 0.0  # eviction-induced first-token latency
     num_preemptions: int = 0
     logits_trace: list[torch.Tensor] | None = None
