@@ -166,15 +166,181 @@ def plan_command(
 
 @app.command("demo")
 def demo_command(
-    quick: Annotated[bool, typer.Option(help="Shorter output: fewer context lengths.")] = False,
+    quick: Annotated[bool, typer.Option(help="A smaller workload (CI runs this, through the same code).")] = False,
+    workers: Annotated[int, typer.Option(help="Worker actors to start.", min=1, max=8)] = 1,
+    state_dir: Annotated[
+        Path | None, typer.Option(help="Where the embedded Valkey and model live; default: a temporary directory.")
+    ] = None,
+    plot: Annotated[Path | None, typer.Option(help="PNG to write; default: STATE_DIR/demo.png.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
+    planner: Annotated[bool, typer.Option(help="Run the capacity-planner demo instead (no services).")] = False,
 ) -> None:
-    """Plan Llama-3.1-8B on one 80 GiB GPU with DRAM and NVMe tiers, then study page sizes on a real trace.
+    """Bring up a local stack, run a multi-tenant agent workload through the client, report, shut down.
+
+    Two tenants share a system prompt each; sessions run several turns with tool pauses
+    between them. The report compares first turns with resumed turns: cached tokens and
+    time to first token.
+
+    [bold]Examples[/bold]
+
+      kvtier demo
+      kvtier demo --quick --json
+      kvtier demo --planner
+    """
+    if planner:
+        run_planner_demo(_console(), quick=quick)
+        return
+    import asyncio
+    import tempfile
+
+    from kvtier.demo import DemoOptions, run_workload, summarize, write_plot
+    from kvtier.stack import StackOptions, start_local_stack
+
+    console = _console() if not as_json else Console(stderr=True)
+    options = DemoOptions.quick() if quick else DemoOptions()
+    with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
+        root = state_dir or Path(tmp)
+        plot_path = plot or root / "demo.png"
+
+        async def run() -> tuple[dict, Path | None]:
+            console.print(f"starting Valkey, Ray, the controller and {workers} worker(s) in {root} ...")
+            stack = await start_local_stack(StackOptions(state_dir=root, num_workers=workers))
+            try:
+                console.print(f"controller {stack.controller_address}; workers {[w.address for w in stack.workers]}")
+                records = await run_workload(stack.controller_address, stack.namespace, stack.vocab_size, options)
+            finally:
+                await stack.stop()
+            return summarize(records), write_plot(records, plot_path)
+
+        summary, written = asyncio.run(run())
+        summary["plot"] = str(written) if written else None
+        if plot is None and written is not None and state_dir is None:
+            summary["plot"] = None  # it lived in the temporary directory
+        if as_json:
+            print(json.dumps(summary, indent=2))
+        else:
+            print_demo_summary(console, summary)
+            if written is not None and summary["plot"]:
+                console.print(f"plot: {written}")
+
+
+@app.command("up")
+def up_command(
+    workers: Annotated[int, typer.Option(help="Worker actors to start (one per GPU on a GPU machine).", min=1)] = 1,
+    model: Annotated[
+        Path | None, typer.Option(help="Checkpoint directory; default: a small random-weight model made locally.")
+    ] = None,
+    redis_url: Annotated[
+        str | None, typer.Option(envvar="KVTIER_REDIS_URL", help="Use this Redis instead of an embedded Valkey.")
+    ] = None,
+    ray_address: Annotated[
+        str | None, typer.Option(envvar="KVTIER_RAY_ADDRESS", help="Join this Ray cluster instead of a local one.")
+    ] = None,
+    state_dir: Annotated[Path, typer.Option(envvar="KVTIER_STATE_DIR", help="Valkey data, model, NVMe files.")] = Path(
+        ".kvtier"
+    ),
+    port: Annotated[int, typer.Option(help="Controller gRPC port; 0 picks a free one.", min=0, max=65535)] = 50051,
+    dram_gib: Annotated[float, typer.Option(help="DRAM tier per worker, GiB.")] = 0.25,
+    nvme_gib: Annotated[float, typer.Option(help="NVMe tier per worker, GiB (files under STATE_DIR/nvme).")] = 0.0,
+) -> None:
+    """Start a local kvtier: Valkey, Ray, the controller and workers; Ctrl-C (or `kvtier down`) stops it.
+
+    [bold]Examples[/bold]
+
+      kvtier up
+      kvtier up --workers 2 --model ./Llama-3.2-1B --nvme-gib 4
+      kvtier up --redis-url redis://10.0.0.5:6379/0 --ray-address auto
+    """
+    import asyncio
+    import signal
+
+    from kvtier.stack import StackOptions, start_local_stack
+
+    console = _console()
+    options = StackOptions(
+        state_dir=state_dir,
+        num_workers=workers,
+        model=model,
+        redis_url=redis_url,
+        ray_address=ray_address,
+        controller_port=port,
+        dram_bytes=_gib_to_bytes(dram_gib, "--dram-gib"),
+        nvme_bytes=_gib_to_bytes(nvme_gib, "--nvme-gib"),
+    )
+
+    async def run() -> None:
+        stack = await start_local_stack(options)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        endpoints = stack.endpoints()
+        console.print(f"controller  {endpoints['controller']}")
+        console.print(f"redis       {endpoints['redis']}")
+        for worker_id, address in endpoints["workers"].items():
+            console.print(f"{worker_id:<11} {address}")
+        console.print(f"model       {endpoints['model_id']}   (Ctrl-C or `kvtier down` stops everything)")
+        try:
+            await stop.wait()
+        finally:
+            console.print("stopping ...")
+            await stack.stop()
+
+    asyncio.run(run())
+
+
+@app.command("down")
+def down_command(
+    state_dir: Annotated[Path, typer.Option(envvar="KVTIER_STATE_DIR", help="The state directory of `kvtier up`.")] = Path(
+        ".kvtier"
+    ),
+) -> None:
+    """Stop the stack that `kvtier up` started from STATE_DIR.
 
     [bold]Example[/bold]
 
-      kvtier demo --quick
+      kvtier down
     """
-    run_planner_demo(_console(), quick=quick)
+    from kvtier.stack import stop_recorded_stack
+
+    pid = stop_recorded_stack(state_dir)
+    _console().print(f"stopped the stack (process {pid})")
+
+
+@app.command("controller", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def controller_command(ctx: typer.Context) -> None:
+    """Run the controller process (what the Helm chart starts): `kvtier controller --config FILE`."""
+    from kvtier.controller.__main__ import main as controller_main
+
+    controller_main(list(ctx.args))
+
+
+@app.command("worker", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def worker_command(ctx: typer.Context) -> None:
+    """Run one worker without Ray, with vLLM-style flags: `kvtier worker --block-size 16 ...`."""
+    from kvtier.worker.__main__ import main as worker_main
+
+    worker_main(list(ctx.args))
+
+
+def print_demo_summary(console: Console, s: dict[str, Any]) -> None:
+    table = Table(title="kvtier demo: multi-tenant agent sessions")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("requests", str(s["requests"]))
+    table.add_row("prompt tokens", f"{s['prompt_tokens']:,}")
+    table.add_row("served from cache", f"{s['cached_tokens']:,} ({100 * s['cached_fraction']:.0f} %)")
+    table.add_row("computed", f"{s['computed_prompt_tokens']:,}")
+    table.add_row("recomputed (after preemption/corruption)", f"{s['recomputed_tokens']:,}")
+    tiers = s["cached_by_tier"]
+    table.add_row("cache hits by tier (HBM/DRAM/NVMe)", f"{tiers['hbm']:,} / {tiers['dram']:,} / {tiers['nvme']:,}")
+    table.add_row("first-turn cached share", f"{100 * s['first_turn_cached_fraction']:.0f} %")
+    table.add_row("resumed-turn cached share", f"{100 * s['resume_cached_fraction']:.0f} %")
+    table.add_row("TTFT p50 / p99, first turns", f"{s['ttft_ms']['p50']:.1f} / {s['ttft_ms']['p99']:.1f} ms")
+    table.add_row(
+        "TTFT p50 / p99, resumed turns", f"{s['resume_ttft_ms']['p50']:.1f} / {s['resume_ttft_ms']['p99']:.1f} ms"
+    )
+    console.print(table)
 
 
 def run_planner_demo(console: Console, *, quick: bool = False) -> None:

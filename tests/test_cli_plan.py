@@ -192,8 +192,8 @@ def test_bad_csv_column_lists_available(capsys: pytest.CaptureFixture[str], tmp_
     assert_one_line_error(code, err, "column 'Prompt'", "available columns: TIMESTAMP, ContextTokens")
 
 
-def test_demo(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(capsys, "demo", "--quick")
+def test_planner_demo(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "demo", "--planner", "--quick")
     assert code == 0, err
     assert "Llama" in out and "sessions @ 32,768" in out
     assert ("page-size study" in out) == AZURE_TRACE.is_file()

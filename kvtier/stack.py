@@ -1,0 +1,178 @@
+"""A whole kvtier on one machine: Valkey, Ray, the controller and workers (``kvtier up``).
+
+Everything has an embedded default and every default is a flag away from a real
+deployment: ``redis_url`` for an existing Redis, ``ray_address`` for a Ray cluster,
+``model`` for a checkpoint. The controller runs in this process; workers are Ray actors.
+Stopping the stack stops exactly what it started (an external Redis or Ray is left alone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier.config import ControllerConfig, WorkerConfig
+from kvtier.errors import FailedPrecondition, NotFound
+from kvtier.hashing import NamespaceIdentity
+from kvtier.log import get_logger
+
+log = get_logger("kvtier.stack")
+
+STATE_FILE = "stack.json"
+
+
+@dataclass(slots=True)
+class StackOptions:
+    state_dir: Path = Path(".kvtier")
+    num_workers: int = 1
+    model: Path | None = None
+    redis_url: str | None = None
+    ray_address: str | None = None
+    controller_port: int = 0
+    page_size: int = 16
+    hbm_bytes: int | None = 64 << 20
+    dram_bytes: int = 256 << 20
+    nvme_bytes: int = 0
+    max_restarts: int = 2
+
+
+@dataclass(slots=True)
+class WorkerHandle:
+    worker_id: str
+    address: str
+    actor: Any = field(repr=False)
+
+
+@dataclass(slots=True)
+class LocalStack:
+    options: StackOptions
+    controller: Any  # kvtier.controller.server.ControllerServer
+    workers: list[WorkerHandle]
+    namespace: NamespaceIdentity
+    started_ray: bool
+    vocab_size: int
+
+    @property
+    def controller_address(self) -> str:
+        return self.controller.address
+
+    def endpoints(self) -> dict[str, Any]:
+        return {
+            "controller": self.controller_address,
+            "redis": self.controller.redis_url,
+            "workers": {w.worker_id: w.address for w in self.workers},
+            "model_id": self.namespace.model_id,
+            "pid": os.getpid(),
+        }
+
+    async def stop(self) -> None:
+        import ray
+
+        for w in self.workers:
+            try:
+                ray.kill(w.actor, no_restart=True)
+            except Exception as exc:  # already gone: nothing to stop
+                log.debug("worker %s already stopped: %s", w.worker_id, type(exc).__name__)
+        await self.controller.stop()
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
+        (self.options.state_dir / STATE_FILE).unlink(missing_ok=True)
+
+
+async def start_local_stack(options: StackOptions) -> LocalStack:
+    """Start (or join) Redis and Ray, then the controller, then ``num_workers`` workers."""
+    import ray
+
+    from kvtier.controller.server import serve_controller
+    from kvtier.worker.actor import call_actor, start_worker_actor
+
+    state_dir = options.state_dir.expanduser().resolve()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    options.state_dir = state_dir
+    controller = await serve_controller(
+        ControllerConfig(port=options.controller_port, state_dir=state_dir, redis_url=options.redis_url),
+        redis_url=options.redis_url,
+    )
+    started_ray = False
+    try:
+        if not ray.is_initialized():
+            if options.ray_address:
+                ray.init(address=options.ray_address, include_dashboard=False, log_to_driver=False)
+            else:
+                # "local" starts a fresh instance rather than joining a stale session.
+                ray.init(
+                    address="local",
+                    num_cpus=max(2, options.num_workers),
+                    object_store_memory=200 << 20,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                )
+                started_ray = True
+        workers: list[WorkerHandle] = []
+        loop = asyncio.get_running_loop()
+        for i in range(options.num_workers):
+            config = WorkerConfig(
+                controller_address=controller.address,
+                model=options.model,
+                device="auto",
+                page_size=options.page_size,
+                hbm_bytes=options.hbm_bytes,
+                dram_bytes=options.dram_bytes,
+                nvme_bytes=options.nvme_bytes,
+                state_dir=state_dir,
+            )
+            worker_id = f"worker-{i}"
+            actor, address = await loop.run_in_executor(
+                None,
+                lambda c=config, w=worker_id: start_worker_actor(c, worker_id=w, max_restarts=options.max_restarts),
+            )
+            workers.append(WorkerHandle(worker_id, address, actor))
+        namespace = await loop.run_in_executor(None, lambda: call_actor(workers[0].actor, "namespace"))
+    except BaseException:
+        await controller.stop()
+        if started_ray:
+            ray.shutdown()
+        raise
+    stack = LocalStack(options, controller, workers, namespace, started_ray, _vocab_size(options.model))
+    (state_dir / STATE_FILE).write_text(json.dumps(stack.endpoints(), indent=2))
+    return stack
+
+
+def _vocab_size(model: Path | None) -> int:
+    from kvtier.model.config import ModelConfig
+    from kvtier.model.loader import TINY_LLAMA_CONFIG
+
+    return TINY_LLAMA_CONFIG["vocab_size"] if model is None else ModelConfig.from_file(model).vocab_size
+
+
+def read_state(state_dir: Path) -> dict[str, Any]:
+    path = state_dir.expanduser() / STATE_FILE
+    if not path.exists():
+        raise NotFound(f"no running stack recorded in {path}; start one with `kvtier up`", field="state_dir")
+    return json.loads(path.read_text())
+
+
+def stop_recorded_stack(state_dir: Path, timeout_s: float = 30.0) -> int:
+    """Signal the ``kvtier up`` process recorded in ``state_dir`` to stop; returns its pid."""
+    import time
+
+    state = read_state(state_dir)
+    pid = int(state["pid"])
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        (state_dir.expanduser() / STATE_FILE).unlink(missing_ok=True)
+        raise FailedPrecondition(f"the stack's process {pid} is not running (stale state removed)") from None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return pid
+        time.sleep(0.2)
+    raise FailedPrecondition(f"the stack's process {pid} did not stop within {timeout_s:.0f} s")
