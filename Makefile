@@ -30,7 +30,7 @@ test: setup lint proto-check
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 demo: setup
-	$(BIN)/kvtier demo $(DEMO_ARGS)
+	$(BIN)/kvtier demo --plot out/demo.png $(DEMO_ARGS)
 
 bench: setup
 	$(BIN)/python -m loadtests.bench_engine

@@ -39,6 +39,11 @@ class StackOptions:
     dram_bytes: int = 256 << 20
     nvme_bytes: int = 0
     max_restarts: int = 2
+    lease_ttl_s: float = 3.0  # a worker silent this long leaves the directory
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return min(1.0, self.lease_ttl_s / 3)
 
 
 @dataclass(slots=True)
@@ -95,7 +100,13 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
     state_dir.mkdir(parents=True, exist_ok=True)
     options.state_dir = state_dir
     controller = await serve_controller(
-        ControllerConfig(port=options.controller_port, state_dir=state_dir, redis_url=options.redis_url),
+        ControllerConfig(
+            port=options.controller_port,
+            state_dir=state_dir,
+            redis_url=options.redis_url,
+            lease_ttl_s=options.lease_ttl_s,
+            heartbeat_interval_s=options.heartbeat_interval_s,
+        ),
         redis_url=options.redis_url,
     )
     started_ray = False
@@ -129,10 +140,14 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
             worker_id = f"worker-{i}"
             actor, address = await loop.run_in_executor(
                 None,
-                lambda c=config, w=worker_id: start_worker_actor(c, worker_id=w, max_restarts=options.max_restarts),
+                lambda c=config, w=worker_id: start_worker_actor(
+                    c, worker_id=w, max_restarts=options.max_restarts,
+                    heartbeat_interval_s=options.heartbeat_interval_s,
+                ),
             )
             workers.append(WorkerHandle(worker_id, address, actor))
         namespace = await loop.run_in_executor(None, lambda: call_actor(workers[0].actor, "namespace"))
+        await _wait_until_routable(controller.address, namespace, len(workers))
     except BaseException:
         await controller.stop()
         if started_ray:
@@ -141,6 +156,26 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
     stack = LocalStack(options, controller, workers, namespace, started_ray, _vocab_size(options.model))
     (state_dir / STATE_FILE).write_text(json.dumps(stack.endpoints(), indent=2))
     return stack
+
+
+async def _wait_until_routable(address: str, namespace: NamespaceIdentity, num_workers: int) -> None:
+    """Workers register over their WorkerLink asynchronously; wait until Route sees them all."""
+    import time
+
+    from kvtier.client import AsyncClient
+
+    deadline = time.monotonic() + 60
+    async with AsyncClient(address) as client:
+        while True:
+            decision = await client.route(namespace, [0])
+            if len(decision.workers) >= num_workers:
+                return
+            if time.monotonic() > deadline:
+                raise FailedPrecondition(
+                    f"only {len(decision.workers)} of {num_workers} workers registered with the controller "
+                    "within 60 s; see the worker logs"
+                )
+            await asyncio.sleep(0.1)
 
 
 def _vocab_size(model: Path | None) -> int:
