@@ -17,12 +17,17 @@ Evictable in tier t = node in t, no child in t or faster, not pinned, not moving
 (HBM only) page ref count 0. Candidates sit in one heap per tier keyed by the eviction
 policy's priority, pushed when a node *becomes* evictable and checked again when popped
 (lazy invalidation), so eviction costs O(log n) per page, not a scan.
+
+Pins keep a page in its tier. A pin with a time to live lapses on its own: the engine's
+step calls ``expire_pins``, which releases every timed pin whose deadline passed on the
+index's clock (injectable, so tests control time).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -43,6 +48,8 @@ class RadixNode:
     namespace: NamespaceDigest | None = None
     tier: Tier = Tier.HBM  # ``page`` is a page id in this tier's pool (a slot id for NVMe)
     last_access: int = 0
+    hits: int = 0  # matches that reached this page (a frequency for value-based eviction)
+    access_clock: float = 0.0  # the eviction policy's clock at the last access (set by the policy)
     pins: int = 0
     version: int = 0  # bumped on every heap push; older heap entries are stale
     moving: bool = False  # a transfer is copying this page to another tier
@@ -64,11 +71,18 @@ class RadixNode:
 
 
 class EvictionPolicy(Protocol):
-    """Lower priority is evicted first. Called when a node becomes evictable."""
+    """Lower priority is evicted first. ``priority`` is called when a node becomes
+    evictable; ``on_access`` when a match or an insert touches it; ``on_evict`` when the
+    index hands it out as a victim, with the priority it was queued under (aging
+    policies keep their clock with these two)."""
 
     name: str
 
     def priority(self, node: RadixNode) -> float: ...
+
+    def on_access(self, node: RadixNode) -> None: ...
+
+    def on_evict(self, node: RadixNode, priority: float) -> None: ...
 
 
 class LRUPolicy:
@@ -76,6 +90,12 @@ class LRUPolicy:
 
     def priority(self, node: RadixNode) -> float:
         return float(node.last_access)
+
+    def on_access(self, node: RadixNode) -> None:
+        pass
+
+    def on_evict(self, node: RadixNode, priority: float) -> None:
+        pass
 
 
 @dataclass(slots=True)
@@ -94,9 +114,17 @@ class MatchResult:
 
 
 class RadixIndex:
-    def __init__(self, pool: PagePool, policy: EvictionPolicy | None = None) -> None:
+    def __init__(
+        self,
+        pool: PagePool,
+        policy: EvictionPolicy | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.pool = pool
         self.policy: EvictionPolicy = policy or LRUPolicy()
+        self.clock = clock  # seconds, for pin deadlines
+        self._timed_pins: list[tuple[float, int, RadixNode]] = []  # (deadline, order, node), a heap
         self._nodes: dict[PageKey, RadixNode] = {}
         self._by_page: dict[PageId, RadixNode] = {}  # HBM nodes only
         self._heaps: dict[Tier, list[tuple[float, int, int, RadixNode]]] = {t: [] for t in Tier}
@@ -107,7 +135,8 @@ class RadixIndex:
         self.on_remove: list[Callable[[RadixNode], None]] = []
         self.on_move: list[Callable[[RadixNode, Tier], None]] = []
         # Set by the tier manager: free a DRAM page / NVMe slot that a node leaves, and
-        # try to keep an HBM victim by moving it down (True) instead of dropping it.
+        # free an HBM victim's page by moving it down or dropping it (True), or keep it
+        # (False: nothing below has room and dropping would take a pinned page along).
         self.release_lower: Callable[[RadixNode], None] | None = None
         self.spill: Callable[[RadixNode], bool] | None = None
         pool.on_idle = self._page_became_idle
@@ -125,22 +154,29 @@ class RadixIndex:
         return list(self._nodes.values())
 
     # ---- lookup -------------------------------------------------------------------
-    def match(self, keys: Sequence[PageKey], tokens: Sequence[int] | None = None) -> MatchResult:
+    def match(
+        self, keys: Sequence[PageKey], tokens: Sequence[int] | None = None, *, count_hit: bool = True
+    ) -> MatchResult:
         """Longest prefix of ``keys`` present in the index, touching each hit.
 
         When ``tokens`` are given, a hit also compares the page's tokens, so a hash
-        collision can never serve another prefix's KV.
+        collision can never serve another prefix's KV. ``count_hit=False`` looks without
+        counting a use (a request still waiting for room is not yet a reuse).
         """
         result = MatchResult()
         page_size = self.pool.page_size
         now = next(self._tick)
+        touch = self.policy.on_access
         for i, key in enumerate(keys):
             node = self._nodes.get(key)
             if node is None:
                 break
             if tokens is not None and node.tokens != tuple(tokens[i * page_size : (i + 1) * page_size]):
                 break
-            node.last_access = now
+            if count_hit:
+                node.last_access = now
+                node.hits += 1
+                touch(node)
             result.nodes.append(node)
         return result
 
@@ -184,6 +220,7 @@ class RadixIndex:
             last_access=next(self._tick),
         )
         self._nodes[key] = node
+        self.policy.on_access(node)
         if tier is Tier.HBM:
             self.pool.mark_cached(page)
             self._by_page[page] = node
@@ -249,6 +286,8 @@ class RadixIndex:
         if tier is Tier.HBM:
             self.pool.mark_cached(PageId(page))
             self._by_page[PageId(page)] = node
+            for _ in range(node.pins):  # a page pinned in a lower tier stays pinned in HBM
+                self.pool.pin(PageId(page))
         if parent is not None:
             parent.child_tiers[old - 1] -= 1
             parent.child_tiers[tier - 1] += 1
@@ -258,9 +297,20 @@ class RadixIndex:
             listener(node, old)
 
     # ---- pins ---------------------------------------------------------------------
-    def pin(self, key: PageKey) -> None:
-        """Keep a page and (implicitly, since leaves go first) its ancestors resident."""
-        node = self._nodes[key]
+    def pin(self, key: PageKey, ttl_s: float | None = None) -> None:
+        """Keep a page and (implicitly, since leaves go first) its ancestors in their tier.
+
+        Without ``ttl_s`` the caller releases the pin with ``unpin``, exactly once. With
+        ``ttl_s`` the pin belongs to the index: ``expire_pins`` releases it once ``ttl_s``
+        seconds of ``clock`` have passed, and the caller never unpins it.
+        """
+        node = self._nodes.get(key)
+        if node is None:
+            raise KeyError(f"page {short(key)} is not cached")
+        if ttl_s is not None:
+            if not ttl_s >= 0:
+                raise ValueError(f"ttl_s must be >= 0 seconds, got {ttl_s}")
+            heapq.heappush(self._timed_pins, (self.clock() + ttl_s, next(self._push_order), node))
         node.pins += 1
         if node.tier is Tier.HBM:
             self.pool.pin(node.page)
@@ -274,7 +324,27 @@ class RadixIndex:
             self.pool.unpin(node.page)
         self._push_if_evictable(node)
 
+    def expire_pins(self, now: float | None = None) -> int:
+        """Release every timed pin whose deadline is at or before ``now`` (default: the
+        clock); returns how many. A pinned page that left the index meanwhile is skipped."""
+        now = self.clock() if now is None else now
+        released = 0
+        while self._timed_pins and self._timed_pins[0][0] <= now:
+            _, _, node = heapq.heappop(self._timed_pins)
+            if self._nodes.get(node.key) is node:
+                self.unpin(node.key)
+                released += 1
+        return released
+
     # ---- eviction -----------------------------------------------------------------
+    def touch(self, nodes: Sequence[RadixNode]) -> None:
+        """Count one use of each node (what ``match`` does unless ``count_hit=False``)."""
+        now = next(self._tick)
+        for node in nodes:
+            node.last_access = now
+            node.hits += 1
+            self.policy.on_access(node)
+
     def is_evictable(self, node: RadixNode) -> bool:
         """May leave its tier now: a leaf of that tier, unpinned, not moving, unheld."""
         if node.pins or node.moving or not node.is_leaf_in(node.tier):
@@ -301,12 +371,13 @@ class RadixIndex:
         heap = self._heaps[tier]
         victims: list[RadixNode] = []
         while len(victims) < num_pages and heap:
-            _, _, version, node = heapq.heappop(heap)
+            priority, _, version, node = heapq.heappop(heap)
             if version != node.version or self._nodes.get(node.key) is not node or node.tier is not tier:
                 continue
             if not self.is_evictable(node):
                 continue
             node.version += 1  # its remaining heap entries are stale now
+            self.policy.on_evict(node, priority)
             victims.append(node)
         return victims
 
@@ -320,15 +391,32 @@ class RadixIndex:
         tier when one has room); otherwise it is dropped with what hangs below it.
         """
         freed = 0
+        kept: list[RadixNode] = []
         while freed < num_pages:
             victims = self.pop_victims(Tier.HBM, 1)
             if not victims:
                 break
             node = victims[0]
-            if self.spill is None or not self.spill(node):
+            if self.spill is None:
                 self.drop_subtree(node)
+            elif not self.spill(node):
+                kept.append(node)
+                continue
             freed += 1
+        for node in kept:
+            self.requeue(node)
         return freed
+
+    def holds_pin(self, node: RadixNode) -> bool:
+        """``node`` or a page below it (in a slower tier) is pinned: dropping it would
+        take a pinned page along."""
+        stack = [node]
+        while stack:
+            current = stack.pop()
+            if current.pins:
+                return True
+            stack.extend(current.children.values())
+        return False
 
     def reprioritize(self) -> None:
         """Rebuild the candidate heaps (after a policy change or a policy input changed)."""

@@ -15,6 +15,10 @@ Three paths, all applied to the radix index only once the bytes are where it say
 
 Every page held by a transfer carries an extra reference (HBM/DRAM) or a reserved slot
 (NVMe) until its ``TransferDone`` is applied, so nothing it reads can be reused.
+
+``TierConfig.simulate`` (trace replay, ``loadtests/replay.py``) keeps every decision and
+all page accounting but copies no bytes: NVMe is a slot counter without files, spills
+and promotions complete at once, and background demotion is off.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ class TierConfig:
     # Anti-thrash budget for background demotion (promotions are never paced). On the
     # CPU the copy competes with decode for cores; on a GPU it rides a copy engine.
     demotion_budget_bytes_per_s: float | None = 256 << 20
+    simulate: bool = False  # move pages in the index and pools only (no bytes, no files)
 
 
 @dataclass(slots=True)
@@ -85,6 +90,43 @@ class TierCounters:
         pair = (src, dst)
         self.pages_moved[pair] = self.pages_moved.get(pair, 0) + num_pages
         self.bytes_moved[pair] = self.bytes_moved.get(pair, 0) + num_pages * page_bytes
+
+
+class _SimulatedSlots:
+    """The NVMe tier of a simulated manager: slot accounting only (no files, no I/O)."""
+
+    recovery = None  # nothing to restore after a restart
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> SlotId | None:
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self._used.add(slot)
+        return SlotId(slot)
+
+    def free(self, slot: SlotId) -> None:
+        if slot not in self._used:
+            raise IntegrityError(f"free of simulated nvme slot {slot} that is already free")
+        self._used.remove(slot)
+        self._free.append(slot)
+
+    def close(self) -> None:
+        pass
+
+    def check_integrity(self) -> None:
+        if len(self._free) + len(self._used) != self.num_slots:
+            raise IntegrityError(
+                f"simulated nvme: free {len(self._free)} + used {len(self._used)} != total {self.num_slots}"
+            )
 
 
 @dataclass(slots=True)
@@ -112,12 +154,15 @@ class TierManager:
         self.page_bytes = geometry.page_bytes
         self.dram = DramPool(config.dram_pages, geometry) if config.dram_pages > 0 else None
         self.nvme: NvmePool | None = None
-        if config.nvme_slots > 0:
+        if config.nvme_slots > 0 and config.simulate:
+            self.nvme = _SimulatedSlots(config.nvme_slots)  # type: ignore[assignment]
+        elif config.nvme_slots > 0:
             if config.nvme_dir is None:
                 raise InvalidArgument("an NVMe tier needs a directory", field="nvme_dir")
             self.nvme = NvmePool(config.nvme_dir, config.nvme_slots, geometry)
         self.transfers = TransferEngine(
-            self.hbm, self.dram, self.nvme, budget_bytes_per_s=config.demotion_budget_bytes_per_s
+            self.hbm, self.dram, None if config.simulate else self.nvme,
+            budget_bytes_per_s=config.demotion_budget_bytes_per_s,
         )
         self.counters = TierCounters()
         self._pending: dict[TransferId, _Pending] = {}
@@ -186,16 +231,22 @@ class TierManager:
         victim = victims[0]
         if tier is Tier.DRAM and self._move_now(victim, Tier.NVME, allow_room=True):
             return True
+        if self.index.holds_pin(victim):
+            self.index.requeue(victim)
+            return False
         self.counters.pages_dropped += self.index.drop_subtree(victim)
         return True
 
     # ---- synchronous moves ----------------------------------------------------------
     def spill(self, node: RadixNode) -> bool:
         """Free an HBM victim's page now (allocation fallback): move it down a tier, or
-        drop it with its subtree when no lower tier has room or works."""
+        drop it with its subtree when no lower tier has room or works. False (keep it)
+        when that subtree holds a pinned page."""
         for tier in (Tier.DRAM, Tier.NVME):
             if self._move_now(node, tier, allow_room=True):
                 return True
+        if self.index.holds_pin(node):
+            return False
         self.counters.pages_dropped += self.index.drop_subtree(node)
         return True
 
@@ -206,32 +257,39 @@ class TierManager:
         self._failing_until[tier] = time.monotonic() + self.config.failure_backoff_s
 
     def _move_now(self, node: RadixNode, dst: Tier, *, allow_room: bool) -> bool:
-        if not self.is_usable(dst):
+        # A child may not sit in a faster tier than its parent: with DRAM full of pinned
+        # or moving pages, an HBM page with a DRAM child cannot skip to NVMe.
+        if not self.is_usable(dst) or any(c.tier < dst for c in node.children.values()):
             return False
         node.moving = True  # not a victim while we make room below
         try:
             target = self._allocate(dst) if allow_room else None
             if target is None:
                 return False
-            src_bytes = self._page_tensor(node)
-            checksum = node.checksum if node.tier is not Tier.HBM else page_checksum(src_bytes)
-            if dst is Tier.DRAM:
-                assert self.dram is not None
-                self.dram.tensor[target].copy_(src_bytes)
-                self.dram.set_checksums([PageId(target)], [checksum])
-                self._adopt_dram(PageId(target))
+            checksum: int | None = None
+            if self.config.simulate:
+                if dst is Tier.DRAM:
+                    self._adopt_dram(PageId(target))
             else:
-                assert self.nvme is not None
-                try:
-                    self.nvme.write_pages(
-                        [SlotId(target)], src_bytes[None], [node.key], [node.namespace or b"\0" * 16], [checksum],
-                        parents=[node.parent.key if node.parent else None], tokens=[node.tokens],
-                    )
-                except KvtierError as exc:  # disk full or failing: drop instead (the slot is free again)
-                    self.counters.disk_full_events += 1
-                    self._mark_failing(Tier.NVME)
-                    log.warning("nvme write failed, dropping instead: %s", exc)
-                    return False
+                src_bytes = self._page_tensor(node)
+                checksum = node.checksum if node.tier is not Tier.HBM else page_checksum(src_bytes)
+                if dst is Tier.DRAM:
+                    assert self.dram is not None
+                    self.dram.tensor[target].copy_(src_bytes)
+                    self.dram.set_checksums([PageId(target)], [checksum])
+                    self._adopt_dram(PageId(target))
+                else:
+                    assert self.nvme is not None
+                    try:
+                        self.nvme.write_pages(
+                            [SlotId(target)], src_bytes[None], [node.key], [node.namespace or b"\0" * 16], [checksum],
+                            parents=[node.parent.key if node.parent else None], tokens=[node.tokens],
+                        )
+                    except KvtierError as exc:  # disk full or failing: drop instead (the slot is free again)
+                        self.counters.disk_full_events += 1
+                        self._mark_failing(Tier.NVME)
+                        log.warning("nvme write failed, dropping instead: %s", exc)
+                        return False
             self.counters.moved(node.tier, dst, 1, self.page_bytes)
             src = node.tier
             node.moving = False
@@ -258,6 +316,8 @@ class TierManager:
     # ---- asynchronous demotion --------------------------------------------------------
     def maintain(self) -> None:
         """Apply finished transfers, then start demotions where a tier is above its watermark."""
+        if self.config.simulate:
+            return
         self.poll()
         self._demote_over_watermark(Tier.HBM, self.config.hbm_watermark, Tier.DRAM if self.dram else Tier.NVME)
         if self.dram is not None:
@@ -330,6 +390,10 @@ class TierManager:
                 chosen[node.key] = node
                 node = node.parent
         return sorted(chosen.values(), key=lambda n: -n.depth)
+
+    def has_pending(self) -> bool:
+        """Transfers started and not yet applied (finished ones wait for ``poll``)."""
+        return bool(self._pending)
 
     def hbm_holds(self) -> dict[PageId, int]:
         """HBM pages this manager holds a reference on (sources of demotions in flight)."""
@@ -434,6 +498,8 @@ class TierManager:
             pages.append(PageId(page))
         for node in nodes:
             node.moving = False
+        for node in nodes[len(pages) :]:  # staying below: a victim again (a pop skipped it)
+            self.index.requeue(node)
         nodes = list(nodes[: len(pages)])
         promoted: list[RadixNode] = []
         failed_at: RadixNode | None = None
@@ -442,17 +508,21 @@ class TierManager:
             groups.setdefault(node.tier, []).append(i)
         ok = [False] * len(nodes)
         for tier, idx in groups.items():
-            if tier is Tier.DRAM:
-                assert self.dram is not None
-                self.dram.set_checksums([PageId(nodes[i].page) for i in idx], [nodes[i].checksum or 0 for i in idx])
-            transfer = self.transfers.submit(
-                tier, Tier.HBM, [(nodes[i].page, pages[i]) for i in idx], TransferReason.PROMOTION_ON_HIT,
-                priority=10,
-            )
-            done = self._wait(transfer.transfer_id)
-            verified = done.verified or [done.is_ok] * len(idx)
-            for j, i in enumerate(idx):
-                ok[i] = done.status is TransferStatus.OK and verified[j]
+            if self.config.simulate:  # no bytes to copy: every page arrives intact
+                for i in idx:
+                    ok[i] = True
+            else:
+                if tier is Tier.DRAM:
+                    assert self.dram is not None
+                    self.dram.set_checksums([PageId(nodes[i].page) for i in idx], [nodes[i].checksum or 0 for i in idx])
+                transfer = self.transfers.submit(
+                    tier, Tier.HBM, [(nodes[i].page, pages[i]) for i in idx], TransferReason.PROMOTION_ON_HIT,
+                    priority=10,
+                )
+                done = self._wait(transfer.transfer_id)
+                verified = done.verified or [done.is_ok] * len(idx)
+                for j, i in enumerate(idx):
+                    ok[i] = done.status is TransferStatus.OK and verified[j]
             self.counters.moved(tier, Tier.HBM, sum(ok[i] for i in idx), self.page_bytes)
         for i, node in enumerate(nodes):
             if ok[i] and failed_at is None:

@@ -41,6 +41,7 @@ from kvtier.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
 from kvtier.nvme_pool import slots_for_bytes
 from kvtier.page_pool import PoolGeometry
 from kvtier.records import WorkerStats
+from kvtier.telemetry import Telemetry
 from kvtier.tier_manager import TierConfig
 from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import WorkerServer, advertised_host, default_worker_id, serve_worker
@@ -214,6 +215,7 @@ class WorkerActor:
         self._engine: Engine | None = None
         self._runtime: WorkerRuntime | None = None
         self._server: WorkerServer | None = None
+        self._telemetry: Telemetry | None = None
         self._link: WorkerLink | None = None
         self._results: dict[str, Any] = {}  # phase -> its result; a repeated phase returns it
         setup_logging(config.log_level, config.log_json)
@@ -326,6 +328,8 @@ class WorkerActor:
         if self._server is not None:
             return self._server.address
         self._runtime = self._runtime or WorkerRuntime()
+        if self.config.metrics_port is not None and self._telemetry is None:
+            self._telemetry = Telemetry("kvtier-worker", port=self.config.metrics_port, host=self.config.host)
         self._server = self._runtime.run(
             serve_worker(
                 self._engine,
@@ -333,6 +337,7 @@ class WorkerActor:
                 port=self.config.port,
                 worker_id=self.worker_id,
                 advertise_host=self._advertise_host(),
+                telemetry=self._telemetry,
             )
         )
         if self._connect_controller:
@@ -393,6 +398,9 @@ class WorkerActor:
             self._server = None
         self._runtime.close()
         self._runtime = None
+        if self._telemetry is not None:
+            self._telemetry.close()
+            self._telemetry = None
 
     def _advertise_host(self) -> str:
         host = self.config.host

@@ -45,7 +45,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtier.engine.engine import Engine, StepOutput
 from kvtier.errors import IntegrityError, KvtierError, Unavailable
@@ -68,6 +68,9 @@ from kvtier.records import (
     Usage,
 )
 from kvtier.tiers import Tier
+
+if TYPE_CHECKING:
+    from kvtier.worker.metrics import WorkerMetrics
 
 log = get_logger("kvtier.worker.engine")
 
@@ -143,6 +146,8 @@ class EngineLoop:
         self.engine = engine
         self._name = name
         self._on_failure = on_failure
+        # Set by the server when the process exports metrics (kvtier.worker.metrics).
+        self.metrics: WorkerMetrics | None = None
         self._cond = threading.Condition()
         self._inbox = _Inbox()
         self._thread: threading.Thread | None = None
@@ -294,6 +299,10 @@ class EngineLoop:
         return Unavailable("the worker's engine is not running; route to another worker")
 
     # ---- engine thread ----------------------------------------------------------------
+    def _tier_work_pending(self) -> bool:
+        tiers = self.engine.tiers
+        return tiers is not None and tiers.has_pending()
+
     def _main(self) -> None:
         try:
             while True:
@@ -303,6 +312,8 @@ class EngineLoop:
                         and not self._inbox.is_stopping
                         and not self.engine.has_unfinished()
                     ):
+                        if self._tier_work_pending():
+                            break
                         self._cond.wait()
                     if self._inbox.is_stopping:
                         break
@@ -310,6 +321,13 @@ class EngineLoop:
                     self._inbox.ops.clear()
                 for op in ops:
                     op()
+                if not self.engine.has_unfinished() and self._tier_work_pending():
+                    # Idle, but transfers finished or are due: apply them without a request.
+                    assert self.engine.tiers is not None
+                    self.engine.tiers.maintain()
+                    with self._cond:
+                        if not self._inbox.ops and not self._inbox.is_stopping:
+                            self._cond.wait(STALLED_WAIT_S)
                 if self.engine.has_unfinished():
                     outputs = self.engine.step()
                     if outputs:
@@ -423,8 +441,11 @@ class EngineLoop:
                 nvme_tokens=result.promoted_tokens_by_tier.get(Tier.NVME, 0),
             ),
         )
-        first = run.first_token_at if run.first_token_at is not None else time.perf_counter()
+        now = time.perf_counter()
+        first = run.first_token_at if run.first_token_at is not None else now
         ttft_ms = (first - run.submitted_at) * 1000.0
+        if self.metrics is not None:
+            self.metrics.record_request(result, ttft_ms / 1000.0, now - first)
         log.info(
             "generation finished",
             extra={

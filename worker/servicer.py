@@ -34,7 +34,9 @@ from kvtier.records import BootId, WorkerId, WorkerStats
 from kvtier.rpc import convert
 from kvtier.rpc._gen import worker_pb2, worker_pb2_grpc
 from kvtier.rpc.status import rpc_errors
+from kvtier.telemetry import Telemetry
 from kvtier.worker.engine_loop import EngineLoop
+from kvtier.worker.metrics import WorkerMetrics
 
 log = get_logger("kvtier.worker.servicer")
 
@@ -193,8 +195,12 @@ async def serve_worker(
     worker_id: str | None = None,
     boot_id: str | None = None,
     advertise_host: str | None = None,
+    telemetry: Telemetry | None = None,
 ) -> WorkerServer:
-    """Start the engine thread and the gRPC server on ``host:port`` (0: a free port)."""
+    """Start the engine thread and the gRPC server on ``host:port`` (0: a free port).
+
+    With ``telemetry`` the worker's metrics (``kvtier.worker.metrics``) are exported there.
+    """
     worker_id = WorkerId(worker_id) if worker_id else default_worker_id()
     boot = BootId(boot_id or uuid.uuid4().hex)
     health = HealthServicer()
@@ -212,6 +218,8 @@ async def serve_worker(
             aloop.call_soon_threadsafe(mark_not_serving)
 
     loop = EngineLoop(engine, on_failure=on_engine_failure)
+    if telemetry is not None:
+        loop.metrics = WorkerMetrics(telemetry, loop, worker_id)
     servicer = WorkerServicer(loop, worker_id=worker_id, boot_id=boot)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)

@@ -28,6 +28,7 @@ from kvtier.engine.sampler import make_generator, sample
 from kvtier.engine.scheduler import Scheduler, SchedulerConfig
 from kvtier.engine.sequence import Sequence, SequenceStatus
 from kvtier.errors import IntegrityError, InvalidArgument, NotFound
+from kvtier.eviction import CostModel, ValuePolicy
 from kvtier.hashing import NamespaceDigest, NamespaceIdentity, namespace_digest
 from kvtier.model import LlamaModel
 from kvtier.page_pool import PagePool, PoolGeometry
@@ -111,6 +112,14 @@ class Engine:
         num_layers, kv_heads, head_dim = model.kv_geometry
         self.geometry = PoolGeometry(num_layers, kv_heads, head_dim, page_size, param.dtype)
         self.pool = PagePool(num_pages, self.geometry, device=param.device)
+        if eviction_policy is None:
+            # Value-based eviction is the default (LRU stays selectable): the trace replay
+            # shows it at or above LRU at every capacity (loadtests/replay.py).
+            tiers = [Tier.HBM]
+            if tier_config is not None:
+                tiers += [Tier.DRAM] if tier_config.dram_pages else []
+                tiers += [Tier.NVME] if tier_config.nvme_slots else []
+            eviction_policy = ValuePolicy(self._cost_model(model, self.geometry), tiers=tiers)
         self.index = RadixIndex(self.pool, eviction_policy)
         self.tiers = TierManager(self.index, tier_config) if tier_config is not None else None
         self.scheduler = Scheduler(self.pool, self.index, scheduler_config, self.tiers)
@@ -157,6 +166,18 @@ class Engine:
             path, model, page_size=page_size, kv_dtype=_DTYPE_NAMES.get(dtype, "fp32"), model_id=model_id
         )
         return cls(model, num_pages=num_pages, page_size=page_size, namespace=namespace, **kwargs)
+
+    @staticmethod
+    def _cost_model(model: LlamaModel, geometry: PoolGeometry) -> CostModel:
+        cfg = model.config
+        num_params = sum(p.numel() for p in model.parameters())
+        return CostModel(
+            num_params=float(num_params),
+            num_layers=cfg.num_hidden_layers,
+            hidden_size=cfg.num_attention_heads * cfg.head_dim,
+            page_size=geometry.page_size,
+            page_bytes=geometry.page_bytes,
+        )
 
     # ---- requests -------------------------------------------------------------------
     def digest_for(self, namespace: NamespaceIdentity | None) -> NamespaceDigest:
@@ -255,6 +276,7 @@ class Engine:
 
     # ---- stepping -------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        self.index.expire_pins()
         if self.tiers is not None:
             self.tiers.maintain()
         batch = self.scheduler.schedule()

@@ -58,6 +58,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_admission_waits = 0  # requests that found no room when first considered
 
     @property
     def page_size(self) -> int:
@@ -99,7 +100,7 @@ class Scheduler:
     def _try_admit(self, seq: Sequence) -> bool:
         ps = self.page_size
         keys = seq.full_page_keys()
-        match = self.index.match(keys, seq.tokens)
+        match = self.index.match(keys, seq.tokens, count_hit=False)
         hits = match.nodes
         num_hbm = next((i for i, n in enumerate(hits) if n.tier is not Tier.HBM), len(hits))
         lower = hits[num_hbm:] if self.tiers is not None else []
@@ -114,6 +115,7 @@ class Scheduler:
         if new_pages + (reserve if self.running else 0) > available:
             return False
 
+        self.index.touch(match.nodes)  # admitted: a real reuse (a waiting request is not one)
         pages: list[PageId] = []
         for node in hits:
             self.pool.acquire(node.page)
@@ -173,6 +175,9 @@ class Scheduler:
             if admitted and seq.num_tokens > budget:
                 break
             if not self._try_admit(seq):
+                if not seq.has_waited:
+                    seq.has_waited = True
+                    self.num_admission_waits += 1
                 break
             self.waiting.popleft()
             self.running.append(seq)

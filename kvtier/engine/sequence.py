@@ -51,6 +51,7 @@ class Sequence:
     promoted_tokens_by_tier: dict[Tier, int] = field(default_factory=dict)
     promotion_wait_s: float = 0.0  # eviction-induced first-token latency
     num_preemptions: int = 0
+    has_waited: bool = False  # admission found no room at least once
     logits_trace: list[torch.Tensor] | None = None
     _keys: list[PageKey] = field(default_factory=list)
 
