@@ -9,14 +9,11 @@ worker inventories after a restart, so losing it costs only cache hits).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -68,12 +65,18 @@ def _ping(host: str, port: int, timeout_s: float) -> bool:
         return False
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        import ctypes
+def _with_parent_death_signal(command: list[str]) -> list[str]:
+    """Wrap ``command`` so the server gets SIGTERM when the thread that started it dies.
 
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    ``setpriv --pdeathsig`` (util-linux) sets it between fork and exec in C. A Python
+    ``preexec_fn`` would run interpreter code in the forked child of a multi-threaded
+    process, which can crash or deadlock. Without setpriv the server is stopped by
+    ``stop()`` only (the process that started it must call it, as every caller does).
+    Note the Linux semantics: the signal follows the *thread* that forked, so start the
+    server from a long-lived thread (an event loop's), never from a pool's worker.
+    """
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", *command] if setpriv else command
 
 
 class EmbeddedRedis:
@@ -134,8 +137,8 @@ class EmbeddedRedis:
         for attempt in range(attempts):
             port = self._requested_port or _free_loopback_port(self.host)
             self._process = subprocess.Popen(
-                self._command(binary, port), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.STDOUT, cwd=self.state_dir, preexec_fn=_die_with_parent,
+                _with_parent_death_signal(self._command(binary, port)), stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=self.state_dir,
             )
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline and self._process.poll() is None:

@@ -433,11 +433,16 @@ class InventorySnapshotChunk:
 
 @dataclass(frozen=True, slots=True)
 class CommandAck:
-    """Outcome of one command; ``error_code`` is a kvtier error code, None on success."""
+    """Outcome of one command; ``error_code`` is a kvtier error code, None on success.
+
+    Demote, Prefetch and Drop also count the pages they moved or removed and the pages
+    they left alone (held by a running sequence, pinned, moving, or no room)."""
 
     command_id: CommandId
     error_code: str | None = None
     error_message: str = ""
+    num_pages: int = 0
+    num_skipped_pages: int = 0
 
     @property
     def ok(self) -> bool:
@@ -449,13 +454,18 @@ WorkerEvent = Registration | Heartbeat | PageEventBatch | InventorySnapshotChunk
 
 @dataclass(frozen=True, slots=True)
 class DemoteCommand:
+    """Exactly one of ``page_keys`` (non-empty) and ``session_id`` addresses the pages."""
+
     namespace_digest: NamespaceDigest
     page_keys: tuple[PageKey, ...]
     target_tier: Tier
+    session_id: SessionId | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class PrefetchCommand:
+    """``page_keys`` may be empty when ``session_id`` is set (the worker resolves them)."""
+
     namespace_digest: NamespaceDigest
     page_keys: tuple[PageKey, ...]  # root first
     target_tier: Tier
@@ -465,8 +475,12 @@ class PrefetchCommand:
 
 @dataclass(frozen=True, slots=True)
 class DropCommand:
+    """Exactly one of ``page_keys`` (non-empty; descendants go too) and ``session_id``
+    (the session's private pages, deepest first, shared prefixes kept)."""
+
     namespace_digest: NamespaceDigest
-    page_keys: tuple[PageKey, ...]  # descendants are dropped too
+    page_keys: tuple[PageKey, ...]
+    session_id: SessionId | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,6 +129,15 @@ class _SimulatedSlots:
             )
 
 
+@dataclass(frozen=True, slots=True)
+class MoveOutcome:
+    """Result of a commanded move: pages moved, and pages left where they were (held by a
+    sequence, pinned, moving, under a faster child, or no room in the destination)."""
+
+    num_moved: int
+    num_skipped: int
+
+
 @dataclass(slots=True)
 class _Pending:
     nodes: list[RadixNode]
@@ -476,6 +485,43 @@ class TierManager:
                     break
                 moved += 1
         return moved
+
+    # ---- commanded moves (controller Demote / Prefetch) ---------------------------------
+    def demote_pages(self, nodes: Sequence[RadixNode], dst: Tier) -> MoveOutcome:
+        """Move the idle ones of ``nodes`` down to ``dst`` now, deepest first.
+
+        Deepest first because a page may only leave a tier once nothing below it is
+        faster; a page held by a running sequence (or with a held page below it) stays.
+        Pages already in ``dst`` or below are neither moved nor skipped.
+        """
+        moved = skipped = 0
+        for node in sorted(nodes, key=lambda n: -n.depth):
+            if node.tier >= dst:
+                continue
+            if self.index.get(node.key) is node and self.index.is_evictable(node) and self._move_now(
+                node, dst, allow_room=True
+            ):
+                moved += 1
+            else:
+                skipped += 1
+        return MoveOutcome(num_moved=moved, num_skipped=skipped)
+
+    def prefetch(self, chain: Sequence[RadixNode]) -> MoveOutcome:
+        """Promote the lower-tier pages of ``chain`` (root first) into HBM, where they stay
+        cached and idle. Stops at the first page being moved by a transfer: a child may
+        not rise above its parent."""
+        num_below = sum(1 for n in chain if n.tier is not Tier.HBM)
+        lower: list[RadixNode] = []
+        for node in chain:
+            if node.tier is Tier.HBM:
+                continue
+            if node.moving:
+                break
+            lower.append(node)
+        promoted = self.promote(lower)
+        for node in promoted:  # promote hands us one reference each; the cache keeps the page
+            self.hbm.release(PageId(node.page))
+        return MoveOutcome(num_moved=len(promoted), num_skipped=num_below - len(promoted))
 
     # ---- promotion --------------------------------------------------------------------
     def promote(self, nodes: Sequence[RadixNode]) -> list[RadixNode]:

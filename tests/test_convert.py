@@ -181,8 +181,8 @@ snapshot_chunks = st.builds(
     inventories=st.lists(namespace_inventories, max_size=3).map(tuple),
 )
 command_acks = st.one_of(
-    st.builds(r.CommandAck, command_id=U64),
-    st.builds(r.CommandAck, command_id=U64, error_code=NAME, error_message=TEXT),
+    st.builds(r.CommandAck, command_id=U64, num_pages=U32, num_skipped_pages=U32),
+    st.builds(r.CommandAck, command_id=U64, error_code=NAME, error_message=TEXT, num_skipped_pages=U32),
 )
 NONEMPTY_KEYS = st.lists(KEY, min_size=1, max_size=6).map(tuple)
 commands = st.one_of(
@@ -305,18 +305,27 @@ ROUND_TRIPS: dict[str, st.SearchStrategy[Any]] = {
     "inventory_snapshot_chunk": snapshot_chunks,
     "command_ack": command_acks,
     "worker_event": st.one_of(registrations, heartbeats, page_event_batches, snapshot_chunks, command_acks),
-    "demote_command": st.builds(
-        r.DemoteCommand, namespace_digest=KEY, page_keys=NONEMPTY_KEYS, target_tier=TIER
+    "demote_command": st.one_of(
+        st.builds(r.DemoteCommand, namespace_digest=KEY, page_keys=NONEMPTY_KEYS, target_tier=TIER),
+        st.builds(r.DemoteCommand, namespace_digest=KEY, page_keys=st.just(()), target_tier=TIER,
+                  session_id=NAME),
     ),
-    "prefetch_command": st.builds(
-        r.PrefetchCommand,
-        namespace_digest=KEY,
-        page_keys=NONEMPTY_KEYS,
-        target_tier=TIER,
-        deadline_ms=OPT_U64,
-        session_id=OPT_NAME,
+    "prefetch_command": st.one_of(
+        st.builds(
+            r.PrefetchCommand,
+            namespace_digest=KEY,
+            page_keys=NONEMPTY_KEYS,
+            target_tier=TIER,
+            deadline_ms=OPT_U64,
+            session_id=OPT_NAME,
+        ),
+        st.builds(r.PrefetchCommand, namespace_digest=KEY, page_keys=st.just(()), target_tier=TIER,
+                  deadline_ms=OPT_U64, session_id=NAME),
     ),
-    "drop_command": st.builds(r.DropCommand, namespace_digest=KEY, page_keys=NONEMPTY_KEYS),
+    "drop_command": st.one_of(
+        st.builds(r.DropCommand, namespace_digest=KEY, page_keys=NONEMPTY_KEYS),
+        st.builds(r.DropCommand, namespace_digest=KEY, page_keys=st.just(()), session_id=NAME),
+    ),
     "invalidate_command": st.builds(
         r.InvalidateCommand, scope=scopes, policy_epoch=st.integers(1, 2**64 - 1)
     ),
@@ -902,6 +911,21 @@ INVALID: list[tuple[str, Callable[[Any], Any], Any, type[KvtierError], str]] = [
         _command(demote=worker_link_pb2.DemoteCommand(namespace_digest=KEY16, target_tier=2)),
         InvalidArgument,
         "demote.page_keys",
+    ),
+    (
+        "demote-keys-and-session",
+        convert.from_proto_controller_command,
+        _command(demote=worker_link_pb2.DemoteCommand(namespace_digest=KEY16, page_keys=[KEY16], target_tier=2,
+                                                      session_id="s")),
+        InvalidArgument,
+        "demote.page_keys",
+    ),
+    (
+        "prefetch-no-keys-no-session",
+        convert.from_proto_controller_command,
+        _command(prefetch=worker_link_pb2.PrefetchCommand(namespace_digest=KEY16, target_tier=1)),
+        InvalidArgument,
+        "prefetch.page_keys",
     ),
     (
         "prefetch-too-many-keys",

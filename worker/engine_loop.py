@@ -29,6 +29,13 @@ Usage accounting (``kvtier.records.Usage``; P prompt tokens, C cached, G generat
                         0 unless the request was preempted (or, later, a page failed its
                         checksum) and had to rebuild K/V it once had.
 
+Sessions: when a generation with a ``session_id`` finishes, the loop remembers that
+session's namespace digest and the keys of the full pages it left cached (prompt plus
+output, less the last sampled token, which is never fed back). Only the worker knows the
+output pages, so the controller addresses a session's pages by session id
+(Demote/Prefetch/Drop with ``session_id``) and the loop resolves them here: the longest
+prefix of those keys still cached. The newest ``MAX_SESSIONS`` sessions are remembered.
+
 Page events: the loop listens to the radix index and buffers an INSERT (parent key and
 depth, tier HBM) or DROP per page, with the page's namespace digest. A radix node does
 not know its namespace, so the loop keeps a side map page key → digest: a child inherits
@@ -42,14 +49,14 @@ import asyncio
 import threading
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtier.engine.engine import Engine, StepOutput
-from kvtier.errors import IntegrityError, KvtierError, Unavailable
-from kvtier.hashing import NamespaceDigest, PageKey, next_key, root_key, short
+from kvtier.errors import FailedPrecondition, IntegrityError, KvtierError, NotFound, Unavailable
+from kvtier.hashing import NamespaceDigest, PageKey, next_key, page_keys, root_key, short
 from kvtier.log import get_logger, redact_tokens
 from kvtier.radix import RadixNode
 from kvtier.records import (
@@ -62,11 +69,13 @@ from kvtier.records import (
     NamespaceInventory,
     PageEvent,
     RunId,
+    SessionId,
     TierOccupancy,
     TokenChunk,
     TokensByTier,
     Usage,
 )
+from kvtier.tier_manager import MoveOutcome, TierManager
 from kvtier.tiers import Tier
 
 if TYPE_CHECKING:
@@ -85,6 +94,8 @@ STALLED_WAIT_S = 0.005
 # Counting pinned pages is O(pool); publish the load for heartbeats at most this often
 # while busy (and always when the engine goes idle).
 LOAD_PUBLISH_INTERVAL_S = 0.05
+# Sessions whose last generation's pages the loop remembers (least recently finished go first).
+MAX_SESSIONS = 1 << 16
 
 
 def new_run_id() -> RunId:
@@ -108,6 +119,14 @@ class DropOutcome:
     num_dropped: int
     num_kept: int
     num_missing: int
+
+
+@dataclass(frozen=True, slots=True)
+class SessionPages:
+    """The pages a session's last finished generation left cached (root first)."""
+
+    namespace_digest: NamespaceDigest
+    page_keys: tuple[PageKey, ...]
 
 
 @dataclass(slots=True, eq=False)
@@ -160,6 +179,7 @@ class EngineLoop:
         self._runs: dict[str, _Run] = {}
         self._key_digest: dict[PageKey, NamespaceDigest] = {}
         self._roots: dict[NamespaceDigest, PageKey] = {}
+        self._sessions: OrderedDict[SessionId, SessionPages] = OrderedDict()
         # ---- shared, under _events_lock
         self._events_lock = threading.Lock()
         self._events: list[PageEvent] = []
@@ -249,6 +269,25 @@ class EngineLoop:
     async def drop_pages(self, digest: NamespaceDigest, keys: tuple[PageKey, ...]) -> DropOutcome:
         """Remove ``keys`` and their descendants from the cache where no sequence holds them."""
         return await self._call(lambda: self._drop_pages(digest, keys))
+
+    async def demote(
+        self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None, dst: Tier
+    ) -> MoveOutcome:
+        """Move the listed (or the session's) idle pages down to ``dst``; held pages stay."""
+        return await self._call(lambda: self._tiers().demote_pages(self._resolve(digest, keys, session), dst))
+
+    async def prefetch(
+        self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None
+    ) -> MoveOutcome:
+        """Promote the listed (or the session's) lower-tier pages into HBM, cached and idle."""
+        return await self._call(lambda: self._tiers().prefetch(self._resolve(digest, keys, session)))
+
+    async def drop_session(self, digest: NamespaceDigest, session: SessionId) -> DropOutcome:
+        """Remove the session's private pages, deepest first; a shared prefix stays cached."""
+        return await self._call(lambda: self._drop_session(digest, session))
+
+    async def session_pages(self, session: SessionId) -> SessionPages | None:
+        return await self._call(lambda: self._sessions.get(session))
 
     def drain_page_events(self) -> list[PageEvent]:
         """Page events since the last drain, oldest first (any thread)."""
@@ -441,6 +480,8 @@ class EngineLoop:
                 nvme_tokens=result.promoted_tokens_by_tier.get(Tier.NVME, 0),
             ),
         )
+        if run.request.session_id is not None:
+            self._remember_session(run, result.prompt_token_ids, result.token_ids)
         now = time.perf_counter()
         first = run.first_token_at if run.first_token_at is not None else now
         ttft_ms = (first - run.submitted_at) * 1000.0
@@ -608,6 +649,58 @@ class EngineLoop:
         return DropOutcome(
             num_dropped=num_dropped, num_kept=len(subtree) - num_dropped, num_missing=num_missing
         )
+
+
+    # ---- sessions (engine thread) ------------------------------------------------------
+    def _remember_session(self, run: _Run, prompt: list[int], output: list[int]) -> None:
+        assert run.request.session_id is not None
+        digest = self.engine.digest_for(run.request.namespace)
+        fed = [*prompt, *output[:-1]]  # the last sampled token is never fed back: no K/V
+        keys = tuple(page_keys(digest, fed, self.engine.pool.page_size))
+        self._sessions[run.request.session_id] = SessionPages(digest, keys)
+        self._sessions.move_to_end(run.request.session_id)
+        while len(self._sessions) > MAX_SESSIONS:
+            self._sessions.popitem(last=False)
+
+    def _tiers(self) -> TierManager:
+        if self.engine.tiers is None:
+            raise FailedPrecondition("this worker has no DRAM or NVMe tier; configure one to demote or prefetch")
+        return self.engine.tiers
+
+    def _resolve(
+        self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None
+    ) -> list[RadixNode]:
+        """Cached nodes of ``keys`` in the namespace; for a session, the longest cached
+        prefix of its last generation's pages (root first)."""
+        index = self.engine.index
+        if session is None:
+            nodes = [index.get(k) for k in keys if self._key_digest.get(k) == digest]
+            return [n for n in nodes if n is not None]
+        pages = self._sessions.get(session)
+        if pages is None or pages.namespace_digest != digest:
+            raise NotFound(f"this worker finished no generation for session {session!r} in that namespace",
+                           field="session_id")
+        chain: list[RadixNode] = []
+        for key in pages.page_keys:
+            node = index.get(key)
+            if node is None:
+                break
+            chain.append(node)
+        return chain
+
+    def _drop_session(self, digest: NamespaceDigest, session: SessionId) -> DropOutcome:
+        chain = self._resolve(digest, (), session)
+        num_missing = len(self._sessions[session].page_keys) - len(chain)
+        index = self.engine.index
+        num_dropped = 0
+        for node in reversed(chain):
+            # Stop at a shared page (another sequence's pages hang below) or a held one.
+            if not node.is_leaf or not index.is_evictable(node):
+                break
+            index.remove(node.key)
+            num_dropped += 1
+        del self._sessions[session]
+        return DropOutcome(num_dropped=num_dropped, num_kept=len(chain) - num_dropped, num_missing=num_missing)
 
 
 def _shutting_down() -> Unavailable:

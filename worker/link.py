@@ -15,10 +15,13 @@ same step that lists the inventory, and no batch is drained while a snapshot is 
 taken (``_send_lock``), so a snapshot with ``as_of_seq = n`` reflects exactly the
 batches up to n and every later batch holds later changes.
 
-Commands: ``Drop`` (idle pages leave the cache; pages a sequence holds are kept),
-``RequestSnapshot`` and ``Drain`` are carried out; the others are acknowledged with
-``error_code="UNSUPPORTED"`` until the tiers work implements them. Every command is
-acknowledged exactly once, by id.
+Commands: ``Drop`` (idle pages leave the cache; pages a sequence holds are kept; by
+session: the session's private pages, shared prefixes stay), ``Demote`` (idle pages move
+down now; held ones stay and are counted in ``num_skipped_pages``), ``Prefetch`` (lower-tier
+pages are promoted into HBM and stay cached there), ``RequestSnapshot`` and ``Drain`` are
+carried out; ``Invalidate`` is acknowledged with ``error_code="UNSUPPORTED"``. Demote,
+Prefetch and Drop may name a session instead of pages (the engine loop resolves its last
+generation's pages). Every command is acknowledged exactly once, by id.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from kvtier.records import (
     CommandAck,
     CommandId,
     ControllerCommand,
+    DemoteCommand,
     DrainCommand,
     DropCommand,
     Heartbeat,
@@ -47,6 +51,7 @@ from kvtier.records import (
     ModelIdentity,
     NamespaceInventory,
     PageEventBatch,
+    PrefetchCommand,
     Registration,
     RequestSnapshotCommand,
     SnapshotId,
@@ -310,6 +315,31 @@ class WorkerLink:
 
     async def _carry_out(self, command: ControllerCommand) -> CommandAck:
         body = command.command
+        if isinstance(body, DemoteCommand | PrefetchCommand):
+            if isinstance(body, DemoteCommand):
+                moved = await self._loop.demote(body.namespace_digest, body.page_keys, body.session_id,
+                                                body.target_tier)
+            else:
+                if body.target_tier is not Tier.HBM:
+                    return CommandAck(command.command_id, error_code="INVALID_ARGUMENT",
+                                      error_message="this worker prefetches into HBM only")
+                moved = await self._loop.prefetch(body.namespace_digest, body.page_keys, body.session_id)
+            log.info(
+                f"{type(body).__name__.removesuffix('Command').lower()} command carried out",
+                extra={
+                    "command_id": command.command_id,
+                    "session_id": body.session_id,
+                    "num_moved": moved.num_moved,
+                    "num_skipped": moved.num_skipped,
+                },
+            )
+            return CommandAck(command.command_id, num_pages=moved.num_moved, num_skipped_pages=moved.num_skipped)
+        if isinstance(body, DropCommand) and body.session_id is not None:
+            outcome = await self._loop.drop_session(body.namespace_digest, body.session_id)
+            log.info("session drop carried out", extra={
+                "command_id": command.command_id, "session_id": body.session_id,
+                "num_dropped": outcome.num_dropped, "num_kept": outcome.num_kept})
+            return CommandAck(command.command_id, num_pages=outcome.num_dropped, num_skipped_pages=outcome.num_kept)
         if isinstance(body, DropCommand):
             outcome = await self._loop.drop_pages(body.namespace_digest, body.page_keys)
             log.info(
@@ -324,11 +354,13 @@ class WorkerLink:
             if outcome.num_kept:
                 return CommandAck(
                     command.command_id,
+                    num_pages=outcome.num_dropped,
+                    num_skipped_pages=outcome.num_kept,
                     error_code="FAILED_PRECONDITION",
                     error_message=f"{outcome.num_kept} of {outcome.num_kept + outcome.num_dropped} pages are "
                     "held by running sequences or pinned and were kept",
                 )
-            return CommandAck(command.command_id)
+            return CommandAck(command.command_id, num_pages=outcome.num_dropped)
         if isinstance(body, RequestSnapshotCommand):
             await self._send_snapshot(body.snapshot_id)
             return CommandAck(command.command_id)

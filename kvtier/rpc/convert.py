@@ -993,17 +993,20 @@ def from_proto_inventory_snapshot_chunk(
 
 def to_proto_command_ack(ack: CommandAck) -> worker_link_pb2.CommandAck:
     return worker_link_pb2.CommandAck(
-        command_id=ack.command_id, ok=ack.ok, error_code=ack.error_code or "", error_message=ack.error_message
+        command_id=ack.command_id, ok=ack.ok, error_code=ack.error_code or "", error_message=ack.error_message,
+        num_pages=ack.num_pages, num_skipped_pages=ack.num_skipped_pages,
     )
 
 
 def from_proto_command_ack(msg: worker_link_pb2.CommandAck, path: str = "ack") -> CommandAck:
+    counts = dict(num_pages=msg.num_pages, num_skipped_pages=msg.num_skipped_pages)
     if msg.ok:
-        return CommandAck(command_id=CommandId(msg.command_id))
+        return CommandAck(command_id=CommandId(msg.command_id), **counts)
     return CommandAck(
         command_id=CommandId(msg.command_id),
         error_code=_string(msg.error_code, _join(path, "error_code"), required=True),
         error_message=_string(msg.error_message, _join(path, "error_message"), max_chars=MAX_TEXT_CHARS),
+        **counts,
     )
 
 
@@ -1045,19 +1048,39 @@ def _command_keys(msg: Any, path: str) -> tuple[PageKey, ...]:
     return keys
 
 
+def _command_target(msg: Any, path: str) -> tuple[tuple[PageKey, ...], SessionId | None]:
+    """Page keys or a session id: exactly one addresses a command's pages."""
+    session_id = _optional_string(msg.session_id, _join(path, "session_id"))
+    if session_id is None:
+        return _command_keys(msg, path), None
+    if msg.page_keys:
+        raise _invalid(_join(path, "page_keys"), "must be empty when session_id is set")
+    return (), SessionId(session_id)
+
+
+def _check_target(keys: tuple[PageKey, ...], session_id: SessionId | None, what: str) -> None:
+    if bool(keys) == bool(session_id):
+        raise InvalidArgument(f"a {what} names its pages by page_keys or by session_id (exactly one)",
+                              field="page_keys")
+
+
 def to_proto_demote_command(command: DemoteCommand) -> worker_link_pb2.DemoteCommand:
+    _check_target(command.page_keys, command.session_id, "DemoteCommand")
     return worker_link_pb2.DemoteCommand(
         namespace_digest=command.namespace_digest,
         page_keys=command.page_keys,
         target_tier=int(command.target_tier),
+        session_id=command.session_id or "",
     )
 
 
 def from_proto_demote_command(msg: worker_link_pb2.DemoteCommand, path: str = "demote") -> DemoteCommand:
+    keys, session_id = _command_target(msg, path)
     return DemoteCommand(
         namespace_digest=_digest(msg.namespace_digest, _join(path, "namespace_digest")),
-        page_keys=_command_keys(msg, path),
+        page_keys=keys,
         target_tier=_tier(msg.target_tier, _join(path, "target_tier")),
+        session_id=session_id,
     )
 
 
@@ -1075,9 +1098,12 @@ def from_proto_prefetch_command(
     msg: worker_link_pb2.PrefetchCommand, path: str = "prefetch"
 ) -> PrefetchCommand:
     session_id = _optional_string(msg.session_id, _join(path, "session_id"))
+    keys = _keys(msg.page_keys, _join(path, "page_keys"), limit=MAX_COMMAND_PAGES)
+    if not keys and session_id is None:
+        raise _invalid(_join(path, "page_keys"), "must not be empty unless session_id is set")
     return PrefetchCommand(
         namespace_digest=_digest(msg.namespace_digest, _join(path, "namespace_digest")),
-        page_keys=_command_keys(msg, path),
+        page_keys=keys,
         target_tier=_tier(msg.target_tier, _join(path, "target_tier")),
         deadline_ms=_optional(msg, "deadline_ms"),
         session_id=SessionId(session_id) if session_id else None,
@@ -1085,13 +1111,18 @@ def from_proto_prefetch_command(
 
 
 def to_proto_drop_command(command: DropCommand) -> worker_link_pb2.DropCommand:
-    return worker_link_pb2.DropCommand(namespace_digest=command.namespace_digest, page_keys=command.page_keys)
+    _check_target(command.page_keys, command.session_id, "DropCommand")
+    return worker_link_pb2.DropCommand(
+        namespace_digest=command.namespace_digest, page_keys=command.page_keys, session_id=command.session_id or ""
+    )
 
 
 def from_proto_drop_command(msg: worker_link_pb2.DropCommand, path: str = "drop") -> DropCommand:
+    keys, session_id = _command_target(msg, path)
     return DropCommand(
         namespace_digest=_digest(msg.namespace_digest, _join(path, "namespace_digest")),
-        page_keys=_command_keys(msg, path),
+        page_keys=keys,
+        session_id=session_id,
     )
 
 

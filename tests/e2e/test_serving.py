@@ -35,7 +35,8 @@ def stack(local_ray, tmp_path_factory):
     leftovers = asyncio.all_tasks(loop)
     for task in leftovers:
         task.cancel()
-    loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
+    if leftovers:
+        loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
     loop.close()
 
 

@@ -26,15 +26,15 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as kvtier_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvtier/v1/worker_link.proto\x12\tkvtier.v1\x1a\x16kvtier/v1/common.proto\"\xba\x01\n\x08Register\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x03 \x01(\t\x12\'\n\x05model\x18\x04 \x01(\x0b\x32\x18.kvtier.v1.ModelIdentity\x12\x10\n\x08\x61\x64\x61pters\x18\x05 \x03(\t\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12+\n\ncapacities\x18\x07 \x03(\x0b\x32\x17.kvtier.v1.TierCapacity\"p\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\'\n\x05tiers\x18\x02 \x03(\x0b\x32\x18.kvtier.v1.TierOccupancy\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x18\n\x10num_running_seqs\x18\x04 \x01(\r\"\xd8\x01\n\tPageEvent\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.kvtier.v1.PageEventKind\x12\x18\n\x10namespace_digest\x18\x02 \x01(\x0c\x12\x10\n\x08page_key\x18\x03 \x01(\x0c\x12\x12\n\nparent_key\x18\x04 \x01(\x0c\x12\r\n\x05\x64\x65pth\x18\x05 \x01(\r\x12\x1d\n\x04tier\x18\x06 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\'\n\tfrom_tier\x18\x07 \x01(\x0e\x32\x0f.kvtier.v1.TierH\x00\x88\x01\x01\x42\x0c\n\n_from_tier\"C\n\x0ePageEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12$\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x14.kvtier.v1.PageEvent\"D\n\rInventoryPage\x12\x10\n\x08page_key\x18\x01 \x01(\x0c\x12\x12\n\nparent_key\x18\x02 \x01(\x0c\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\r\"v\n\x12NamespaceInventory\x12\x18\n\x10namespace_digest\x18\x01 \x01(\x0c\x12\x1d\n\x04tier\x18\x02 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\'\n\x05pages\x18\x03 \x03(\x0b\x32\x18.kvtier.v1.InventoryPage\"\x9a\x01\n\x16InventorySnapshotChunk\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x0f\n\x07is_last\x18\x03 \x01(\x08\x12\x11\n\tas_of_seq\x18\x04 \x01(\x04\x12\x32\n\x0binventories\x18\x05 \x03(\x0b\x32\x1d.kvtier.v1.NamespaceInventory\"W\n\nCommandAck\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x12\n\nerror_code\x18\x03 \x01(\t\x12\x15\n\rerror_message\x18\x04 \x01(\t\"\xf9\x01\n\x0bWorkerEvent\x12\'\n\x08register\x18\x01 \x01(\x0b\x32\x13.kvtier.v1.RegisterH\x00\x12)\n\theartbeat\x18\x02 \x01(\x0b\x32\x14.kvtier.v1.HeartbeatH\x00\x12\x30\n\x0bpage_events\x18\x03 \x01(\x0b\x32\x19.kvtier.v1.PageEventBatchH\x00\x12\x35\n\x08snapshot\x18\x04 \x01(\x0b\x32!.kvtier.v1.InventorySnapshotChunkH\x00\x12$\n\x03\x61\x63k\x18\x05 \x01(\x0b\x32\x15.kvtier.v1.CommandAckH\x00\x42\x07\n\x05\x65vent\"b\n\rDemoteCommand\x12\x18\n\x10namespace_digest\x18\x01 \x01(\x0c\x12\x11\n\tpage_keys\x18\x02 \x03(\x0c\x12$\n\x0btarget_tier\x18\x03 \x01(\x0e\x32\x0f.kvtier.v1.Tier\"\xa2\x01\n\x0fPrefetchCommand\x12\x18\n\x10namespace_digest\x18\x01 \x01(\x0c\x12\x11\n\tpage_keys\x18\x02 \x03(\x0c\x12$\n\x0btarget_tier\x18\x03 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x18\n\x0b\x64\x65\x61\x64line_ms\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nsession_id\x18\x05 \x01(\tB\x0e\n\x0c_deadline_ms\":\n\x0b\x44ropCommand\x12\x18\n\x10namespace_digest\x18\x01 \x01(\x0c\x12\x11\n\tpage_keys\x18\x02 \x03(\x0c\"V\n\x11InvalidateCommand\x12+\n\x05scope\x18\x01 \x01(\x0b\x32\x1c.kvtier.v1.InvalidationScope\x12\x14\n\x0cpolicy_epoch\x18\x02 \x01(\x04\"-\n\x16RequestSnapshotCommand\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\" \n\x0c\x44rainCommand\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\"\xd3\x02\n\x11\x43ontrollerCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12*\n\x06\x64\x65mote\x18\x02 \x01(\x0b\x32\x18.kvtier.v1.DemoteCommandH\x00\x12.\n\x08prefetch\x18\x03 \x01(\x0b\x32\x1a.kvtier.v1.PrefetchCommandH\x00\x12&\n\x04\x64rop\x18\x04 \x01(\x0b\x32\x16.kvtier.v1.DropCommandH\x00\x12\x32\n\ninvalidate\x18\x05 \x01(\x0b\x32\x1c.kvtier.v1.InvalidateCommandH\x00\x12=\n\x10request_snapshot\x18\x06 \x01(\x0b\x32!.kvtier.v1.RequestSnapshotCommandH\x00\x12(\n\x05\x64rain\x18\x07 \x01(\x0b\x32\x17.kvtier.v1.DrainCommandH\x00\x42\t\n\x07\x63ommand*\x80\x01\n\rPageEventKind\x12\x1f\n\x1bPAGE_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16PAGE_EVENT_KIND_INSERT\x10\x01\x12\x18\n\x14PAGE_EVENT_KIND_MOVE\x10\x02\x12\x18\n\x14PAGE_EVENT_KIND_DROP\x10\x03\x32Q\n\nWorkerLink\x12\x43\n\x07\x43onnect\x12\x16.kvtier.v1.WorkerEvent\x1a\x1c.kvtier.v1.ControllerCommand(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvtier/v1/worker_link.proto\x12\tkvtier.v1\x1a\x16kvtier/v1/common.proto\"\xba\x01\n\x08Register\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x03 \x01(\t\x12\'\n\x05model\x18\x04 \x01(\x0b\x32\x18.kvtier.v1.ModelIdentity\x12\x10\n\x08\x61\x64\x61pters\x18\x05 \x03(\t\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12+\n\ncapacities\x18\x07 \x03(\x0b\x32\x17.kvtier.v1.TierCapacity\"p\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\'\n\x05tiers\x18\x02 \x03(\x0b\x32\x18.kvtier.v1.TierOccupancy\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x18\n\x10num_running_seqs\x18\x04 \x01(\r\"\xd8\x01\n\tPageEvent\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.kvtier.v1.PageEventKind\x12\x18\n\x10namespace_digest\x18\x02 \x01(\x0c\x12\x10\n\x08page_key\x18\x03 \x01(\x0c\x12\x12\n\nparent_key\x18\x04 \x01(\x0c\x12\r\n\x05\x64\x65pth\x18\x05 \x01(\r\x12\x1d\n\x04tier\x18\x06 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\'\n\tfrom_tier\x18\x07 \x01(\x0e\x32\x0f.kvtier.v1.TierH\x00\x88\x01\x01\x42\x0c\n\n_from_tier\"C\n\x0ePageEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12$\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x14.kvtier.v1.PageEvent\"D\n\rInventoryPage\x12\x10\n\x08page_key\x18\x01 \x01(\x0c\x12\x12\n\nparent_key\x18\x02 \x01(\x0c\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\r\"v\n\x12NamespaceInventory\x12\x18\n\x10namespace_digest\x18\x01 \x01(\x0c\x12\x1d\n\x04tier\x18\x02 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\'\n\x05pages\x18\x03 \x03(\x0b\x32\x18.kvtier.v1.InventoryPage\"\x9a\x01\n\x16InventorySnapshotChunk\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x0f\n\x07is_last\x18\x03 \x01(\x08\x12\x11\n\tas_of_seq\x18\x04 \x01(\x04\x12\x32\n\x0binventories\x18\x05 \x03(\x0b\x32\x1d.kvtier.v1.NamespaceInventory\"\x85\x01\n\nCommandAck\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x12\n\nerror_code\x18\x03 \x01(\t\x12\x15\n\rerror_message\x18\x04 \x01(\t\x12\x11\n\tnum_pages\x18\x05 \x01(\r\x12\x19\n\x11num_skipped_pages\x18\x06 \x01(\r\"\xf9\x01\n\x0bWorkerEvent\x12\'\n\x08register\x18\x01 \x01(\x0b\x32\x13.kvtier.v1.RegisterH\x00\x12)\n\theartbeat\x18\x02 \x01(\x0b\x32\x14.kvtier.v1.HeartbeatH\x00\x12\x30\n\x0bpage_events\x18\x03 \x01(\x0b\x32\x19.kvtier.v1.PageEventBatchH\x00\x12\x35\n\x08snapshot\x18\x04 \x01(\x0b\x32!.kvtier.v1.InventorySnapshotChunkH\x00\x12$\n\x03\x61\x63k\x18\x05 \x01(\x0b\x32\x15.kvtier.v1.CommandAckH\x00\x42\x07\n\x05\x65vent\"v\n\rDemoteCommand\x12\x18\n\x10namespace_digest\x18\x01 \x01(\x0c\x12\x11\n\tpage_keys\x18\x02 \x03(\x0c\x12$\n\x0btarget_tier\x18\x03 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x12\n\nsession_id\x18\x04 \x01(\t\"\xa2\x01\n\x0fPrefetchCommand\x12\x18\n\x10namespace_digest\x18\x01 \x01(\x0c\x12\x11\n\tpage_keys\x18\x02 \x03(\x0c\x12$\n\x0btarget_tier\x18\x03 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x18\n\x0b\x64\x65\x61\x64line_ms\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nsession_id\x18\x05 \x01(\tB\x0e\n\x0c_deadline_ms\"N\n\x0b\x44ropCommand\x12\x18\n\x10namespace_digest\x18\x01 \x01(\x0c\x12\x11\n\tpage_keys\x18\x02 \x03(\x0c\x12\x12\n\nsession_id\x18\x03 \x01(\t\"V\n\x11InvalidateCommand\x12+\n\x05scope\x18\x01 \x01(\x0b\x32\x1c.kvtier.v1.InvalidationScope\x12\x14\n\x0cpolicy_epoch\x18\x02 \x01(\x04\"-\n\x16RequestSnapshotCommand\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\" \n\x0c\x44rainCommand\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\"\xd3\x02\n\x11\x43ontrollerCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12*\n\x06\x64\x65mote\x18\x02 \x01(\x0b\x32\x18.kvtier.v1.DemoteCommandH\x00\x12.\n\x08prefetch\x18\x03 \x01(\x0b\x32\x1a.kvtier.v1.PrefetchCommandH\x00\x12&\n\x04\x64rop\x18\x04 \x01(\x0b\x32\x16.kvtier.v1.DropCommandH\x00\x12\x32\n\ninvalidate\x18\x05 \x01(\x0b\x32\x1c.kvtier.v1.InvalidateCommandH\x00\x12=\n\x10request_snapshot\x18\x06 \x01(\x0b\x32!.kvtier.v1.RequestSnapshotCommandH\x00\x12(\n\x05\x64rain\x18\x07 \x01(\x0b\x32\x17.kvtier.v1.DrainCommandH\x00\x42\t\n\x07\x63ommand*\x80\x01\n\rPageEventKind\x12\x1f\n\x1bPAGE_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16PAGE_EVENT_KIND_INSERT\x10\x01\x12\x18\n\x14PAGE_EVENT_KIND_MOVE\x10\x02\x12\x18\n\x14PAGE_EVENT_KIND_DROP\x10\x03\x32Q\n\nWorkerLink\x12\x43\n\x07\x43onnect\x12\x16.kvtier.v1.WorkerEvent\x1a\x1c.kvtier.v1.ControllerCommand(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvtier.v1.worker_link_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PAGEEVENTKIND']._serialized_start=2182
-  _globals['_PAGEEVENTKIND']._serialized_end=2310
+  _globals['_PAGEEVENTKIND']._serialized_start=2269
+  _globals['_PAGEEVENTKIND']._serialized_end=2397
   _globals['_REGISTER']._serialized_start=67
   _globals['_REGISTER']._serialized_end=253
   _globals['_HEARTBEAT']._serialized_start=255
@@ -49,24 +49,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NAMESPACEINVENTORY']._serialized_end=845
   _globals['_INVENTORYSNAPSHOTCHUNK']._serialized_start=848
   _globals['_INVENTORYSNAPSHOTCHUNK']._serialized_end=1002
-  _globals['_COMMANDACK']._serialized_start=1004
-  _globals['_COMMANDACK']._serialized_end=1091
-  _globals['_WORKEREVENT']._serialized_start=1094
-  _globals['_WORKEREVENT']._serialized_end=1343
-  _globals['_DEMOTECOMMAND']._serialized_start=1345
-  _globals['_DEMOTECOMMAND']._serialized_end=1443
-  _globals['_PREFETCHCOMMAND']._serialized_start=1446
-  _globals['_PREFETCHCOMMAND']._serialized_end=1608
-  _globals['_DROPCOMMAND']._serialized_start=1610
-  _globals['_DROPCOMMAND']._serialized_end=1668
-  _globals['_INVALIDATECOMMAND']._serialized_start=1670
-  _globals['_INVALIDATECOMMAND']._serialized_end=1756
-  _globals['_REQUESTSNAPSHOTCOMMAND']._serialized_start=1758
-  _globals['_REQUESTSNAPSHOTCOMMAND']._serialized_end=1803
-  _globals['_DRAINCOMMAND']._serialized_start=1805
-  _globals['_DRAINCOMMAND']._serialized_end=1837
-  _globals['_CONTROLLERCOMMAND']._serialized_start=1840
-  _globals['_CONTROLLERCOMMAND']._serialized_end=2179
-  _globals['_WORKERLINK']._serialized_start=2312
-  _globals['_WORKERLINK']._serialized_end=2393
+  _globals['_COMMANDACK']._serialized_start=1005
+  _globals['_COMMANDACK']._serialized_end=1138
+  _globals['_WORKEREVENT']._serialized_start=1141
+  _globals['_WORKEREVENT']._serialized_end=1390
+  _globals['_DEMOTECOMMAND']._serialized_start=1392
+  _globals['_DEMOTECOMMAND']._serialized_end=1510
+  _globals['_PREFETCHCOMMAND']._serialized_start=1513
+  _globals['_PREFETCHCOMMAND']._serialized_end=1675
+  _globals['_DROPCOMMAND']._serialized_start=1677
+  _globals['_DROPCOMMAND']._serialized_end=1755
+  _globals['_INVALIDATECOMMAND']._serialized_start=1757
+  _globals['_INVALIDATECOMMAND']._serialized_end=1843
+  _globals['_REQUESTSNAPSHOTCOMMAND']._serialized_start=1845
+  _globals['_REQUESTSNAPSHOTCOMMAND']._serialized_end=1890
+  _globals['_DRAINCOMMAND']._serialized_start=1892
+  _globals['_DRAINCOMMAND']._serialized_end=1924
+  _globals['_CONTROLLERCOMMAND']._serialized_start=1927
+  _globals['_CONTROLLERCOMMAND']._serialized_end=2266
+  _globals['_WORKERLINK']._serialized_start=2399
+  _globals['_WORKERLINK']._serialized_end=2480
 # @@protoc_insertion_point(module_scope)

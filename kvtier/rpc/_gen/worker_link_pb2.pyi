@@ -111,16 +111,20 @@ class InventorySnapshotChunk(_message.Message):
     def __init__(self, snapshot_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., is_last: _Optional[bool] = ..., as_of_seq: _Optional[int] = ..., inventories: _Optional[_Iterable[_Union[NamespaceInventory, _Mapping]]] = ...) -> None: ...
 
 class CommandAck(_message.Message):
-    __slots__ = ("command_id", "ok", "error_code", "error_message")
+    __slots__ = ("command_id", "ok", "error_code", "error_message", "num_pages", "num_skipped_pages")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SKIPPED_PAGES_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     ok: bool
     error_code: str
     error_message: str
-    def __init__(self, command_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ...) -> None: ...
+    num_pages: int
+    num_skipped_pages: int
+    def __init__(self, command_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., num_pages: _Optional[int] = ..., num_skipped_pages: _Optional[int] = ...) -> None: ...
 
 class WorkerEvent(_message.Message):
     __slots__ = ("register", "heartbeat", "page_events", "snapshot", "ack")
@@ -137,14 +141,16 @@ class WorkerEvent(_message.Message):
     def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., page_events: _Optional[_Union[PageEventBatch, _Mapping]] = ..., snapshot: _Optional[_Union[InventorySnapshotChunk, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ...) -> None: ...
 
 class DemoteCommand(_message.Message):
-    __slots__ = ("namespace_digest", "page_keys", "target_tier")
+    __slots__ = ("namespace_digest", "page_keys", "target_tier", "session_id")
     NAMESPACE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PAGE_KEYS_FIELD_NUMBER: _ClassVar[int]
     TARGET_TIER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     namespace_digest: bytes
     page_keys: _containers.RepeatedScalarFieldContainer[bytes]
     target_tier: _common_pb2.Tier
-    def __init__(self, namespace_digest: _Optional[bytes] = ..., page_keys: _Optional[_Iterable[bytes]] = ..., target_tier: _Optional[_Union[_common_pb2.Tier, str]] = ...) -> None: ...
+    session_id: str
+    def __init__(self, namespace_digest: _Optional[bytes] = ..., page_keys: _Optional[_Iterable[bytes]] = ..., target_tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class PrefetchCommand(_message.Message):
     __slots__ = ("namespace_digest", "page_keys", "target_tier", "deadline_ms", "session_id")
@@ -161,12 +167,14 @@ class PrefetchCommand(_message.Message):
     def __init__(self, namespace_digest: _Optional[bytes] = ..., page_keys: _Optional[_Iterable[bytes]] = ..., target_tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., deadline_ms: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class DropCommand(_message.Message):
-    __slots__ = ("namespace_digest", "page_keys")
+    __slots__ = ("namespace_digest", "page_keys", "session_id")
     NAMESPACE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PAGE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     namespace_digest: bytes
     page_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace_digest: _Optional[bytes] = ..., page_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    session_id: str
+    def __init__(self, namespace_digest: _Optional[bytes] = ..., page_keys: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class InvalidateCommand(_message.Message):
     __slots__ = ("scope", "policy_epoch")

@@ -1,0 +1,219 @@
+"""When will a paused session's tool return? (DESIGN §5 decision 8)
+
+One estimator per (tenant, tool): an exponentially decayed histogram over
+log2(duration_ms), 16 bins per octave from 1 ms to 2^27 ms (~37 h), so a quantile read
+by interpolating inside one bin is off by at most ~2 %. Decay is by observation count
+(half-life ``half_life_obs``): after a shift in the distribution, the old shape weighs
+half as much every ``half_life_obs`` returns, so quantiles follow the new one.
+
+Decay without rewriting every bin: observation ``n`` adds ``2^(n / half_life)`` to its
+bin instead of multiplying the others by ``2^(-1 / half_life)``. Quantiles only need the
+bins' ratios, so the two are the same; when the growing weight nears float range, every
+bin is scaled down once (a full rewrite every ~half_life × 900 observations).
+
+Persistence: a Redis hash per (tenant, tool) under ``kvt:tool:<blake2b(tenant, tool)>``
+(fields ``tenant``, ``tool``, ``n`` and ``b<bin>``), written through on every
+observation and loaded by ``load()`` at start, so a controller restart (or a standby
+taking over) keeps the history.
+
+Prediction, best source first: history once it holds ``min_samples`` (effective)
+observations; else the caller's ``expected_ms``; else ``default_ms``. A caller estimate
+still wins when given, but history supplies its spread (``quantile_hi_ms``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import redis.asyncio as aredis
+
+from kvtier.errors import InvalidArgument
+from kvtier.log import get_logger
+from kvtier.records import PredictionSource
+
+log = get_logger("kvtier.controller.predictor")
+
+KEY_PREFIX = "kvt:tool:"
+BINS_PER_OCTAVE = 16
+NUM_BINS = 27 * BINS_PER_OCTAVE  # 1 ms .. 2^27 ms
+# Weights grow as 2^(n / half_life); rescale before they leave float range (~2^1023).
+MAX_LOG2_WEIGHT = 900.0
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """``return_in_ms``: the expected wait (a median); ``quantile_lo_ms`` / ``quantile_hi_ms``:
+    the wait is shorter / longer with ~10 % probability; ``confidence`` in [0, 1]."""
+
+    return_in_ms: float
+    quantile_lo_ms: float
+    quantile_hi_ms: float
+    confidence: float
+    source: PredictionSource
+
+
+@dataclass(slots=True)
+class PredictorParams:
+    default_ms: float = 5_000.0  # no history and no caller estimate
+    half_life_obs: float = 50.0  # observations after which old history weighs half
+    min_samples: float = 5.0  # effective observations before history is trusted
+    lo_quantile: float = 0.1
+    hi_quantile: float = 0.9
+    # Spread assumed without history: lognormal with this sigma (of ln duration).
+    default_sigma: float = 0.7
+
+    def __post_init__(self) -> None:
+        for name in ("default_ms", "half_life_obs", "min_samples", "default_sigma"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgument(f"predictor {name} must be > 0, got {getattr(self, name)}", field=name)
+        if not 0 < self.lo_quantile < 0.5 < self.hi_quantile < 1:
+            raise InvalidArgument("predictor quantiles need 0 < lo < 0.5 < hi < 1", field="lo_quantile")
+
+
+def bin_of(duration_ms: float) -> int:
+    return min(NUM_BINS - 1, max(0, int(math.log2(max(duration_ms, 1.0)) * BINS_PER_OCTAVE)))
+
+
+def bin_range_ms(index: int) -> tuple[float, float]:
+    return 2.0 ** (index / BINS_PER_OCTAVE), 2.0 ** ((index + 1) / BINS_PER_OCTAVE)
+
+
+@dataclass(slots=True)
+class ToolHistory:
+    """Decayed histogram of one (tenant, tool)'s durations (see the module doc)."""
+
+    tenant: str
+    tool: str
+    half_life_obs: float
+    num_observations: int = 0  # n: the next observation weighs 2^(n / half_life) (relative)
+    bins: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def total_weight(self) -> float:
+        return sum(self.bins.values())
+
+    @property
+    def effective_samples(self) -> float:
+        """Observations the decayed weight is worth (the latest counts 1)."""
+        if not self.bins:
+            return 0.0
+        return self.total_weight / self._weight(self.num_observations - 1)
+
+    def _weight(self, n: int) -> float:
+        return 2.0 ** (n / self.half_life_obs)
+
+    def observe(self, duration_ms: float) -> tuple[int, float, bool]:
+        """Add one duration; returns (bin, its new weight, whether every bin was rescaled)."""
+        rescaled = False
+        if self.num_observations / self.half_life_obs > MAX_LOG2_WEIGHT:
+            scale = self._weight(self.num_observations)
+            self.bins = {b: w / scale for b, w in self.bins.items() if w / scale > 1e-300}
+            self.num_observations = 0
+            rescaled = True
+        b = bin_of(duration_ms)
+        self.bins[b] = self.bins.get(b, 0.0) + self._weight(self.num_observations)
+        self.num_observations += 1
+        return b, self.bins[b], rescaled
+
+    def quantile_ms(self, q: float) -> float:
+        """The q-quantile, interpolated in log space inside its bin."""
+        if not self.bins:
+            raise ValueError("quantile of an empty history")
+        target = q * self.total_weight
+        seen = 0.0
+        for b in sorted(self.bins):
+            w = self.bins[b]
+            if seen + w >= target:
+                lo, hi = bin_range_ms(b)
+                frac = (target - seen) / w if w > 0 else 0.5
+                return lo * (hi / lo) ** frac
+            seen += w
+        return bin_range_ms(max(self.bins))[1]
+
+
+def history_key(tenant: str, tool: str) -> str:
+    digest = hashlib.blake2b(f"{len(tenant)}:{tenant}\0{tool}".encode(), digest_size=12).hexdigest()
+    return KEY_PREFIX + digest
+
+
+class ToolReturnPredictor:
+    """Per-(tenant, tool) predictions of tool durations, persisted in Redis."""
+
+    def __init__(
+        self, client: aredis.Redis, params: PredictorParams | None = None,
+        *, on_error: Callable[[Exception], None] | None = None,
+    ) -> None:
+        self.client = client
+        self.params = params or PredictorParams()
+        self._on_error = on_error
+        self._histories: dict[tuple[str, str], ToolHistory] = {}
+
+    def history(self, tenant: str, tool: str) -> ToolHistory | None:
+        return self._histories.get((tenant, tool))
+
+    async def load(self) -> int:
+        """Read every stored history (start-up, leadership gained); returns how many."""
+        loaded = 0
+        async for key in self.client.scan_iter(match=KEY_PREFIX + "*", count=500):
+            raw = await self.client.hgetall(key)
+            fields = {k.decode(): v.decode() for k, v in raw.items()}
+            if "tenant" not in fields or "tool" not in fields:
+                continue
+            history = ToolHistory(fields["tenant"], fields["tool"], self.params.half_life_obs,
+                                  num_observations=int(fields.get("n", "0")))
+            history.bins = {int(k[1:]): float(v) for k, v in fields.items() if k.startswith("b")}
+            self._histories[(history.tenant, history.tool)] = history
+            loaded += 1
+        log.info("tool histories loaded", extra={"num_histories": loaded})
+        return loaded
+
+    async def observe(self, tenant: str, tool: str, duration_ms: float) -> None:
+        """Record one measured tool duration and write it through to Redis."""
+        if not duration_ms >= 0:
+            raise InvalidArgument(f"a tool duration must be >= 0 ms, got {duration_ms}", field="duration_ms")
+        history = self._histories.get((tenant, tool))
+        if history is None:
+            history = self._histories[(tenant, tool)] = ToolHistory(tenant, tool, self.params.half_life_obs)
+        b, weight, rescaled = history.observe(duration_ms)
+        key = history_key(tenant, tool)
+        mapping: dict[str, str | float | int] = {"tenant": tenant, "tool": tool, "n": history.num_observations}
+        try:
+            async with self.client.pipeline(transaction=True) as pipe:
+                if rescaled:
+                    pipe.delete(key)
+                    mapping.update({f"b{k}": repr(v) for k, v in history.bins.items()})
+                else:
+                    mapping[f"b{b}"] = repr(weight)
+                pipe.hset(key, mapping=mapping)
+                await pipe.execute()
+        except Exception as exc:  # the in-memory history still serves; Redis catches up next time
+            if self._on_error is None:
+                raise
+            self._on_error(exc)
+
+    def predict(self, tenant: str, tool: str | None, expected_ms: float | None = None) -> Prediction:
+        p = self.params
+        history = self._histories.get((tenant, tool or ""))
+        trusted = history is not None and history.effective_samples >= p.min_samples
+        if trusted:
+            assert history is not None
+            median = history.quantile_ms(0.5)
+            lo, hi = history.quantile_ms(p.lo_quantile), history.quantile_ms(p.hi_quantile)
+            n = history.effective_samples
+            confidence = n / (n + p.min_samples)
+        if expected_ms is not None:
+            if trusted:  # the caller knows this call; history knows how wrong estimates run
+                return Prediction(float(expected_ms), expected_ms * lo / median, expected_ms * hi / median,
+                                  max(0.5, confidence), PredictionSource.CALLER_ESTIMATE)
+            return self._lognormal(float(expected_ms), 0.5, PredictionSource.CALLER_ESTIMATE)
+        if trusted:
+            return Prediction(median, lo, hi, confidence, PredictionSource.HISTORY)
+        return self._lognormal(p.default_ms, 0.1, PredictionSource.DEFAULT)
+
+    def _lognormal(self, median_ms: float, confidence: float, source: PredictionSource) -> Prediction:
+        z = 1.2816  # the 90 % point of a standard normal
+        spread = math.exp(z * self.params.default_sigma)
+        return Prediction(median_ms, median_ms / spread, median_ms * spread, confidence, source)

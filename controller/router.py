@@ -1,0 +1,291 @@
+"""Routing: rank the live workers for a request by cached prefix, tier and load (DESIGN §3).
+
+Score of worker w for a request (all terms in *prompt tokens*, so they compare)::
+
+    value(w)   = Σ_tier weight[tier] × matched_tokens[tier](w)       weights: HBM 1.0, DRAM 0.8, NVMe 0.5
+    penalty(w) = queue_penalty_tokens   × queue_depth(w)               256 per queued request
+               + running_penalty_tokens × running_seqs(w)              16 per running sequence
+               + hbm_pressure_tokens    × max(0, 1 − avail(w) / low_hbm_fraction)   512 at 0 % available
+    score(w)   = value(w) − penalty(w)
+
+``matched_tokens`` is the longest prefix the worker holds, contiguously from the first page,
+by the fastest tier of each page (``Directory.lookup``). ``avail`` is the share of the
+worker's HBM pages a new request can get without preempting anyone: (free + cached) / total,
+as of its last heartbeat (1.0 before the first one). A worker is *overloaded* when
+``queue_depth >= overload_queue_depth`` or ``avail < overload_hbm_fraction``.
+
+Ranking: the session's worker first (``is_affinity``) while it is live, serves the namespace
+and is not overloaded; then by score, then by queue depth, then by worker id. Every live
+worker that serves the namespace is listed, so a client can fall back down the list.
+
+When the directory cannot be read the prefix terms are 0 (the ranking is affinity, then
+least loaded) and the decision is ``degraded`` with the reason; Route never fails because
+Redis did. Derivation and examples: ``docs/decisions/0003-controller.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import grpc.aio
+
+from kvtier.controller import directory as dirmod
+from kvtier.controller.registry import Registry, WorkerEntry
+from kvtier.controller.resync import REDIS_ERRORS, DirectoryAccess
+from kvtier.errors import PermissionDenied, Unavailable
+from kvtier.hashing import NamespaceDigest, NamespaceIdentity, PageKey, namespace_digest, page_keys
+from kvtier.log import get_logger
+from kvtier.records import (
+    LookupRequest,
+    LookupResult,
+    Prefix,
+    RankedWorker,
+    RouteDecision,
+    RouteRequest,
+    TokenPrefix,
+    TokensByTier,
+    WorkerId,
+    WorkerMatch,
+)
+from kvtier.rpc import convert
+from kvtier.rpc._gen import router_pb2, router_pb2_grpc
+from kvtier.rpc.status import rpc_errors
+from kvtier.tiers import Tier
+
+log = get_logger("kvtier.controller.router")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterParams:
+    """The constants of the score (module docstring). Token-denominated penalties."""
+
+    tier_weights: Mapping[Tier, float] = field(
+        default_factory=lambda: {Tier.HBM: 1.0, Tier.DRAM: 0.8, Tier.NVME: 0.5}
+    )
+    queue_penalty_tokens: float = 256.0
+    running_penalty_tokens: float = 16.0
+    hbm_pressure_tokens: float = 512.0
+    low_hbm_fraction: float = 0.10
+    overload_queue_depth: int = 8
+    overload_hbm_fraction: float = 0.02
+    lookup_timeout_s: float = 0.5  # a directory read slower than this routes degraded
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    queue_depth: int = 0
+    num_running_seqs: int = 0
+    hbm_total_pages: int = 0  # 0: not reported yet
+    hbm_available_pages: int = 0  # free + cached
+
+    @property
+    def hbm_available_fraction(self) -> float:
+        return self.hbm_available_pages / self.hbm_total_pages if self.hbm_total_pages else 1.0
+
+    @classmethod
+    def of(cls, entry: WorkerEntry) -> WorkerLoad:
+        hbm = entry.occupancy(Tier.HBM)
+        return cls(
+            queue_depth=entry.queue_depth,
+            num_running_seqs=entry.num_running_seqs,
+            hbm_total_pages=hbm.total_pages if hbm else 0,
+            hbm_available_pages=hbm.free_pages + hbm.cached_pages if hbm else 0,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    worker_id: WorkerId
+    address: str
+    load: WorkerLoad = WorkerLoad()
+
+
+def prefix_value(matched: TokensByTier, params: RouterParams) -> float:
+    return sum(params.tier_weights.get(t, 0.0) * matched.for_tier(t) for t in Tier)
+
+
+def load_penalty(load: WorkerLoad, params: RouterParams) -> float:
+    pressure = max(0.0, 1.0 - load.hbm_available_fraction / params.low_hbm_fraction)
+    return (
+        params.queue_penalty_tokens * load.queue_depth
+        + params.running_penalty_tokens * load.num_running_seqs
+        + params.hbm_pressure_tokens * pressure
+    )
+
+
+def is_overloaded(load: WorkerLoad, params: RouterParams) -> bool:
+    return (
+        load.queue_depth >= params.overload_queue_depth
+        or load.hbm_available_fraction < params.overload_hbm_fraction
+    )
+
+
+def rank_workers(
+    candidates: Sequence[Candidate],
+    matched: Mapping[WorkerId, TokensByTier],
+    params: RouterParams,
+    affinity: WorkerId | None = None,
+) -> tuple[RankedWorker, ...]:
+    """Candidates best first (module docstring); ``matched`` lacks workers that hold nothing."""
+    sticky = next(
+        (c.worker_id for c in candidates if c.worker_id == affinity and not is_overloaded(c.load, params)),
+        None,
+    )
+    ranked = []
+    for c in candidates:
+        tokens = matched.get(c.worker_id, TokensByTier())
+        score = prefix_value(tokens, params) - load_penalty(c.load, params)
+        ranked.append((c.worker_id != sticky, -score, c.load.queue_depth, c.worker_id, c, tokens, score))
+    ranked.sort(key=lambda r: r[:4])
+    return tuple(
+        RankedWorker(
+            worker_id=c.worker_id,
+            address=c.address,
+            score=score,
+            matched_tokens=tokens,
+            is_affinity=c.worker_id == affinity,
+        )
+        for *_, c, tokens, score in ranked
+    )
+
+
+def matched_tokens(match: dirmod.WorkerMatch, page_size: int) -> TokensByTier:
+    return TokensByTier(
+        hbm_tokens=match.num_hbm * page_size,
+        dram_tokens=match.num_dram * page_size,
+        nvme_tokens=match.num_nvme * page_size,
+    )
+
+
+def prefix_page_keys(namespace: NamespaceIdentity, prefix: Prefix) -> tuple[NamespaceDigest, list[PageKey]]:
+    """The server-derived digest and the prefix's page keys under it (given keys are used as is:
+    looked up under this digest only, so a key of another namespace or tenant never matches)."""
+    digest = namespace_digest(namespace)
+    if isinstance(prefix, TokenPrefix):
+        return digest, page_keys(digest, prefix.token_ids, namespace.page_size)
+    return digest, list(prefix.page_keys)
+
+
+# -- authentication hook ----------------------------------------------------------------------
+
+
+def principal_tenant(context: grpc.aio.ServicerContext) -> str | None:
+    """The tenant bound to the authenticated caller, or None while authentication is off.
+
+    The one hook for auth (DESIGN §8): once bearer tokens exist, this returns the caller's
+    tenant and a request can no longer name another one.
+    """
+    return None
+
+
+def resolve_tenant(namespace: NamespaceIdentity, tenant: str | None) -> NamespaceIdentity:
+    if tenant is None:
+        return namespace  # authentication off: the payload's tenant stands
+    if namespace.tenant and namespace.tenant != tenant:
+        raise PermissionDenied(
+            "namespace.tenant names a tenant this caller may not act for", field="namespace.tenant"
+        )
+    return dataclasses.replace(namespace, tenant=tenant)
+
+
+# -- the router -------------------------------------------------------------------------------
+
+
+class Router:
+    """Ranks workers from the registry (who can serve) and the directory (who holds what)."""
+
+    def __init__(self, registry: Registry, access: DirectoryAccess, params: RouterParams) -> None:
+        self.registry = registry
+        self.access = access
+        self.params = params
+        # Set by the controller: the session tracker hears every Route that names a session.
+        self.on_session_route: Callable[..., Awaitable[object]] | None = None
+
+    async def route(self, request: RouteRequest, tenant: str | None) -> RouteDecision:
+        namespace = resolve_tenant(request.namespace, tenant)
+        entries = self.registry.candidates(namespace)
+        matched: dict[WorkerId, TokensByTier] = {}
+        degraded: str | None = None
+        if entries:
+            digest, keys = prefix_page_keys(namespace, request.prefix)
+            if keys:
+                result, degraded = await self._lookup(digest, keys)
+                if result is not None:
+                    page_size = namespace.page_size
+                    matched = {m.worker: matched_tokens(m, page_size) for m in result.matches}
+        affinity = self.registry.affinity(request.session_id) if request.session_id else None
+        candidates = [Candidate(e.worker_id, e.address, WorkerLoad.of(e)) for e in entries]
+        ranked = rank_workers(candidates, matched, self.params, affinity)
+        if request.session_id and ranked:
+            self.registry.set_affinity(request.session_id, ranked[0].worker_id)
+        if request.session_id and self.on_session_route is not None:
+            digest, keys = prefix_page_keys(namespace, request.prefix)
+            try:
+                await self.on_session_route(
+                    request.session_id, tenant=namespace.tenant, worker=ranked[0].worker_id if ranked else None,
+                    digest=digest, num_tokens=len(keys) * namespace.page_size,
+                )
+            except Exception as exc:  # session bookkeeping must never fail a Route
+                log.warning("session bookkeeping on Route failed", extra={
+                    "session_id": request.session_id, "reason": str(exc)})
+        return RouteDecision(workers=ranked, degraded_reason=degraded)
+
+    async def _lookup(
+        self, digest: NamespaceDigest, keys: Sequence[PageKey]
+    ) -> tuple[dirmod.LookupResult | None, str | None]:
+        """The directory's answer, or None and why not (never raises for Redis trouble)."""
+        if not self.access.is_reachable:
+            return None, f"directory unreachable ({self.access.last_error}); ranked by affinity and load"
+        try:
+            result = await asyncio.wait_for(
+                self.access.directory.lookup(digest, keys), self.params.lookup_timeout_s
+            )
+        except TimeoutError:
+            log.warning("directory lookup timed out", extra={"timeout_s": self.params.lookup_timeout_s})
+            return None, (f"directory lookup took longer than {self.params.lookup_timeout_s:g} s; "
+                          "ranked by affinity and load")
+        except REDIS_ERRORS as exc:
+            self.access.report_failure(exc)
+            return None, f"directory unreachable ({self.access.last_error}); ranked by affinity and load"
+        return result, None
+
+    async def lookup(self, request: LookupRequest, tenant: str | None) -> LookupResult:
+        """The directory's view of a prefix (Admin.Lookup); ``Unavailable`` while Redis is down."""
+        namespace = resolve_tenant(request.namespace, tenant)
+        digest, keys = prefix_page_keys(namespace, request.prefix)
+        if not keys:
+            return LookupResult(namespace_digest=digest, num_query_pages=0, matches=())
+        try:
+            result = await self.access.directory.lookup(digest, keys)
+        except REDIS_ERRORS as exc:
+            self.access.report_failure(exc)
+            raise Unavailable(
+                f"the directory (Redis) is unreachable: {self.access.last_error}; retry when "
+                "`kvtier status` shows it reachable"
+            ) from None
+        return LookupResult(
+            namespace_digest=digest,
+            num_query_pages=result.num_query_pages,
+            matches=tuple(
+                WorkerMatch(m.worker, matched_tokens(m, namespace.page_size)) for m in result.matches
+            ),
+        )
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """Thin shell: convert, route, convert back. Standbys answer UNAVAILABLE naming the leader."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    @rpc_errors
+    async def Route(
+        self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.RouteResponse:
+        self._router.access.check_serving()
+        route = convert.from_proto_route_request(request)
+        decision = await self._router.route(route, principal_tenant(context))
+        return convert.to_proto_route_decision(decision)

@@ -1,0 +1,334 @@
+"""The controller process: gRPC services, leader lease, lease sweeper, background reclaim.
+
+    serve_controller(config) ─► Redis (config.redis_url, or an embedded valkey-server under
+    state_dir) ─► campaign once ─► gRPC: Router, WorkerLink, Admin, grpc.health.v1, reflection
+    background: lease renewal + Redis monitor (resync.py), link resyncs, Directory.sweep every
+    lease_ttl/2, Directory.reclaim_step every RECLAIM_INTERVAL_S — the last two on the leader only.
+
+Health services: "" SERVING while the server runs (standbys too: they answer UNAVAILABLE
+and the Helm chart keeps them Ready); "kvtier.directory" NOT_SERVING while Redis is
+unreachable; "kvtier.leader" SERVING on the leader only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from dataclasses import dataclass, field
+from importlib import metadata
+
+import grpc
+import grpc.aio
+import redis.asyncio as aredis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
+
+from kvtier.config import ControllerConfig
+from kvtier.controller.admin import AdminServicer
+from kvtier.controller.directory import Directory, Outcome
+from kvtier.controller.link_servicer import WorkerLinks, WorkerLinkServicer
+from kvtier.controller.orchestrator import Orchestrator, OrchestratorParams
+from kvtier.controller.predictor import PredictorParams, ToolReturnPredictor
+from kvtier.controller.registry import Registry
+from kvtier.controller.resync import REDIS_ERRORS, DirectoryAccess
+from kvtier.controller.router import Router, RouterParams, RouterServicer
+from kvtier.controller.sessions import SessionsServicer, SessionStore
+from kvtier.embedded_redis import EmbeddedRedis
+from kvtier.errors import Unavailable
+from kvtier.log import get_logger
+from kvtier.records import Command, CommandAck, ControllerStatus, TierOccupancy, WorkerId
+from kvtier.rpc import convert
+from kvtier.rpc._gen import (
+    admin_pb2,
+    admin_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    sessions_pb2,
+    sessions_pb2_grpc,
+    worker_link_pb2,
+    worker_link_pb2_grpc,
+)
+from kvtier.tiers import Tier
+
+log = get_logger("kvtier.controller.server")
+
+# Same as every kvtier server: messages up to MAX_MESSAGE_BYTES, client keepalive pings welcome
+# (WorkerLink channels ping every 20 s).
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_send_message_length", convert.MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", convert.MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+)
+SERVICES = tuple(
+    module.DESCRIPTOR.services_by_name[name].full_name
+    for module, name in (
+        (router_pb2, "Router"), (worker_link_pb2, "WorkerLink"), (admin_pb2, "Admin"), (sessions_pb2, "Sessions")
+    )
+)
+RECLAIM_INTERVAL_S = 1.0
+SWEEP_MAX_ITEMS = 1000
+# Fail fast when Redis is gone: Route must answer (degraded) within its lookup timeout.
+REDIS_SOCKET_TIMEOUT_S = 1.0
+REDIS_CONNECT_TIMEOUT_S = 0.5
+REDIS_RETRY = Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.05), retries=1)
+
+
+def join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def advertised_host(host: str) -> str:
+    """The host others should dial: the listen host, or this machine's address for a wildcard."""
+    if host not in ("0.0.0.0", "::", "[::]", ""):
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _version() -> str:
+    try:
+        return metadata.version("kvtier")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _sum_tiers(occupancies: list[TierOccupancy]) -> tuple[TierOccupancy, ...]:
+    totals: dict[Tier, list[int]] = {}
+    for o in occupancies:
+        t = totals.setdefault(o.tier, [0, 0, 0, 0, 0])
+        for i, n in enumerate((o.total_pages, o.free_pages, o.cached_pages, o.in_use_pages, o.pinned_pages)):
+            t[i] += n
+    return tuple(TierOccupancy(tier, *totals[tier]) for tier in sorted(totals))
+
+
+@dataclass(eq=False)
+class ControllerServer:
+    """A running controller. ``address`` is what workers and clients dial."""
+
+    server: grpc.aio.Server
+    config: ControllerConfig
+    controller_id: str
+    address: str
+    redis_url: str
+    access: DirectoryAccess
+    registry: Registry
+    links: WorkerLinks
+    router: Router
+    health: health_aio.HealthServicer
+    started_at_s: float
+    _client: aredis.Redis
+    _embedded: EmbeddedRedis | None = None
+    orchestrator: Orchestrator | None = None  # sessions, tool-return prediction, park/prefetch
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _stopped: bool = False
+
+    @property
+    def is_leader(self) -> bool:
+        return self.access.is_leader
+
+    @property
+    def directory(self) -> Directory:
+        """The current Directory (a Redis restart replaces it)."""
+        return self.access.directory
+
+    def send_command(self, worker: WorkerId, command: Command) -> asyncio.Future[CommandAck]:
+        """Send a command down the worker's WorkerLink; the future resolves with its ack."""
+        return self.links.send_command(worker, command)
+
+    def status(self) -> ControllerStatus:
+        live = self.registry.live_workers()
+        return ControllerStatus(
+            controller_id=self.controller_id,
+            is_leader=self.is_leader,
+            leader_address=self.access.leader_address,
+            version=_version(),
+            uptime_s=int(asyncio.get_running_loop().time() - self.started_at_s),
+            num_workers=len(self.registry.workers()),
+            num_live_workers=len(live),
+            num_active_sessions=0,  # sessions arrive with the Sessions service
+            num_paused_sessions=0,
+            num_resuming_sessions=0,
+            tiers=_sum_tiers([t for e in live for t in e.tiers]),
+            policy_version=0,
+            is_directory_reachable=self.access.is_reachable,
+        )
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        """Close worker links, hand the lease over, stop serving; stops an embedded Redis too."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.health.enter_graceful_shutdown()
+        if self.orchestrator is not None:
+            await self.orchestrator.stop()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.links.close_all(None, reason=f"controller {self.controller_id} is shutting down; reconnect")
+        await self.access.close()
+        await self.server.stop(grace_s)
+        await self._client.aclose()
+        if self._embedded is not None:
+            await asyncio.to_thread(self._embedded.stop)
+        log.info("controller stopped", extra={"controller_id": self.controller_id})
+
+    # -- background work (leader only) ------------------------------------------------------
+
+    async def _sweep_loop(self) -> None:
+        interval_s = max(0.05, self.config.lease_ttl_s / 2)
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self._sweep()
+            except Exception as exc:  # a bug: keep sweeping rather than lose the loop silently
+                log.error("lease sweep failed", exc_info=exc)
+
+    async def _sweep(self) -> None:
+        while self.access.can_write:
+            try:
+                result = await self.access.directory.sweep(SWEEP_MAX_ITEMS)
+            except REDIS_ERRORS as exc:
+                self.access.report_failure(exc)
+                return
+            if result.outcome is Outcome.FENCED:
+                await self.access.fenced()
+                return
+            if result.retired or result.num_removed:
+                log.info("expired worker leases reclaimed", extra={
+                    "workers": ",".join(result.retired), "num_removed": result.num_removed})
+            if result.is_done:
+                return
+
+    async def _reclaim_loop(self) -> None:
+        while True:
+            await asyncio.sleep(RECLAIM_INTERVAL_S)
+            try:
+                await self._reclaim()
+            except Exception as exc:  # a bug: keep reclaiming rather than lose the loop silently
+                log.error("background reclaim failed", exc_info=exc)
+
+    async def _reclaim(self) -> None:
+        if not self.access.can_write:
+            return
+        try:
+            result = await self.access.directory.reclaim_step()
+        except REDIS_ERRORS as exc:
+            self.access.report_failure(exc)
+            return
+        if result.outcome is Outcome.FENCED:
+            await self.access.fenced()
+        elif result.num_deleted:
+            log.info("invalidated entries reclaimed", extra={
+                "num_deleted": result.num_deleted, "num_pending_namespaces": result.num_pending_namespaces})
+
+
+async def serve_controller(
+    config: ControllerConfig,
+    *,
+    redis_url: str | None = None,
+    controller_id: str | None = None,
+    advertise_host: str | None = None,
+    orchestrator_params: OrchestratorParams | None = None,
+    predictor_params: PredictorParams | None = None,
+) -> ControllerServer:
+    """Start a controller; ``redis_url`` overrides ``config.redis_url`` (unset: embedded Valkey)."""
+    url = redis_url or config.redis_url
+    embedded: EmbeddedRedis | None = None
+    if url is None:
+        # Started from this (the event loop's) thread, which lives as long as the process: the
+        # server is tied to its starting thread's life (parent-death signal). ~50 ms, start-up only.
+        embedded = EmbeddedRedis(config.state_dir.expanduser() / "valkey")
+        url = embedded.start()
+    client = aredis.Redis.from_url(
+        url,
+        socket_timeout=REDIS_SOCKET_TIMEOUT_S,
+        socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
+        retry=REDIS_RETRY,
+    )
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    access: DirectoryAccess | None = None
+    try:
+        listen = join_host_port(config.host, config.port)
+        try:
+            bound = server.add_insecure_port(listen)
+        except RuntimeError:
+            bound = 0
+        if bound == 0:
+            raise Unavailable(
+                f"the controller cannot listen on {listen}; is the port in use? pass --port 0 for a free one"
+            )
+        address = join_host_port(advertise_host or advertised_host(config.host), bound)
+        controller_id = controller_id or f"controller-{socket.gethostname()}-{os.getpid()}-{bound}"
+        if config.auth_token_file is not None:
+            log.warning("auth_token_file is set, but authentication is not implemented yet: "
+                        "every caller is trusted")
+
+        health = health_aio.HealthServicer()
+        access = DirectoryAccess(
+            client, controller_id=controller_id, address=address,
+            lease_ttl_ms=max(10, round(config.lease_ttl_s * 1000)), health=health,
+        )
+        registry = Registry(config.lease_ttl_s)
+        links = WorkerLinks(registry, access)
+        access.on_resync = links.mark_for_resync
+        access.on_standby = links.close_all
+        weights = {Tier.HBM: config.tier_weight_hbm, Tier.DRAM: config.tier_weight_dram,
+                   Tier.NVME: config.tier_weight_nvme}
+        router = Router(registry, access, RouterParams(tier_weights=weights))
+        controller = ControllerServer(
+            server=server, config=config, controller_id=controller_id, address=address, redis_url=url,
+            access=access, registry=registry, links=links, router=router, health=health,
+            started_at_s=asyncio.get_running_loop().time(), _client=client, _embedded=embedded,
+        )
+
+        predictor = ToolReturnPredictor(client, predictor_params, on_error=access.report_failure)
+        orchestrator = Orchestrator(
+            SessionStore(client), predictor, registry, controller.send_command, orchestrator_params
+        )
+        controller.orchestrator = orchestrator
+        router.on_session_route = orchestrator.on_route
+        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), server)
+        sessions_pb2_grpc.add_SessionsServicer_to_server(SessionsServicer(orchestrator), server)
+        worker_link_pb2_grpc.add_WorkerLinkServicer_to_server(WorkerLinkServicer(links), server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(router, controller.status), server)
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        reflection.enable_server_reflection(
+            (*SERVICES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            server,
+        )
+        await access.start()  # one campaign before serving, so `is_leader` means something at once
+        try:  # what a previous controller learnt and planned
+            await predictor.load()
+            await orchestrator.recover()
+        except REDIS_ERRORS as exc:
+            access.report_failure(exc)
+        await server.start()
+        for service in ("", *SERVICES):
+            await health.set(service, health_pb2.HealthCheckResponse.SERVING)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            if access is not None:
+                await access.close()
+            await server.stop(0)
+            await client.aclose()
+            if embedded is not None:
+                await asyncio.to_thread(embedded.stop)
+        raise
+    orchestrator.start()
+    controller._tasks = [
+        asyncio.create_task(links.run_resync_loop(), name="kvtier-controller-resync"),
+        asyncio.create_task(controller._sweep_loop(), name="kvtier-controller-sweep"),
+        asyncio.create_task(controller._reclaim_loop(), name="kvtier-controller-reclaim"),
+    ]
+    log.info("controller serving", extra={
+        "controller_id": controller_id, "address": address, "role": access.role.value,
+        "redis": "embedded" if embedded else "external"})
+    return controller

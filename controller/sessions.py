@@ -1,0 +1,216 @@
+"""Sessions: the lifecycle record of one conversation/agent, in Redis (DESIGN §2, §7).
+
+    (Route with the session id) ─► ACTIVE ──Pause──► PAUSED ──Returning──► RESUMING
+                                     ▲                 │                      │
+                                     └─────────── Route (next turn) ◄─────────┘
+    any state ──End──► ENDED        (a Route naming an ENDED session starts it afresh)
+
+Pause, Returning and End are idempotent in their target state (a repeat returns the
+record as it is). Everything else is a broken contract: Pause of a RESUMING or ENDED
+session and Returning of an ACTIVE or ENDED one fail with ``FailedPrecondition`` naming
+the state; an id no Route ever named is ``NotFound``.
+
+Storage: one hash per session, ``kvt:session:<id>``, rewritten on every change with an
+idle TTL (``ttl_s``), so a session nobody touches expires by itself. The orchestrator
+(``kvtier.controller.orchestrator``) drives the transitions and serialises them per
+session; this module is the record, its Redis form and the gRPC shell.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, fields
+from typing import Protocol
+
+import grpc.aio
+import redis.asyncio as aredis
+
+from kvtier.errors import FailedPrecondition
+from kvtier.hashing import NamespaceDigest
+from kvtier.records import (
+    EndRequest,
+    PauseRequest,
+    PredictionSource,
+    ReturningRequest,
+    SessionId,
+    SessionInfo,
+    SessionState,
+    WorkerId,
+)
+from kvtier.rpc import convert
+from kvtier.rpc._gen import sessions_pb2, sessions_pb2_grpc
+from kvtier.rpc.status import rpc_errors
+from kvtier.tiers import Tier
+
+KEY_PREFIX = "kvt:session:"
+DEFAULT_TTL_S = 3600.0
+
+
+class PrefetchState:
+    """Where the promotion of a parked session stands (strings: stored in Redis as-is)."""
+
+    NONE = "none"  # nothing parked below HBM, or nothing planned
+    SCHEDULED = "scheduled"
+    SENT = "sent"
+    DONE = "done"
+
+
+@dataclass(slots=True)
+class SessionRecord:
+    """One session as stored. Times are Unix epoch ms; ``None`` fields are not stored."""
+
+    session_id: SessionId
+    state: SessionState
+    tenant: str = ""
+    worker_id: WorkerId | None = None
+    namespace_digest: NamespaceDigest | None = None
+    num_cached_tokens: int = 0  # tokens of the prefix the last Route named
+    tool_name: str | None = None
+    paused_at_ms: int | None = None
+    predicted_return_at_ms: int | None = None
+    prediction_source: PredictionSource | None = None
+    prefetch_at_ms: int | None = None
+    parked_tier: Tier | None = None
+    num_parked_pages: int = 0
+    prefetch_state: str = PrefetchState.NONE
+    prefetch_done_at_ms: int | None = None
+    is_duration_observed: bool = False  # the tool's duration went into the predictor
+
+    def info(self) -> SessionInfo:
+        return SessionInfo(
+            session_id=self.session_id,
+            state=self.state,
+            worker_id=self.worker_id,
+            tool_name=self.tool_name if self.state in (SessionState.PAUSED, SessionState.RESUMING) else None,
+            paused_at_ms=self.paused_at_ms,
+            predicted_return_at_ms=self.predicted_return_at_ms,
+            prediction_source=self.prediction_source if self.predicted_return_at_ms is not None else None,
+            prefetch_at_ms=self.prefetch_at_ms if self.prefetch_state == PrefetchState.SCHEDULED else None,
+            parked_tier=self.parked_tier,
+            num_cached_tokens=self.num_cached_tokens,
+        )
+
+    def clear_pause(self) -> None:
+        self.tool_name = self.paused_at_ms = self.predicted_return_at_ms = None
+        self.prediction_source = self.prefetch_at_ms = self.parked_tier = self.prefetch_done_at_ms = None
+        self.num_parked_pages = 0
+        self.prefetch_state = PrefetchState.NONE
+        self.is_duration_observed = False
+
+    def require(self, *allowed: SessionState, action: str) -> None:
+        if self.state not in allowed:
+            raise FailedPrecondition(
+                f"session {self.session_id!r} is {self.state.name}; {action} needs "
+                f"{' or '.join(s.name for s in allowed)}",
+                field="session_id",
+            )
+
+    # ---- Redis form -------------------------------------------------------------------
+    def to_hash(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if isinstance(value, SessionState | PredictionSource):
+                out[f.name] = value.value
+            elif isinstance(value, Tier):
+                out[f.name] = str(int(value))
+            elif isinstance(value, bytes):
+                out[f.name] = value.hex()
+            elif isinstance(value, bool):
+                out[f.name] = "1" if value else "0"
+            else:
+                out[f.name] = str(value)
+        return out
+
+    @classmethod
+    def from_hash(cls, raw: dict[bytes, bytes]) -> SessionRecord:
+        h = {k.decode(): v.decode() for k, v in raw.items()}
+
+        def opt_int(name: str) -> int | None:
+            return int(h[name]) if name in h else None
+
+        return cls(
+            session_id=SessionId(h["session_id"]),
+            state=SessionState(h["state"]),
+            tenant=h.get("tenant", ""),
+            worker_id=WorkerId(h["worker_id"]) if "worker_id" in h else None,
+            namespace_digest=NamespaceDigest(bytes.fromhex(h["namespace_digest"])) if "namespace_digest" in h
+            else None,
+            num_cached_tokens=int(h.get("num_cached_tokens", "0")),
+            tool_name=h.get("tool_name"),
+            paused_at_ms=opt_int("paused_at_ms"),
+            predicted_return_at_ms=opt_int("predicted_return_at_ms"),
+            prediction_source=PredictionSource(h["prediction_source"]) if "prediction_source" in h else None,
+            prefetch_at_ms=opt_int("prefetch_at_ms"),
+            parked_tier=Tier(int(h["parked_tier"])) if "parked_tier" in h else None,
+            num_parked_pages=int(h.get("num_parked_pages", "0")),
+            prefetch_state=h.get("prefetch_state", PrefetchState.NONE),
+            prefetch_done_at_ms=opt_int("prefetch_done_at_ms"),
+            is_duration_observed=h.get("is_duration_observed") == "1",
+        )
+
+
+class SessionStore:
+    """Session records in Redis, each with an idle TTL refreshed on every write."""
+
+    def __init__(self, client: aredis.Redis, *, ttl_s: float = DEFAULT_TTL_S) -> None:
+        self.client = client
+        self.ttl_s = ttl_s
+
+    async def get(self, session_id: SessionId) -> SessionRecord | None:
+        raw = await self.client.hgetall(KEY_PREFIX + session_id)
+        return SessionRecord.from_hash(raw) if raw else None
+
+    async def put(self, record: SessionRecord) -> None:
+        key = KEY_PREFIX + record.session_id
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.delete(key)  # fields that became None must go too
+            pipe.hset(key, mapping=record.to_hash())
+            pipe.pexpire(key, max(1, round(self.ttl_s * 1000)))
+            await pipe.execute()
+
+    async def scan(self) -> AsyncIterator[SessionRecord]:
+        async for key in self.client.scan_iter(match=KEY_PREFIX + "*", count=500):
+            raw = await self.client.hgetall(key)
+            if raw:
+                yield SessionRecord.from_hash(raw)
+
+
+class SessionHints(Protocol):
+    """What the Sessions service calls (``kvtier.controller.orchestrator.Orchestrator``)."""
+
+    async def pause(self, request: PauseRequest) -> SessionInfo: ...
+
+    async def returning(self, request: ReturningRequest) -> SessionInfo: ...
+
+    async def end(self, request: EndRequest) -> SessionInfo: ...
+
+
+class SessionsServicer(sessions_pb2_grpc.SessionsServicer):
+    """Thin shell: convert, call the orchestrator, convert back (errors → status codes)."""
+
+    def __init__(self, hints: SessionHints) -> None:
+        self._hints = hints
+
+    @rpc_errors
+    async def Pause(
+        self, request: sessions_pb2.PauseRequest, context: grpc.aio.ServicerContext
+    ) -> sessions_pb2.PauseResponse:
+        info = await self._hints.pause(convert.from_proto_pause_request(request))
+        return convert.to_proto_pause_response(info)
+
+    @rpc_errors
+    async def Returning(
+        self, request: sessions_pb2.ReturningRequest, context: grpc.aio.ServicerContext
+    ) -> sessions_pb2.ReturningResponse:
+        info = await self._hints.returning(convert.from_proto_returning_request(request))
+        return convert.to_proto_returning_response(info)
+
+    @rpc_errors
+    async def End(
+        self, request: sessions_pb2.EndRequest, context: grpc.aio.ServicerContext
+    ) -> sessions_pb2.EndResponse:
+        info = await self._hints.end(convert.from_proto_end_request(request))
+        return convert.to_proto_end_response(info)

@@ -1,0 +1,105 @@
+"""The tool-return predictor against a real valkey: convergence to a known lognormal,
+adaptation after a shift, caller estimates and defaults, persistence across instances."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from kvtier.controller.predictor import (
+    NUM_BINS,
+    PredictorParams,
+    ToolHistory,
+    ToolReturnPredictor,
+    bin_of,
+    history_key,
+)
+from kvtier.errors import InvalidArgument
+from kvtier.records import PredictionSource
+
+
+def lognormal_ms(rng: random.Random, median_ms: float, sigma: float) -> float:
+    return math.exp(rng.gauss(math.log(median_ms), sigma))
+
+
+async def feed(predictor, tenant, tool, rng, median_ms, sigma, n):
+    for _ in range(n):
+        await predictor.observe(tenant, tool, lognormal_ms(rng, median_ms, sigma))
+
+
+def test_bins_cover_the_range():
+    assert bin_of(0) == 0 and bin_of(1) == 0
+    assert bin_of(2.0) == 16
+    assert bin_of(1e12) == NUM_BINS - 1
+
+
+async def test_converges_to_a_lognormal_and_adapts_after_a_shift(redis_client):
+    rng = random.Random(7)
+    predictor = ToolReturnPredictor(redis_client)
+    await feed(predictor, "acme", "search", rng, 1_000.0, 0.5, 400)
+    p = predictor.predict("acme", "search")
+    assert p.source is PredictionSource.HISTORY
+    assert abs(p.return_in_ms - 1_000.0) / 1_000.0 < 0.10
+    # 10 % / 90 % points of a lognormal(σ = 0.5): median × e^(∓1.2816 σ) ≈ 527 / 1898 ms.
+    assert abs(p.quantile_lo_ms - 527.0) / 527.0 < 0.2 and abs(p.quantile_hi_ms - 1898.0) / 1898.0 < 0.2
+    assert p.confidence > 0.8
+
+    # The tool gets 4x slower: after a few half-lives the old shape no longer matters.
+    await feed(predictor, "acme", "search", rng, 4_000.0, 0.5, 300)
+    shifted = predictor.predict("acme", "search")
+    assert abs(shifted.return_in_ms - 4_000.0) / 4_000.0 < 0.10
+
+
+async def test_caller_estimate_default_and_per_key_isolation(redis_client):
+    predictor = ToolReturnPredictor(redis_client, PredictorParams(default_ms=2_000.0, min_samples=2.5))
+    cold = predictor.predict("acme", "search")
+    assert cold.source is PredictionSource.DEFAULT and cold.return_in_ms == 2_000.0
+    assert cold.quantile_lo_ms < 2_000.0 < cold.quantile_hi_ms
+
+    estimate = predictor.predict("acme", "search", expected_ms=300)
+    assert estimate.source is PredictionSource.CALLER_ESTIMATE and estimate.return_in_ms == 300.0
+
+    for d in (100.0, 200.0, 400.0):
+        await predictor.observe("acme", "search", d)
+    assert predictor.predict("acme", "search").source is PredictionSource.HISTORY
+    # The caller's estimate still wins, with the spread history shows (lo < est < hi).
+    with_history = predictor.predict("acme", "search", expected_ms=300)
+    assert with_history.source is PredictionSource.CALLER_ESTIMATE and with_history.return_in_ms == 300.0
+    assert with_history.quantile_lo_ms < 300.0 < with_history.quantile_hi_ms
+    # Another tenant, another tool: no history of their own.
+    assert predictor.predict("other", "search").source is PredictionSource.DEFAULT
+    assert predictor.predict("acme", "browse").source is PredictionSource.DEFAULT
+
+    with pytest.raises(InvalidArgument):
+        await predictor.observe("acme", "search", -1.0)
+
+
+async def test_history_survives_a_new_predictor_on_the_same_redis(redis_client):
+    rng = random.Random(3)
+    first = ToolReturnPredictor(redis_client)
+    await feed(first, "acme", "search:v2", rng, 800.0, 0.4, 60)
+    await feed(first, "beta", "search", rng, 5_000.0, 0.4, 60)
+    before = first.predict("acme", "search:v2")
+
+    second = ToolReturnPredictor(redis_client)
+    assert await second.load() == 2
+    after = second.predict("acme", "search:v2")
+    assert after.source is PredictionSource.HISTORY
+    assert after.return_in_ms == pytest.approx(before.return_in_ms)
+    assert after.quantile_hi_ms == pytest.approx(before.quantile_hi_ms)
+    assert second.predict("beta", "search").return_in_ms == pytest.approx(first.predict("beta", "search").return_in_ms)
+    # It keeps learning where the first left off.
+    await second.observe("acme", "search:v2", 800.0)
+    assert second.history("acme", "search:v2").num_observations == 61
+    assert await redis_client.hget(history_key("acme", "search:v2"), "n") == b"61"
+
+
+def test_rescaling_keeps_quantiles():
+    history = ToolHistory("t", "x", half_life_obs=1.0)
+    rng = random.Random(1)
+    for _ in range(1_000):  # 2^(n / 1) overflows long before 1000: rescaled on the way
+        history.observe(lognormal_ms(rng, 100.0, 0.01))
+    assert abs(history.quantile_ms(0.5) - 100.0) < 5.0
+    assert history.num_observations < 1_000

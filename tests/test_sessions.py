@@ -1,0 +1,246 @@
+"""Sessions end to end: a real controller (gRPC on loopback, real valkey) and a real worker
+(tiny HF checkpoint, 256 HBM pages + a 128-page DRAM tier, ``serve_worker`` + ``WorkerLink``).
+
+A paused session's pages sink to DRAM and come back before its next turn (no promotion on
+the request path, the full history cached, output equal to the transformers oracle);
+Returning promotes at once; End cancels the scheduled prefetch and frees the pages; bad
+transitions and unknown sessions get the right status codes. Plus the orchestrator's
+pure pieces (tier choice, token bucket, timer queue) with a clock of their own."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+import pytest_asyncio
+import torch
+
+from kvtier import errors
+from kvtier.client import AsyncClient
+from kvtier.config import ControllerConfig
+from kvtier.controller.orchestrator import OrchestratorParams, TimerQueue, TokenBucket, choose_tier
+from kvtier.controller.server import serve_controller
+from kvtier.engine import Engine, SamplingParams
+from kvtier.eviction import CostModel
+from kvtier.hashing import namespace_digest, page_keys
+from kvtier.records import SessionState, TierOccupancy
+from kvtier.tier_manager import TierConfig
+from kvtier.tiers import Tier
+from kvtier.worker.link import WorkerLink
+from kvtier.worker.servicer import serve_worker
+
+from hf_checkpoints import build_checkpoint, hf_logits, load_hf
+
+in_module_loop = pytest.mark.asyncio(loop_scope="module")
+
+PAGE_SIZE = 4
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+async def wait_for(predicate, timeout_s=10.0, what="condition"):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "llama", "llama", seed=0)
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def worker(checkpoint):
+    engine = Engine.from_pretrained(
+        checkpoint, page_size=PAGE_SIZE, num_pages=256, tier_config=TierConfig(dram_pages=128)
+    )
+    server = await serve_worker(engine, worker_id="w-s")
+    yield server
+    await server.stop(0)
+
+
+@contextlib.asynccontextmanager
+async def cluster(worker, redis_url, tmp_path, **params):
+    config = ControllerConfig(port=0, state_dir=tmp_path, lease_ttl_s=1.0, heartbeat_interval_s=0.5)
+    controller = await serve_controller(config, redis_url=redis_url, orchestrator_params=OrchestratorParams(**params))
+    link = WorkerLink(worker.loop, controller_address=controller.address, worker_id=worker.worker_id,
+                      address=worker.address, boot_id=worker.boot_id, heartbeat_interval_s=0.1,
+                      batch_interval_s=0.02, max_backoff_s=0.2)
+    link.start()
+    try:
+        entry = lambda: controller.registry.get(worker.worker_id)  # noqa: E731
+        await wait_for(lambda: entry() is not None and any(t.tier is Tier.DRAM for t in entry().tiers),
+                       what="registration and a heartbeat with the DRAM tier")
+        async with AsyncClient(controller.address) as client:
+            yield controller, client
+    finally:
+        await link.stop()
+        await controller.stop(0)
+
+
+def tiers_of(worker, keys):
+    index = worker.engine.index
+    return [index.get(k).tier if index.get(k) is not None else None for k in keys]
+
+
+def history_keys(worker, history):
+    """Keys of the full pages a turn leaves cached (its last sampled token is never fed back)."""
+    digest = namespace_digest(worker.engine.namespace)
+    return page_keys(digest, history[:-1], PAGE_SIZE)
+
+
+def greedy_oracle(model, prompt, num_tokens):
+    tokens = list(prompt)
+    for _ in range(num_tokens):
+        tokens.append(int(torch.argmax(hf_logits(model, tokens)[-1])))
+    return tokens[len(prompt):]
+
+
+@in_module_loop
+async def test_paused_session_is_parked_and_back_before_its_next_turn(worker, checkpoint, flushed_redis_url,
+                                                                      tmp_path):
+    namespace = worker.engine.namespace
+    prompt = [7, 19, 33, 41, 52, 68, 71, 84, 90, 101, 113]
+    async with cluster(worker, flushed_redis_url, tmp_path) as (controller, client):
+        out1, final1 = await client.complete(namespace, prompt, GREEDY, session_id="s-park")
+        history = prompt + out1  # 17 tokens: 4 full pages cached
+        keys = history_keys(worker, history)
+        assert len(keys) == 4 and tiers_of(worker, keys) == [Tier.HBM] * 4
+        moved_before = worker.engine.tiers.counters.pages_moved.get((Tier.HBM, Tier.DRAM), 0)
+
+        info = await client.pause("s-park", tool="search", expected_ms=500)
+        assert info.state is SessionState.PAUSED and info.parked_tier is Tier.DRAM
+        assert info.worker_id == "w-s" and info.prefetch_at_ms is not None
+        assert worker.engine.tiers.counters.pages_moved[(Tier.HBM, Tier.DRAM)] - moved_before == 4
+        # The prefetch fires ~400 ms after the pause; the pages are back before the turn at 1 s.
+        await asyncio.sleep(1.0)
+        assert tiers_of(worker, keys) == [Tier.HBM] * 4
+
+        turn2 = history + [200, 201, 202]  # the tool's result
+        out2, final2 = await client.complete(namespace, turn2, GREEDY, session_id="s-park")
+        assert final2.usage.promoted_tokens == 0
+        assert final2.usage.cached_tokens == len(keys) * PAGE_SIZE
+        oracle = load_hf(checkpoint)
+        assert out1 == greedy_oracle(oracle, prompt, len(out1))
+        assert out2 == greedy_oracle(oracle, turn2, len(out2))
+
+        stats = controller.orchestrator.stats
+        assert (stats.num_demoted, stats.num_on_time, stats.num_late, stats.num_wasted) == (1, 1, 0, 0)
+        assert stats.on_time_bytes == 4 * worker.engine.pool.geometry.page_bytes
+        assert stats.num_errors == 1 and stats.mean_abs_error_ms < 2_000
+        record = await controller.orchestrator.store.get("s-park")
+        assert record.state is SessionState.ACTIVE and record.parked_tier is None
+        # The measured pause went into the predictor's history of (tenant, tool).
+        assert controller.orchestrator.predictor.history(namespace.tenant, "search").num_observations == 1
+        assert (await worker.loop.check_integrity()).is_ok
+
+
+@in_module_loop
+async def test_returning_promotes_at_once_and_end_cancels_and_frees(worker, flushed_redis_url, tmp_path):
+    namespace = worker.engine.namespace
+    async with cluster(worker, flushed_redis_url, tmp_path) as (controller, client):
+        orchestrator = controller.orchestrator
+        # Returning: a long predicted pause, then the tool comes back early.
+        prompt = [3, 14, 15, 92, 65, 35, 89, 79, 32]
+        out, _ = await client.complete(namespace, prompt, GREEDY, session_id="s-ret")
+        keys = history_keys(worker, prompt + out)
+        info = await client.pause("s-ret", tool="slow", expected_ms=60_000)
+        assert info.parked_tier is Tier.DRAM and tiers_of(worker, keys) == [Tier.DRAM] * len(keys)
+        assert orchestrator.timers.is_scheduled("s-ret")
+        info = await client.returning("s-ret")
+        assert info.state is SessionState.RESUMING and info.prefetch_at_ms is None
+        assert tiers_of(worker, keys) == [Tier.HBM] * len(keys)
+        assert not orchestrator.timers.is_scheduled("s-ret")
+        assert (await client.returning("s-ret")).state is SessionState.RESUMING  # idempotent
+
+        # End: the scheduled prefetch is cancelled, the session's pages leave the worker.
+        prompt = [250, 240, 230, 220, 210, 205, 195, 185, 175, 165]
+        out, _ = await client.complete(namespace, prompt, GREEDY, session_id="s-end")
+        keys = history_keys(worker, prompt + out)
+        await client.pause("s-end", tool="slow", expected_ms=60_000)
+        assert orchestrator.timers.is_scheduled("s-end")
+        info = await client.end("s-end")
+        assert info.state is SessionState.ENDED
+        assert not orchestrator.timers.is_scheduled("s-end")
+        assert tiers_of(worker, keys) == [None] * len(keys)
+        assert (await client.end("s-end")).state is SessionState.ENDED  # idempotent
+        assert orchestrator.stats.num_wasted == 0
+
+        # Bad transitions name the state; unknown sessions are NOT_FOUND.
+        with pytest.raises(errors.FailedPrecondition, match="ENDED"):
+            await client.pause("s-end", tool="x")
+        with pytest.raises(errors.FailedPrecondition, match="RESUMING"):
+            await client.pause("s-ret", tool="x")
+        await client.route(namespace, prompt, "s-active")
+        with pytest.raises(errors.FailedPrecondition, match="ACTIVE"):
+            await client.returning("s-active")
+        with pytest.raises(errors.NotFound):
+            await client.pause("s-nobody", tool="x")
+        with pytest.raises(errors.NotFound):
+            await client.end("s-nobody")
+        assert (await worker.loop.check_integrity()).is_ok
+
+
+# --------------------------------------------------------------------------- pure pieces
+
+
+def occupancy(hbm_free_fraction: float, dram: bool = True) -> dict[Tier, TierOccupancy]:
+    total = 40_000  # 80 GB of 2 MiB pages
+    free = round(total * hbm_free_fraction)
+    occ = {Tier.HBM: TierOccupancy(Tier.HBM, total, free, total - free, 0)}
+    if dram:
+        occ[Tier.DRAM] = TierOccupancy(Tier.DRAM, 4000, 4000, 0, 0)
+    return occ
+
+
+def test_choose_tier_weighs_holding_against_the_round_trip():
+    cost = CostModel()  # 8B-class model, 2 MiB pages, 25 GB/s PCIe
+    params = OrchestratorParams()
+    choose = dict(num_pages=100, page_bytes=2 << 20, params=params, cost_model=cost)
+    # A 2 s pause on an idle GPU: the round trip costs more than holding 0.25 % of HBM.
+    assert choose_tier(pause_ms=2_000, occupancy=occupancy(0.9), **choose).tier is Tier.HBM
+    # The same pause on a busy GPU: demote.
+    assert choose_tier(pause_ms=2_000, occupancy=occupancy(0.05), **choose).tier is Tier.DRAM
+    # A long pause even on an idle GPU: demote.
+    assert choose_tier(pause_ms=30_000, occupancy=occupancy(0.9), **choose).tier is Tier.DRAM
+    # Too short to be back in time (promotion + margin exceed the pause): stay.
+    assert choose_tier(pause_ms=105, occupancy=occupancy(0.0), **choose).tier is Tier.HBM
+    # No lower tier on the worker: stay.
+    assert choose_tier(pause_ms=30_000, occupancy=occupancy(0.0, dram=False), **choose).tier is Tier.HBM
+
+
+def test_token_bucket_has_hysteresis():
+    now = [0.0]
+    bucket = TokenBucket(rate=100.0, burst=1000.0, resume_fraction=0.5, clock_s=lambda: now[0])
+    assert bucket.try_take(900)
+    assert not bucket.try_take(200) and bucket.is_throttled  # 100 left
+    now[0] = 2.0  # 300: enough for 200, but below the resume mark (500)
+    assert not bucket.try_take(200)
+    now[0] = 4.0  # 500
+    assert bucket.try_take(200) and not bucket.is_throttled
+    bucket.take(1000)  # a prefetch always goes, into debt
+    assert bucket.level < 0 and not bucket.try_take(1)
+
+
+async def test_timer_queue_fires_due_callbacks_once_with_replace_and_cancel():
+    now = [0.0]
+    timers = TimerQueue(clock_ms=lambda: now[0])
+    fired: list[str] = []
+
+    def cb(name):
+        async def run():
+            fired.append(name)
+        return run
+
+    timers.schedule("a", 100, cb("a"))
+    timers.schedule("b", 200, cb("b"))
+    timers.schedule("c", 50, cb("c"))
+    timers.schedule("a", 300, cb("a2"))  # replaces a's earlier entry
+    assert timers.cancel("c") and not timers.cancel("c")
+    now[0] = 250
+    assert await timers.fire_due() == 1 and fired == ["b"]
+    now[0] = 1000
+    assert await timers.fire_due() == 1 and fired == ["b", "a2"]
+    assert len(timers) == 0 and await timers.fire_due() == 0
