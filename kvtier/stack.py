@@ -40,6 +40,9 @@ class StackOptions:
     nvme_bytes: int = 0
     max_restarts: int = 2
     lease_ttl_s: float = 3.0  # a worker silent this long leaves the directory
+    # Passed to serve_controller as-is (None: its defaults): OrchestratorParams, PredictorParams.
+    orchestrator_params: Any = None
+    predictor_params: Any = None
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -83,7 +86,10 @@ class LocalStack:
                 ray.kill(w.actor, no_restart=True)
             except Exception as exc:  # already gone: nothing to stop
                 log.debug("worker %s already stopped: %s", w.worker_id, type(exc).__name__)
-        await self.controller.stop()
+        try:
+            await asyncio.wait_for(self.controller.stop(), timeout=30)
+        except TimeoutError:
+            log.error("the controller did not stop within 30 s; leaving it to process exit")
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
         (self.options.state_dir / STATE_FILE).unlink(missing_ok=True)
@@ -108,6 +114,8 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
             heartbeat_interval_s=options.heartbeat_interval_s,
         ),
         redis_url=options.redis_url,
+        orchestrator_params=options.orchestrator_params,
+        predictor_params=options.predictor_params,
     )
     started_ray = False
     try:
