@@ -307,7 +307,10 @@ def down_command(
     _console().print(f"stopped the stack (process {pid})")
 
 
-@app.command("controller", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+_PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+@app.command("controller", context_settings=_PASS_THROUGH, add_help_option=False)
 def controller_command(ctx: typer.Context) -> None:
     """Run the controller process (what the Helm chart starts): `kvtier controller --config FILE`."""
     from kvtier.controller.__main__ import main as controller_main
@@ -315,7 +318,7 @@ def controller_command(ctx: typer.Context) -> None:
     controller_main(list(ctx.args))
 
 
-@app.command("worker", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command("worker", context_settings=_PASS_THROUGH, add_help_option=False)
 def worker_command(ctx: typer.Context) -> None:
     """Run one worker without Ray, with vLLM-style flags: `kvtier worker --block-size 16 ...`."""
     from kvtier.worker.__main__ import main as worker_main

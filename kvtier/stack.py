@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import ControllerConfig, WorkerConfig
-from kvtier.errors import FailedPrecondition, NotFound
+from kvtier.errors import FailedPrecondition, NotFound, Unavailable
 from kvtier.hashing import NamespaceIdentity
 from kvtier.log import get_logger
 
@@ -120,18 +120,22 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
     started_ray = False
     try:
         if not ray.is_initialized():
-            if options.ray_address:
-                ray.init(address=options.ray_address, include_dashboard=False, log_to_driver=False)
-            else:
-                # "local" starts a fresh instance rather than joining a stale session.
-                ray.init(
-                    address="local",
-                    num_cpus=max(2, options.num_workers),
-                    object_store_memory=200 << 20,
-                    include_dashboard=False,
-                    log_to_driver=False,
-                )
-                started_ray = True
+            try:
+                if options.ray_address:
+                    ray.init(address=options.ray_address, include_dashboard=False, log_to_driver=False)
+                else:
+                    # "local" starts a fresh instance rather than joining a stale session.
+                    ray.init(
+                        address="local",
+                        num_cpus=max(2, options.num_workers),
+                        object_store_memory=200 << 20,
+                        include_dashboard=False,
+                        log_to_driver=False,
+                    )
+                    started_ray = True
+            except Exception as exc:  # Ray reports start-up failures as bare Exceptions
+                where = options.ray_address or "a local instance"
+                raise Unavailable(f"Ray did not start ({where}): {exc}; retry, or pass --ray-address") from exc
         workers: list[WorkerHandle] = []
         loop = asyncio.get_running_loop()
         for i in range(options.num_workers):
@@ -193,6 +197,19 @@ def _vocab_size(model: Path | None) -> int:
     return TINY_LLAMA_CONFIG["vocab_size"] if model is None else ModelConfig.from_file(model).vocab_size
 
 
+def _is_running(pid: int) -> bool:
+    """Alive and not a zombie (an exited child its parent has not reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no procfs: trust the signal probe
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def read_state(state_dir: Path) -> dict[str, Any]:
     path = state_dir.expanduser() / STATE_FILE
     if not path.exists():
@@ -213,9 +230,7 @@ def stop_recorded_stack(state_dir: Path, timeout_s: float = 30.0) -> int:
         raise FailedPrecondition(f"the stack's process {pid} is not running (stale state removed)") from None
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not _is_running(pid):
             return pid
         time.sleep(0.2)
     raise FailedPrecondition(f"the stack's process {pid} did not stop within {timeout_s:.0f} s")

@@ -1,0 +1,60 @@
+"""`kvtier up` and `kvtier down` as a user runs them: real processes, real endpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def test_up_serves_and_down_stops_everything_it_started(tmp_path: Path):
+    state = tmp_path / "state"
+    env = {**os.environ, "RAY_ADDRESS": ""}  # a fresh local Ray, never a stale one
+    log = (tmp_path / "up.log").open("w")  # a file, not a pipe nobody drains
+    up = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "up", "--state-dir", str(state), "--port", "0"],
+        stdout=log, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+    )
+    try:
+        record = state / "stack.json"
+        deadline = time.monotonic() + 120
+        while not record.exists() and time.monotonic() < deadline and up.poll() is None:
+            time.sleep(0.2)
+        assert record.exists(), (tmp_path / "up.log").read_text()[-3000:]
+        endpoints = json.loads(record.read_text())
+        assert endpoints["pid"] == up.pid and len(endpoints["workers"]) == 1
+        with grpc.insecure_channel(endpoints["controller"]) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+
+        down = subprocess.run(
+            [sys.executable, "-m", "kvtier.cli", "down", "--state-dir", str(state)],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert down.returncode == 0, down.stderr
+        assert up.wait(timeout=30) == 0
+        assert not record.exists()
+        valkey = state / "valkey"
+        # The embedded Valkey it started is gone too: its port no longer answers.
+        host, port = endpoints["redis"].removeprefix("redis://").split("/")[0].split(":")
+        import socket
+
+        with socket.socket() as sock:
+            sock.settimeout(1)
+            assert sock.connect_ex((host, int(port))) != 0, f"valkey still serving ({valkey})"
+        again = subprocess.run(
+            [sys.executable, "-m", "kvtier.cli", "down", "--state-dir", str(state)],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert again.returncode == 2 and "no running stack" in again.stderr and "Traceback" not in again.stderr
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+        log.close()
