@@ -4,7 +4,7 @@ On Pause the orchestrator predicts the return (``ToolReturnPredictor``), picks w
 session's pages wait, sends ``Demote`` (by session id: only the worker knows the pages
 of the last turn's output), and schedules ``Prefetch`` into HBM at
 
-    prefetch_at = paused_at + predicted_return_in − promote_time − margin
+    prefetch_at = paused_at + predicted_return_low_quantile − promote_time − margin
 
 on a timer queue. ``Returning`` pulls the prefetch forward (now, or ``eta − promote −
 margin``); ``End`` cancels it and drops the session's private pages. The next Route of
@@ -78,6 +78,7 @@ def wall_clock_ms() -> float:
 @dataclass(slots=True)
 class OrchestratorParams:
     margin_ms: float = 100.0  # prefetch this much before the predicted return
+    prefetch_at_low_quantile: bool = True  # schedule for the predictor's low quantile, not its median
     hbm_idle_price: float = 0.05  # worth of idle HBM (what holding costs at occupancy 0)
     dram_price: float = 0.005
     copy_weight: float = 0.1  # share of a copy's seconds that slows serving (copy engines overlap)
@@ -400,7 +401,11 @@ class Orchestrator:
         self.stats.num_demoted += 1
         self.stats.demoted_bytes += ack.num_pages * page_bytes
         promote_ms = choice.promote_s * 1000.0 * ack.num_pages / num_pages
-        at_ms = record.paused_at_ms + prediction.return_in_ms - promote_ms - self.params.margin_ms
+        # Aim at the early end of the predicted spread (about the 10th percentile), not
+        # the median: a prefetch that lands a little early costs HBM for a moment, one
+        # that lands late costs the user a transfer on the token path.
+        target_ms = prediction.quantile_lo_ms if self.params.prefetch_at_low_quantile else prediction.return_in_ms
+        at_ms = record.paused_at_ms + min(target_ms, prediction.return_in_ms) - promote_ms - self.params.margin_ms
         record.prefetch_at_ms = round(at_ms)
         record.prefetch_state = PrefetchState.SCHEDULED
         self._schedule(record.session_id, record.prefetch_at_ms)

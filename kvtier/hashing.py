@@ -9,6 +9,7 @@ pages get keys; the partial tail of a sequence is private to it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass, fields
@@ -62,10 +63,12 @@ class NamespaceIdentity:
             raise InvalidArgument("namespace.policy_epoch must be >= 0", field="namespace.policy_epoch")
 
 
+@functools.lru_cache(maxsize=4096)
 def namespace_digest(identity: NamespaceIdentity) -> NamespaceDigest:
     """BLAKE2b-128 over a length-prefixed encoding of every identity field, in order.
 
     Length prefixes make the encoding unambiguous ("ab"+"c" differs from "a"+"bc").
+    Cached: identities are frozen, and Route derives the digest on every request.
     """
     h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvtier-ns-v1")
     for f, value in zip(fields(identity), astuple(identity), strict=True):
@@ -89,10 +92,14 @@ def page_keys(digest: NamespaceDigest, token_ids: Sequence[int], page_size: int)
     """Keys of every *full* page of ``token_ids`` (the partial tail gets none)."""
     if page_size < 1:
         raise InvalidArgument(f"page_size must be >= 1, got {page_size}", field="page_size")
+    num_full = len(token_ids) // page_size
+    # One conversion for the whole prefix; each page hashes a slice of it.
+    encoded = np.asarray(token_ids[: num_full * page_size], dtype="<i4").tobytes()
+    step = 4 * page_size
     keys: list[PageKey] = []
     parent = root_key(digest)
-    for start in range(0, len(token_ids) - page_size + 1, page_size):
-        parent = next_key(parent, token_ids[start : start + page_size])
+    for start in range(0, num_full * step, step):
+        parent = PageKey(hashlib.blake2b(parent + encoded[start : start + step], digest_size=KEY_BYTES).digest())
         keys.append(parent)
     return keys
 

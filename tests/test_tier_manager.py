@@ -179,7 +179,10 @@ def test_preemption_with_tiers_resumes_deterministically(ckpt, tmp_path):
         engine.check_integrity()
     results = [engine.pop_result(r) for r in rids]
     assert sum(r.num_preemptions for r in results) > 0
-    assert sum(r.num_promoted_tokens for r in results) > 0, "preempted pages should come back from DRAM"
+    # Resumes promote their own pages back from DRAM (swap, not recompute); usage reports
+    # promotions as of first admission only, so read the manager's counter.
+    assert engine.tiers.counters.promoted_pages > 0, "preempted pages should come back from DRAM"
+    assert all(r.num_promoted_tokens <= r.num_cached_tokens + PS for r in results)
     assert [r.token_ids for r in results] == [r.token_ids for r in reference]
     engine.close()
 

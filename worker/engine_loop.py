@@ -468,17 +468,17 @@ class EngineLoop:
         num_cached = result.num_cached_tokens
         num_generated = len(result.token_ids)
         needed = (num_prompt - num_cached) + max(num_generated - 1, 0)
+        # Promotion works on whole pages; when every prompt page hit, the last prompt token
+        # is recomputed, so the promoted count may exceed the cached count by up to a page.
+        dram = min(result.promoted_tokens_by_tier.get(Tier.DRAM, 0), num_cached)
+        nvme = min(result.promoted_tokens_by_tier.get(Tier.NVME, 0), num_cached - dram)
         usage = Usage(
             prompt_tokens=num_prompt,
             cached_tokens=num_cached,
-            promoted_tokens=result.num_promoted_tokens,
+            promoted_tokens=dram + nvme,
             recomputed_tokens=max(0, result.num_computed_tokens - needed),
             generated_tokens=num_generated,
-            cached_tokens_by_tier=TokensByTier(
-                hbm_tokens=num_cached - result.num_promoted_tokens,
-                dram_tokens=result.promoted_tokens_by_tier.get(Tier.DRAM, 0),
-                nvme_tokens=result.promoted_tokens_by_tier.get(Tier.NVME, 0),
-            ),
+            cached_tokens_by_tier=TokensByTier(hbm_tokens=num_cached - dram - nvme, dram_tokens=dram, nvme_tokens=nvme),
         )
         if run.request.session_id is not None:
             self._remember_session(run, result.prompt_token_ids, result.token_ids)

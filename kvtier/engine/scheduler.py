@@ -127,9 +127,12 @@ class Scheduler:
             promoted = self.tiers.promote(lower)  # each comes with one reference for us
             pages.extend(n.page for n in promoted)
             hits = hits + promoted
-            seq.num_promoted_tokens += len(promoted) * ps
-            for tier in source_tiers[: len(promoted)]:
-                seq.promoted_tokens_by_tier[tier] = seq.promoted_tokens_by_tier.get(tier, 0) + ps
+            if seq.num_cached_tokens < 0:
+                # Reported like the cached tokens: as of the request's first admission
+                # (a resume after preemption promotes again, but that is not a cache hit).
+                seq.num_promoted_tokens += len(promoted) * ps
+                for tier in source_tiers[: len(promoted)]:
+                    seq.promoted_tokens_by_tier[tier] = seq.promoted_tokens_by_tier.get(tier, 0) + ps
             seq.promotion_wait_s += self.tiers.counters.promotion_wait_s - wait_start
         cached_tokens = len(hits) * ps
         # The last prompt position must be computed to get logits; if every page hit,
