@@ -42,7 +42,6 @@ from kvtier.embedded_redis import EmbeddedRedis
 from kvtier.errors import Unavailable
 from kvtier.log import get_logger
 from kvtier.records import Command, CommandAck, ControllerStatus, TierOccupancy, WorkerId
-from kvtier.rpc import convert
 from kvtier.rpc._gen import (
     admin_pb2,
     admin_pb2_grpc,
@@ -53,18 +52,13 @@ from kvtier.rpc._gen import (
     worker_link_pb2,
     worker_link_pb2_grpc,
 )
+from kvtier.rpc.server_options import SERVER_OPTIONS, advertised_host, join_host_port
 from kvtier.tiers import Tier
 
 log = get_logger("kvtier.controller.server")
 
 # Same as every kvtier server: messages up to MAX_MESSAGE_BYTES, client keepalive pings welcome
 # (WorkerLink channels ping every 20 s).
-SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.max_send_message_length", convert.MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", convert.MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
-)
 SERVICES = tuple(
     module.DESCRIPTOR.services_by_name[name].full_name
     for module, name in (
@@ -77,20 +71,6 @@ SWEEP_MAX_ITEMS = 1000
 REDIS_SOCKET_TIMEOUT_S = 1.0
 REDIS_CONNECT_TIMEOUT_S = 0.5
 REDIS_RETRY = Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.05), retries=1)
-
-
-def join_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
-def advertised_host(host: str) -> str:
-    """The host others should dial: the listen host, or this machine's address for a wildcard."""
-    if host not in ("0.0.0.0", "::", "[::]", ""):
-        return host
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 def _version() -> str:

@@ -736,8 +736,11 @@ class DirectoryMachine(RuleBasedStateMachine):
 
     @rule()
     def reclaim(self):
-        while self.run(self.directory.reclaim_step(max_items=50)).num_pending_namespaces:
-            pass
+        for _ in range(10_000):  # bounded: a reclaim that stops making progress fails, not hangs
+            result = self.run(self.directory.reclaim_step(max_items=50))
+            if not result.num_pending_namespaces:
+                break
+            assert result.num_deleted > 0, "reclaim left namespaces pending without deleting anything"
         self.model.pending = [0, 0]
 
     @invariant()
@@ -762,6 +765,8 @@ def test_directory_matches_reference_model(flushed_redis_url):
     DirectoryMachine.url = flushed_redis_url
     run_state_machine_as_test(
         DirectoryMachine,
-        settings=settings(max_examples=60, stateful_step_count=50, deadline=None,
+        # Derandomized: the same 60 programs every run, so CI is reproducible; widen the
+        # search locally with more examples when changing the directory.
+        settings=settings(max_examples=60, stateful_step_count=50, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow]),
     )

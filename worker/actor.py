@@ -41,10 +41,11 @@ from kvtier.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
 from kvtier.nvme_pool import slots_for_bytes
 from kvtier.page_pool import PoolGeometry
 from kvtier.records import WorkerStats
+from kvtier.rpc.server_options import advertised_host
 from kvtier.telemetry import Telemetry
 from kvtier.tier_manager import TierConfig
 from kvtier.worker.link import WorkerLink
-from kvtier.worker.servicer import WorkerServer, advertised_host, default_worker_id, serve_worker
+from kvtier.worker.servicer import WorkerServer, default_worker_id, serve_worker
 from kvtier.worker.sizing import size_hbm_pool
 
 log = get_logger("kvtier.worker.actor")

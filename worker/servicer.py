@@ -33,6 +33,7 @@ from kvtier.log import get_logger
 from kvtier.records import BootId, WorkerId, WorkerStats
 from kvtier.rpc import convert
 from kvtier.rpc._gen import worker_pb2, worker_pb2_grpc
+from kvtier.rpc.server_options import SERVER_OPTIONS, advertised_host, join_host_port
 from kvtier.rpc.status import rpc_errors
 from kvtier.telemetry import Telemetry
 from kvtier.worker.engine_loop import EngineLoop
@@ -45,12 +46,6 @@ WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 # Every kvtier server: messages up to MAX_MESSAGE_BYTES, and client keepalive pings (the
 # channels of kvtier.client and the WorkerLink ping every 20 s) are welcome.
-SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.max_send_message_length", convert.MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", convert.MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
-)
 
 # The namespace fields that must equal the worker's own: they change the KV bytes, and a
 # digest derived from other values would file this worker's pages under a namespace that
@@ -169,22 +164,8 @@ class WorkerServer:
         await self.loop.close()
 
 
-def join_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
 def default_worker_id() -> WorkerId:
     return WorkerId(f"worker-{socket.gethostname()}-{os.getpid()}")
-
-
-def advertised_host(host: str) -> str:
-    """The host others should dial: the listen host, or this machine's address for a wildcard."""
-    if host not in ("0.0.0.0", "::", "[::]", ""):
-        return host
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 async def serve_worker(
