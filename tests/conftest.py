@@ -3,9 +3,18 @@ instance per test session (each is expensive to start; tests get clean state ins
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import settings
 
 from valkey_fixture import flushed_redis_url, redis_client, redis_url  # noqa: F401
+
+# CI runs the same generated examples every time (reproducible); locally they vary, which is
+# how new counterexamples are found. Property tests with their own settings keep them.
+settings.register_profile("ci", derandomize=True, deadline=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session")
