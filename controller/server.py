@@ -276,7 +276,9 @@ async def serve_controller(
         controller.orchestrator = orchestrator
         router.on_session_route = orchestrator.on_route
         router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), server)
-        sessions_pb2_grpc.add_SessionsServicer_to_server(SessionsServicer(orchestrator), server)
+        sessions_pb2_grpc.add_SessionsServicer_to_server(
+            SessionsServicer(orchestrator, access.check_serving), server
+        )
         worker_link_pb2_grpc.add_WorkerLinkServicer_to_server(WorkerLinkServicer(links), server)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(router, controller.status), server)
         health_pb2_grpc.add_HealthServicer_to_server(health, server)

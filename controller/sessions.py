@@ -18,7 +18,7 @@ session; this module is the record, its Redis form and the gRPC shell.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, fields
 from typing import Protocol
 
@@ -189,15 +189,21 @@ class SessionHints(Protocol):
 
 
 class SessionsServicer(sessions_pb2_grpc.SessionsServicer):
-    """Thin shell: convert, call the orchestrator, convert back (errors → status codes)."""
+    """Thin shell: convert, call the orchestrator, convert back (errors → status codes).
 
-    def __init__(self, hints: SessionHints) -> None:
+    ``check_serving`` raises ``Unavailable`` on a standby (the message names the leader),
+    as Route does, so hints reach the controller that commands the workers.
+    """
+
+    def __init__(self, hints: SessionHints, check_serving: Callable[[], None] = lambda: None) -> None:
         self._hints = hints
+        self._check_serving = check_serving
 
     @rpc_errors
     async def Pause(
         self, request: sessions_pb2.PauseRequest, context: grpc.aio.ServicerContext
     ) -> sessions_pb2.PauseResponse:
+        self._check_serving()
         info = await self._hints.pause(convert.from_proto_pause_request(request))
         return convert.to_proto_pause_response(info)
 
@@ -205,6 +211,7 @@ class SessionsServicer(sessions_pb2_grpc.SessionsServicer):
     async def Returning(
         self, request: sessions_pb2.ReturningRequest, context: grpc.aio.ServicerContext
     ) -> sessions_pb2.ReturningResponse:
+        self._check_serving()
         info = await self._hints.returning(convert.from_proto_returning_request(request))
         return convert.to_proto_returning_response(info)
 
@@ -212,5 +219,6 @@ class SessionsServicer(sessions_pb2_grpc.SessionsServicer):
     async def End(
         self, request: sessions_pb2.EndRequest, context: grpc.aio.ServicerContext
     ) -> sessions_pb2.EndResponse:
+        self._check_serving()
         info = await self._hints.end(convert.from_proto_end_request(request))
         return convert.to_proto_end_response(info)

@@ -53,7 +53,14 @@ from kvtier.records import (
 )
 from kvtier.records import PageEvent as WirePageEvent
 from kvtier.rpc import convert
-from kvtier.rpc._gen import admin_pb2, admin_pb2_grpc, router_pb2_grpc, worker_link_pb2_grpc
+from kvtier.rpc._gen import (
+    admin_pb2,
+    admin_pb2_grpc,
+    router_pb2_grpc,
+    sessions_pb2,
+    sessions_pb2_grpc,
+    worker_link_pb2_grpc,
+)
 from kvtier.tiers import Tier
 from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import serve_worker
@@ -260,6 +267,9 @@ async def test_standby_takes_over_when_the_leader_is_killed(flushed_redis_url, t
                 await router_pb2_grpc.RouterStub(channel).Route(request)
             assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
             assert f"standby; the leader is {a_address}" in refused.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as refused_hint:  # session hints too
+                await sessions_pb2_grpc.SessionsStub(channel).Pause(sessions_pb2.PauseRequest(session_id="s-1"))
+            assert refused_hint.value.code() is grpc.StatusCode.UNAVAILABLE
             checker = health_pb2_grpc.HealthStub(channel)
             assert (await checker.Check(health_pb2.HealthCheckRequest(service=""))).status == SERVING
             leader_health = await checker.Check(health_pb2.HealthCheckRequest(service="kvtier.leader"))
