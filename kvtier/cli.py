@@ -326,6 +326,60 @@ def worker_command(ctx: typer.Context) -> None:
     worker_main(list(ctx.args))
 
 
+@app.command("status")
+def status_command(
+    controller: Annotated[
+        str, typer.Option(envvar="KVTIER_CONTROLLER", help="host:port of the controller.")
+    ] = "127.0.0.1:50051",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    timeout_s: Annotated[float, typer.Option(help="Deadline of the call, seconds.")] = 5.0,
+) -> None:
+    """The controller's view: leader, workers, sessions, directory health.
+
+    [bold]Examples[/bold]
+
+      kvtier status
+      kvtier status --controller 10.0.0.5:50051 --json
+    """
+    import asyncio
+    import dataclasses
+
+    from kvtier.client import AsyncClient
+    from kvtier.errors import Unavailable
+
+    async def fetch():
+        async with AsyncClient(controller, timeout_s=timeout_s, max_retries=1) as client:
+            return await client.status()
+
+    try:
+        status = asyncio.run(fetch())
+    except Unavailable as exc:
+        raise Unavailable(
+            f"cannot reach the controller at {controller} ({str(exc).splitlines()[0][:120]}); "
+            "start one with `kvtier up` or pass --controller HOST:PORT",
+            field="controller",
+        ) from None
+    if as_json:
+        record = dataclasses.asdict(status)
+        record["tiers"] = [{**t, "tier": t["tier"].label} for t in record["tiers"]]
+        print(json.dumps(record, indent=2))
+        return
+    table = Table(title=f"kvtier controller {status.controller_id} ({'leader' if status.is_leader else 'standby'})")
+    table.add_column("field")
+    table.add_column("value", justify="right")
+    table.add_row("leader", status.leader_address or "-")
+    table.add_row("version / uptime", f"{status.version} / {status.uptime_s} s")
+    table.add_row("workers (live / known)", f"{status.num_live_workers} / {status.num_workers}")
+    table.add_row(
+        "sessions (active / paused / resuming)",
+        f"{status.num_active_sessions} / {status.num_paused_sessions} / {status.num_resuming_sessions}",
+    )
+    table.add_row("directory reachable", "yes" if status.is_directory_reachable else "NO")
+    for occ in status.tiers:
+        table.add_row(f"{_TIER_LABELS[occ.tier.label]} pages free / total", f"{occ.free_pages:,} / {occ.total_pages:,}")
+    _console().print(table)
+
+
 def print_demo_summary(console: Console, s: dict[str, Any]) -> None:
     table = Table(title="kvtier demo: multi-tenant agent sessions")
     table.add_column("metric")

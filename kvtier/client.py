@@ -39,6 +39,7 @@ from kvtier.errors import ConfigError, DeadlineExceeded, InvalidArgument, Unavai
 from kvtier.hashing import NamespaceIdentity
 from kvtier.log import get_logger
 from kvtier.records import (
+    ControllerStatus,
     EndRequest,
     GenerateEvent,
     GenerateFinal,
@@ -56,7 +57,14 @@ from kvtier.records import (
     WorkerStats,
 )
 from kvtier.rpc import convert
-from kvtier.rpc._gen import router_pb2_grpc, sessions_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvtier.rpc._gen import (
+    admin_pb2,
+    admin_pb2_grpc,
+    router_pb2_grpc,
+    sessions_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from kvtier.rpc.status import error_from_rpc_error
 
 log = get_logger("kvtier.client")
@@ -273,6 +281,13 @@ class AsyncClient:
         return convert.from_proto_end_response(response)
 
     # ---- worker inspection (tests, tools) ------------------------------------------------
+    # ---- admin ------------------------------------------------------------------------
+    async def status(self, *, timeout_s: float | None = None) -> ControllerStatus:
+        """The controller's ``Admin.Status`` (retried on UNAVAILABLE)."""
+        stub = admin_pb2_grpc.AdminStub(self._controller_channel())
+        response = await self._unary("Admin.Status", stub.Status, admin_pb2.StatusRequest(), timeout_s, idempotent=True)
+        return convert.from_proto_controller_status(response)
+
     async def worker_stats(self, worker: str, *, timeout_s: float | None = None) -> WorkerStats:
         stub = worker_pb2_grpc.WorkerStub(self._channel(worker))
         response = await self._unary(

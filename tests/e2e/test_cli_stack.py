@@ -33,6 +33,14 @@ def test_up_serves_and_down_stops_everything_it_started(tmp_path: Path):
         with grpc.insecure_channel(endpoints["controller"]) as channel:
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
         assert status.status == health_pb2.HealthCheckResponse.SERVING
+        shown = subprocess.run(
+            [sys.executable, "-m", "kvtier.cli", "status", "--controller", endpoints["controller"], "--json"],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert shown.returncode == 0, shown.stderr
+        view = json.loads(shown.stdout)
+        assert view["is_leader"] and view["leader_address"] == endpoints["controller"]
+        assert view["num_live_workers"] == 1 and view["is_directory_reachable"]
 
         down = subprocess.run(
             [sys.executable, "-m", "kvtier.cli", "down", "--state-dir", str(state)],
@@ -54,6 +62,12 @@ def test_up_serves_and_down_stops_everything_it_started(tmp_path: Path):
             capture_output=True, text=True, timeout=60,
         )
         assert again.returncode == 2 and "no running stack" in again.stderr and "Traceback" not in again.stderr
+        gone = subprocess.run(
+            [sys.executable, "-m", "kvtier.cli", "status", "--controller", endpoints["controller"]],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert gone.returncode == 2 and "Traceback" not in gone.stderr
+        assert gone.stderr.count("\n") == 1 and endpoints["controller"] in gone.stderr
     finally:
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)
