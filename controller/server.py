@@ -39,7 +39,6 @@ from kvtier.controller.resync import REDIS_ERRORS, DirectoryAccess
 from kvtier.controller.router import Router, RouterParams, RouterServicer
 from kvtier.controller.sessions import SessionsServicer, SessionStore
 from kvtier.embedded_redis import EmbeddedRedis
-from kvtier.errors import Unavailable
 from kvtier.log import get_logger
 from kvtier.records import Command, CommandAck, ControllerStatus, TierOccupancy, WorkerId
 from kvtier.rpc._gen import (
@@ -52,7 +51,7 @@ from kvtier.rpc._gen import (
     worker_link_pb2,
     worker_link_pb2_grpc,
 )
-from kvtier.rpc.server_options import SERVER_OPTIONS, advertised_host, join_host_port
+from kvtier.rpc.server_options import SERVER_OPTIONS, advertised_host, bind_insecure, join_host_port
 from kvtier.tiers import Tier
 
 log = get_logger("kvtier.controller.server")
@@ -236,15 +235,7 @@ async def serve_controller(
     server = grpc.aio.server(options=SERVER_OPTIONS)
     access: DirectoryAccess | None = None
     try:
-        listen = join_host_port(config.host, config.port)
-        try:
-            bound = server.add_insecure_port(listen)
-        except RuntimeError:
-            bound = 0
-        if bound == 0:
-            raise Unavailable(
-                f"the controller cannot listen on {listen}; is the port in use? pass --port 0 for a free one"
-            )
+        bound = bind_insecure(server, config.host, config.port, what="controller", port_hint="--port 0")
         address = join_host_port(advertise_host or advertised_host(config.host), bound)
         controller_id = controller_id or f"controller-{socket.gethostname()}-{os.getpid()}-{bound}"
         if config.auth_token_file is not None:

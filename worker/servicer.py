@@ -27,13 +27,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvtier.engine.engine import Engine
-from kvtier.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
+from kvtier.errors import InvalidArgument, NotFound, PermissionDenied
 from kvtier.hashing import NamespaceIdentity
 from kvtier.log import get_logger
 from kvtier.records import BootId, WorkerId, WorkerStats
 from kvtier.rpc import convert
 from kvtier.rpc._gen import worker_pb2, worker_pb2_grpc
-from kvtier.rpc.server_options import SERVER_OPTIONS, advertised_host, join_host_port
+from kvtier.rpc.server_options import SERVER_OPTIONS, advertised_host, bind_insecure, join_host_port
 from kvtier.rpc.status import rpc_errors
 from kvtier.telemetry import Telemetry
 from kvtier.worker.engine_loop import EngineLoop
@@ -209,15 +209,7 @@ async def serve_worker(
         (WORKER_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    listen = join_host_port(host, port)
-    try:
-        bound = server.add_insecure_port(listen)
-    except RuntimeError:
-        bound = 0
-    if bound == 0:
-        raise Unavailable(
-            f"the worker cannot listen on {listen}; is the port in use? pass port 0 for a free one"
-        )
+    bound = bind_insecure(server, host, port, what="worker", port_hint="port 0")
     loop.start()
     await server.start()
     for service in ("", WORKER_SERVICE):

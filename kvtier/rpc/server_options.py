@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import socket
 
+import grpc
+
+from kvtier.errors import Unavailable
 from kvtier.rpc.convert import MAX_MESSAGE_BYTES
 
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
@@ -27,3 +30,16 @@ def advertised_host(host: str) -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def bind_insecure(server: grpc.aio.Server, host: str, port: int, *, what: str, port_hint: str) -> int:
+    """Bind ``host:port`` (0: a free port) and return the bound port, or raise ``Unavailable``
+    naming the address and how to pick another one."""
+    listen = join_host_port(host, port)
+    try:
+        bound = server.add_insecure_port(listen)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise Unavailable(f"the {what} cannot listen on {listen}; is the port in use? pass {port_hint} for a free one")
+    return bound
