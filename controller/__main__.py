@@ -37,7 +37,7 @@ def controller_args(
     )
     parser.add_argument("--config", help="configuration file (.toml or .yaml)")
     for s in settings_of(ControllerConfig):
-        if s.name == "log_json":
+        if s.name in ("log_json", "allow_unauthenticated"):  # switches: given means true
             parser.add_argument(s.flag, dest=s.name, action="store_const", const="true", help=s.help)
         else:
             accepted = s.accepted or f"default {s.default}"

@@ -34,10 +34,11 @@ without a round trip). Expected outcomes are ``Outcome`` values; broken contract
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import struct
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, NewType
@@ -308,6 +309,7 @@ class Directory:
         self,
         client: aredis.Redis,
         *,
+        lookup_client: aredis.Redis | None = None,
         lease_ttl_ms: int = 3000,
         fence_token: int | None = 0,
         max_batch_events: int = MAX_BATCH_EVENTS,
@@ -316,6 +318,11 @@ class Directory:
         if lease_ttl_ms < 1:
             raise InvalidArgument(f"lease_ttl_ms must be >= 1, got {lease_ttl_ms}", field="lease_ttl_ms")
         self._redis = client
+        # Route's lookups may use a client without a socket timeout: redis-py wraps every send
+        # in asyncio.wait_for when one is set, and on Python 3.11 that is a Task per command,
+        # the largest cost of Route after the round trip itself. The router bounds the lookup
+        # with its own asyncio.timeout instead (Router._lookup).
+        self._lookup_redis = lookup_client or client
         self.lease_ttl_ms = lease_ttl_ms
         self.fence_token = fence_token
         self.max_batch_events = max_batch_events
@@ -329,6 +336,8 @@ class Directory:
         self._lookup_sha = self._scripts["lookup"].sha
         self._meta_keys: dict[bytes, str] = {}
         self.counters: collections.Counter[str] = collections.Counter()
+        # (op, seconds) of every round trip (op: the Lua script's name), for the controller's metrics.
+        self.on_op: Callable[[str, float], None] | None = None
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -337,29 +346,42 @@ class Directory:
         for script in self._scripts.values():
             await self._redis.script_load(script.script)
 
+    @contextlib.contextmanager
+    def _timed(self, op: str) -> Iterator[None]:
+        if self.on_op is None:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.on_op(op, time.perf_counter() - start)
+
     async def _eval(self, name: str, key: str, *args: object) -> list:
         script = self._scripts[name]
-        try:
-            return await self._redis.evalsha(script.sha, 1, key, *args)
-        except NoScriptError:
-            await self._redis.script_load(script.script)
-            return await self._redis.evalsha(script.sha, 1, key, *args)
+        with self._timed(name):
+            try:
+                return await self._redis.evalsha(script.sha, 1, key, *args)
+            except NoScriptError:
+                await self._redis.script_load(script.script)
+                return await self._redis.evalsha(script.sha, 1, key, *args)
 
     async def _eval_many(self, calls: list[tuple[str, str, tuple]], extra: Sequence[tuple] = ()) -> list:
         """Runs extra commands then the scripts in one pipelined round trip; returns script replies."""
-        for attempt in (0, 1):
-            try:
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    for command in extra:
-                        pipe.execute_command(*command)
-                    for name, key, args in calls:
-                        pipe.evalsha(self._scripts[name].sha, 1, key, *args)
-                    replies = await pipe.execute()
-                return replies[len(extra):]
-            except NoScriptError:
-                if attempt:
-                    raise
-                await self.load_scripts()
+        with self._timed(calls[0][0] if calls else "pipeline"):
+            for attempt in (0, 1):
+                try:
+                    async with self._redis.pipeline(transaction=False) as pipe:
+                        for command in extra:
+                            pipe.execute_command(*command)
+                        for name, key, args in calls:
+                            pipe.evalsha(self._scripts[name].sha, 1, key, *args)
+                        replies = await pipe.execute()
+                    return replies[len(extra):]
+                except NoScriptError:
+                    if attempt:
+                        raise
+                    await self.load_scripts()
         raise AssertionError("unreachable")
 
     def _is_live(self, wid: int, now_ms: float) -> bool:
@@ -597,10 +619,11 @@ class Directory:
             _check_namespace(namespace)
             meta = self._meta_keys[namespace] = _meta_key(namespace)
         packed = _pack_keys(keys)
-        try:  # inlined _eval: this is the hot path
-            reply = await self._redis.evalsha(self._lookup_sha, 1, meta, packed)
-        except NoScriptError:
-            reply = await self._eval("lookup", meta, packed)
+        with self._timed("lookup"):
+            try:  # inlined _eval: this is the hot path
+                reply = await self._lookup_redis.evalsha(self._lookup_sha, 1, meta, packed)
+            except NoScriptError:
+                reply = await self._eval("lookup", meta, packed)
         names, deadlines = self._name_by_wid, self._deadline_ms
         for w in reply[1::2]:
             if w not in names:

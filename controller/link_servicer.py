@@ -40,7 +40,7 @@ import contextlib
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -57,6 +57,7 @@ from kvtier.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from kvtier.hashing import NamespaceDigest, PageKey
 from kvtier.log import get_logger
 from kvtier.records import (
     Command,
@@ -87,6 +88,8 @@ MAX_BUFFERED_BATCHES = 1024
 MAX_QUEUED_EVENTS = 4096
 """Messages waiting for the writer; beyond that they are dropped and the worker resyncs."""
 REPAIR_MIN_INTERVAL_S = 5.0
+MAX_SNAPSHOT_SUMMARIES = 16
+"""Applied snapshots remembered per stream (for Admin.Snapshot and Admin.Drain)."""
 SNAPSHOT_ACK_TIMEOUT_S = 30.0
 RESYNC_POLL_S = 0.1
 MAX_RESYNC_BACKOFF_S = 5.0
@@ -133,12 +136,23 @@ class _Lost:
 _Queued = PageEventBatch | InventorySnapshotChunk | CommandAck | _Lost
 
 
+@dataclass(frozen=True, slots=True)
+class SnapshotSummary:
+    """An applied inventory snapshot. ``roots``: its depth-1 pages per namespace; every other
+    page descends from one of them (dropping them drops the worker's whole inventory)."""
+
+    snapshot_id: SnapshotId
+    num_pages: int
+    roots: Mapping[NamespaceDigest, tuple[PageKey, ...]]
+
+
 @dataclass(slots=True)
 class _Snapshot:
     snapshot_id: SnapshotId
     as_of_seq: int
     next_chunk: int = 0
     num_pages: int = 0
+    roots: dict[NamespaceDigest, list[PageKey]] = field(default_factory=dict)
     deferred: list[dirmod.PageEvent] = field(default_factory=list)  # parent not applied yet
     batches: list[PageEventBatch] = field(default_factory=list)  # arrived meanwhile
 
@@ -169,6 +183,7 @@ class LinkSession:
         self.last_repair_s = -math.inf
         self.repair_reason: str | None = None  # a repair snapshot is wanted (sent when not throttled)
         self.num_snapshots_applied = 0
+        self.applied_snapshots: collections.OrderedDict[SnapshotId, SnapshotSummary] = collections.OrderedDict()
         self.closed = False
 
     @property
@@ -235,6 +250,9 @@ class WorkerLinks:
         self.sessions: dict[WorkerId, LinkSession] = {}
         self.counters: collections.Counter[str] = collections.Counter()
         self._next_link_id = 0
+        # Called with each new stream's worker id before any other command is queued for it:
+        # what a (re)connected worker must hear first (the policy epochs and pins, cache_admin).
+        self.on_open: Callable[[WorkerId], None] | None = None
 
     @property
     def num_rejected(self) -> int:
@@ -257,6 +275,8 @@ class WorkerLinks:
         self.registry.connect(registration, session.link_id)
         log.info("worker connected", extra={"worker_id": worker, "address": registration.address,
                                             "boot_id": registration.boot_id, "link_id": session.link_id})
+        if self.on_open is not None:
+            self.on_open(worker)
         return session, previous
 
     async def register(self, session: LinkSession, previous: LinkSession | None) -> None:
@@ -297,6 +317,28 @@ class WorkerLinks:
         if session is None or session.closed:
             raise NotFound(f"worker {worker!r} has no open WorkerLink to this controller", field="worker_id")
         return session.send(command)
+
+    def request_snapshot(self, worker: WorkerId) -> tuple[SnapshotId, asyncio.Future[CommandAck]]:
+        """Ask the worker for a full inventory snapshot, which replaces its directory entries.
+
+        The ack arrives after the chunks and resolves only once they were handled, so when it
+        resolves ``snapshot_progress`` says whether the snapshot was applied. ``NotFound`` as
+        ``send_command``."""
+        snapshot_id = SnapshotId(f"admin-{uuid.uuid4().hex[:12]}")
+        return snapshot_id, self.send_command(worker, RequestSnapshotCommand(snapshot_id))
+
+    def snapshot_progress(self, worker: WorkerId, snapshot_id: SnapshotId) -> tuple[bool, int, SnapshotSummary | None]:
+        """(is applied, pages so far, its summary once applied) of one snapshot of the worker's
+        current stream; an unknown or abandoned snapshot is (False, 0, None)."""
+        session = self.sessions.get(worker)
+        if session is None:
+            return False, 0, None
+        summary = session.applied_snapshots.get(snapshot_id)
+        if summary is not None:
+            return True, summary.num_pages, summary
+        if session.snapshot is not None and session.snapshot.snapshot_id == snapshot_id:
+            return False, session.snapshot.num_pages, None
+        return False, 0, None
 
     def mark_for_resync(self, everything: bool) -> None:
         if not everything:
@@ -450,6 +492,10 @@ class WorkerLinks:
             return
         snapshot.next_chunk += 1
         snapshot.num_pages += chunk.num_pages
+        for inv in chunk.inventories:
+            roots = [page.page_key for page in inv.pages if page.depth == 1]
+            if roots:
+                snapshot.roots.setdefault(inv.namespace_digest, []).extend(roots)
         if chunk.is_last:
             await self._finish_snapshot(session, snapshot)
 
@@ -468,6 +514,10 @@ class WorkerLinks:
         session.snapshot = None
         session.last_batch_seq = max(session.last_batch_seq or 0, snapshot.as_of_seq)
         session.num_snapshots_applied += 1
+        session.applied_snapshots[snapshot.snapshot_id] = SnapshotSummary(
+            snapshot.snapshot_id, snapshot.num_pages, {ns: tuple(keys) for ns, keys in snapshot.roots.items()})
+        while len(session.applied_snapshots) > MAX_SNAPSHOT_SUMMARIES:
+            session.applied_snapshots.popitem(last=False)
         session.num_resync_failures = 0
         self.counters["snapshots.applied"] += 1
         log.info("inventory snapshot applied", extra={"worker_id": session.worker_id,

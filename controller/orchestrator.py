@@ -6,8 +6,18 @@ of the last turn's output), and schedules ``Prefetch`` into HBM at
 
     prefetch_at = paused_at + predicted_return_low_quantile − promote_time − margin
 
-on a timer queue. ``Returning`` pulls the prefetch forward (now, or ``eta − promote −
-margin``); ``End`` cancels it and drops the session's private pages. The next Route of
+on a timer queue. ``promote_time`` is bytes over bandwidth plus the worker's measured
+overhead (a high quantile of recent Prefetch ack latencies beyond the copy: the wait for the
+engine step in progress and the round trip; ``controller/prefetch.py``); the low quantile is
+the predictor's ``lo_quantile`` (5 %). The Prefetch's ``deadline_ms`` asks the worker to hold
+the pages in HBM until the prediction's high quantile (at most ``max_hold_ms``): a prefetch
+lands early by design, and unheld pages are the first an eviction takes meanwhile. A session
+kept in HBM gets a *guard* prefetch at once: it moves nothing, brings back what the worker's
+own demotion moved down meanwhile and holds the pages until the return. Why all of these:
+``docs/decisions/0008-prefetch-timing.md``.
+
+``Returning`` pulls the prefetch forward (now, or ``eta − promote − margin``); ``End``
+cancels it and drops the session's private pages. The next Route of
 the session (``on_route``) closes the pause: it scores the prefetch and feeds the
 measured duration to the predictor.
 
@@ -17,31 +27,38 @@ per pause; T = predicted pause, B = the session's bytes):
     HBM     B / hbm_bytes × T × (hbm_idle_price + hbm_occupancy)   memory others can't use
     DRAM    copy_weight × (demote_s + promote_s) + B / dram_bytes × T × dram_price
     NVMe    copy_weight × (demote_s + promote_s)
-    a lower tier qualifies only when promote_s + margin < T (back in time) and
-    promote_s < recompute_s (otherwise dropping would be cheaper than the round trip)
+    a lower tier qualifies only when the pages would wait there at all (demote + promote +
+    overhead + margin before the low-quantile return: otherwise the prefetch would fire as
+    soon as the demotion lands, two copies for nothing), and
+    promote_s < recompute_s (otherwise dropping would be cheaper than the round trip), and
+    the session's pages leave the tier at or below its policy ``high`` watermark
 
 Transfer seconds come from configured/measured bandwidth; recompute seconds from the
 model geometry (``CostModel``). Anti-thrash: a token bucket of bytes per (worker, lower
 tier) shared by demotions and prefetches. A demotion needs tokens (and, once the bucket
 ran dry, waits until it refilled to ``resume_fraction`` — hysteresis); a prefetch always
 goes (a late session costs more than a busy link) and takes its bytes, possibly into debt.
+Rates per tier come from the policy in force (``apply_policy``); a tier without one is
+unlimited.
 
-Prefetch outcomes (``PrefetchStats``): on time (pages back in HBM before the next Route),
-late (the Route came first), wasted (prefetched, then the session ended unused).
-Pages evicted after an on-time prefetch are not tracked (the worker would have to report
-them).
+Prefetch outcomes (``controller/prefetch.py``): on time (pages back in HBM before the next
+Route) or late (the Route came first); wasted bytes apart: prefetched, then the session ended
+unused, or its next Route found them below HBM again or gone (read from the directory's
+match, once the worker's page events had time to arrive: ``directory_lag_ms``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import heapq
 import itertools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from kvtier.controller.predictor import Prediction, ToolReturnPredictor
+from kvtier.controller.prefetch import MoveReason, Outcome, PauseOutcome, PrefetchStats, PromoteLatency
 from kvtier.controller.registry import Registry, WorkerEntry
 from kvtier.controller.sessions import PrefetchState, SessionRecord, SessionStore
 from kvtier.errors import KvtierError, NotFound
@@ -55,6 +72,7 @@ from kvtier.records import (
     DropCommand,
     EndRequest,
     PauseRequest,
+    Policy,
     PredictionSource,
     PrefetchCommand,
     ReturningRequest,
@@ -62,6 +80,8 @@ from kvtier.records import (
     SessionInfo,
     SessionState,
     TierOccupancy,
+    TokensByTier,
+    Watermarks,
     WorkerId,
 )
 from kvtier.tiers import Tier
@@ -86,11 +106,26 @@ class OrchestratorParams:
         default_factory=lambda: dict(CostModel().bandwidth_bytes_per_s)
     )
     cost_model: CostModel = field(default_factory=CostModel)  # page_size/page_bytes come from the worker
-    budget_bytes_per_s: float = 2e9  # per (worker, lower tier)
-    budget_burst_bytes: float = 4e9
+    # Anti-thrash bucket per (worker, lower tier); a tier without an entry is unlimited. The
+    # policy in force (``apply_policy``) replaces these and ``watermarks``.
+    budget_bytes_per_s: Mapping[Tier, float] = field(default_factory=lambda: {Tier.DRAM: 2e9, Tier.NVME: 2e9})
+    budget_burst_s: float = 2.0  # a bucket holds this many seconds of its rate
+    # A lower tier qualifies for parking only while it stays at or below its ``high`` mark.
+    watermarks: Mapping[Tier, Watermarks] = field(default_factory=dict)
     resume_fraction: float = 0.5
     command_timeout_s: float = 5.0
     tick_s: float = 0.01
+    # Prefetch timing (docs/decisions/0008-prefetch-timing.md): the overhead assumed before a
+    # worker's first Prefetch ack, and the quantile of measured overheads planned for after it.
+    prefetch_overhead_ms: float = 50.0
+    overhead_quantile: float = 0.9
+    # The directory hears of a worker's moves up to one event batch (+ a Redis write) after the
+    # ack; a Route sooner than this after a prefetch does not judge its pages (no false waste).
+    directory_lag_ms: float = 250.0
+    # A Prefetch asks the worker to hold the pages in HBM until the predicted return's high
+    # quantile (a late return finds them still there), but never longer than this.
+    max_hold_ms: float = 10_000.0
+    num_outcomes_kept: int = 10_000  # recent PauseOutcomes (benchmarks read them)
 
 
 # --------------------------------------------------------------------------- pieces
@@ -196,9 +231,15 @@ def choose_tier(
     occupancy: dict[Tier, TierOccupancy],
     params: OrchestratorParams,
     cost_model: CostModel,
+    earliest_return_ms: float | None = None,
+    overhead_ms: float = 0.0,
 ) -> TierChoice:
-    """Where a paused session's pages should wait (see the module doc for the costs)."""
+    """Where a paused session's pages should wait (see the module doc for the costs).
+
+    ``pause_ms``: the expected pause; ``earliest_return_ms``: the early end the prefetch aims
+    at (default ``pause_ms``); ``overhead_ms``: the worker's measured prefetch overhead."""
     pause_s = pause_ms / 1000.0
+    earliest_ms = pause_ms if earliest_return_ms is None else min(earliest_return_ms, pause_ms)
     num_bytes = num_pages * page_bytes
     hbm = occupancy.get(Tier.HBM)
     hbm_bytes = max(1, (hbm.total_pages if hbm else num_pages) * page_bytes)
@@ -211,9 +252,13 @@ def choose_tier(
         occ = occupancy.get(tier)
         if occ is None or occ.total_pages == 0 or num_pages == 0:
             continue
+        marks = params.watermarks.get(tier)
+        if marks is not None and (occ.cached_pages + occ.in_use_pages + num_pages) / occ.total_pages > marks.high:
+            continue  # above its high watermark the worker is busy demoting out of it
         demote_s = num_bytes / bandwidth[(Tier.HBM, tier)]
         promote_s = num_bytes / bandwidth[(tier, Tier.HBM)]
-        if promote_s * 1000.0 + params.margin_ms >= pause_ms or promote_s >= recompute_s:
+        round_trip_ms = (demote_s + promote_s) * 1000.0 + overhead_ms + params.margin_ms
+        if round_trip_ms >= earliest_ms or promote_s >= recompute_s:
             continue
         hold = num_bytes / (occ.total_pages * page_bytes) * pause_s * params.dram_price if tier is Tier.DRAM else 0.0
         costs[tier] = params.copy_weight * (demote_s + promote_s) + hold
@@ -222,29 +267,17 @@ def choose_tier(
     return TierChoice(tier=best, costs_s=costs, promote_s=promote[best])
 
 
-@dataclass(slots=True)
-class PrefetchStats:
-    num_demoted: int = 0
-    demoted_bytes: int = 0
-    num_kept_in_hbm: int = 0
-    num_throttled: int = 0
-    num_on_time: int = 0
-    on_time_bytes: int = 0
-    num_late: int = 0
-    late_bytes: int = 0
-    num_wasted: int = 0
-    wasted_bytes: int = 0
-    abs_error_ms_sum: float = 0.0
-    num_errors: int = 0  # pauses whose prediction was scored
+@dataclass(frozen=True, slots=True)
+class _SentPrefetch:
+    """A Prefetch on its way: what its ack is counted against."""
 
-    @property
-    def on_time_fraction(self) -> float:
-        scored = self.num_on_time + self.num_late
-        return self.num_on_time / scored if scored else 0.0
-
-    @property
-    def mean_abs_error_ms(self) -> float:
-        return self.abs_error_ms_sum / self.num_errors if self.num_errors else 0.0
+    worker: WorkerId
+    command: PrefetchCommand
+    reason: str
+    source: Tier
+    page_bytes: int
+    sent_at_ms: float
+    paused_at_ms: int | None  # identifies the pause it serves
 
 
 # --------------------------------------------------------------------------- orchestrator
@@ -272,8 +305,19 @@ class Orchestrator:
         self.clock_ms = clock_ms
         self.timers = TimerQueue(clock_ms)
         self.stats = PrefetchStats()
+        self.outcomes: collections.deque[PauseOutcome] = collections.deque(maxlen=self.params.num_outcomes_kept)
+        self.listeners: list[Callable[[PauseOutcome], None]] = []  # called as each pause closes
         self._buckets: dict[tuple[WorkerId, Tier], TokenBucket] = {}
+        self._latency: dict[WorkerId, PromoteLatency] = {}
         self._locks: dict[SessionId, asyncio.Lock] = {}
+        # State and last write (clock ms) per session, for counts without a Redis scan; a
+        # session untouched for the store's TTL has expired there and is not counted.
+        self._states: dict[SessionId, tuple[SessionState, float]] = {}
+        # Until when (clock ms) a prefetch of a paused session should hold its pages in HBM:
+        # the prediction's high quantile. In memory only: after a restart the median is used.
+        self._hold_until_ms: dict[SessionId, float] = {}
+        # Pages a session's last prefetch left below HBM (moving, or no room): not its waste.
+        self._skipped_pages: dict[SessionId, int] = {}
         self._task: asyncio.Task[None] | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -291,10 +335,18 @@ class Orchestrator:
         """Reschedule the prefetches of parked sessions (after a restart or takeover)."""
         num = 0
         async for record in self.store.scan():
+            self._states[record.session_id] = (record.state, self.clock_ms())
             if record.prefetch_state in (PrefetchState.SCHEDULED, PrefetchState.SENT) and record.prefetch_at_ms:
                 self._schedule(record.session_id, record.prefetch_at_ms)
                 num += 1
         return num
+
+    def apply_policy(self, policy: Policy) -> None:
+        """Budgets and watermarks of ``policy`` from now on (``controller/policy_store.py``).
+        Buckets restart full at the new rates."""
+        self.params = replace(self.params, budget_bytes_per_s=dict(policy.budget_bytes_per_s),
+                              watermarks=dict(policy.watermarks))
+        self._buckets.clear()
 
     def _lock(self, session: SessionId) -> asyncio.Lock:
         lock = self._locks.get(session)
@@ -311,45 +363,95 @@ class Orchestrator:
     def _now(self) -> int:
         return round(self.clock_ms())
 
+    async def _save(self, record: SessionRecord) -> None:
+        await self.store.put(record)
+        self._states[record.session_id] = (record.state, self.clock_ms())
+
+    def session_counts(self) -> dict[SessionState, int]:
+        """Sessions per state, as this controller last wrote them (ENDED ones are forgotten)."""
+        horizon_ms = self.clock_ms() - self.store.ttl_s * 1000.0
+        for session in [s for s, (_, at) in self._states.items() if at < horizon_ms]:
+            del self._states[session]
+        counts = dict.fromkeys(SessionState, 0)
+        for state, _ in self._states.values():
+            counts[state] += 1
+        return counts
+
+    def _record_outcome(self, outcome: PauseOutcome) -> None:
+        self.stats.count_outcome(outcome)
+        self.outcomes.append(outcome)
+        for listener in self.listeners:
+            try:
+                listener(outcome)
+            except Exception as exc:  # metrics must never break a session transition
+                log.warning("pause outcome listener failed", extra={"reason": str(exc)})
+
     # ---- Route ---------------------------------------------------------------------------
     async def on_route(
         self, session: SessionId, *, tenant: str, worker: WorkerId | None, digest: NamespaceDigest,
-        num_tokens: int,
+        num_tokens: int, matched: TokensByTier | None = None,
     ) -> SessionInfo:
-        """The session's next turn is being routed: it is ACTIVE again (a pause closes here)."""
+        """The session's next turn is being routed: it is ACTIVE again (a pause closes here).
+
+        ``matched``: where the directory has the request's prefix on ``worker`` (None when
+        unknown, e.g. a degraded Route); it tells whether prefetched pages were still in HBM."""
         async with self._lock(session):
             now = self._now()
             record = await self.store.get(session)
             if record is None or record.state is SessionState.ENDED:
                 record = SessionRecord(session_id=session, state=SessionState.ACTIVE)
             elif record.state in (SessionState.PAUSED, SessionState.RESUMING):
-                await self._close_pause(record, now)
+                await self._close_pause(record, now, matched if worker == record.worker_id else None)
             record.state = SessionState.ACTIVE
             record.tenant, record.namespace_digest, record.num_cached_tokens = tenant, digest, num_tokens
             record.worker_id = worker or record.worker_id
-            await self.store.put(record)
+            await self._save(record)
             return record.info()
 
-    async def _close_pause(self, record: SessionRecord, now: int) -> None:
+    async def _close_pause(self, record: SessionRecord, now: int, matched: TokensByTier | None) -> None:
         self.timers.cancel(record.session_id)
-        num_bytes = record.num_parked_pages * self._page_bytes(record.worker_id)
+        self._hold_until_ms.pop(record.session_id, None)
+        skipped = self._skipped_pages.pop(record.session_id, 0)
+        page_bytes = self._page_bytes(record.worker_id)
+        num_bytes = record.num_parked_pages * page_bytes
+        outcome, wasted_bytes, lead_ms = Outcome.KEPT, 0, None
+        done = record.prefetch_state == PrefetchState.DONE and (record.prefetch_done_at_ms or 0) <= now
         if record.parked_tier not in (None, Tier.HBM) and record.num_parked_pages:
-            done = record.prefetch_state == PrefetchState.DONE and (record.prefetch_done_at_ms or 0) <= now
-            if done:
-                self.stats.num_on_time += 1
-                self.stats.on_time_bytes += num_bytes
-            else:
-                self.stats.num_late += 1
-                self.stats.late_bytes += num_bytes
+            outcome = Outcome.ON_TIME if done else Outcome.LATE
+        if done and record.num_parked_pages:  # parked and prefetched, or a guard that moved pages
+            lead_ms = float(now - (record.prefetch_done_at_ms or now))
+            wasted_bytes = self._evicted_since_prefetch(record, now, matched, skipped) * page_bytes
+            self.stats.count_waste("evicted", wasted_bytes)
+        if outcome != Outcome.KEPT or lead_ms is not None:
             log.info("session returned", extra={
-                "session_id": record.session_id, "prefetch": "on_time" if done else "late",
-                "num_pages": record.num_parked_pages})
-        if record.predicted_return_at_ms is not None:
-            self.stats.abs_error_ms_sum += abs(now - record.predicted_return_at_ms)
-            self.stats.num_errors += 1
-        if not record.is_duration_observed and record.paused_at_ms is not None:
-            await self.predictor.observe(record.tenant, record.tool_name or "", now - record.paused_at_ms)
+                "session_id": record.session_id, "prefetch": outcome, "num_pages": record.num_parked_pages,
+                "lead_ms": lead_ms, "wasted_bytes": wasted_bytes})
+        actual_ms = float(now - record.paused_at_ms) if record.paused_at_ms is not None else None
+        predicted_ms = None
+        if record.predicted_return_at_ms is not None and record.paused_at_ms is not None:
+            predicted_ms = float(record.predicted_return_at_ms - record.paused_at_ms)
+        self._record_outcome(PauseOutcome(
+            record.session_id, record.tool_name or "", record.parked_tier or Tier.HBM, record.num_parked_pages,
+            num_bytes, outcome, wasted_bytes, predicted_ms, actual_ms, record.prediction_source, lead_ms))
+        if not record.is_duration_observed and actual_ms is not None:
+            await self.predictor.observe(record.tenant, record.tool_name or "", actual_ms)
         record.clear_pause()
+
+    def _evicted_since_prefetch(
+        self, record: SessionRecord, now: int, matched: TokensByTier | None, skipped: int
+    ) -> int:
+        """Prefetched pages of ``record`` the directory no longer has in HBM on its worker: below
+        HBM again (beyond the ``skipped`` ones the prefetch left there), or gone (the prefix it
+        matches is shorter than the previous turn's). 0 when the directory cannot tell yet (no
+        match given, or the prefetch is too recent)."""
+        entry = self._entry(record.worker_id)
+        done_at = record.prefetch_done_at_ms
+        if matched is None or entry is None or done_at is None or now - done_at < self.params.directory_lag_ms:
+            return 0
+        page_size = entry.registration.page_size
+        below = max(0, (matched.dram_tokens + matched.nvme_tokens) // page_size - skipped)
+        missing = max(0, record.num_cached_tokens // page_size - matched.total_tokens // page_size)
+        return min(record.num_parked_pages, below + missing)
 
     # ---- Pause -----------------------------------------------------------------------------
     async def pause(self, request: PauseRequest) -> SessionInfo:
@@ -365,9 +467,10 @@ class Orchestrator:
             record.paused_at_ms = now
             record.predicted_return_at_ms = now + round(prediction.return_in_ms)
             record.prediction_source = prediction.source
+            self._hold_until_ms[record.session_id] = now + max(prediction.quantile_hi_ms, prediction.return_in_ms)
             record.parked_tier = Tier.HBM
             await self._park(record, prediction)
-            await self.store.put(record)
+            await self._save(record)
             return record.info()
 
     async def _park(self, record: SessionRecord, prediction: Prediction) -> None:
@@ -379,39 +482,60 @@ class Orchestrator:
         page_size = entry.registration.page_size
         num_pages = max(1, record.num_cached_tokens // page_size)
         cost_model = replace(self.params.cost_model, page_size=page_size, page_bytes=page_bytes)
+        overhead_ms = self._latency_of(entry.worker_id).overhead_ms()
         choice = choose_tier(
             num_pages=num_pages, page_bytes=page_bytes, pause_ms=prediction.return_in_ms,
             occupancy={o.tier: o for o in entry.tiers}, params=self.params, cost_model=cost_model,
+            earliest_return_ms=self._target_ms(prediction), overhead_ms=overhead_ms,
         )
-        if choice.tier is Tier.HBM:
+        if choice.tier is Tier.HBM or not await self._demote(record, entry.worker_id, choice.tier, num_pages):
             self.stats.num_kept_in_hbm += 1
-            return
-        if not self._bucket(entry.worker_id, choice.tier).try_take(num_pages * page_bytes):
-            self.stats.num_throttled += 1
-            self.stats.num_kept_in_hbm += 1
-            log.info("demotion throttled", extra={"session_id": record.session_id, "tier": choice.tier.label})
-            return
-        ack = await self._send(entry.worker_id, DemoteCommand(
-            record.namespace_digest, (), choice.tier, session_id=record.session_id))
-        if ack is None or not ack.ok or ack.num_pages == 0:
-            self.stats.num_kept_in_hbm += 1
+            self._guard(record)
             return
         record.parked_tier = choice.tier
-        record.num_parked_pages = ack.num_pages
-        self.stats.num_demoted += 1
-        self.stats.demoted_bytes += ack.num_pages * page_bytes
-        promote_ms = choice.promote_s * 1000.0 * ack.num_pages / num_pages
-        # Aim at the early end of the predicted spread (about the 10th percentile), not
-        # the median: a prefetch that lands a little early costs HBM for a moment, one
-        # that lands late costs the user a transfer on the token path.
-        target_ms = prediction.quantile_lo_ms if self.params.prefetch_at_low_quantile else prediction.return_in_ms
-        at_ms = record.paused_at_ms + min(target_ms, prediction.return_in_ms) - promote_ms - self.params.margin_ms
+        # Aim at the early end of the predicted spread (the predictor's lo_quantile, 5 %), not
+        # the median: a prefetch that lands a little early costs HBM for a moment, one that
+        # lands late costs the user a transfer on the token path (decision 0008).
+        at_ms = record.paused_at_ms + self._target_ms(prediction) - self._promote_ms(record) - self.params.margin_ms
         record.prefetch_at_ms = round(at_ms)
         record.prefetch_state = PrefetchState.SCHEDULED
         self._schedule(record.session_id, record.prefetch_at_ms)
         log.info("session parked", extra={
-            "session_id": record.session_id, "tier": choice.tier.label, "num_pages": ack.num_pages,
-            "num_skipped": ack.num_skipped_pages, "prefetch_in_ms": round(at_ms - self._now())})
+            "session_id": record.session_id, "tier": choice.tier.label, "num_pages": record.num_parked_pages,
+            "prefetch_in_ms": round(at_ms - self._now())})
+
+    async def _demote(self, record: SessionRecord, worker: WorkerId, tier: Tier, num_pages: int) -> bool:
+        """Send the park's Demote within the anti-thrash budget; True when pages moved (counted)."""
+        assert record.namespace_digest is not None
+        page_bytes = self._page_bytes(worker)
+        bucket = self._bucket(worker, tier)
+        if bucket is not None and not bucket.try_take(num_pages * page_bytes):
+            self.stats.num_throttled += 1
+            log.info("demotion throttled", extra={"session_id": record.session_id, "tier": tier.label})
+            return False
+        ack = await self._send(worker, DemoteCommand(record.namespace_digest, (), tier, session_id=record.session_id))
+        if ack is None or not ack.ok or ack.num_pages == 0:
+            return False
+        record.num_parked_pages = ack.num_pages
+        self.stats.num_demoted += 1
+        self.stats.demoted_bytes += ack.num_pages * page_bytes
+        self.stats.count_move(MoveReason.PARK, Tier.HBM.label, tier.label, ack.num_pages, ack.num_pages * page_bytes)
+        return True
+
+    def _guard(self, record: SessionRecord) -> None:
+        """A guard prefetch for a session kept in HBM, at once (from the timer task: Pause
+        does not wait for its ack).
+
+        Kept is not staying: under pressure the worker's own watermark demotion moves idle
+        pages down during the pause, and the next turn pays their promotion (what a reactive
+        policy pays). Kept has to mean held: the guard's Prefetch moves nothing (the pages
+        are in HBM) and holds them until the predicted return's high quantile, like a
+        prefetched session's; whatever already left comes back."""
+        if self._lower_tier(record.worker_id) is None:
+            return
+        record.prefetch_at_ms = self._now()
+        record.prefetch_state = PrefetchState.SCHEDULED
+        self._schedule(record.session_id, record.prefetch_at_ms)
 
     # ---- Returning -------------------------------------------------------------------------
     async def returning(self, request: ReturningRequest) -> SessionInfo:
@@ -426,15 +550,16 @@ class Orchestrator:
             record.state = SessionState.RESUMING
             record.predicted_return_at_ms = now + eta_ms
             record.prediction_source = PredictionSource.CALLER_ETA
+            self._hold_until_ms[record.session_id] = now + eta_ms + self.params.margin_ms
             if record.prefetch_state == PrefetchState.SCHEDULED:
                 promote_ms = self._promote_ms(record)
                 at_ms = now + eta_ms - promote_ms - self.params.margin_ms
                 if at_ms <= now:
-                    await self._prefetch_locked(record)
+                    await self._prefetch_locked(record, MoveReason.RETURNING)
                 else:
                     record.prefetch_at_ms = round(at_ms)
                     self._schedule(record.session_id, record.prefetch_at_ms)
-            await self.store.put(record)
+            await self._save(record)
             return record.info()
 
     # ---- End ---------------------------------------------------------------------------------
@@ -444,14 +569,19 @@ class Orchestrator:
             if record.state is SessionState.ENDED:
                 return record.info()
             self.timers.cancel(record.session_id)
+            self._hold_until_ms.pop(record.session_id, None)
+            self._skipped_pages.pop(record.session_id, None)
+            page_bytes = self._page_bytes(record.worker_id)
             if record.prefetch_state == PrefetchState.DONE and record.state is not SessionState.ACTIVE:
-                self.stats.num_wasted += 1
-                self.stats.wasted_bytes += record.num_parked_pages * self._page_bytes(record.worker_id)
+                self.stats.count_waste("ended", record.num_parked_pages * page_bytes)
             if record.worker_id is not None and record.namespace_digest is not None:
-                await self._send(record.worker_id, DropCommand(record.namespace_digest, (), record.session_id))
+                ack = await self._send(record.worker_id, DropCommand(record.namespace_digest, (), record.session_id))
+                if ack is not None and ack.num_pages:
+                    self.stats.count_move(MoveReason.END, "any", "none", ack.num_pages, ack.num_pages * page_bytes)
             record.clear_pause()
             record.state = SessionState.ENDED
             await self.store.put(record)
+            self._states.pop(record.session_id, None)
             self.registry.forget_session(record.session_id)
             self._locks.pop(record.session_id, None)
             return record.info()
@@ -459,37 +589,92 @@ class Orchestrator:
     # ---- prefetch ------------------------------------------------------------------------------
     def _schedule(self, session: SessionId, at_ms: float) -> None:
         async def fire() -> None:
+            # The session's lock is held to start and to finish the prefetch, not while the
+            # worker carries it out: a Route meanwhile must not wait for the ack (its TTFT would
+            # pay the transfer, and the prefetch would be scored on time). It closes the pause
+            # as late; the ack then finds the pause gone and only its traffic is counted.
             try:
                 async with self._lock(session):
                     record = await self.store.get(session)
-                    if record is not None and record.prefetch_state == PrefetchState.SCHEDULED:
-                        await self._prefetch_locked(record)
-                        await self.store.put(record)
+                    if record is None or record.prefetch_state != PrefetchState.SCHEDULED:
+                        return
+                    sent = self._prefetch_begin(record, MoveReason.PREFETCH)
+                    await self._save(record)
+                if sent is None:
+                    return
+                ack = await self._send(sent.worker, sent.command)
+                async with self._lock(session):
+                    record = await self.store.get(session)
+                    if (record is not None and record.prefetch_state == PrefetchState.SENT
+                            and record.paused_at_ms == sent.paused_at_ms):
+                        self._prefetch_end(sent, ack, record)
+                        await self._save(record)
+                    else:
+                        self._prefetch_end(sent, ack, None)
             except Exception as exc:  # a timer must not die silently
                 log.error("scheduled prefetch failed", exc_info=exc, extra={"session_id": session})
 
         self.timers.schedule(session, at_ms, fire)
 
-    async def _prefetch_locked(self, record: SessionRecord) -> None:
-        """Promote the parked session's pages now (the caller holds its lock and saves it)."""
+    async def _prefetch_locked(self, record: SessionRecord, reason: str) -> None:
+        """Promote the parked session's pages now and wait for the ack (Returning: its caller
+        asked for the pages now). The caller holds the session's lock and saves the record."""
+        sent = self._prefetch_begin(record, reason)
+        if sent is not None:
+            self._prefetch_end(sent, await self._send(sent.worker, sent.command), record)
+
+    def _prefetch_begin(self, record: SessionRecord, reason: str) -> _SentPrefetch | None:
+        """Mark ``record``'s prefetch SENT and build its command (None: nothing to prefetch)."""
         self.timers.cancel(record.session_id)
-        if record.worker_id is None or record.namespace_digest is None or record.parked_tier in (None, Tier.HBM):
-            return
-        num_bytes = record.num_parked_pages * self._page_bytes(record.worker_id)
-        self._bucket(record.worker_id, record.parked_tier).take(num_bytes)
+        source = self._source_tier(record)
+        if record.worker_id is None or record.namespace_digest is None or source is None:
+            return None
+        if record.parked_tier is Tier.HBM and reason == MoveReason.PREFETCH:
+            reason = MoveReason.GUARD
+        page_bytes = self._page_bytes(record.worker_id)
+        bucket = self._bucket(record.worker_id, source)
+        if bucket is not None:
+            bucket.take(record.num_parked_pages * page_bytes)
         record.prefetch_state = PrefetchState.SENT
+        # The deadline tells the worker how long to hold the pages in HBM (until the session is
+        # expected back at the latest: see _hold_until_ms); without it an eviction in the
+        # meantime takes them first, and the prefetch is wasted.
+        hold_until = self._hold_until_ms.get(record.session_id, record.predicted_return_at_ms)
         deadline_ms = None
-        if record.predicted_return_at_ms is not None:
-            deadline_ms = max(0, record.predicted_return_at_ms - self._now())
-        ack = await self._send(record.worker_id, PrefetchCommand(
-            record.namespace_digest, (), Tier.HBM, deadline_ms=deadline_ms, session_id=record.session_id))
-        if ack is not None and ack.ok:
-            record.prefetch_state = PrefetchState.DONE
-            record.prefetch_done_at_ms = self._now()
-            log.info("session prefetched", extra={
-                "session_id": record.session_id, "num_pages": ack.num_pages, "num_skipped": ack.num_skipped_pages})
-        else:
-            record.prefetch_state = PrefetchState.NONE  # the worker promotes on hit instead
+        if hold_until is not None:
+            deadline_ms = round(min(max(0.0, hold_until - self._now()), self.params.max_hold_ms))
+        command = PrefetchCommand(
+            record.namespace_digest, (), Tier.HBM, deadline_ms=deadline_ms, session_id=record.session_id)
+        return _SentPrefetch(record.worker_id, command, reason, source, page_bytes, self.clock_ms(),
+                             record.paused_at_ms)
+
+    def _prefetch_end(self, sent: _SentPrefetch, ack: CommandAck | None, record: SessionRecord | None) -> None:
+        """Count a prefetch's ack; with ``record`` (still the same pause) mark it DONE or not.
+
+        On the ack, ``num_parked_pages`` becomes the pages that came back (the rest stayed
+        below or were gone), and the ack's latency teaches the worker's ``PromoteLatency``."""
+        if ack is None or not ack.ok:
+            if record is not None:
+                record.prefetch_state = PrefetchState.NONE  # the worker promotes on hit instead
+            return
+        latency_ms = self.clock_ms() - sent.sent_at_ms
+        moved_bytes = ack.num_pages * sent.page_bytes
+        rate = self.params.bandwidth_bytes_per_s[(sent.source, Tier.HBM)]
+        self._latency_of(sent.worker).observe(latency_ms, moved_bytes, rate)
+        if ack.num_pages:  # a guard that found every page still in HBM moved nothing
+            self.stats.num_prefetched += 1
+            self.stats.prefetched_bytes += moved_bytes
+            self.stats.count_move(sent.reason, sent.source.label, Tier.HBM.label, ack.num_pages, moved_bytes)
+        session = sent.command.session_id
+        log.info("session prefetched", extra={
+            "session_id": session, "num_pages": ack.num_pages, "num_skipped": ack.num_skipped_pages,
+            "latency_ms": round(latency_ms), "in_time": record is not None})
+        if record is None:
+            return
+        record.prefetch_state = PrefetchState.DONE
+        record.prefetch_done_at_ms = self._now()
+        record.num_parked_pages = ack.num_pages
+        self._skipped_pages[record.session_id] = ack.num_skipped_pages
 
     # ---- helpers -------------------------------------------------------------------------------
     async def _send(self, worker: WorkerId, command: Command) -> CommandAck | None:
@@ -498,18 +683,27 @@ class Orchestrator:
         except (KvtierError, TimeoutError) as exc:
             log.warning("tier command not carried out", extra={
                 "worker_id": worker, "command": type(command).__name__, "reason": str(exc)})
+            key = f"{type(command).__name__}:{getattr(exc, 'code', 'TIMEOUT')}"
+            self.stats.refused[key] = self.stats.refused.get(key, 0) + 1
             return None
         if not ack.ok:
+            key = f"{type(command).__name__}:{ack.error_code}"
+            self.stats.refused[key] = self.stats.refused.get(key, 0) + 1
             log.warning("tier command refused", extra={
-                "worker_id": worker, "command": type(command).__name__, "error_code": ack.error_code})
+                "worker_id": worker, "command": type(command).__name__, "error_code": ack.error_code,
+                "reason": ack.error_message})
         return ack
 
-    def _bucket(self, worker: WorkerId, tier: Tier) -> TokenBucket:
+    def _bucket(self, worker: WorkerId, tier: Tier) -> TokenBucket | None:
+        """The (worker, tier) link's bucket; None when the tier's budget is unlimited."""
+        rate = self.params.budget_bytes_per_s.get(tier)
+        if rate is None:
+            return None
         bucket = self._buckets.get((worker, tier))
         if bucket is None:
             p = self.params
             bucket = self._buckets[(worker, tier)] = TokenBucket(
-                p.budget_bytes_per_s, p.budget_burst_bytes, p.resume_fraction, lambda: self.clock_ms() / 1000.0)
+                rate, rate * p.budget_burst_s, p.resume_fraction, lambda: self.clock_ms() / 1000.0)
         return bucket
 
     def _entry(self, worker: WorkerId | None) -> WorkerEntry | None:
@@ -524,8 +718,47 @@ class Orchestrator:
                 return capacity.capacity_bytes // capacity.capacity_pages
         return 0
 
+    def _latency_of(self, worker: WorkerId) -> PromoteLatency:
+        latency = self._latency.get(worker)
+        if latency is None:
+            p = self.params
+            latency = self._latency[worker] = PromoteLatency(p.prefetch_overhead_ms, quantile=p.overhead_quantile)
+        return latency
+
+    def _target_ms(self, prediction: Prediction) -> float:
+        """When, after the pause, the pages must be back: the low quantile of the prediction."""
+        if not self.params.prefetch_at_low_quantile:
+            return prediction.return_in_ms
+        return min(prediction.quantile_lo_ms, prediction.return_in_ms)
+
+    def prefetch_overheads(self) -> dict[WorkerId, tuple[int, float]]:
+        """Per worker: acknowledged prefetches measured, and the overhead planned with (ms)."""
+        return {w: (latency.num_samples, latency.overhead_ms()) for w, latency in self._latency.items()}
+
+    def _lower_tier(self, worker: WorkerId | None) -> Tier | None:
+        """The worker's first tier below HBM (where its own demotions go), if it has one."""
+        entry = self._entry(worker)
+        if entry is None:
+            return None
+        present = {o.tier for o in entry.tiers if o.total_pages}  # as of its last heartbeat
+        return next((t for t in (Tier.DRAM, Tier.NVME) if t in present), None)
+
+    def _source_tier(self, record: SessionRecord) -> Tier | None:
+        """Where a prefetch of ``record`` brings pages from: the tier they were parked in, or,
+        for a session kept in HBM (a guard), the tier the worker's own demotions use."""
+        if record.parked_tier is None:
+            return None
+        return record.parked_tier if record.parked_tier is not Tier.HBM else self._lower_tier(record.worker_id)
+
     def _promote_ms(self, record: SessionRecord) -> float:
-        if record.parked_tier in (None, Tier.HBM):
+        """How long a Prefetch of the session's pages takes on their worker, ack included (a
+        guard assumes every page of the session's history has to come back)."""
+        source = self._source_tier(record)
+        entry = self._entry(record.worker_id)
+        if source is None or entry is None or record.worker_id is None:
             return 0.0
-        rate = self.params.bandwidth_bytes_per_s[(record.parked_tier, Tier.HBM)]
-        return record.num_parked_pages * self._page_bytes(record.worker_id) / rate * 1000.0
+        num_pages = record.num_parked_pages
+        if record.parked_tier is Tier.HBM:
+            num_pages = record.num_cached_tokens // max(1, entry.registration.page_size)
+        rate = self.params.bandwidth_bytes_per_s[(source, Tier.HBM)]
+        return self._latency_of(record.worker_id).estimate_ms(num_pages * self._page_bytes(record.worker_id), rate)

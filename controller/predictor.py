@@ -19,6 +19,18 @@ taking over) keeps the history.
 Prediction, best source first: history once it holds ``min_samples`` (effective)
 observations; else the caller's ``expected_ms``; else ``default_ms``. A caller estimate
 still wins when given, but history supplies its spread (``quantile_hi_ms``).
+
+The low quantile is what the orchestrator schedules prefetches for, so it must not be
+optimistic with a short history: with 20 observations the empirical 5 % point is about the
+smallest one seen, and the next duration falls below it about as often as the quantile
+promises, with nothing to spare. ``quantile_lo_ms`` is therefore the lower of the empirical
+quantile and a lognormal *prediction* bound fitted to the same history,
+
+    exp(mean_ln − t(n_eff − 1, 1 − lo) × sd_ln × sqrt(1 + 1 / n_eff))
+
+(Student's t for the next observation of a sample of n_eff, not z for a known distribution):
+wider than the empirical point while history is short, the same once it is long.
+Why 5 %: ``docs/decisions/0008-prefetch-timing.md``.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 import redis.asyncio as aredis
 
@@ -46,7 +59,8 @@ MAX_LOG2_WEIGHT = 900.0
 @dataclass(frozen=True, slots=True)
 class Prediction:
     """``return_in_ms``: the expected wait (a median); ``quantile_lo_ms`` / ``quantile_hi_ms``:
-    the wait is shorter / longer with ~10 % probability; ``confidence`` in [0, 1]."""
+    the wait is shorter than ``lo`` with probability ``lo_quantile`` (5 %) at most, longer
+    than ``hi`` with probability 1 − ``hi_quantile`` (10 %); ``confidence`` in [0, 1]."""
 
     return_in_ms: float
     quantile_lo_ms: float
@@ -60,7 +74,7 @@ class PredictorParams:
     default_ms: float = 5_000.0  # no history and no caller estimate
     half_life_obs: float = 50.0  # observations after which old history weighs half
     min_samples: float = 5.0  # effective observations before history is trusted
-    lo_quantile: float = 0.1
+    lo_quantile: float = 0.05  # prefetches aim here (decision 0008)
     hi_quantile: float = 0.9
     # Spread assumed without history: lognormal with this sigma (of ln duration).
     default_sigma: float = 0.7
@@ -118,6 +132,24 @@ class ToolHistory:
         self.num_observations += 1
         return b, self.bins[b], rescaled
 
+    def log_moments(self) -> tuple[float, float]:
+        """Weighted mean and standard deviation of ln(duration_ms), bins at their log midpoints."""
+        if not self.bins:
+            raise ValueError("moments of an empty history")
+        total = self.total_weight
+        mids = {b: (b + 0.5) / BINS_PER_OCTAVE * math.log(2.0) for b in self.bins}
+        mean = sum(w * mids[b] for b, w in self.bins.items()) / total
+        var = sum(w * (mids[b] - mean) ** 2 for b, w in self.bins.items()) / total
+        return mean, math.sqrt(var)
+
+    def lower_bound_ms(self, q: float) -> float:
+        """A duration the next observation falls below with probability ~q: the lower of the
+        empirical quantile and the lognormal prediction bound (module doc)."""
+        n = max(self.effective_samples, 2.0)
+        mean, sd = self.log_moments()
+        bound = math.exp(mean + student_t_quantile(q, n - 1.0) * sd * math.sqrt(1.0 + 1.0 / n))
+        return min(self.quantile_ms(q), bound)
+
     def quantile_ms(self, q: float) -> float:
         """The q-quantile, interpolated in log space inside its bin."""
         if not self.bins:
@@ -132,6 +164,14 @@ class ToolHistory:
                 return lo * (hi / lo) ** frac
             seen += w
         return bin_range_ms(max(self.bins))[1]
+
+
+def student_t_quantile(q: float, dof: float) -> float:
+    """Student's t quantile by the Cornish-Fisher expansion around the normal one (within
+    ~1 % for dof >= 3 at the 5 %/95 % points; no scipy on the controller)."""
+    z = NormalDist().inv_cdf(q)
+    dof = max(dof, 1.0)
+    return z + (z**3 + z) / (4 * dof) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * dof**2)
 
 
 def history_key(tenant: str, tool: str) -> str:
@@ -201,7 +241,7 @@ class ToolReturnPredictor:
         if trusted:
             assert history is not None
             median = history.quantile_ms(0.5)
-            lo, hi = history.quantile_ms(p.lo_quantile), history.quantile_ms(p.hi_quantile)
+            lo, hi = min(history.lower_bound_ms(p.lo_quantile), median), history.quantile_ms(p.hi_quantile)
             n = history.effective_samples
             confidence = n / (n + p.min_samples)
         if expected_ms is not None:
@@ -214,6 +254,8 @@ class ToolReturnPredictor:
         return self._lognormal(p.default_ms, 0.1, PredictionSource.DEFAULT)
 
     def _lognormal(self, median_ms: float, confidence: float, source: PredictionSource) -> Prediction:
-        z = 1.2816  # the 90 % point of a standard normal
-        spread = math.exp(z * self.params.default_sigma)
-        return Prediction(median_ms, median_ms / spread, median_ms * spread, confidence, source)
+        unit = NormalDist()
+        sigma = self.params.default_sigma
+        lo = median_ms * math.exp(unit.inv_cdf(self.params.lo_quantile) * sigma)
+        hi = median_ms * math.exp(unit.inv_cdf(self.params.hi_quantile) * sigma)
+        return Prediction(median_ms, lo, hi, confidence, source)

@@ -91,9 +91,15 @@ class Registry:
     # -- workers --------------------------------------------------------------------------
 
     def connect(self, registration: Registration, link_id: int) -> WorkerEntry:
-        """A stream registered ``registration``; it replaces whatever the worker had before."""
+        """A stream registered ``registration``; it replaces whatever the worker had before.
+
+        A drain outlives a reconnect of the same process (the worker still refuses requests);
+        a restarted process (new boot id) starts admitting."""
         self._forget_departed()
+        previous = self._workers.get(registration.worker_id)
         entry = WorkerEntry(registration, link_id, self._clock_s())
+        entry.is_draining = (previous is not None and previous.is_draining
+                             and previous.registration.boot_id == registration.boot_id)
         self._workers[registration.worker_id] = entry
         return entry
 

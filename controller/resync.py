@@ -91,6 +91,7 @@ class DirectoryAccess:
         address: str,
         lease_ttl_ms: int,
         health: health_aio.HealthServicer,
+        lookup_client: aredis.Redis | None = None,
     ) -> None:
         self.controller_id = controller_id
         self.address = address
@@ -98,8 +99,10 @@ class DirectoryAccess:
         self.lease_ttl_ms = lease_ttl_ms
         self.lease = LeaderLease(client, self.owner, ttl_ms=lease_ttl_ms)
         self._client = client
+        self._lookup_client = lookup_client
         self._health = health
-        self._directory = Directory(client, lease_ttl_ms=lease_ttl_ms, fence_token=None)
+        self._directory = Directory(client, lookup_client=lookup_client, lease_ttl_ms=lease_ttl_ms,
+                                    fence_token=None)
         self._term: Leadership | None = None  # the term we act on (set-up may still be running)
         self._setup_done = False
         self._orphaned = False
@@ -289,7 +292,10 @@ class DirectoryAccess:
             self._depose("Redis restarted")
             with contextlib.suppress(*REDIS_ERRORS):
                 await self.lease.release()
-            self._directory = Directory(self._client, lease_ttl_ms=self.lease_ttl_ms, fence_token=None)
+            observer = self._directory.on_op
+            self._directory = Directory(self._client, lookup_client=self._lookup_client,
+                                        lease_ttl_ms=self.lease_ttl_ms, fence_token=None)
+            self._directory.on_op = observer
         self._set_health(DIRECTORY_SERVICE, True)
         log.info("directory (Redis) reachable again")
         self.on_resync(restarted)

@@ -32,15 +32,18 @@ from dataclasses import dataclass, field
 
 import grpc.aio
 
+from kvtier.auth import Principal
 from kvtier.controller import directory as dirmod
 from kvtier.controller.registry import Registry, WorkerEntry
 from kvtier.controller.resync import REDIS_ERRORS, DirectoryAccess
-from kvtier.errors import PermissionDenied, Unavailable
+from kvtier.epochs import EpochTable
+from kvtier.errors import Unavailable
 from kvtier.hashing import NamespaceDigest, NamespaceIdentity, PageKey, namespace_digest, page_keys
 from kvtier.log import get_logger
 from kvtier.records import (
     LookupRequest,
     LookupResult,
+    Policy,
     Prefix,
     RankedWorker,
     RouteDecision,
@@ -52,6 +55,9 @@ from kvtier.records import (
 )
 from kvtier.rpc import convert
 from kvtier.rpc._gen import router_pb2, router_pb2_grpc
+from kvtier.rpc.auth_interceptor import principal_name as principal_name
+from kvtier.rpc.auth_interceptor import principal_tenant as principal_tenant
+from kvtier.rpc.auth_interceptor import resolve_tenant as resolve_tenant
 from kvtier.rpc.status import rpc_errors
 from kvtier.tiers import Tier
 
@@ -169,26 +175,10 @@ def prefix_page_keys(namespace: NamespaceIdentity, prefix: Prefix) -> tuple[Name
     return digest, list(prefix.page_keys)
 
 
-# -- authentication hook ----------------------------------------------------------------------
-
-
-def principal_tenant(context: grpc.aio.ServicerContext) -> str | None:
-    """The tenant bound to the authenticated caller, or None while authentication is off.
-
-    The one hook for auth (DESIGN §8): once bearer tokens exist, this returns the caller's
-    tenant and a request can no longer name another one.
-    """
-    return None
-
-
-def resolve_tenant(namespace: NamespaceIdentity, tenant: str | None) -> NamespaceIdentity:
-    if tenant is None:
-        return namespace  # authentication off: the payload's tenant stands
-    if namespace.tenant and namespace.tenant != tenant:
-        raise PermissionDenied(
-            "namespace.tenant names a tenant this caller may not act for", field="namespace.tenant"
-        )
-    return dataclasses.replace(namespace, tenant=tenant)
+# -- authentication -----------------------------------------------------------------------------
+# The caller comes from kvtier.rpc.auth_interceptor (one definition for every server); re-exported
+# here for the controller's servicers. ``resolve_tenant(namespace, principal_tenant(context))``
+# binds a request's namespace to the tenants the caller may act for.
 
 
 # -- the router -------------------------------------------------------------------------------
@@ -203,9 +193,24 @@ class Router:
         self.params = params
         # Set by the controller: the session tracker hears every Route that names a session.
         self.on_session_route: Callable[..., Awaitable[object]] | None = None
+        # Policy epochs (DESIGN §5.3), kept current by kvtier.controller.cache_admin.
+        self.epochs = EpochTable()
 
-    async def route(self, request: RouteRequest, tenant: str | None) -> RouteDecision:
-        namespace = resolve_tenant(request.namespace, tenant)
+    def resolve_namespace(self, namespace: NamespaceIdentity, caller: Principal | None) -> NamespaceIdentity:
+        """The identity a request's digest is derived from: the caller's tenant, the current epoch.
+
+        Every controller path that turns identity fields into a digest goes through here
+        (Route, Lookup, Pin, Evict), so an invalidated digest is unreachable from all of them.
+        """
+        return self.epochs.apply(resolve_tenant(namespace, caller))
+
+    def apply_policy(self, policy: Policy) -> None:
+        """Rank with ``policy``'s tier weights from now on (a tier without one weighs 0)."""
+        self.params = dataclasses.replace(self.params, tier_weights=dict(policy.tier_weights))
+
+    async def route(self, request: RouteRequest, caller: Principal | None) -> RouteDecision:
+        """Rank workers for ``request`` on behalf of ``caller`` (None: authentication off)."""
+        namespace = self.resolve_namespace(request.namespace, caller)
         entries = self.registry.candidates(namespace)
         matched: dict[WorkerId, TokensByTier] = {}
         degraded: str | None = None
@@ -224,9 +229,11 @@ class Router:
         if request.session_id and self.on_session_route is not None:
             digest, keys = prefix_page_keys(namespace, request.prefix)
             try:
+                top = ranked[0].worker_id if ranked else None
                 await self.on_session_route(
-                    request.session_id, tenant=namespace.tenant, worker=ranked[0].worker_id if ranked else None,
+                    request.session_id, tenant=namespace.tenant, worker=top,
                     digest=digest, num_tokens=len(keys) * namespace.page_size,
+                    matched=None if degraded or top is None else matched.get(top, TokensByTier()),
                 )
             except Exception as exc:  # session bookkeeping must never fail a Route
                 log.warning("session bookkeeping on Route failed", extra={
@@ -240,9 +247,10 @@ class Router:
         if not self.access.is_reachable:
             return None, f"directory unreachable ({self.access.last_error}); ranked by affinity and load"
         try:
-            result = await asyncio.wait_for(
-                self.access.directory.lookup(digest, keys), self.params.lookup_timeout_s
-            )
+            # asyncio.timeout, not wait_for: wait_for wraps the lookup in a Task, and the extra
+            # event-loop turns cost more than the Redis round trip itself on the Route hot path.
+            async with asyncio.timeout(self.params.lookup_timeout_s):
+                result = await self.access.directory.lookup(digest, keys)
         except TimeoutError:
             log.warning("directory lookup timed out", extra={"timeout_s": self.params.lookup_timeout_s})
             return None, (f"directory lookup took longer than {self.params.lookup_timeout_s:g} s; "
@@ -252,14 +260,19 @@ class Router:
             return None, f"directory unreachable ({self.access.last_error}); ranked by affinity and load"
         return result, None
 
-    async def lookup(self, request: LookupRequest, tenant: str | None) -> LookupResult:
+    async def lookup(self, request: LookupRequest, caller: Principal | None) -> LookupResult:
         """The directory's view of a prefix (Admin.Lookup); ``Unavailable`` while Redis is down."""
-        namespace = resolve_tenant(request.namespace, tenant)
+        namespace = self.resolve_namespace(request.namespace, caller)
         digest, keys = prefix_page_keys(namespace, request.prefix)
         if not keys:
             return LookupResult(namespace_digest=digest, num_query_pages=0, matches=())
         try:
-            result = await self.access.directory.lookup(digest, keys)
+            async with asyncio.timeout(self.params.lookup_timeout_s):  # lookups have no socket timeout
+                result = await self.access.directory.lookup(digest, keys)
+        except TimeoutError:
+            raise Unavailable(
+                f"the directory (Redis) did not answer within {self.params.lookup_timeout_s:g} s; retry"
+            ) from None
         except REDIS_ERRORS as exc:
             self.access.report_failure(exc)
             raise Unavailable(

@@ -28,17 +28,24 @@ from grpc_reflection.v1alpha import reflection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
+from kvtier.auth import TokenTableFile
 from kvtier.config import ControllerConfig
 from kvtier.controller.admin import AdminServicer
+from kvtier.controller.cache_admin import CacheAdmin
+from kvtier.controller.cache_store import CacheStore
 from kvtier.controller.directory import Directory, Outcome
 from kvtier.controller.link_servicer import WorkerLinks, WorkerLinkServicer
+from kvtier.controller.metrics import ControllerMetrics
 from kvtier.controller.orchestrator import Orchestrator, OrchestratorParams
+from kvtier.controller.policy_store import PolicyInForce, PolicyStore, seed_policy
 from kvtier.controller.predictor import PredictorParams, ToolReturnPredictor
 from kvtier.controller.registry import Registry
 from kvtier.controller.resync import REDIS_ERRORS, DirectoryAccess
 from kvtier.controller.router import Router, RouterParams, RouterServicer
 from kvtier.controller.sessions import SessionsServicer, SessionStore
+from kvtier.controller.worker_admin import WorkerAdmin
 from kvtier.embedded_redis import EmbeddedRedis
+from kvtier.errors import Unavailable
 from kvtier.log import get_logger
 from kvtier.records import Command, CommandAck, ControllerStatus, TierOccupancy, WorkerId
 from kvtier.rpc._gen import (
@@ -51,7 +58,18 @@ from kvtier.rpc._gen import (
     worker_link_pb2,
     worker_link_pb2_grpc,
 )
-from kvtier.rpc.server_options import SERVER_OPTIONS, advertised_host, bind_insecure, join_host_port
+from kvtier.rpc.auth_interceptor import server_interceptors
+from kvtier.rpc.server_options import (
+    SERVER_OPTIONS,
+    advertised_host,
+    bind_port,
+    check_exposure,
+    join_host_port,
+    serve_health_only,
+)
+from kvtier.rpc.status import MalformedRequestInterceptor
+from kvtier.rpc.tls import server_credentials
+from kvtier.telemetry import Telemetry
 from kvtier.tiers import Tier
 
 log = get_logger("kvtier.controller.server")
@@ -104,8 +122,15 @@ class ControllerServer:
     health: health_aio.HealthServicer
     started_at_s: float
     _client: aredis.Redis
+    _lookup_client: aredis.Redis
     _embedded: EmbeddedRedis | None = None
+    health_port: int | None = None  # the bound plaintext health-only port (config.health_port)
+    _health_server: grpc.aio.Server | None = None
     orchestrator: Orchestrator | None = None  # sessions, tool-return prediction, park/prefetch
+    metrics: ControllerMetrics | None = None  # the Prometheus endpoint (config.metrics_port)
+    policy: PolicyInForce | None = None  # the tiering policy version in force
+    worker_admin: WorkerAdmin | None = None  # drain, snapshot
+    cache_admin: CacheAdmin | None = None  # invalidate (policy epochs), pin, evict
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _stopped: bool = False
 
@@ -136,7 +161,7 @@ class ControllerServer:
             num_paused_sessions=0,
             num_resuming_sessions=0,
             tiers=_sum_tiers([t for e in live for t in e.tiers]),
-            policy_version=0,
+            policy_version=self.policy.version if self.policy is not None else 0,
             is_directory_reachable=self.access.is_reachable,
         )
 
@@ -148,13 +173,22 @@ class ControllerServer:
         await self.health.enter_graceful_shutdown()
         if self.orchestrator is not None:
             await self.orchestrator.stop()
+        if self.worker_admin is not None:
+            await self.worker_admin.stop()
+        if self.cache_admin is not None:
+            await self.cache_admin.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.links.close_all(None, reason=f"controller {self.controller_id} is shutting down; reconnect")
         await self.access.close()
         await self.server.stop(grace_s)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
         await self._client.aclose()
+        await self._lookup_client.aclose()
+        if self.metrics is not None:
+            self.metrics.close()
         if self._embedded is not None:
             await asyncio.to_thread(self._embedded.stop)
         log.info("controller stopped", extra={"controller_id": self.controller_id})
@@ -219,6 +253,11 @@ async def serve_controller(
     predictor_params: PredictorParams | None = None,
 ) -> ControllerServer:
     """Start a controller; ``redis_url`` overrides ``config.redis_url`` (unset: embedded Valkey)."""
+    # Authentication and TLS settings fail here, before anything starts (errors name the field).
+    tokens = TokenTableFile(config.auth_token_file) if config.auth_token_file is not None else None
+    check_exposure(config.host, what="controller", is_authenticated=tokens is not None,
+                   allow_unauthenticated=config.allow_unauthenticated)
+    credentials = server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
     url = redis_url or config.redis_url
     embedded: EmbeddedRedis | None = None
     if url is None:
@@ -232,21 +271,32 @@ async def serve_controller(
         socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
         retry=REDIS_RETRY,
     )
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    # Route's directory lookups only (see Directory.__init__): no socket timeout, the router's
+    # own asyncio.timeout bounds them; connecting still fails fast.
+    lookup_client = aredis.Redis.from_url(url, socket_timeout=None, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S)
+    metrics = None
+    if config.metrics_port is not None:
+        metrics = ControllerMetrics(Telemetry("kvtier-controller", port=config.metrics_port, host=config.host))
+    server = grpc.aio.server(
+        options=SERVER_OPTIONS,
+        interceptors=(*([metrics.interceptor()] if metrics else []),
+                      *server_interceptors(tokens, server="controller"), MalformedRequestInterceptor()),
+    )
     access: DirectoryAccess | None = None
     try:
-        bound = bind_insecure(server, config.host, config.port, what="controller", port_hint="--port 0")
+        bound = bind_port(server, config.host, config.port, what="controller", port_hint="--port 0",
+                          credentials=credentials)
         address = join_host_port(advertise_host or advertised_host(config.host), bound)
         controller_id = controller_id or f"controller-{socket.gethostname()}-{os.getpid()}-{bound}"
-        if config.auth_token_file is not None:
-            log.warning("auth_token_file is set, but authentication is not implemented yet: "
-                        "every caller is trusted")
 
         health = health_aio.HealthServicer()
         access = DirectoryAccess(
             client, controller_id=controller_id, address=address,
             lease_ttl_ms=max(10, round(config.lease_ttl_s * 1000)), health=health,
+            lookup_client=lookup_client,
         )
+        if metrics is not None:
+            access.directory.on_op = metrics.directory_op
         registry = Registry(config.lease_ttl_s)
         links = WorkerLinks(registry, access)
         access.on_resync = links.mark_for_resync
@@ -257,7 +307,8 @@ async def serve_controller(
         controller = ControllerServer(
             server=server, config=config, controller_id=controller_id, address=address, redis_url=url,
             access=access, registry=registry, links=links, router=router, health=health,
-            started_at_s=asyncio.get_running_loop().time(), _client=client, _embedded=embedded,
+            started_at_s=asyncio.get_running_loop().time(), _client=client, _lookup_client=lookup_client,
+            _embedded=embedded,
         )
 
         predictor = ToolReturnPredictor(client, predictor_params, on_error=access.report_failure)
@@ -265,13 +316,33 @@ async def serve_controller(
             SessionStore(client), predictor, registry, controller.send_command, orchestrator_params
         )
         controller.orchestrator = orchestrator
+        if metrics is not None:
+            controller.metrics = metrics
+            metrics.bind(registry, orchestrator)
         router.on_session_route = orchestrator.on_route
+        # Configuration seeds policy version 1; from then on the stored current version rules.
+        policy_store = PolicyStore(client, seed=seed_policy(weights, orchestrator.params.budget_bytes_per_s),
+                                   on_error=access.report_failure)
+        controller.policy = policy = PolicyInForce(
+            policy_store, apply=(router.apply_policy, orchestrator.apply_policy))
+        controller.worker_admin = worker_admin = WorkerAdmin(registry, links)
+        controller.cache_admin = cache_admin = CacheAdmin(router, links, CacheStore(client))
+        links.on_open = cache_admin.on_open  # a (re)connected worker hears the epochs and pins first
+
+        def on_resync(everything: bool) -> None:
+            links.mark_for_resync(everything)
+            cache_admin.on_resync(everything)
+
+        access.on_resync = on_resync
         router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), server)
         sessions_pb2_grpc.add_SessionsServicer_to_server(
             SessionsServicer(orchestrator, access.check_serving), server
         )
         worker_link_pb2_grpc.add_WorkerLinkServicer_to_server(WorkerLinkServicer(links), server)
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(router, controller.status), server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(
+            router, controller.status, policy=policy, workers=worker_admin, sessions=orchestrator.store,
+            cache=cache_admin,
+        ), server)
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         reflection.enable_server_reflection(
             (*SERVICES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
@@ -283,23 +354,35 @@ async def serve_controller(
             await orchestrator.recover()
         except REDIS_ERRORS as exc:
             access.report_failure(exc)
+        with contextlib.suppress(Unavailable):  # Redis down: the refresh loop loads it later
+            await policy.refresh()
+        with contextlib.suppress(Unavailable):  # Redis down: reloaded when it is back (on_resync)
+            await cache_admin.load()
         await server.start()
         for service in ("", *SERVICES):
             await health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        if config.health_port is not None:
+            controller._health_server, controller.health_port = await serve_health_only(
+                health, config.host, config.health_port
+            )
     except BaseException:
         with contextlib.suppress(Exception):
             if access is not None:
                 await access.close()
             await server.stop(0)
             await client.aclose()
+            await lookup_client.aclose()
             if embedded is not None:
                 await asyncio.to_thread(embedded.stop)
+            if metrics is not None:
+                metrics.close()
         raise
     orchestrator.start()
     controller._tasks = [
         asyncio.create_task(links.run_resync_loop(), name="kvtier-controller-resync"),
         asyncio.create_task(controller._sweep_loop(), name="kvtier-controller-sweep"),
         asyncio.create_task(controller._reclaim_loop(), name="kvtier-controller-reclaim"),
+        asyncio.create_task(policy.run(), name="kvtier-controller-policy"),
     ]
     log.info("controller serving", extra={
         "controller_id": controller_id, "address": address, "role": access.role.value,

@@ -25,15 +25,18 @@ from typing import Protocol
 import grpc.aio
 import redis.asyncio as aredis
 
-from kvtier.errors import FailedPrecondition
+from kvtier.controller.resync import REDIS_ERRORS, describe
+from kvtier.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvtier.hashing import NamespaceDigest
 from kvtier.records import (
     EndRequest,
+    ListSessionsRequest,
     PauseRequest,
     PredictionSource,
     ReturningRequest,
     SessionId,
     SessionInfo,
+    SessionPage,
     SessionState,
     WorkerId,
 )
@@ -152,6 +155,9 @@ class SessionRecord:
         )
 
 
+SESSION_FETCH_BATCH = 200
+
+
 class SessionStore:
     """Session records in Redis, each with an idle TTL refreshed on every write."""
 
@@ -176,6 +182,39 @@ class SessionStore:
             raw = await self.client.hgetall(key)
             if raw:
                 yield SessionRecord.from_hash(raw)
+
+    async def page(self, request: ListSessionsRequest) -> SessionPage:
+        """One page of sessions in session-id order (Admin.ListSessions): the page token is the hex of
+        the last session id returned, empty when no session follows. ``Unavailable`` without Redis."""
+        after = ""
+        if request.page_token:
+            try:
+                after = bytes.fromhex(request.page_token).decode()
+            except ValueError:
+                raise InvalidArgument("page_token is not a token this service returned; pass the "
+                                      "next_page_token of the previous page, or none", field="page_token") from None
+        try:
+            keys = [key.decode() async for key in self.client.scan_iter(match=KEY_PREFIX + "*", count=500)]
+            ids = sorted(SessionId(k.removeprefix(KEY_PREFIX)) for k in keys)
+            ids = [i for i in ids if i > after]
+            found: list[SessionRecord] = []
+            for start in range(0, len(ids), SESSION_FETCH_BATCH):  # one more than a page says if one follows
+                async with self.client.pipeline(transaction=False) as pipe:
+                    for session in ids[start:start + SESSION_FETCH_BATCH]:
+                        pipe.hgetall(KEY_PREFIX + session)
+                    raws = await pipe.execute()
+                found.extend(r for r in (SessionRecord.from_hash(raw) for raw in raws if raw)
+                             if request.state is None or r.state is request.state)
+                if len(found) > request.limit:
+                    break
+        except REDIS_ERRORS as exc:
+            raise Unavailable(f"the session store (Redis) is unreachable: {describe(exc)}; retry") from None
+        page = found[:request.limit]
+        more = len(found) > request.limit
+        return SessionPage(
+            sessions=tuple(r.info() for r in page),
+            next_page_token=page[-1].session_id.encode().hex() if more else None,
+        )
 
 
 class SessionHints(Protocol):

@@ -1,20 +1,38 @@
-"""The ``kvtier`` command line (DESIGN §6 "Client and CLI").
+"""The ``kvtier`` command line (DESIGN §6 "Client and CLI"): the app and what commands share.
 
-One function per command on the module-level ``app``; later commands (up, status,
-workers, ...) plug in the same way with ``@app.command()``. Commands raise domain errors;
-``main`` turns every ``KvtierError`` and unreadable file into one ``error: ...`` line
-on stderr and exit code 2, never a traceback. Usage errors (an unknown flag, a word
-where a number belongs) are typer's, with the same exit code.
+One function per command on the module-level ``app``. This module holds the local
+commands (plan, up, down, demo, and the process entry points), ``status``, and the helpers
+every command that talks to a controller uses; the operator commands (workers, tiers,
+sessions, lookup, invalidate, drain, pin, unpin, evict, snapshot) live in
+``kvtier.cli_admin``, ``bench`` in ``kvtier.cli_bench``, the ``policy`` group in
+``kvtier.cli_policy`` and ``token`` in ``kvtier.cli_token``; they register themselves on ``app``.
+
+Exit codes, the same for every command:
+
+    0  done
+    1  the controller refused or failed the operation (NOT_FOUND, FAILED_PRECONDITION, ...)
+    2  bad input (a flag, a file, or INVALID_ARGUMENT from the controller), or the
+       controller could not be reached
+
+Commands raise domain errors; ``main`` turns each into one ``error: ...`` line on stderr,
+never a traceback. ``remote_error`` is the one place a controller's status code becomes a
+message and an exit code. ``--json`` prints one JSON document on stdout and nothing else
+(progress and notes go to stderr).
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import enum
 import importlib.resources
 import json
 import math
+import os
 import sys
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -33,8 +51,17 @@ from kvtier.capacity import (
 )
 from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.geometry import load_geometry, parse_dtype
+from kvtier.tiers import Tier
 
+if TYPE_CHECKING:
+    from kvtier.client import AsyncClient
+
+T = TypeVar("T")
+
+EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
+DEFAULT_CONTROLLER = "127.0.0.1:50051"
+DEFAULT_STATE_DIR = Path(".kvtier")
 GIB = 1 << 30
 DEMO_TRACE = Path("../shared/traces/azure_llm_inference_2023_code.csv")
 DEMO_TRACE_COLUMN = "ContextTokens"
@@ -75,6 +102,161 @@ def _format_bytes(num_bytes: float) -> str:
 def _json_number(value: Any) -> int | float:
     """Fractions (fp4 bytes per token) as JSON numbers: whole ones as integers."""
     return int(value) if value == int(value) else float(value)
+
+
+# ---- talking to a controller ----------------------------------------------------------------
+
+ControllerOption = Annotated[
+    str | None,
+    typer.Option(
+        "--controller",
+        envvar="KVTIER_CONTROLLER",
+        show_default=False,
+        help="host:port of the controller. Default: the one `kvtier up` recorded in "
+        "$KVTIER_STATE_DIR (./.kvtier), else 127.0.0.1:50051.",
+    ),
+]
+TokenOption = Annotated[
+    str | None,
+    typer.Option(
+        "--token",
+        envvar="KVTIER_TOKEN",
+        show_default=False,
+        help="Bearer token (admin role) sent with every call; prefer the env var, which stays out of `ps`.",
+    ),
+]
+TimeoutOption = Annotated[
+    float, typer.Option("--timeout-s", min=0.001, help="Deadline of each call to the controller, seconds.")
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout, nothing else.")]
+
+
+class CommandFailed(Exception):
+    """The command cannot complete; ``main`` prints the message as one line and exits with ``exit_code``."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Remote:
+    """Where and how a command reaches the controller (flags already resolved)."""
+
+    address: str
+    token: str | None = None
+    timeout_s: float = 10.0
+
+    @classmethod
+    def of(cls, controller: str | None, token: str | None, timeout_s: float) -> Remote:
+        address = resolve_controller(controller)
+        return cls(address, token or resolve_local_token(address), timeout_s)
+
+    def client(self) -> AsyncClient:
+        """A client for this controller. TLS and a token file come from ClientConfig's
+        ``KVTIER_*`` variables (KVTIER_TLS_CA_FILE, KVTIER_AUTH_TOKEN_FILE, ...); --token wins."""
+        from kvtier.auth import read_token_file
+        from kvtier.client import AsyncClient
+        from kvtier.config import ClientConfig, load_config
+        from kvtier.rpc.tls import ClientTls
+
+        config = load_config(ClientConfig, overrides={"controller_address": self.address, "timeout_s": self.timeout_s})
+        token = self.token
+        if token is None and config.auth_token_file is not None:
+            token = read_token_file(config.auth_token_file)
+        tls = ClientTls.from_files(config.tls_ca_file, config.tls_cert_file, config.tls_key_file, config.tls_server_name)
+        return AsyncClient(self.address, token=token, timeout_s=self.timeout_s, max_retries=1, tls=tls)
+
+    def run(self, work: Callable[[AsyncClient], Awaitable[T]]) -> T:
+        """Run ``work`` with a client for this controller; its errors become ``CommandFailed``."""
+        client = self.client()  # configuration errors (exit 2) before anything is sent
+
+        async def go() -> T:
+            async with client:
+                return await work(client)
+
+        try:
+            return asyncio.run(go())
+        except KvtierError as exc:
+            raise remote_error(self, exc) from None
+
+
+def resolve_controller(flag: str | None) -> str:
+    """--controller / KVTIER_CONTROLLER, else the address `kvtier up` recorded, else the default port."""
+    if flag:
+        return flag
+    from kvtier.stack import STATE_FILE
+
+    state_dir = Path(os.environ.get("KVTIER_STATE_DIR") or DEFAULT_STATE_DIR).expanduser()
+    try:
+        recorded = json.loads((state_dir / STATE_FILE).read_text())["controller"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return DEFAULT_CONTROLLER
+    return recorded if isinstance(recorded, str) and recorded else DEFAULT_CONTROLLER
+
+
+def resolve_local_token(address: str) -> str | None:
+    """The admin token `kvtier up` keeps in $KVTIER_STATE_DIR (./.kvtier), when ``address`` is
+    that stack's controller; never sent anywhere else."""
+    from kvtier.stack import local_admin_token
+
+    return local_admin_token(Path(os.environ.get("KVTIER_STATE_DIR") or DEFAULT_STATE_DIR), address)
+
+
+# status code name -> (exit code, what to do about it); everything else exits 1 as it is.
+_REMOTE_FAILURES: dict[str, tuple[int, str]] = {
+    "INVALID_ARGUMENT": (EXIT_BAD_INPUT, ""),
+    "UNAVAILABLE": (EXIT_BAD_INPUT, "; start one with `kvtier up` or pass --controller HOST:PORT"),
+    "DEADLINE_EXCEEDED": (EXIT_BAD_INPUT, "; check that it is running, or raise --timeout-s"),
+    "UNAUTHENTICATED": (EXIT_FAILED, "; pass --token or set KVTIER_TOKEN"),
+    "PERMISSION_DENIED": (EXIT_FAILED, "; this needs a token with the admin role"),
+    "UNIMPLEMENTED": (EXIT_FAILED, "; this controller's version does not offer it"),
+}
+
+
+def remote_error(remote: Remote, exc: KvtierError) -> CommandFailed:
+    """The one mapping from a failed controller call to a one-line message and an exit code."""
+    details = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+    code = exc.code
+    if type(exc) is KvtierError and ":" in details:  # a status kvtier.errors has no class for
+        name, rest = details.split(":", 1)
+        if name.isupper():
+            code, details = name, rest.strip()
+    exit_code, hint = _REMOTE_FAILURES.get(code, (EXIT_FAILED, ""))
+    if code == "UNAVAILABLE":
+        return CommandFailed(f"cannot reach the controller at {remote.address} ({details[:200]}){hint}", exit_code)
+    if code == "DEADLINE_EXCEEDED":
+        return CommandFailed(
+            f"no answer from the controller at {remote.address} within {remote.timeout_s:g} s{hint}", exit_code
+        )
+    where = f" ({exc.field})" if exc.field and exc.field not in details else ""
+    return CommandFailed(f"{code} from {remote.address}: {details}{where}{hint}", exit_code)
+
+
+def jsonable(value: Any) -> Any:
+    """A domain record as plain JSON: tiers by label, enums by value, bytes as hex, tuples as lists."""
+    if isinstance(value, Tier):
+        return value.label
+    if isinstance(value, enum.Enum):
+        return value.value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {(k.label if isinstance(k, Tier) else str(k)): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    if isinstance(value, bytes):
+        return value.hex()
+    return value
+
+
+def print_json(value: Any) -> None:
+    print(json.dumps(jsonable(value), indent=2))
+
+
+def stderr_console() -> Console:
+    """Progress and notes of commands whose stdout may be JSON."""
+    return Console(stderr=True)
 
 
 @app.command("plan")
@@ -204,10 +386,12 @@ def demo_command(
 
         async def run() -> tuple[dict, Path | None]:
             console.print(f"starting Valkey, Ray, the controller and {workers} worker(s) in {root} ...")
-            stack = await start_local_stack(StackOptions(state_dir=root, num_workers=workers))
+            stack = await start_local_stack(StackOptions(state_dir=root, num_workers=workers, auth=True))
             try:
                 console.print(f"controller {stack.controller_address}; workers {[w.address for w in stack.workers]}")
-                records = await run_workload(stack.controller_address, stack.namespace, stack.vocab_size, options)
+                records = await run_workload(
+                    stack.controller_address, stack.namespace, stack.vocab_size, options, token=stack.admin_token
+                )
             finally:
                 await stack.stop()
             return summarize(records), write_plot(records, plot_path)
@@ -266,6 +450,7 @@ def up_command(
         controller_port=port,
         dram_bytes=_gib_to_bytes(dram_gib, "--dram-gib"),
         nvme_bytes=_gib_to_bytes(nvme_gib, "--nvme-gib"),
+        auth=True,  # an admin token in STATE_DIR/auth/admin.token; kvtier commands pick it up
     )
 
     async def run() -> None:
@@ -279,6 +464,7 @@ def up_command(
         console.print(f"redis       {endpoints['redis']}")
         for worker_id, address in endpoints["workers"].items():
             console.print(f"{worker_id:<11} {address}")
+        console.print(f"admin token {stack.options.state_dir / 'auth' / 'admin.token'}   (kvtier commands use it)")
         console.print(f"model       {endpoints['model_id']}   (Ctrl-C or `kvtier down` stops everything)")
         try:
             await stop.wait()
@@ -328,11 +514,10 @@ def worker_command(ctx: typer.Context) -> None:
 
 @app.command("status")
 def status_command(
-    controller: Annotated[
-        str, typer.Option(envvar="KVTIER_CONTROLLER", help="host:port of the controller.")
-    ] = "127.0.0.1:50051",
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-    timeout_s: Annotated[float, typer.Option(help="Deadline of the call, seconds.")] = 5.0,
+    controller: ControllerOption = None,
+    token: TokenOption = None,
+    timeout_s: TimeoutOption = 5.0,
+    as_json: JsonOption = False,
 ) -> None:
     """The controller's view: leader, workers, sessions, directory health.
 
@@ -341,28 +526,9 @@ def status_command(
       kvtier status
       kvtier status --controller 10.0.0.5:50051 --json
     """
-    import asyncio
-    import dataclasses
-
-    from kvtier.client import AsyncClient
-    from kvtier.errors import Unavailable
-
-    async def fetch():
-        async with AsyncClient(controller, timeout_s=timeout_s, max_retries=1) as client:
-            return await client.status()
-
-    try:
-        status = asyncio.run(fetch())
-    except Unavailable as exc:
-        raise Unavailable(
-            f"cannot reach the controller at {controller} ({str(exc).splitlines()[0][:120]}); "
-            "start one with `kvtier up` or pass --controller HOST:PORT",
-            field="controller",
-        ) from None
+    status = Remote.of(controller, token, timeout_s).run(lambda client: client.status())
     if as_json:
-        record = dataclasses.asdict(status)
-        record["tiers"] = [{**t, "tier": t["tier"].label} for t in record["tiers"]]
-        print(json.dumps(record, indent=2))
+        print_json(status)
         return
     table = Table(title=f"kvtier controller {status.controller_id} ({'leader' if status.is_leader else 'standby'})")
     table.add_column("field")
@@ -374,6 +540,7 @@ def status_command(
         "sessions (active / paused / resuming)",
         f"{status.num_active_sessions} / {status.num_paused_sessions} / {status.num_resuming_sessions}",
     )
+    table.add_row("policy version", str(status.policy_version))
     table.add_row("directory reachable", "yes" if status.is_directory_reachable else "NO")
     for occ in status.tiers:
         table.add_row(f"{_TIER_LABELS[occ.tier.label]} pages free / total", f"{occ.free_pages:,} / {occ.total_pages:,}")
@@ -543,16 +710,18 @@ def print_study(console: Console, study: PageSizeStudy, source: str) -> None:
     console.print(table)
 
 
-def _fail(message: str) -> NoReturn:
+def _fail(message: str, exit_code: int = EXIT_BAD_INPUT) -> NoReturn:
     # One line, so scripts can show it whole; parser messages (YAML, JSON) may span several.
     one_line = " ".join(part.strip() for part in message.splitlines() if part.strip())
     print(f"error: {one_line}", file=sys.stderr)
-    sys.exit(EXIT_BAD_INPUT)
+    sys.exit(exit_code)
 
 
 def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv, prog_name="kvtier")
+    except CommandFailed as exc:
+        _fail(str(exc), exc.exit_code)
     except KvtierError as exc:
         _fail(str(exc))
     except OSError as exc:
@@ -560,4 +729,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # `python -m kvtier.cli` runs this file as __main__, a second copy of the module: run the
+    # importable kvtier.cli instead, on whose app every command module registers.
+    from kvtier.cli import main as _main
+
+    _main()
+else:
+    # The other command modules register themselves on `app`; they import the helpers above.
+    from kvtier import cli_admin, cli_bench, cli_policy, cli_token  # noqa: F401

@@ -16,7 +16,11 @@ Retries: only idempotent unary calls are retried, on ``UNAVAILABLE``, with expon
 backoff inside the call's deadline: ``route`` (a read) and the session hints ``pause``,
 ``returning`` and ``end`` (each sets the session's state by session id, so a repeat
 finds the state it would set; the controller treats them as idempotent, see
-sessions.proto). ``generate`` is never retried once a token has arrived (the caller has
+sessions.proto). Admin calls: reads (``status``, ``list_workers``, ``list_sessions``,
+``lookup``, ``get_policy``, ``policy_history``) and the state-setting ``drain`` and
+``snapshot`` are retried; ``invalidate``, ``pin``, ``unpin``, ``evict``, ``set_policy`` and
+``rollback_policy`` never are (a repeat would bump, pin or install again, or misreport).
+``generate`` is never retried once a token has arrived (the caller has
 seen output; repeating could differ and would double the work); before the first token
 an ``UNAVAILABLE`` worker is skipped for the next one in the route's ranking.
 """
@@ -33,27 +37,56 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 
+from kvtier.auth import read_token_file
 from kvtier.config import ClientConfig
 from kvtier.engine.params import SamplingParams
-from kvtier.errors import ConfigError, DeadlineExceeded, InvalidArgument, Unavailable
+from kvtier.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from kvtier.hashing import NamespaceIdentity
 from kvtier.log import get_logger
 from kvtier.records import (
     ControllerStatus,
+    DrainRequest,
     EndRequest,
+    EvictRequest,
+    EvictResult,
     GenerateEvent,
     GenerateFinal,
     GenerateRequest,
+    GetPolicyRequest,
     IntegrityResult,
+    InvalidateRequest,
+    InvalidateResult,
+    InvalidationScope,
+    ListSessionsRequest,
+    LookupRequest,
+    LookupResult,
+    PageKeyPrefix,
     PauseRequest,
+    PinId,
+    PinRequest,
+    PinResult,
+    Policy,
+    PolicyHistoryRequest,
+    Prefix,
     RequestId,
     ReturningRequest,
+    RollbackPolicyRequest,
     RouteDecision,
     RouteRequest,
     SessionId,
     SessionInfo,
+    SessionPage,
+    SessionState,
+    SetPolicyRequest,
+    SnapshotRequest,
     TokenChunk,
     TokenPrefix,
+    UnpinRequest,
+    UnpinResult,
+    VersionedPolicy,
+    WorkerId,
+    WorkerInfo,
+    WorkerSnapshot,
     WorkerStats,
 )
 from kvtier.rpc import convert
@@ -66,10 +99,15 @@ from kvtier.rpc._gen import (
     worker_pb2_grpc,
 )
 from kvtier.rpc.status import error_from_rpc_error
+from kvtier.rpc.tls import ClientTls, secure_or_insecure_channel
+from kvtier.tiers import Tier
 
 log = get_logger("kvtier.client")
 
 T = TypeVar("T")
+
+PrefixLike = Sequence[int] | TokenPrefix | PageKeyPrefix
+"""A prefix as admin calls take it: token ids (the server derives the page keys) or a record."""
 
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_send_message_length", convert.MAX_MESSAGE_BYTES),
@@ -94,7 +132,11 @@ class AsyncClient:
         max_retries: int = 3,
         retry_backoff_s: float = 0.2,
         channel_options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS,
+        tls: ClientTls | None = None,
     ) -> None:
+        """``token``: the bearer token sent with every call (controller and workers). ``tls``:
+        dial every server over TLS (``ClientTls``: CA, client certificate for mTLS); None:
+        plaintext, which a TLS server refuses."""
         if timeout_s <= 0:
             raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}", field="timeout_s")
         if max_retries < 0:
@@ -107,25 +149,21 @@ class AsyncClient:
         self._metadata: tuple[tuple[str, str], ...] | None = (
             (("authorization", f"Bearer {token}"),) if token else None
         )
+        self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     @classmethod
     def from_config(cls, config: ClientConfig) -> AsyncClient:
-        token = None
-        if config.auth_token_file is not None:
-            try:
-                token = config.auth_token_file.expanduser().read_text().strip() or None
-            except OSError as exc:
-                raise ConfigError(
-                    f"cannot read auth_token_file {config.auth_token_file}: {exc.strerror}",
-                    field="auth_token_file",
-                ) from exc
+        token = read_token_file(config.auth_token_file) if config.auth_token_file is not None else None
         return cls(
             config.controller_address,
             token=token,
             timeout_s=config.timeout_s,
             max_retries=config.max_retries,
             retry_backoff_s=config.retry_backoff_s,
+            tls=ClientTls.from_files(
+                config.tls_ca_file, config.tls_cert_file, config.tls_key_file, config.tls_server_name
+            ),
         )
 
     async def __aenter__(self) -> AsyncClient:
@@ -280,14 +318,234 @@ class AsyncClient:
         )
         return convert.from_proto_end_response(response)
 
-    # ---- worker inspection (tests, tools) ------------------------------------------------
-    # ---- admin ------------------------------------------------------------------------
+    # ---- admin (the operator surface behind the `kvtier` CLI; needs the admin role) ----------
     async def status(self, *, timeout_s: float | None = None) -> ControllerStatus:
         """The controller's ``Admin.Status`` (retried on UNAVAILABLE)."""
         stub = admin_pb2_grpc.AdminStub(self._controller_channel())
         response = await self._unary("Admin.Status", stub.Status, admin_pb2.StatusRequest(), timeout_s, idempotent=True)
         return convert.from_proto_controller_status(response)
 
+    async def list_workers(self, *, timeout_s: float | None = None) -> tuple[WorkerInfo, ...]:
+        """Every registered worker, ordered by worker id (retried on UNAVAILABLE)."""
+        stub = admin_pb2_grpc.AdminStub(self._controller_channel())
+        response = await self._unary(
+            "Admin.ListWorkers", stub.ListWorkers, admin_pb2.ListWorkersRequest(), timeout_s, idempotent=True
+        )
+        return convert.from_proto_worker_list(response)
+
+    async def list_sessions(
+        self,
+        state: SessionState | None = None,
+        *,
+        limit: int = convert.DEFAULT_LIST_SESSIONS_LIMIT,
+        page_token: str | None = None,
+        timeout_s: float | None = None,
+    ) -> SessionPage:
+        """One page of sessions ordered by id; pass ``next_page_token`` back for the next one."""
+        request = ListSessionsRequest(state=state, limit=limit, page_token=page_token)
+        stub = admin_pb2_grpc.AdminStub(self._controller_channel())
+        response = await self._unary(
+            "Admin.ListSessions",
+            stub.ListSessions,
+            convert.to_proto_list_sessions_request(request),
+            timeout_s,
+            idempotent=True,
+        )
+        return convert.from_proto_session_page(response)
+
+    async def iter_sessions(
+        self,
+        state: SessionState | None = None,
+        *,
+        page_size: int = convert.DEFAULT_LIST_SESSIONS_LIMIT,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[SessionInfo]:
+        """Every session (in ``state``), page after page; each page has its own deadline."""
+        page_token: str | None = None
+        while True:
+            page = await self.list_sessions(
+                state, limit=page_size, page_token=page_token, timeout_s=timeout_s
+            )
+            for session in page.sessions:
+                yield session
+            if page.next_page_token is None:
+                return
+            page_token = page.next_page_token
+
+    async def lookup(
+        self, namespace: NamespaceIdentity, prefix: PrefixLike, *, timeout_s: float | None = None
+    ) -> LookupResult:
+        """Which workers hold ``prefix`` (token ids or page keys), in which tiers: the directory's view."""
+        request = LookupRequest(namespace=namespace, prefix=_as_prefix(prefix))
+        stub = admin_pb2_grpc.AdminStub(self._controller_channel())
+        response = await self._unary(
+            "Admin.Lookup", stub.Lookup, convert.to_proto_lookup_request(request), timeout_s, idempotent=True
+        )
+        return convert.from_proto_lookup_result(response)
+
+    async def invalidate(
+        self, scope: InvalidationScope, reason: str = "", *, timeout_s: float | None = None
+    ) -> InvalidateResult:
+        """Bump the policy epoch of every namespace in ``scope`` (not retried: each call bumps it again)."""
+        scope.validate()
+        request = InvalidateRequest(scope=scope, reason=reason)
+        stub = admin_pb2_grpc.AdminStub(self._controller_channel())
+        response = await self._unary(
+            "Admin.Invalidate",
+            stub.Invalidate,
+            convert.to_proto_invalidate_request(request),
+            timeout_s,
+            idempotent=False,
+        )
+        return convert.from_proto_invalidate_result(response)
+
+    async def drain(
+        self, worker_id: str, *, resume: bool = False, timeout_s: float | None = None
+    ) -> WorkerInfo:
+        """Stop (``resume=True``: restart) admitting requests on a worker; returns it after the change.
+
+        Retried on UNAVAILABLE: it sets a state, so a repeat finds the state it would set."""
+        request = DrainRequest(worker_id=WorkerId(worker_id), resume=resume)
+        stub = admin_pb2_grpc.AdminStub(self._controller_channel())
+        response = await self._unary(
+            "Admin.Drain", stub.Drain, convert.to_proto_drain_request(request), timeout_s, idempotent=True
+        )
+        return convert.from_proto_drain_response(response)
+
+    async def pin(
+        self,
+        namespace: NamespaceIdentity,
+        prefix: PrefixLike,
+        tier: Tier,
+        *,
+        ttl_s: int | None = None,
+        timeout_s: float | None = None,
+    ) -> PinResult:
+        """Keep ``prefix``'s pages in ``tier`` or faster until ``unpin`` (or ``ttl_s``). Not retried:
+        a repeat would add a second pin."""
+        request = PinRequest(namespace=namespace, prefix=_as_prefix(prefix), tier=tier, ttl_s=ttl_s)
+        stub = admin_pb2_grpc.AdminStub(self._controller_channel())
+        response = await self._unary(
+            "Admin.Pin", stub.Pin, convert.to_proto_pin_request(request), timeout_s, idempotent=False
+        )
+        return convert.from_proto_pin_result(response)
+
+    async def unpin(self, pin_id: str, *, timeout_s: float | None = None) -> UnpinResult:
+        """Release a pin. Not retried: a repeat after a lost answer would report NOT_FOUND."""
+        request = UnpinRequest(pin_id=PinId(pin_id))
+        stub = admin_pb2_grpc.AdminStub(self._controller_channel())
+        response = await self._unary(
+            "Admin.Unpin", stub.Unpin, convert.to_proto_unpin_request(request), timeout_s, idempotent=False
+        )
+        return convert.from_proto_unpin_result(response)
+
+    async def evict(
+        self,
+        namespace: NamespaceIdentity,
+        prefix: PrefixLike | None = None,
+        *,
+        worker_id: str | None = None,
+        demote_to: Tier | None = None,
+        timeout_s: float | None = None,
+    ) -> EvictResult:
+        """Drop (or demote to ``demote_to``) a prefix's pages and their descendants, or the whole
+        namespace's without ``prefix``. Not retried: the counts of a repeat would be wrong."""
+        request = EvictRequest(
+            namespace=namespace,
+            prefix=_as_prefix(prefix) if prefix is not None else None,
+            worker_id=WorkerId(worker_id) if worker_id else None,
+            demote_to_tier=demote_to,
+        )
+        stub = admin_pb2_grpc.AdminStub(self._controller_channel())
+        response = await self._unary(
+            "Admin.Evict", stub.Evict, convert.to_proto_evict_request(request), timeout_s, idempotent=False
+        )
+        return convert.from_proto_evict_result(response)
+
+    async def set_policy(
+        self,
+        policy: Policy,
+        *,
+        expected_version: int | None = None,
+        reason: str = "",
+        timeout_s: float | None = None,
+    ) -> VersionedPolicy:
+        """Install ``policy`` as a new version. ``expected_version`` makes it conditional
+        (FAILED_PRECONDITION if another version was installed since). Not retried."""
+        request = SetPolicyRequest(policy=policy, expected_version=expected_version, reason=reason)
+        stub = admin_pb2_grpc.AdminStub(self._controller_channel())
+        response = await self._unary(
+            "Admin.SetPolicy",
+            stub.SetPolicy,
+            convert.to_proto_set_policy_request(request),
+            timeout_s,
+            idempotent=False,
+        )
+        return convert.from_proto_set_policy_response(response)
+
+    async def get_policy(
+        self, version: int | None = None, *, timeout_s: float | None = None
+    ) -> VersionedPolicy:
+        """The policy in force, or version ``version``."""
+        request = GetPolicyRequest(version=version)
+        stub = admin_pb2_grpc.AdminStub(self._controller_channel())
+        response = await self._unary(
+            "Admin.GetPolicy",
+            stub.GetPolicy,
+            convert.to_proto_get_policy_request(request),
+            timeout_s,
+            idempotent=True,
+        )
+        return convert.from_proto_get_policy_response(response)
+
+    async def policy_history(
+        self, limit: int = convert.DEFAULT_POLICY_HISTORY_LIMIT, *, timeout_s: float | None = None
+    ) -> tuple[VersionedPolicy, ...]:
+        """Installed versions, newest first."""
+        request = PolicyHistoryRequest(limit=limit)
+        stub = admin_pb2_grpc.AdminStub(self._controller_channel())
+        response = await self._unary(
+            "Admin.PolicyHistory",
+            stub.PolicyHistory,
+            convert.to_proto_policy_history_request(request),
+            timeout_s,
+            idempotent=True,
+        )
+        return convert.from_proto_policy_history(response)
+
+    async def rollback_policy(
+        self, to_version: int, reason: str = "", *, timeout_s: float | None = None
+    ) -> VersionedPolicy:
+        """Install a copy of version ``to_version`` as the newest version. Not retried."""
+        request = RollbackPolicyRequest(to_version=to_version, reason=reason)
+        stub = admin_pb2_grpc.AdminStub(self._controller_channel())
+        response = await self._unary(
+            "Admin.RollbackPolicy",
+            stub.RollbackPolicy,
+            convert.to_proto_rollback_policy_request(request),
+            timeout_s,
+            idempotent=False,
+        )
+        return convert.from_proto_rollback_policy_response(response)
+
+    async def snapshot(
+        self, worker_ids: Sequence[str] = (), *, wait: bool = False, timeout_s: float | None = None
+    ) -> tuple[WorkerSnapshot, ...]:
+        """Ask workers (default: every live one) for a full inventory and reconcile the directory
+        with it; ``wait`` answers once every snapshot is reconciled. Retried on UNAVAILABLE: a
+        repeat only reconciles again."""
+        request = SnapshotRequest(worker_ids=tuple(WorkerId(w) for w in worker_ids), wait=wait)
+        stub = admin_pb2_grpc.AdminStub(self._controller_channel())
+        response = await self._unary(
+            "Admin.Snapshot",
+            stub.Snapshot,
+            convert.to_proto_snapshot_request(request),
+            timeout_s,
+            idempotent=True,
+        )
+        return convert.from_proto_snapshot_result(response)
+
+    # ---- worker inspection (tests, tools) ------------------------------------------------
     async def worker_stats(self, worker: str, *, timeout_s: float | None = None) -> WorkerStats:
         stub = worker_pb2_grpc.WorkerStub(self._channel(worker))
         response = await self._unary(
@@ -318,7 +576,7 @@ class AsyncClient:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=self._options)
+            channel = self._channels[address] = secure_or_insecure_channel(address, self._tls, self._options)
         return channel
 
     async def _unary(
@@ -346,6 +604,12 @@ class AsyncClient:
                 num_retries += 1
                 log.debug("retrying after UNAVAILABLE", extra={"rpc": name, "retry": num_retries})
                 await asyncio.sleep(delay)
+
+
+def _as_prefix(prefix: PrefixLike) -> Prefix:
+    if isinstance(prefix, TokenPrefix | PageKeyPrefix):
+        return prefix
+    return TokenPrefix(token_ids=tuple(prefix))
 
 
 def _remaining(deadline: float, aloop: asyncio.AbstractEventLoop) -> float:
@@ -435,6 +699,64 @@ class Client:
     def end(self, session_id: str, **kwargs: Any) -> SessionInfo:
         return self._run(self._client.end(session_id, **kwargs))
 
+    def status(self, **kwargs: Any) -> ControllerStatus:
+        return self._run(self._client.status(**kwargs))
+
+    def list_workers(self, **kwargs: Any) -> tuple[WorkerInfo, ...]:
+        return self._run(self._client.list_workers(**kwargs))
+
+    def list_sessions(self, state: SessionState | None = None, **kwargs: Any) -> SessionPage:
+        return self._run(self._client.list_sessions(state, **kwargs))
+
+    def iter_sessions(self, state: SessionState | None = None, **kwargs: Any) -> Iterator[SessionInfo]:
+        sessions = self._client.iter_sessions(state, **kwargs)
+        try:
+            while True:
+                try:
+                    session = self._run(_next(sessions))
+                except StopAsyncIteration:
+                    return
+                yield session
+        finally:
+            self._run(_close(sessions))
+
+    def lookup(self, namespace: NamespaceIdentity, prefix: PrefixLike, **kwargs: Any) -> LookupResult:
+        return self._run(self._client.lookup(namespace, prefix, **kwargs))
+
+    def invalidate(self, scope: InvalidationScope, reason: str = "", **kwargs: Any) -> InvalidateResult:
+        return self._run(self._client.invalidate(scope, reason, **kwargs))
+
+    def drain(self, worker_id: str, **kwargs: Any) -> WorkerInfo:
+        return self._run(self._client.drain(worker_id, **kwargs))
+
+    def pin(self, namespace: NamespaceIdentity, prefix: PrefixLike, tier: Tier, **kwargs: Any) -> PinResult:
+        return self._run(self._client.pin(namespace, prefix, tier, **kwargs))
+
+    def unpin(self, pin_id: str, **kwargs: Any) -> UnpinResult:
+        return self._run(self._client.unpin(pin_id, **kwargs))
+
+    def evict(
+        self, namespace: NamespaceIdentity, prefix: PrefixLike | None = None, **kwargs: Any
+    ) -> EvictResult:
+        return self._run(self._client.evict(namespace, prefix, **kwargs))
+
+    def set_policy(self, policy: Policy, **kwargs: Any) -> VersionedPolicy:
+        return self._run(self._client.set_policy(policy, **kwargs))
+
+    def get_policy(self, version: int | None = None, **kwargs: Any) -> VersionedPolicy:
+        return self._run(self._client.get_policy(version, **kwargs))
+
+    def policy_history(
+        self, limit: int = convert.DEFAULT_POLICY_HISTORY_LIMIT, **kwargs: Any
+    ) -> tuple[VersionedPolicy, ...]:
+        return self._run(self._client.policy_history(limit, **kwargs))
+
+    def rollback_policy(self, to_version: int, reason: str = "", **kwargs: Any) -> VersionedPolicy:
+        return self._run(self._client.rollback_policy(to_version, reason, **kwargs))
+
+    def snapshot(self, worker_ids: Sequence[str] = (), **kwargs: Any) -> tuple[WorkerSnapshot, ...]:
+        return self._run(self._client.snapshot(worker_ids, **kwargs))
+
     def worker_stats(self, worker: str, **kwargs: Any) -> WorkerStats:
         return self._run(self._client.worker_stats(worker, **kwargs))
 
@@ -442,11 +764,11 @@ class Client:
         return self._run(self._client.check_integrity(worker, **kwargs))
 
 
-async def _next(events: AsyncIterator[GenerateEvent]) -> GenerateEvent:
+async def _next(events: AsyncIterator[T]) -> T:
     return await anext(events)
 
 
-async def _close(events: AsyncIterator[GenerateEvent]) -> None:
+async def _close(events: AsyncIterator[Any]) -> None:
     aclose = getattr(events, "aclose", None)
     if aclose is not None:
         with contextlib.suppress(RuntimeError):  # still running after an interrupt

@@ -10,6 +10,10 @@ KVTIER_PAGE_SIZE)". Cross-field rules live in each class's ``check()``.
 
 Sizes in bytes also accept units from strings: ``80GiB``, ``512Mi`` (binary) or
 ``2TB`` (decimal), as in Kubernetes quantities.
+
+Structured settings (a type with a ``from_setting`` classmethod, e.g. ``tenant_quotas``)
+take a table or list in the file, and YAML/JSON flow text from env vars and flags:
+``KVTIER_TENANT_QUOTAS='{acme: {hbm: 64}}'``; their errors name the entry ("tenant_quotas.acme.hbm").
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import yaml
 from kvtier.errors import ConfigError
 from kvtier.hashing import KV_DTYPES
 from kvtier.log import LOG_LEVELS
+from kvtier.quotas import QuotaTable
+from kvtier.ttls import TtlTable
 
 ENV_PREFIX = "KVTIER_"
 _SETTING = "kvtier.setting"
@@ -138,6 +144,37 @@ def _state_dir() -> Any:
     return setting(Path("~/.kvtier"), "directory for embedded Redis data, NVMe page files and logs")
 
 
+def _allow_unauthenticated() -> Any:
+    return setting(
+        False, "serve callers without a token on a non-loopback address (only where the network admits callers)"
+    )
+
+
+def _tls_cert_file() -> Any:
+    return setting(None, "PEM certificate chain; with tls_key_file the server speaks TLS only")
+
+
+def _tls_key_file() -> Any:
+    return setting(None, "PEM private key of tls_cert_file")
+
+
+def _tls_client_ca_file() -> Any:
+    return setting(None, "PEM CA bundle; set: every caller must present a certificate it signed (mTLS)")
+
+
+def _check_tls(config: Any, *, client_ca: bool) -> None:
+    """The file pairs TLS needs, checked at start-up (the files themselves: kvtier.rpc.tls)."""
+    if (config.tls_cert_file is None) != (config.tls_key_file is None):
+        missing = "tls_key_file" if config.tls_key_file is None else "tls_cert_file"
+        raise ConfigError(f"tls_cert_file and tls_key_file go together; set {missing} too", field=missing)
+    if client_ca and config.tls_client_ca_file is not None and config.tls_cert_file is None:
+        raise ConfigError(
+            "tls_client_ca_file needs tls_cert_file and tls_key_file: client certificates are checked "
+            "only on a TLS server",
+            field="tls_client_ca_file",
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class ControllerConfig:
     host: str = setting("127.0.0.1", "address the gRPC server listens on (0.0.0.0 for every interface)")
@@ -153,12 +190,23 @@ class ControllerConfig:
     tier_weight_hbm: float = setting(1.0, "routing value of a matched token already in HBM", min=0, max=1)
     tier_weight_dram: float = setting(0.8, "routing value of a matched token in DRAM", min=0, max=1)
     tier_weight_nvme: float = setting(0.5, "routing value of a matched token on NVMe", min=0, max=1)
-    auth_token_file: Path | None = setting(None, "file of bearer tokens and their roles; unset disables auth")
+    auth_token_file: Path | None = setting(
+        None, "token table (YAML/TOML: name, role, tenants, sha256 per token; see kvtier.auth); unset disables auth"
+    )
+    allow_unauthenticated: bool = _allow_unauthenticated()
+    tls_cert_file: Path | None = _tls_cert_file()
+    tls_key_file: Path | None = _tls_key_file()
+    tls_client_ca_file: Path | None = _tls_client_ca_file()
+    health_port: int | None = setting(
+        None, "plaintext port serving only grpc.health.v1, for probes that cannot speak TLS; unset: none",
+        min=0, max=65535,
+    )
     metrics_port: int | None = _metrics_port()
     log_level: str = _log_level()
     log_json: bool = _log_json()
 
     def check(self) -> None:
+        _check_tls(self, client_ca=True)
         # A live worker renews at least twice per TTL, so one late heartbeat never expires it.
         if self.heartbeat_interval_s * 2 > self.lease_ttl_s:
             raise ConfigError(
@@ -191,17 +239,50 @@ class WorkerConfig:
     nvme_bytes: int = setting(0, "NVMe tier budget; 0 disables the tier", min=0, is_size=True)
     nvme_dir: Path | None = setting(None, "directory for NVMe page files; unset uses state_dir/nvme")
     max_model_len: int | None = setting(None, "longest sequence; unset uses the model's limit", min=1)
+    # The names of kvtier.eviction.POLICY_NAMES (not imported here: that module loads torch).
+    eviction_policy: str = setting(
+        "value", "which cached pages leave a tier first: value (restore cost x reuse, per byte) or lru",
+        choices=("value", "lru"),
+    )
     state_dir: Path = _state_dir()
-    auth_token_file: Path | None = setting(None, "file holding this worker's bearer token")
+    auth_token_file: Path | None = setting(None, "file holding this worker's bearer token (role worker)")
+    auth_tokens_file: Path | None = setting(
+        None, "token table of the callers this worker serves (the controller's format); unset disables auth"
+    )
+    allow_unauthenticated: bool = _allow_unauthenticated()
+    tls_cert_file: Path | None = setting(
+        None, "PEM certificate chain of the worker's server (TLS), also its client certificate to the controller"
+    )
+    tls_key_file: Path | None = _tls_key_file()
+    tls_client_ca_file: Path | None = _tls_client_ca_file()
+    tls_ca_file: Path | None = setting(None, "PEM CA bundle that signed the controller's certificate; set: dial it over TLS")
+    tls_server_name: str | None = setting(None, "name to check the controller's certificate for (default: its host)")
+    tenant_quotas: QuotaTable = setting(
+        QuotaTable(),
+        "cached pages a tenant may keep per tier, e.g. {acme: {hbm: 256, dram: 4GiB}, '*': {hbm: 64}} "
+        "('*': tenants not listed; a number is pages, a size is bytes; see kvtier.quotas); unset: no quotas",
+    )
+    namespace_ttls: TtlTable = setting(
+        TtlTable(),
+        "seconds an idle cached page lives, per namespace: [{tenant: acme, model_id: m, ttl_s: 60}, {ttl_s: 3600}] "
+        "(the most specific rule wins; 0: no TTL; see kvtier.ttls); unset: no TTLs",
+    )
     metrics_port: int | None = _metrics_port()
     log_level: str = _log_level()
     log_json: bool = _log_json()
+
+    def check(self) -> None:
+        _check_tls(self, client_ca=True)
 
 
 @dataclass(frozen=True, slots=True)
 class ClientConfig:
     controller_address: str = setting("127.0.0.1:50051", "host:port of the controller")
     auth_token_file: Path | None = setting(None, "file holding this client's bearer token")
+    tls_ca_file: Path | None = setting(None, "PEM CA bundle that signed the servers' certificates; set: dial over TLS")
+    tls_cert_file: Path | None = setting(None, "PEM client certificate, for servers that require one (mTLS)")
+    tls_key_file: Path | None = _tls_key_file()
+    tls_server_name: str | None = setting(None, "name to check the servers' certificates for (default: their host)")
     timeout_s: float = setting(30.0, "deadline of one call", min=0, max=3600, min_open=True)
     max_retries: int = setting(3, "retries of idempotent calls on UNAVAILABLE", min=0, max=10)
     retry_backoff_s: float = setting(
@@ -209,6 +290,9 @@ class ClientConfig:
     )
     log_level: str = _log_level()
     log_json: bool = _log_json()
+
+    def check(self) -> None:
+        _check_tls(self, client_ca=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +331,14 @@ class _CoercionError(Exception):
         self.expected = expected
 
 
+def parse_size(text: str) -> int:
+    """``"4GiB"`` → 4294967296; raises ValueError saying what is accepted."""
+    try:
+        return _parse_size(text)
+    except _CoercionError as exc:
+        raise ValueError(f"expected {exc.expected}, got {text!r}") from None
+
+
 def _parse_size(text: str) -> int:
     match = _SIZE_RE.match(text)
     unit = match and _SIZE_UNITS.get(match.group(2).lower())
@@ -261,6 +353,16 @@ def _parse_size(text: str) -> int:
 def _coerce(value: Any, hint: Any, spec: Setting) -> Any:
     """``value`` (a string from env/flags, or a file's scalar) as an instance of ``hint``."""
     args = typing.get_args(hint)
+    from_setting = getattr(hint, "from_setting", None)
+    if from_setting is not None:  # a structured setting: it validates itself (errors name the entry)
+        if isinstance(value, hint):
+            return value
+        if isinstance(value, str):
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError:
+                raise _CoercionError("YAML or JSON text (a table or a list)") from None
+        return from_setting(value)
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         if value is None or (isinstance(value, str) and value.strip().lower() in _NONE):
             return None
@@ -378,6 +480,8 @@ def load_config(
             raise ConfigError(
                 f"{name} must be {exc.expected}, got {_show(value)} ({source})", field=name
             ) from None
+        except ConfigError as exc:  # a structured setting named the entry; add where it came from
+            raise ConfigError(f"{exc.message} ({source})", field=exc.field) from None
         if not spec.accepts(coerced):
             raise ConfigError(
                 f"{name} must be {spec.describe()}, got {_show(coerced)} ({source})", field=name

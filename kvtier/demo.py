@@ -129,11 +129,13 @@ async def _session(
 
 
 async def run_workload(
-    controller: str, namespace: NamespaceIdentity, vocab: int, opts: DemoOptions
+    controller: str, namespace: NamespaceIdentity, vocab: int, opts: DemoOptions, *, token: str | None = None
 ) -> list[TurnRecord]:
+    """Run the workload through a client of ``controller`` (``token``: its bearer token, which
+    must act for every tenant: the local stack's admin token)."""
     rng = random.Random(opts.seed)
     hints: dict[str, bool] = {}
-    async with AsyncClient(controller) as client:
+    async with AsyncClient(controller, token=token) as client:
         tasks = []
         for t in range(opts.num_tenants):
             tenant = f"tenant-{chr(ord('a') + t)}"

@@ -190,17 +190,37 @@ _POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
     "value": ValuePolicy,
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_POLICIES)
+DEFAULT_POLICY = "value"
+
+# What each policy takes from the engine that runs it (``make_engine_policy``).
+_ENGINE_PARAMS: dict[str, Callable[[CostModel, Sequence[Tier]], dict[str, object]]] = {
+    "lru": lambda cost, tiers: {},
+    "value": lambda cost, tiers: {"cost": cost, "tiers": tuple(tiers)},
+}
+
+
+def _factory(name: str) -> tuple[str, Callable[..., EvictionPolicy]]:
+    key = name.strip().lower()
+    factory = _POLICIES.get(key)
+    if factory is None:
+        raise InvalidArgument(
+            f"unknown eviction policy {name!r}; choose one of {', '.join(POLICY_NAMES)}", field="eviction_policy"
+        )
+    return key, factory
 
 
 def make_policy(name: str, **params: object) -> EvictionPolicy:
     """An eviction policy by name (``lru`` takes no parameters; ``value`` takes
     ``ValuePolicy``'s: ``cost``, ``tiers``, ``tenant_weights``, ``default_weight``)."""
-    factory = _POLICIES.get(name.strip().lower())
-    if factory is None:
-        raise InvalidArgument(
-            f"unknown eviction policy {name!r}; choose one of {', '.join(POLICY_NAMES)}", field="eviction_policy"
-        )
+    _, factory = _factory(name)
     try:
         return factory(**params)
     except TypeError as exc:
         raise InvalidArgument(f"eviction policy {name!r}: {exc}", field="eviction_policy") from None
+
+
+def make_engine_policy(name: str, *, cost: CostModel, tiers: Sequence[Tier]) -> EvictionPolicy:
+    """The named policy configured for an engine (``WorkerConfig.eviction_policy``): each policy
+    takes the engine facts it uses — ``value`` its cost model and tiers, ``lru`` nothing."""
+    key, factory = _factory(name)
+    return factory(**_ENGINE_PARAMS[key](cost, tiers))

@@ -21,6 +21,11 @@ policy's priority, pushed when a node *becomes* evictable and checked again when
 Pins keep a page in its tier. A pin with a time to live lapses on its own: the engine's
 step calls ``expire_pins``, which releases every timed pin whose deadline passed on the
 index's clock (injectable, so tests control time).
+
+Quotas and TTLs (``kvtier.quotas``, ``kvtier.ttls``) hook in here: ``on_evictable`` hears of
+every page that becomes a candidate (for per-tenant candidate heaps), ``free_own_page`` lets
+an over-quota tenant's allocation give up its own page first, and ``last_used_s`` (the
+clock at a node's last use) is what a namespace TTL counts from.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class RadixNode:
     namespace: NamespaceDigest | None = None
     tier: Tier = Tier.HBM  # ``page`` is a page id in this tier's pool (a slot id for NVMe)
     last_access: int = 0
+    last_used_s: float = 0.0  # the index clock at the last hit, insertion, or release by a sequence (TTLs)
     hits: int = 0  # matches that reached this page (a frequency for value-based eviction)
     access_clock: float = 0.0  # the eviction policy's clock at the last access (set by the policy)
     pins: int = 0
@@ -139,6 +145,11 @@ class RadixIndex:
         # (False: nothing below has room and dropping would take a pinned page along).
         self.release_lower: Callable[[RadixNode], None] | None = None
         self.spill: Callable[[RadixNode], bool] | None = None
+        # Set by a quota tracker: told of each node that becomes evictable (with its priority),
+        # and asked to free one of an allocating namespace's own HBM pages when its tenant would
+        # pass its quota (given the pages the allocating sequence is about to cache).
+        self.on_evictable: Callable[[RadixNode, float], None] | None = None
+        self.free_own_page: Callable[[NamespaceDigest, int], bool] | None = None
         pool.on_idle = self._page_became_idle
 
     def __len__(self) -> int:
@@ -166,6 +177,7 @@ class RadixIndex:
         result = MatchResult()
         page_size = self.pool.page_size
         now = next(self._tick)
+        now_s = self.clock() if count_hit else 0.0
         touch = self.policy.on_access
         for i, key in enumerate(keys):
             node = self._nodes.get(key)
@@ -175,6 +187,7 @@ class RadixIndex:
                 break
             if count_hit:
                 node.last_access = now
+                node.last_used_s = now_s
                 node.hits += 1
                 touch(node)
             result.nodes.append(node)
@@ -218,6 +231,7 @@ class RadixIndex:
             tier=tier,
             checksum=checksum,
             last_access=next(self._tick),
+            last_used_s=self.clock(),
         )
         self._nodes[key] = node
         self.policy.on_access(node)
@@ -340,10 +354,21 @@ class RadixIndex:
     def touch(self, nodes: Sequence[RadixNode]) -> None:
         """Count one use of each node (what ``match`` does unless ``count_hit=False``)."""
         now = next(self._tick)
+        now_s = self.clock()
         for node in nodes:
             node.last_access = now
+            node.last_used_s = now_s
             node.hits += 1
             self.policy.on_access(node)
+
+    def note_released(self, pages: Sequence[PageId]) -> None:
+        """A sequence is letting go of ``pages``: the cached ones were in use until now, so
+        their idle time (what a namespace TTL counts) starts now."""
+        now_s = self.clock()
+        for page in pages:
+            node = self._by_page.get(page)
+            if node is not None:
+                node.last_used_s = now_s
 
     def is_evictable(self, node: RadixNode) -> bool:
         """May leave its tier now: a leaf of that tier, unpinned, not moving, unheld."""
@@ -359,9 +384,10 @@ class RadixIndex:
     def _push_if_evictable(self, node: RadixNode) -> None:
         if self._nodes.get(node.key) is node and self.is_evictable(node):
             node.version += 1
-            heapq.heappush(
-                self._heaps[node.tier], (self.policy.priority(node), next(self._push_order), node.version, node)
-            )
+            priority = self.policy.priority(node)
+            heapq.heappush(self._heaps[node.tier], (priority, next(self._push_order), node.version, node))
+            if self.on_evictable is not None:
+                self.on_evictable(node, priority)
 
     def pop_victims(self, tier: Tier, num_pages: int) -> list[RadixNode]:
         """Up to ``num_pages`` evictable nodes of ``tier`` in policy order.
@@ -384,15 +410,21 @@ class RadixIndex:
     def requeue(self, node: RadixNode) -> None:
         self._push_if_evictable(node)
 
-    def evict(self, num_pages: int) -> int:
+    def evict(self, num_pages: int, *, namespace: NamespaceDigest | None = None, num_pending: int = 0) -> int:
         """Free up to ``num_pages`` HBM pages from idle HBM leaves in policy order.
 
         With a tier manager attached, ``spill`` frees the victim's page (moving it down a
-        tier when one has room); otherwise it is dropped with what hangs below it.
+        tier when one has room); otherwise it is dropped with what hangs below it. With
+        ``namespace`` (whom the page is for; ``num_pending``: pages its sequence will cache,
+        this one included) and a quota tracker, a tenant that would pass its HBM quota gives
+        up its own pages before anyone else's (``kvtier.quotas``).
         """
         freed = 0
         kept: list[RadixNode] = []
         while freed < num_pages:
+            if self.free_own_page is not None and namespace is not None and self.free_own_page(namespace, num_pending):
+                freed += 1
+                continue
             victims = self.pop_victims(Tier.HBM, 1)
             if not victims:
                 break

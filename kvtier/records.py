@@ -454,12 +454,14 @@ WorkerEvent = Registration | Heartbeat | PageEventBatch | InventorySnapshotChunk
 
 @dataclass(frozen=True, slots=True)
 class DemoteCommand:
-    """Exactly one of ``page_keys`` (non-empty) and ``session_id`` addresses the pages."""
+    """Exactly one of ``page_keys`` (non-empty; descendants move too), ``session_id`` and
+    ``whole_namespace`` addresses the pages."""
 
     namespace_digest: NamespaceDigest
     page_keys: tuple[PageKey, ...]
     target_tier: Tier
     session_id: SessionId | None = None
+    whole_namespace: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -475,12 +477,13 @@ class PrefetchCommand:
 
 @dataclass(frozen=True, slots=True)
 class DropCommand:
-    """Exactly one of ``page_keys`` (non-empty; descendants go too) and ``session_id``
-    (the session's private pages, deepest first, shared prefixes kept)."""
+    """Exactly one of ``page_keys`` (non-empty; descendants go too), ``session_id`` (the
+    session's private pages, deepest first, shared prefixes kept) and ``whole_namespace``."""
 
     namespace_digest: NamespaceDigest
     page_keys: tuple[PageKey, ...]
     session_id: SessionId | None = None
+    whole_namespace: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -499,8 +502,32 @@ class DrainCommand:
     draining: bool  # False resumes admission
 
 
+@dataclass(frozen=True, slots=True)
+class PinCommand:
+    """Keep the listed pages (held in ``tier`` or faster) in their tier until
+    ``expires_at_ms`` (wall clock; None: until unpinned)."""
+
+    pin_id: PinId
+    namespace_digest: NamespaceDigest
+    page_keys: tuple[PageKey, ...]  # root first, non-empty
+    tier: Tier
+    expires_at_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class UnpinCommand:
+    pin_id: PinId
+
+
 Command = (
-    DemoteCommand | PrefetchCommand | DropCommand | InvalidateCommand | RequestSnapshotCommand | DrainCommand
+    DemoteCommand
+    | PrefetchCommand
+    | DropCommand
+    | InvalidateCommand
+    | RequestSnapshotCommand
+    | DrainCommand
+    | PinCommand
+    | UnpinCommand
 )
 
 
@@ -702,9 +729,12 @@ class Policy:
                 where = f"{path}.tier_weights.{tier.label}"
                 raise InvalidArgument(f"{where} must be a finite number >= 0, got {weight}", field=where)
         for tier, budget in self.budget_bytes_per_s.items():
-            if budget < 0:
+            # The wire type is uint64: a negative int64 sent as one arrives as 2**64 - n.
+            if not 0 <= budget < 2**63:
                 where = f"{path}.budget_bytes_per_s.{tier.label}"
-                raise InvalidArgument(f"{where} must be >= 0, got {budget}", field=where)
+                raise InvalidArgument(
+                    f"{where} must be >= 0 and < 2**63 (a negative number sent as uint64 reads as "
+                    f"2**64 minus it), got {budget}", field=where)
         if not _POLICY_NAME.fullmatch(self.eviction_policy):
             where = f"{path}.eviction_policy"
             raise InvalidArgument(

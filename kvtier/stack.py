@@ -24,6 +24,10 @@ from kvtier.log import get_logger
 log = get_logger("kvtier.stack")
 
 STATE_FILE = "stack.json"
+AUTH_DIR = "auth"
+ADMIN_TOKEN_FILE = "admin.token"
+WORKER_TOKEN_FILE = "worker.token"
+TOKEN_TABLE_FILE = "tokens.yaml"
 
 
 @dataclass(slots=True)
@@ -38,7 +42,12 @@ class StackOptions:
     hbm_bytes: int | None = 64 << 20
     dram_bytes: int = 256 << 20
     nvme_bytes: int = 0
+    eviction_policy: str = "value"  # WorkerConfig.eviction_policy of every worker
     max_restarts: int = 2
+    # Bearer-token auth for the stack (DESIGN §8): an admin and a worker token under
+    # state_dir/auth (0600). `kvtier up` and `kvtier demo` turn it on; off by default for
+    # library use (tests, benchmarks), where clients dial without a token.
+    auth: bool = False
     lease_ttl_s: float = 3.0  # a worker silent this long leaves the directory
     # Passed to serve_controller as-is (None: its defaults): OrchestratorParams, PredictorParams.
     orchestrator_params: Any = None
@@ -64,6 +73,7 @@ class LocalStack:
     namespace: NamespaceIdentity
     started_ray: bool
     vocab_size: int
+    admin_token: str | None = None  # set when options.auth: acts for any tenant (the demo's client uses it)
 
     @property
     def controller_address(self) -> str:
@@ -105,6 +115,7 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
     state_dir = options.state_dir.expanduser().resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
     options.state_dir = state_dir
+    auth = ensure_local_tokens(state_dir) if options.auth else None
     controller = await serve_controller(
         ControllerConfig(
             port=options.controller_port,
@@ -112,6 +123,7 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
             redis_url=options.redis_url,
             lease_ttl_s=options.lease_ttl_s,
             heartbeat_interval_s=options.heartbeat_interval_s,
+            auth_token_file=auth.table_file if auth else None,
         ),
         redis_url=options.redis_url,
         orchestrator_params=options.orchestrator_params,
@@ -147,7 +159,10 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
                 hbm_bytes=options.hbm_bytes,
                 dram_bytes=options.dram_bytes,
                 nvme_bytes=options.nvme_bytes,
+                eviction_policy=options.eviction_policy,
                 state_dir=state_dir,
+                auth_token_file=auth.worker_token_file if auth else None,
+                auth_tokens_file=auth.table_file if auth else None,
             )
             worker_id = f"worker-{i}"
             actor, address = await loop.run_in_executor(
@@ -159,25 +174,30 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
             )
             workers.append(WorkerHandle(worker_id, address, actor))
         namespace = await loop.run_in_executor(None, lambda: call_actor(workers[0].actor, "namespace"))
-        await _wait_until_routable(controller.address, namespace, len(workers))
+        admin_token = auth.admin_token if auth else None
+        await _wait_until_routable(controller.address, namespace, len(workers), token=admin_token)
     except BaseException:
         await controller.stop()
         if started_ray:
             ray.shutdown()
         raise
-    stack = LocalStack(options, controller, workers, namespace, started_ray, _vocab_size(options.model))
+    stack = LocalStack(
+        options, controller, workers, namespace, started_ray, _vocab_size(options.model), admin_token=admin_token
+    )
     (state_dir / STATE_FILE).write_text(json.dumps(stack.endpoints(), indent=2))
     return stack
 
 
-async def _wait_until_routable(address: str, namespace: NamespaceIdentity, num_workers: int) -> None:
+async def _wait_until_routable(
+    address: str, namespace: NamespaceIdentity, num_workers: int, *, token: str | None = None
+) -> None:
     """Workers register over their WorkerLink asynchronously; wait until Route sees them all."""
     import time
 
     from kvtier.client import AsyncClient
 
     deadline = time.monotonic() + 60
-    async with AsyncClient(address) as client:
+    async with AsyncClient(address, token=token) as client:
         while True:
             decision = await client.route(namespace, [0])
             if len(decision.workers) >= num_workers:
@@ -188,6 +208,55 @@ async def _wait_until_routable(address: str, namespace: NamespaceIdentity, num_w
                     "within 60 s; see the worker logs"
                 )
             await asyncio.sleep(0.1)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalTokens:
+    """The local stack's credentials, all under ``state_dir/auth`` (directory 0700, files 0600)."""
+
+    admin_token: str
+    admin_token_file: Path
+    worker_token_file: Path
+    table_file: Path  # the controller's and workers' token table (hashes only)
+
+
+def ensure_local_tokens(state_dir: Path) -> LocalTokens:
+    """An admin and a worker token for a local stack, kept across restarts of the same
+    ``state_dir`` (a client holding the admin token keeps working), and the token table
+    that admits exactly these two."""
+    from kvtier.auth import Role, TokenEntry, dump_token_table, hash_token, new_token, write_secret_file
+
+    auth_dir = state_dir / AUTH_DIR
+    auth_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(auth_dir, 0o700)
+    tokens = {}
+    for role, name in ((Role.ADMIN, ADMIN_TOKEN_FILE), (Role.WORKER, WORKER_TOKEN_FILE)):
+        path = auth_dir / name
+        try:
+            token = path.read_text(encoding="utf-8").strip()
+        except OSError:
+            token = ""
+        if not token:
+            token = new_token()
+        write_secret_file(path, token + "\n")  # (re)asserts 0600 on a kept file too
+        tokens[role] = token
+    table = auth_dir / TOKEN_TABLE_FILE
+    entries = [TokenEntry(f"local-{role.value}", role, frozenset(), hash_token(t)) for role, t in tokens.items()]
+    dump_token_table(entries, table)
+    os.chmod(table, 0o600)
+    return LocalTokens(tokens[Role.ADMIN], auth_dir / ADMIN_TOKEN_FILE, auth_dir / WORKER_TOKEN_FILE, table)
+
+
+def local_admin_token(state_dir: Path, controller: str) -> str | None:
+    """The admin token of the stack `kvtier up` runs from ``state_dir``, when ``controller`` is
+    that stack's address (a local token is never sent to another controller); else None."""
+    state_dir = state_dir.expanduser()
+    try:
+        recorded = json.loads((state_dir / STATE_FILE).read_text())["controller"]
+        token = (state_dir / AUTH_DIR / ADMIN_TOKEN_FILE).read_text(encoding="utf-8").strip()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return token if recorded == controller and token else None
 
 
 def _vocab_size(model: Path | None) -> int:

@@ -206,14 +206,16 @@ class TierManager:
         pool = {Tier.HBM: self.hbm, Tier.DRAM: self.dram, Tier.NVME: self.nvme}[tier]
         return 0 if pool is None else pool.num_free
 
-    def _capacity(self, tier: Tier) -> int:
+    def capacity(self, tier: Tier) -> int:
+        """Pages (slots on NVMe) this tier has; 0 when it is not configured."""
         if tier is Tier.NVME:
             return 0 if self.nvme is None else self.nvme.num_slots
         pool = self.hbm if tier is Tier.HBM else self.dram
         return 0 if pool is None else pool.num_pages
 
-    def _allocate(self, tier: Tier) -> int | None:
-        """A destination page/slot in ``tier``, making room there by moving or dropping."""
+    def _allocate(self, tier: Tier, *, make_room: bool = True) -> int | None:
+        """A destination page/slot in ``tier``, making room there by moving or dropping
+        (only a free one without ``make_room``)."""
         for _ in range(2):
             if tier is Tier.DRAM and self.dram is not None:
                 page = self.dram.allocate()
@@ -227,7 +229,7 @@ class TierManager:
                 page = self.hbm.allocate()
                 if page is not None:
                     return page
-            if not self._make_room(tier):
+            if not make_room or not self._make_room(tier):
                 return None
         return None
 
@@ -259,8 +261,13 @@ class TierManager:
         self.counters.pages_dropped += self.index.drop_subtree(node)
         return True
 
+    def move_to_free(self, node: RadixNode, dst: Tier) -> bool:
+        """Move an evictable ``node`` down to ``dst`` now, only into a free page there (nothing
+        in ``dst`` is moved or dropped to make room: quota enforcement, ``kvtier.quotas``)."""
+        return self._move_now(node, dst, allow_room=False)
+
     def is_usable(self, tier: Tier) -> bool:
-        return self._capacity(tier) > 0 and time.monotonic() >= self._failing_until.get(tier, 0.0)
+        return self.capacity(tier) > 0 and time.monotonic() >= self._failing_until.get(tier, 0.0)
 
     def _mark_failing(self, tier: Tier) -> None:
         self._failing_until[tier] = time.monotonic() + self.config.failure_backoff_s
@@ -272,7 +279,7 @@ class TierManager:
             return False
         node.moving = True  # not a victim while we make room below
         try:
-            target = self._allocate(dst) if allow_room else None
+            target = self._allocate(dst, make_room=allow_room)
             if target is None:
                 return False
             checksum: int | None = None
@@ -333,7 +340,7 @@ class TierManager:
             self._demote_over_watermark(Tier.DRAM, self.config.dram_watermark, Tier.NVME)
 
     def _demote_over_watermark(self, tier: Tier, mark: Watermark, dst: Tier) -> None:
-        capacity = self._capacity(tier)
+        capacity = self.capacity(tier)
         if capacity == 0 or not self.is_usable(dst):
             return
         if capacity - self._num_free(tier) <= mark.high * capacity:
@@ -508,17 +515,35 @@ class TierManager:
 
     def prefetch(self, chain: Sequence[RadixNode]) -> MoveOutcome:
         """Promote the lower-tier pages of ``chain`` (root first) into HBM, where they stay
-        cached and idle. Stops at the first page being moved by a transfer: a child may
+        cached and idle. Stops at the first page being moved by a transfer (in any tier: an
+        HBM ancestor on its way down may land before its children come up): a child may
         not rise above its parent."""
         num_below = sum(1 for n in chain if n.tier is not Tier.HBM)
         lower: list[RadixNode] = []
+        above: list[RadixNode] = []  # the chain's pages already in HBM: ancestors of ``lower``
         for node in chain:
-            if node.tier is Tier.HBM:
-                continue
-            if node.moving:
+            if node.moving:  # on its way to another tier: nothing below it may rise above it
                 break
+            if node.tier is Tier.HBM:
+                above.append(node)
+                continue
             lower.append(node)
-        promoted = self.promote(lower)
+        # Making room for the pages coming up must not spill their ancestors (idle, and leaves
+        # in HBM while their children are below): a child may not rise above its parent. A
+        # request's promotion holds its matched pages; a prefetch holds nothing, so it marks
+        # them as promote() marks the pages it moves: not a victim meanwhile.
+        for node in above:
+            node.moving = True
+        try:
+            promoted = self.promote(lower)
+        finally:
+            for node in above:
+                node.moving = False
+                self.index.requeue(node)
+        # A prefetch is a use to come (the session returns soon): counted as one, so the pages
+        # are not the first victims of the next demotion with an access clock as old as the
+        # pause. Touched while still held, they enter the eviction heap with the new clock.
+        self.index.touch(promoted)
         for node in promoted:  # promote hands us one reference each; the cache keeps the page
             self.hbm.release(PageId(node.page))
         return MoveOutcome(num_moved=len(promoted), num_skipped=num_below - len(promoted))
@@ -588,10 +613,16 @@ class TierManager:
 
     def _wait(self, transfer_id: TransferId) -> TransferDone:
         while True:
+            found: TransferDone | None = None
+            # poll_completed hands each record out once: apply every other one of the batch,
+            # also those after ours (returning early lost them, and their pages stayed held).
             for done in self.transfers.poll_completed():
                 if done.transfer.transfer_id == transfer_id:
-                    return done
-                self._apply_demotion(done)
+                    found = done
+                else:
+                    self._apply_demotion(done)
+            if found is not None:
+                return found
             time.sleep(0.0002)
 
     # ---- restart ----------------------------------------------------------------------

@@ -12,9 +12,10 @@ Lanes keep slow disks from stalling fast copies:
     copy lane   1 thread      HBM <-> DRAM   (a CUDA stream + events when HBM is a GPU)
     disk lane   N threads     anything with NVMe: preadv/pwritev of slot runs
 
-Each lane runs its highest ``priority`` transfer first (FIFO among equals). Pairs are
-sorted and cut into runs of consecutive pages, so a run is one ``copy_`` (at most
-``chunk_bytes``, checksummed while still in cache) or one vectored syscall.
+Each lane runs its highest ``priority`` transfer first (FIFO among equals). Pairs (an
+int64 array, no Python object per page) are sorted and cut into runs of consecutive
+pages, so a run is one copy (at most ``chunk_bytes``; on the CPU one pass of the fused
+copy + checksum kernel, ``kvtier.page_copy``) or one vectored syscall.
 
 Checksums (``kvtier.checksum``): computed when a page leaves HBM and stored with it (the
 DRAM pool's checksum array, the NVMe slot header); DRAM -> NVMe carries the stored value
@@ -27,7 +28,10 @@ is copied as of submission and a destination page is not overwritten while earli
 kernels still read it); checksums are computed on the device; the lane thread waits on a
 completion event before reporting. NVMe <-> HBM goes through a pinned staging buffer.
 
-Lane threads run torch with ``intra_op_threads`` (default 1) OpenMP threads each.
+Lane threads run torch with ``intra_op_threads`` (default 1) OpenMP threads each, and
+the copy kernel shares a run among ``copy_threads`` (default 1, leaving the other cores
+to decode; helpers pull chunks from a shared counter, so a helper that a busy core keeps
+waiting costs nothing, unlike an OpenMP barrier).
 """
 
 from __future__ import annotations
@@ -46,15 +50,19 @@ from typing import Any, NewType
 import numpy as np
 import torch
 
+from kvtier import page_copy
 from kvtier.checksum import page_checksums
 from kvtier.dram_pool import DramPool, aligned_host_tensor
 from kvtier.errors import IntegrityError, InvalidArgument
 from kvtier.hashing import NamespaceDigest, PageKey
 from kvtier.nvme_pool import DiskFull, NvmeIOError, NvmePool, SlotId
-from kvtier.page_pool import PageId, PagePool
+from kvtier.page_pool import PagePool
 from kvtier.tiers import Tier
 
 log = logging.getLogger("kvtier.transfer")
+# Credit a quiet background lane may build up: after idling, this many seconds of budget may
+# move at once before pacing starts.
+PACE_BURST_S = 0.05
 
 TransferId = NewType("TransferId", int)
 TierPair = tuple[Tier, Tier]
@@ -84,12 +92,13 @@ class CancelOutcome(enum.Enum):
 @dataclass(slots=True)
 class Transfer:
     """One move of pages between two tiers. ``pairs[i] = (src, dst)`` are page ids in a
-    pool tier or slot ids in the NVMe tier; ``keys``/``namespaces`` (and optionally
-    ``parents``/``tokens``, so the index can be rebuilt after a restart) name the pages
-    and are required when the destination is NVMe."""
+    pool tier or slot ids in the NVMe tier, held as a read-only int64 array ``[n, 2]`` (a
+    transfer of thousands of small pages costs no Python object per page);
+    ``keys``/``namespaces`` (and optionally ``parents``/``tokens``, so the index can be
+    rebuilt after a restart) name the pages and are required when the destination is NVMe."""
 
     transfer_id: TransferId
-    pairs: list[tuple[int, int]]
+    pairs: np.ndarray
     src_tier: Tier
     dst_tier: Tier
     reason: TransferReason
@@ -142,7 +151,8 @@ class TransferDone:
     def bad_pairs(self) -> list[tuple[int, int]]:
         if self.verified is None:
             return []
-        return [p for p, ok in zip(self.transfer.pairs, self.verified, strict=True) if not ok]
+        bad = self.transfer.pairs[~np.asarray(self.verified, dtype=bool)]
+        return [(s, d) for s, d in bad.tolist()]
 
 
 @dataclass(slots=True)
@@ -181,6 +191,27 @@ class TransferStats:
         )
 
 
+def _pairs_array(pairs: Sequence[tuple[int, int]] | np.ndarray) -> np.ndarray:
+    """``pairs`` as a read-only int64 array ``[n, 2]``, copied (the caller may reuse its list)."""
+    if isinstance(pairs, np.ndarray):
+        arr = np.array(pairs, dtype=np.int64)
+        if arr.size == 0:
+            arr = arr.reshape(0, 2)
+        if arr.ndim != 2 or arr.shape[1] != 2:
+            raise InvalidArgument(f"pairs must be [n, 2], got shape {arr.shape}", field="pairs")
+    else:
+        try:
+            if (np.fromiter(map(len, pairs), dtype=np.int64, count=len(pairs)) != 2).any():
+                raise ValueError("a pair that is not (source page, destination page)")
+            flat = np.fromiter(itertools.chain.from_iterable(pairs), dtype=np.int64, count=2 * len(pairs))
+        except (TypeError, ValueError) as exc:
+            message = f"pairs must be (source page, destination page) ints: {exc}"
+            raise InvalidArgument(message, field="pairs") from None
+        arr = flat.reshape(-1, 2)
+    arr.flags.writeable = False
+    return arr
+
+
 class _Cancelled(Exception):
     """Raised inside a running transfer at a run boundary after ``cancel``."""
 
@@ -194,6 +225,7 @@ class _Job:
     cancel_requested: bool = False
     done: bool = False
     moved_bytes: int = 0
+    charged_bytes: int = 0  # of moved_bytes, already charged to the engine's budget
     dst_released: bool = False
     started_at: float = 0.0
 
@@ -262,12 +294,17 @@ class TransferEngine:
         nvme: NvmePool | None = None,
         *,
         num_disk_threads: int = 2,
-        chunk_bytes: int = 2 << 20,
+        chunk_bytes: int = 8 << 20,
         intra_op_threads: int = 1,
+        copy_threads: int = 1,
         on_done: Callable[[TransferDone], None] | None = None,
         budget_bytes_per_s: float | None = None,
     ) -> None:
         self.budget_bytes_per_s = budget_bytes_per_s
+        # One budget for the whole engine, shared by every background job on both lanes: the
+        # time by which the bytes charged so far fit it (see _pace).
+        self._pace_lock = threading.Lock()
+        self._paced_until = 0.0
         self._pools: dict[Tier, PagePool | NvmePool] = {Tier.HBM: hbm}
         if dram is not None:
             self._pools[Tier.DRAM] = dram
@@ -279,6 +316,7 @@ class TransferEngine:
         self.page_bytes = hbm.geometry.page_bytes
         self.hbm, self.dram, self.nvme = hbm, dram, nvme
         self.chunk_pages = max(1, chunk_bytes // self.page_bytes)
+        self.copy_threads = copy_threads
         self.on_done = on_done
         self.is_cuda = hbm.tensor.is_cuda
         # One CUDA stream per lane, so a disk job never queues behind a device copy.
@@ -292,7 +330,8 @@ class TransferEngine:
         self._idle = threading.Condition(self._lock)
         self._ids = itertools.count(1)
         self._jobs: dict[TransferId, _Job] = {}
-        self._busy_dst: dict[tuple[Tier, int], TransferId] = {}
+        # Per destination tier: page or slot id -> the pending transfer writing it.
+        self._busy_dst: dict[Tier, dict[int, TransferId]] = {tier: {} for tier in self._pools}
         self._completed: collections.deque[TransferDone] = collections.deque()
         self._stats = TransferStats()
         self._closed = False
@@ -304,7 +343,7 @@ class TransferEngine:
         self,
         src_tier: Tier,
         dst_tier: Tier,
-        pairs: Sequence[tuple[int, int]],
+        pairs: Sequence[tuple[int, int]] | np.ndarray,
         reason: TransferReason,
         *,
         priority: int = 0,
@@ -318,7 +357,7 @@ class TransferEngine:
         destination already targeted by a pending transfer)."""
         transfer = Transfer(
             transfer_id=TransferId(0),
-            pairs=[(int(s), int(d)) for s, d in pairs],
+            pairs=_pairs_array(pairs),
             src_tier=src_tier,
             dst_tier=dst_tier,
             reason=reason,
@@ -335,47 +374,50 @@ class TransferEngine:
         if self.is_cuda:
             job.ready_event = torch.cuda.Event()
             job.ready_event.record()
+        dsts = transfer.pairs[:, 1].tolist()
         with self._lock:
             if self._closed:
                 raise InvalidArgument("submit after close()")
-            for _, d in transfer.pairs:
-                other = self._busy_dst.get((dst_tier, d))
-                if other is not None:
-                    raise InvalidArgument(
-                        f"{dst_tier.label} page {d} is already the destination of pending transfer {other}"
-                    )
+            busy = self._busy_dst[dst_tier]
+            if not busy.keys().isdisjoint(dsts):
+                d = next(d for d in dsts if d in busy)
+                raise InvalidArgument(
+                    f"{dst_tier.label} page {d} is already the destination of pending transfer {busy[d]}"
+                )
             transfer.transfer_id = TransferId(next(self._ids))
-            for _, d in transfer.pairs:
-                self._busy_dst[(dst_tier, d)] = transfer.transfer_id
+            busy.update(dict.fromkeys(dsts, transfer.transfer_id))
             self._jobs[transfer.transfer_id] = job
             self._stats.num_submitted += 1
         job.lane.put(job)
         return transfer
 
     def _validate(self, t: Transfer) -> None:
+        """Whole-array checks: a transfer of 8192 small pages must not cost 8192 Python calls."""
         for tier in (t.src_tier, t.dst_tier):
             if tier not in self._pools:
                 raise InvalidArgument(f"transfer engine has no {tier.label} tier", field="tier")
         if t.src_tier == t.dst_tier:
             raise InvalidArgument(f"transfer from {t.src_tier.label} to itself", field="dst_tier")
-        if not t.pairs:
-            raise InvalidArgument("transfer with no pages", field="pairs")
         n = len(t.pairs)
+        if not n:
+            raise InvalidArgument("transfer with no pages", field="pairs")
         for side, tier in ((0, t.src_tier), (1, t.dst_tier)):
             pool = self._pools[tier]
             limit = pool.num_slots if isinstance(pool, NvmePool) else pool.num_pages
-            ids = [p[side] for p in t.pairs]
-            if len(set(ids)) != n:
+            ids = t.pairs[:, side]
+            out_of_range = (ids < 0) | (ids >= limit)
+            if out_of_range.any():
+                bad = int(ids[out_of_range][0])
+                raise InvalidArgument(f"{tier.label} page {bad} out of range [0, {limit})", field="pairs")
+            ordered = ids if (np.diff(ids) > 0).all() else np.sort(ids)
+            if (np.diff(ordered) == 0).any():
                 raise InvalidArgument(f"a {tier.label} page appears twice in one transfer", field="pairs")
-            bad = [i for i in ids if not 0 <= i < limit]
-            if bad:
-                raise InvalidArgument(f"{tier.label} page {bad[0]} out of range [0, {limit})", field="pairs")
-        for side, tier in ((0, t.src_tier), (1, t.dst_tier)):
-            pool = self._pools[tier]
             if isinstance(pool, PagePool):
-                free = [
-                    p[side] for p in t.pairs if pool.ref_count(p[side]) == 0 and not pool.is_cached(p[side])
-                ]
+                id_list = ids.tolist()
+                refs = list(map(pool.ref_count, id_list))  # held pages: one C-level pass
+                free = []
+                if 0 in refs:
+                    free = [p for p, r in zip(id_list, refs, strict=True) if r == 0 and not pool.is_cached(p)]
                 if free:
                     raise InvalidArgument(
                         f"{tier.label} page {free[0]} is free; the caller holds every page it names "
@@ -384,10 +426,11 @@ class TransferEngine:
                     )
         if t.dst_tier is Tier.NVME:
             assert self.nvme is not None
-            unreserved = [d for _, d in t.pairs if not self.nvme.is_reserved(SlotId(d))]
-            if unreserved:
+            reserved = self.nvme.reserved_mask(t.pairs[:, 1])
+            if not reserved.all():
+                unreserved = int(t.pairs[~reserved, 1][0])
                 raise InvalidArgument(
-                    f"nvme slot {unreserved[0]} is not reserved (allocate it first)", field="pairs"
+                    f"nvme slot {unreserved} is not reserved (allocate it first)", field="pairs"
                 )
             for name, seq in (("keys", t.keys), ("namespaces", t.namespaces)):
                 if seq is None or len(seq) != n:
@@ -397,17 +440,18 @@ class TransferEngine:
                     raise InvalidArgument(f"{n} pages but {len(seq)} {name}", field=name)
         if t.src_tier is Tier.DRAM:
             assert self.dram is not None
-            missing = [s for s, _ in t.pairs if self.dram.checksum(PageId(s)) is None]
-            if missing:
+            present = self.dram.checksum_array(t.pairs[:, 0])[1]
+            if not present.all():
+                missing = int(t.pairs[~present, 0][0])
                 raise InvalidArgument(
-                    f"dram page {missing[0]} has no checksum; pages enter DRAM only through a transfer",
+                    f"dram page {missing} has no checksum; pages enter DRAM only through a transfer",
                     field="pairs",
                 )
         if t.src_tier is Tier.NVME:
             assert self.nvme is not None
-            empty = [s for s, _ in t.pairs if self.nvme.entry(SlotId(s)) is None]
-            if empty:
-                raise InvalidArgument(f"nvme slot {empty[0]} holds no page", field="pairs")
+            stored = self.nvme.stored_mask(t.pairs[:, 0])
+            if not stored.all():
+                raise InvalidArgument(f"nvme slot {int(t.pairs[~stored, 0][0])} holds no page", field="pairs")
 
     # ---- cancellation, completion -----------------------------------------------------
     def cancel(self, transfer_id: TransferId) -> CancelOutcome:
@@ -458,11 +502,15 @@ class TransferEngine:
             s = self._stats
             if s.num_in_flight != len(self._jobs):
                 problems.append(f"stats say {s.num_in_flight} in flight, {len(self._jobs)} jobs pending")
-            expected = {(j.transfer.dst_tier, d) for j in self._jobs.values() for _, d in j.transfer.pairs}
-            if expected != set(self._busy_dst):
-                problems.append(
-                    f"{len(self._busy_dst)} busy destinations, pending transfers name {len(expected)}"
-                )
+            expected: dict[Tier, set[int]] = {tier: set() for tier in self._busy_dst}
+            for j in self._jobs.values():
+                expected[j.transfer.dst_tier].update(j.transfer.pairs[:, 1].tolist())
+            for tier, busy in self._busy_dst.items():
+                if expected[tier] != set(busy):
+                    problems.append(
+                        f"{len(busy)} busy {tier.label} destinations, "
+                        f"pending transfers name {len(expected[tier])}"
+                    )
             if any(v < 0 for v in s.bytes_moved.values()):
                 problems.append("negative byte count")
         if problems:
@@ -490,8 +538,12 @@ class TransferEngine:
                 s.pages_moved[pair] = s.pages_moved.get(pair, 0) + done.num_bytes // self.page_bytes
             s.latency_s_sum[pair] = s.latency_s_sum.get(pair, 0.0) + done.latency_s
             s.latency_s_max = max(s.latency_s_max, done.latency_s)
-            for _, d in t.pairs:
-                self._busy_dst.pop((t.dst_tier, d), None)
+            busy = self._busy_dst[t.dst_tier]
+            if len(busy) == len(t.pairs):
+                busy.clear()  # every entry is one of ours (the only transfer into this tier)
+            else:
+                for d in t.pairs[:, 1].tolist():
+                    busy.pop(d, None)
             del self._jobs[t.transfer_id]
             self._completed.append(done)
             self._idle.notify_all()
@@ -530,6 +582,7 @@ class TransferEngine:
             done.dst_released = job.dst_released
         else:
             done = TransferDone(t, TransferStatus.OK, checksums, verified, job.moved_bytes)
+        self._pace(job, wait=False)  # the last run's bytes: the next background job pays
         done.queued_s = queued_s
         done.run_s = time.monotonic() - started
         with self._lock:
@@ -544,6 +597,10 @@ class TransferEngine:
     def _runs(pairs: np.ndarray, limit: int, *, by: str = "both") -> list[np.ndarray]:
         """Positions into ``pairs`` grouped into runs of at most ``limit``: where src and dst
         both advance by one (``by="both"``), or dst alone (``by="dst"``)."""
+        if by == "both" and len(pairs) > 1 and (np.diff(pairs, axis=0) == 1).all():
+            # Already one run (the common case): no sort.
+            whole = np.arange(len(pairs))
+            return [whole[c : c + limit] for c in range(0, len(pairs), limit)]
         if by == "both":
             order = np.lexsort((pairs[:, 1], pairs[:, 0]))
             ordered = pairs[order]
@@ -557,17 +614,33 @@ class TransferEngine:
         return runs
 
     def _check_cancel(self, job: _Job) -> None:
-        """Called between runs: honours cancellation, and paces background transfers to
-        ``budget_bytes_per_s`` (promotions are never paced: a request waits on them)."""
+        """Called between runs: honours cancellation, and paces background transfers."""
         if job.cancel_requested:
             raise _Cancelled
+        self._pace(job)
+
+    def _pace(self, job: _Job, *, wait: bool = True) -> None:
+        """Charge the bytes ``job`` moved since its last charge to the engine's budget
+        (``budget_bytes_per_s``) and, with ``wait``, sleep while the engine is ahead of it.
+
+        The budget is one virtual clock shared by all background jobs, so many small
+        demotions are paced like one large one. Idle time earns at most ``PACE_BURST_S``
+        of credit. Promotions are never paced: a request waits on them.
+        """
         budget = self.budget_bytes_per_s
-        if budget and not job.transfer.is_promotion and job.moved_bytes:
-            ahead_s = job.moved_bytes / budget - (time.monotonic() - job.started_at)
-            if ahead_s > 0:
-                time.sleep(min(ahead_s, 0.05))
-                if job.cancel_requested:
-                    raise _Cancelled
+        if not budget or job.transfer.is_promotion:
+            return
+        delta = job.moved_bytes - job.charged_bytes
+        job.charged_bytes = job.moved_bytes
+        now = time.monotonic()
+        with self._pace_lock:
+            self._paced_until = max(self._paced_until, now - PACE_BURST_S) + delta / budget
+            ahead_s = self._paced_until - now
+        while wait and ahead_s > 0:
+            time.sleep(min(ahead_s, 0.05))
+            if job.cancel_requested:
+                raise _Cancelled
+            ahead_s = self._paced_until - time.monotonic()
 
     def _run(self, job: _Job) -> tuple[list[int], list[bool] | None]:
         if not self.is_cuda:
@@ -582,7 +655,7 @@ class TransferEngine:
 
     def _dispatch(self, job: _Job) -> tuple[list[int], list[bool] | None]:
         t = job.transfer
-        pairs = np.asarray(t.pairs, dtype=np.int64).reshape(-1, 2)
+        pairs = t.pairs
         key = (t.src_tier, t.dst_tier)
         if key == (Tier.HBM, Tier.DRAM):
             return self._hbm_to_dram(job, pairs).tolist(), None
@@ -597,8 +670,8 @@ class TransferEngine:
     def _memcpy_runs(
         self, job: _Job, pairs: np.ndarray, src: torch.Tensor, dst: torch.Tensor, on: str
     ) -> np.ndarray:
-        """Copy every run (one ``copy_`` each, checksummed while in cache); return each
-        pair's checksum (uint64) of the ``on`` side, "src" or "dst"."""
+        """Copy every run (one call each, checksummed on the way); return each pair's
+        checksum (uint64) of the ``on`` side, "src" or "dst"."""
         sums = np.zeros(len(pairs), dtype=np.uint64)
         for run in self._runs(pairs, self.chunk_pages):
             self._check_cancel(job)
@@ -607,8 +680,11 @@ class TransferEngine:
             if self.is_cuda:
                 values = self._cuda_copy(src[s0 : s0 + k], dst[d0 : d0 + k], on)
             else:
-                dst[d0 : d0 + k].copy_(src[s0 : s0 + k])
-                values = page_checksums(dst[d0 : d0 + k] if on == "dst" else src[s0 : s0 + k])
+                # One pass: each word is stored and summed while in a register, so the sum
+                # is that of both sides (C++ kernel; torch copy-then-sum as fallback).
+                values = page_copy.copy_with_checksums(
+                    src[s0 : s0 + k], dst[d0 : d0 + k], num_threads=self.copy_threads
+                )
             sums[run] = values.numpy().view(np.uint64)
             job.moved_bytes += k * self.page_bytes
         return sums
@@ -671,22 +747,26 @@ class TransferEngine:
                 # Checksum per run of consecutive source pages, in HBM, before they leave.
                 for part in np.split(np.arange(len(ids)), np.flatnonzero(np.diff(ids) != 1) + 1):
                     a = int(ids[part[0]])
-                    sums[group[part]] = page_checksums(src[a : a + len(part)]).cpu().numpy().view(np.uint64)
-            pages: list[torch.Tensor] | torch.Tensor = [src[int(i)] for i in ids]
+                    values = page_copy.checksums(src[a : a + len(part)]).cpu()
+                    sums[group[part]] = values.numpy().view(np.uint64)
+            # Host pages go out straight from the pool (pages picked by row, no per-page
+            # tensor); device pages through the staging buffer.
+            pages, rows = src, ids
             if src.is_cuda:
-                staged = self._host_pages(len(ids))
-                for j, page in enumerate(pages):
-                    staged[j].copy_(page)
-                pages = staged
+                pages, rows = self._host_pages(len(ids)), None
+                for j, i in enumerate(ids.tolist()):
+                    pages[j].copy_(src[i])
             try:
+                positions = group.tolist()
                 nvme.write_pages(
-                    [SlotId(int(d)) for d in pairs[group, 1]],
+                    pairs[group, 1],
                     pages,
-                    [t.keys[i] for i in group],
-                    [t.namespaces[i] for i in group],
-                    sums[group].tolist(),
-                    parents=[t.parents[i] for i in group] if t.parents else None,
-                    tokens=[t.tokens[i] for i in group] if t.tokens else None,
+                    [t.keys[i] for i in positions],
+                    [t.namespaces[i] for i in positions],
+                    sums[group],
+                    parents=[t.parents[i] for i in positions] if t.parents else None,
+                    tokens=[t.tokens[i] for i in positions] if t.tokens else None,
+                    rows=rows,
                 )
             except (DiskFull, NvmeIOError):
                 # write_pages gave this group's slots back; give back the rest too, so a
@@ -711,16 +791,14 @@ class TransferEngine:
         for group in self._runs(pairs, nvme.max_slots_per_io, by="dst"):
             self._check_cancel(job)
             d0, k = int(pairs[group[0], 1]), len(group)
-            slots = [SlotId(int(s)) for s in pairs[group, 0]]
+            slots = pairs[group, 0]
             target = dst_pool.tensor[d0 : d0 + k]
             staged = self._host_pages(k) if target.is_cuda else target
             verdicts = nvme.read_pages(slots, staged)
             if staged is not target:
                 target.copy_(staged)
-            for j, (slot, verdict) in enumerate(zip(slots, verdicts, strict=True)):
-                entry = nvme.entry(slot)
-                sums[group[j]] = entry[2] if entry else 0
-                ok[group[j]] = verdict.ok
+            sums[group] = nvme.stored_checksums(slots)
+            ok[group] = [v.ok for v in verdicts]
             job.moved_bytes += k * self.page_bytes
         if isinstance(dst_pool, DramPool):
             dst_pool.set_checksums(pairs[ok, 1], sums[ok])

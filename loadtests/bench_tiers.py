@@ -9,14 +9,19 @@ Baselines, measured in the same run on the same directory:
   never flatters kvtier. Where the directory refuses O_DIRECT (tmpfs, some overlays), dd
   writes with ``conv=fdatasync`` and the read comes from the page cache, which cannot
   be dropped without root: the read baseline is then marked ``cached``.
-* memcpy: ``dst.copy_(src)`` of one large host tensor.
+* memcpy: ``dst.copy_(src)`` of one large host tensor, with one thread and with torch's
+  default; the faster is the baseline. ``dram_copy_vs_memcpy_1thread`` also reports the
+  ratio to the one-thread memcpy: the same core budget as the copy lane, which leaves
+  the other core to decode.
 
-kvtier numbers go through ``TransferEngine`` (worker threads, slot runs, checksums):
-DRAM -> NVMe and NVMe -> DRAM (verified) for page groups, HBM -> DRAM (checksummed) and
-DRAM -> HBM (verified) on the CPU. Throughput counts page bytes only (slot headers and
-padding are overhead the ratio pays for). Every measurement runs once per iteration, back
-to back with its baseline, and each ratio is the median of its per-iteration ratios.
-Two geometries: the tiny test model (32 KiB pages) and Llama-3.1-8B (bf16, 2 MiB pages).
+kvtier numbers go through ``TransferEngine`` (worker threads, slot runs, checksums; the
+fused C++ copy + checksum kernel when it builds): DRAM -> NVMe and NVMe -> DRAM (verified)
+for page groups, HBM -> DRAM (checksummed) and DRAM -> HBM (verified) on the CPU.
+Throughput counts page bytes only (slot headers and padding are overhead the ratio pays
+for). Every measurement runs once per iteration, back to back with its baseline, and
+each ratio is the median of its per-iteration ratios. Two geometries: the tiny test
+model (32 KiB pages) and Llama-3.1-8B (bf16, 2 MiB pages). The 1-minute load average is
+recorded with every iteration: on a shared machine it explains most of the spread.
 
 ``decode_slowdown_during_demotion``: the engine's decode step (built-in tiny model, 8
 sequences) while 256 MiB of cached pages demote HBM -> DRAM through the engine's own tier
@@ -40,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from kvtier import page_copy
 from kvtier.checksum import page_checksums
 from kvtier.dram_pool import DramPool, aligned_host_tensor, make_dram_pool
 from kvtier.engine import Engine, SamplingParams
@@ -214,9 +220,12 @@ class NvmeBench:
             "write_Bps": page_bytes / _timed_transfers(engine, write),
             "read_Bps": page_bytes / _timed_transfers(engine, read),
         }
+        # Freed, not flushed: the next round's allocation takes the releasing slots back
+        # with no header rewrite, as a full tier does. Flushing 8192 of them here (one
+        # synchronous 4 KiB write each) kept the virtual disk busy into the next
+        # measurement.
         for s in slots:
             self.nvme.free(s)
-        self.nvme.flush_frees()
         return result
 
     def close(self) -> None:
@@ -343,6 +352,7 @@ def run(directory: Path, direct: bool, total_mib: int, repeats: int) -> dict:
     try:
         for _ in range(repeats):
             it: dict = {
+                "load_avg_1m": os.getloadavg()[0],
                 "dd": dd_once(directory, total_mib, direct),
                 "memcpy": memcpy.once(),
                 "geometries": {},
@@ -356,6 +366,8 @@ def run(directory: Path, direct: bool, total_mib: int, repeats: int) -> dict:
                     "nvme_read_vs_direct": n["read_Bps"] / it["dd"]["read_Bps"],
                     "dram_demote_vs_memcpy": c["demote_Bps"] / it["memcpy"]["Bps"],
                     "dram_promote_vs_memcpy": c["promote_Bps"] / it["memcpy"]["Bps"],
+                    "dram_copy_vs_memcpy_1thread": min(c["demote_Bps"], c["promote_Bps"])
+                    / it["memcpy"]["1_threads_Bps"],
                 }
             iterations.append(it)
     finally:
@@ -368,6 +380,7 @@ def run(directory: Path, direct: bool, total_mib: int, repeats: int) -> dict:
         "nvme_read_vs_direct",
         "dram_demote_vs_memcpy",
         "dram_promote_vs_memcpy",
+        "dram_copy_vs_memcpy_1thread",
     )
     per_geometry = {
         name: {
@@ -382,12 +395,15 @@ def run(directory: Path, direct: bool, total_mib: int, repeats: int) -> dict:
         "nvme_write_vs_direct": min(p["nvme_write_vs_direct"] for p in per),
         "nvme_read_vs_direct": min(p["nvme_read_vs_direct"] for p in per),
         "dram_copy_vs_memcpy": min(min(p["dram_demote_vs_memcpy"], p["dram_promote_vs_memcpy"]) for p in per),
+        "dram_copy_vs_memcpy_1thread": min(p["dram_copy_vs_memcpy_1thread"] for p in per),
         "decode_slowdown_during_demotion": slowdown["ratio"],
         "decode_during_demotion": slowdown,
         "geometries": per_geometry,
         "dir": str(directory),
         "o_direct": direct,
         "dd_read_cached": not direct,
+        "copy_kernel": "fused C++" if page_copy.kernel_enabled() else "torch (copy, then checksum)",
+        "load_avg_1m": [it["load_avg_1m"] for it in iterations] + [os.getloadavg()[0]],
         "iterations": iterations,
         "elapsed_s": time.perf_counter() - started,
     }
@@ -398,13 +414,19 @@ def _gbps(bps: float) -> str:
 
 
 def print_report(r: dict) -> None:
-    print(f"directory {r['dir']}  O_DIRECT {'yes' if r['o_direct'] else 'NO (buffered dd, cached read)'}")
+    ratio = r["decode_slowdown_during_demotion"]
+    slowdown = "n/a (no step ran during the demotion)" if ratio is None else f"{ratio:.2f}"
+    print(
+        f"directory {r['dir']}  O_DIRECT {'yes' if r['o_direct'] else 'NO (buffered dd, cached read)'}"
+        f"  copy kernel {r['copy_kernel']}"
+    )
     for i, it in enumerate(r["iterations"]):
         dd, mc = it["dd"], it["memcpy"]
         print(
-            f"iteration {i}: dd write {_gbps(dd['write_1M_Bps'])} (1M) {_gbps(dd['write_16M_Bps'])} (16M)"
+            f"iteration {i} (load {it['load_avg_1m']:.2f}): "
+            f"dd write {_gbps(dd['write_1M_Bps'])} (1M) {_gbps(dd['write_16M_Bps'])} (16M)"
             f"  read {_gbps(dd['read_1M_Bps'])} (1M) {_gbps(dd['read_16M_Bps'])} (16M)"
-            f"  memcpy {_gbps(mc['Bps'])}"
+            f"  memcpy {_gbps(mc['Bps'])} (1 thread {_gbps(mc['1_threads_Bps'])})"
         )
         for name, p in it["geometries"].items():
             print(
@@ -421,8 +443,9 @@ def print_report(r: dict) -> None:
     print(
         f"nvme_write_vs_direct {r['nvme_write_vs_direct']:.2f}  "
         f"nvme_read_vs_direct {r['nvme_read_vs_direct']:.2f}"
-        f"  dram_copy_vs_memcpy {r['dram_copy_vs_memcpy']:.2f}  decode_slowdown_during_demotion "
-        f"{r['decode_slowdown_during_demotion']}  ({r['elapsed_s']:.0f} s)"
+        f"  dram_copy_vs_memcpy {r['dram_copy_vs_memcpy']:.2f}"
+        f" (1 thread {r['dram_copy_vs_memcpy_1thread']:.2f})"
+        f"  decode_slowdown_during_demotion {slowdown}  ({r['elapsed_s']:.0f} s)"
     )
 
 

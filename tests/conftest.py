@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import grpc.aio
 import pytest
 from hypothesis import settings
 
@@ -15,6 +16,13 @@ from valkey_fixture import flushed_redis_url, redis_client, redis_url  # noqa: F
 settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+# Hold one reference on gRPC's asyncio runtime from the main thread for the whole session.
+# Otherwise the runtime shuts down whenever the last aio object is collected, and that
+# shutdown joins gRPC's poller thread, which can block forever when collection happens late
+# (pytest's final gc.collect(), after event loops closed): grpc/grpc#22365, #40989. The
+# session then hangs after every test has passed.
+grpc.aio.init_grpc_aio()
 
 
 @pytest.fixture(scope="session")

@@ -1,14 +1,21 @@
-"""Fast checks of the agent-workload benchmark's generator and metrics (no stack)."""
+"""Fast checks of the agent-workload benchmark's generator, sizing and metrics (no stack)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import math
 
+from kvtier.controller.prefetch import Outcome, PauseOutcome, PrefetchStats
+from kvtier.tiers import Tier
 from loadtests.agent_workload import (
+    WORKLOAD_MODEL_CONFIG,
     TurnRecord,
     WorkloadSpec,
+    _page_bytes,
+    hbm_pages_for,
     headline,
+    join_outcomes,
     make_workload,
+    orchestrator_params,
     prefetch_summary,
     summarize,
     targets,
@@ -28,20 +35,43 @@ def test_workload_is_deterministic_and_bounded() -> None:
     assert a.working_set_pages() > 0
 
 
-def _rec(turn: int, ttft: float, cacheable: int, cached: int, recomputed: int = 0) -> TurnRecord:
-    return TurnRecord("p", "t/s0", turn, 100, cacheable, cached, 0, recomputed, ttft)
+def test_hbm_is_under_pressure_and_recompute_costs_more_than_the_lower_tier() -> None:
+    """What makes the comparison mean something: the sessions' pages do not all fit in HBM,
+    and bringing a context back from the lower tier is cheaper than recomputing it, by the
+    orchestrator's own cost model (so it parks rather than keeps everything)."""
+    for spec in (WorkloadSpec.quick(), WorkloadSpec()):
+        workload = make_workload(spec, WORKLOAD_MODEL_CONFIG["vocab_size"])
+        hbm = hbm_pages_for(spec, workload)
+        session_pages = math.ceil(workload.max_context_tokens() / spec.page_size)
+        assert 2 * session_pages < hbm < 0.6 * workload.working_set_pages()
+        params = orchestrator_params(spec)
+        page_bytes = _page_bytes(WORKLOAD_MODEL_CONFIG, spec.page_size)
+        assert params.cost_model.page_bytes == page_bytes
+        promote_s = session_pages * page_bytes / params.bandwidth_bytes_per_s[(Tier.NVME, Tier.HBM)]
+        assert promote_s < params.cost_model.prefix_recompute_s(session_pages) / 3
+    # A resumed turn adds far less than its context: its prefill is short, the context is not.
+    spec = WorkloadSpec()
+    assert spec.tool_result_tokens + spec.max_tokens < (spec.system_prompt_tokens + spec.user_tokens) / 8
+
+
+def _rec(turn: int, ttft: float, cacheable: int, cached: int, recomputed: int = 0, promoted: int = 0,
+         session: str = "t/s0") -> TurnRecord:
+    return TurnRecord("p", session, turn, 100, cacheable, cached, promoted, recomputed, ttft)
 
 
 def test_summarize_and_headline() -> None:
-    records = [_rec(0, 500.0, 0, 0), _rec(1, 100.0, 96, 96), _rec(2, 300.0, 160, 128, recomputed=5)]
+    records = [_rec(0, 500.0, 0, 0), _rec(1, 100.0, 96, 96), _rec(2, 300.0, 160, 128, recomputed=5, promoted=32)]
     s = summarize(records)
     assert s["resume_ttft_ms"]["p50"] in (100.0, 300.0)
     assert s["recomputed_tokens"] == 32 + 5
-    stats = SimpleNamespace(on_time_bytes=30, late_bytes=10, wasted_bytes=0, num_on_time=3, num_late=1,
-                            num_demoted=4, demoted_bytes=40, num_kept_in_hbm=0, num_throttled=0,
-                            num_wasted=0, abs_error_ms_sum=40.0, num_errors=4)
+    assert s["resumes_promoting"] == 1 and s["resume_promoted_tokens"] == 32
+    assert s["resume_ttft_ms_samples"] == [100.0, 300.0]
+    stats = PrefetchStats(num_demoted=4, demoted_bytes=40, num_prefetched=4, prefetched_bytes=40,
+                          num_on_time=3, on_time_bytes=30, num_late=1, late_bytes=10)
+    stats.count_waste("evicted", 2)
     pf = prefetch_summary(stats)
-    assert pf["on_time_fraction"] == 0.75 and pf["wasted_fraction"] == 0.0
+    assert pf["on_time_fraction"] == 0.75 and pf["wasted_fraction"] == 0.05
+    assert pf["wasted_bytes_by_reason"] == {"evicted": 2}
     policies = {"kvtier": {"resume_ttft_ms": {"p50": 110.0}, "prefetch": pf},
                 "infinite-hbm": {"resume_ttft_ms": {"p50": 100.0}},
                 "reactive": {"resume_ttft_ms": {"p50": 200.0}}}
@@ -49,4 +79,29 @@ def test_summarize_and_headline() -> None:
     assert abs(head["kvtier_over_infinite_hbm"] - 1.1) < 1e-9 and head["kvtier_over_reactive"] == 0.55
     met = targets(head)
     assert met["kvtier_over_infinite_hbm<=1.1"] and not met["kvtier_over_reactive<=0.5"]
-    assert met["prefetch_on_time>=0.95"] is False
+    assert met["prefetch_on_time>=0.95"] is False and met["wasted_prefetch<=0.10"] is True
+    # Nothing parked, nothing to score: not a met target.
+    assert targets(headline({"kvtier": {"prefetch": prefetch_summary(PrefetchStats())}}))["wasted_prefetch<=0.10"] is None
+
+
+def test_pauses_join_the_turns_they_preceded() -> None:
+    """The k-th closed pause of a session precedes its turn k + 1; an on-time prefetch whose
+    turn still promoted pages is the client's evidence of waste."""
+
+    def pause(session: str, outcome: str, lead_ms: float | None) -> PauseOutcome:
+        return PauseOutcome(session, "search", Tier.NVME, 4, 4 << 20, outcome, 0, 500.0, 520.0, None, lead_ms)
+
+    records = [
+        _rec(0, 300.0, 0, 0, session="a/s0"), _rec(1, 40.0, 64, 64, session="a/s0"),
+        _rec(2, 90.0, 80, 80, promoted=32, session="a/s0"),
+        _rec(0, 310.0, 0, 0, session="a/s1"), _rec(1, 95.0, 64, 64, promoted=64, session="a/s1"),
+    ]
+    outcomes = [pause("a/s0", Outcome.ON_TIME, 200.0), pause("a/s1", Outcome.LATE, None),
+                pause("a/s0", Outcome.ON_TIME, 150.0)]
+    joined = join_outcomes(records, outcomes, page_size=16, page_bytes=1 << 20)
+    by = joined["resume_ttft_ms_by_prefetch"]
+    assert by["on_time"]["n"] == 2 and by["on_time"]["promoting"] == 1
+    assert by["late"] == {"n": 1, "p50": 95.0, "p99": 95.0, "promoting": 1}
+    assert joined["client_resumes_promoting_after_on_time_prefetch"] == 1  # a/s0's turn 2
+    assert joined["client_promoted_bytes_after_on_time_prefetch"] == 2 << 20
+    assert joined["prefetch_lead_ms"]["p50"] in (150.0, 200.0)

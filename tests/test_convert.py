@@ -29,6 +29,9 @@ TEXT = st.text(max_size=12)
 NAME = st.text(min_size=1, max_size=12)
 OPT_NAME = st.none() | NAME
 OPT_U64 = st.none() | U64
+# Caller-given durations are bounded (convert.MAX_DURATION_MS, a year).
+OPT_DURATION_MS = st.none() | st.integers(0, convert.MAX_DURATION_MS)
+OPT_DURATION_S = st.none() | st.integers(0, convert.MAX_DURATION_MS // 1000)
 TOKEN = st.integers(0, 2**31 - 1)
 TOKENS = st.lists(TOKEN, max_size=40).map(tuple)
 KEY = st.binary(min_size=KEY_BYTES, max_size=KEY_BYTES)
@@ -199,6 +202,9 @@ commands = st.one_of(
     st.builds(r.InvalidateCommand, scope=scopes, policy_epoch=st.integers(1, 2**64 - 1)),
     st.builds(r.RequestSnapshotCommand, snapshot_id=NAME),
     st.builds(r.DrainCommand, draining=st.booleans()),
+    st.builds(r.PinCommand, pin_id=NAME, namespace_digest=KEY, page_keys=NONEMPTY_KEYS, tier=TIER,
+              expires_at_ms=OPT_U64),
+    st.builds(r.UnpinCommand, pin_id=NAME),
 )
 worker_infos = st.builds(
     r.WorkerInfo,
@@ -227,7 +233,7 @@ policies = st.builds(
     r.Policy,
     watermarks=st.dictionaries(TIER, watermarks()),
     tier_weights=st.dictionaries(TIER, st.floats(0.0, 1e6)),
-    budget_bytes_per_s=st.dictionaries(TIER, U64),
+    budget_bytes_per_s=st.dictionaries(TIER, st.integers(0, 2**63 - 1)),  # 2**63 up reads as negative
     eviction_policy=st.from_regex(r"[a-z0-9_-]{1,64}", fullmatch=True),
 )
 versioned_policies = st.builds(
@@ -288,8 +294,8 @@ ROUND_TRIPS: dict[str, st.SearchStrategy[Any]] = {
         num_running_seqs=U32,
     ),
     # sessions
-    "pause_request": st.builds(r.PauseRequest, session_id=NAME, tool_name=OPT_NAME, expected_ms=OPT_U64),
-    "returning_request": st.builds(r.ReturningRequest, session_id=NAME, eta_ms=OPT_U64),
+    "pause_request": st.builds(r.PauseRequest, session_id=NAME, tool_name=OPT_NAME, expected_ms=OPT_DURATION_MS),
+    "returning_request": st.builds(r.ReturningRequest, session_id=NAME, eta_ms=OPT_DURATION_MS),
     "end_request": st.builds(r.EndRequest, session_id=NAME),
     "session_info": session_infos,
     "pause_response": session_infos,
@@ -309,6 +315,8 @@ ROUND_TRIPS: dict[str, st.SearchStrategy[Any]] = {
         st.builds(r.DemoteCommand, namespace_digest=KEY, page_keys=NONEMPTY_KEYS, target_tier=TIER),
         st.builds(r.DemoteCommand, namespace_digest=KEY, page_keys=st.just(()), target_tier=TIER,
                   session_id=NAME),
+        st.builds(r.DemoteCommand, namespace_digest=KEY, page_keys=st.just(()), target_tier=TIER,
+                  whole_namespace=st.just(True)),
     ),
     "prefetch_command": st.one_of(
         st.builds(
@@ -325,12 +333,17 @@ ROUND_TRIPS: dict[str, st.SearchStrategy[Any]] = {
     "drop_command": st.one_of(
         st.builds(r.DropCommand, namespace_digest=KEY, page_keys=NONEMPTY_KEYS),
         st.builds(r.DropCommand, namespace_digest=KEY, page_keys=st.just(()), session_id=NAME),
+        st.builds(r.DropCommand, namespace_digest=KEY, page_keys=st.just(()), whole_namespace=st.just(True)),
     ),
     "invalidate_command": st.builds(
         r.InvalidateCommand, scope=scopes, policy_epoch=st.integers(1, 2**64 - 1)
     ),
     "request_snapshot_command": st.builds(r.RequestSnapshotCommand, snapshot_id=NAME),
     "drain_command": st.builds(r.DrainCommand, draining=st.booleans()),
+    "pin_command": st.builds(
+        r.PinCommand, pin_id=NAME, namespace_digest=KEY, page_keys=NONEMPTY_KEYS, tier=TIER, expires_at_ms=OPT_U64
+    ),
+    "unpin_command": st.builds(r.UnpinCommand, pin_id=NAME),
     "controller_command": st.builds(r.ControllerCommand, command_id=U64, command=commands),
     # admin
     "controller_status": st.builds(
@@ -374,7 +387,7 @@ ROUND_TRIPS: dict[str, st.SearchStrategy[Any]] = {
     "invalidate_result": st.builds(r.InvalidateResult, policy_epoch=U64, num_workers_notified=U32),
     "drain_request": st.builds(r.DrainRequest, worker_id=NAME, resume=st.booleans()),
     "drain_response": worker_infos,
-    "pin_request": st.builds(r.PinRequest, namespace=namespaces, prefix=prefixes, tier=TIER, ttl_s=OPT_U64),
+    "pin_request": st.builds(r.PinRequest, namespace=namespaces, prefix=prefixes, tier=TIER, ttl_s=OPT_DURATION_S),
     "pin_result": st.builds(r.PinResult, pin_id=NAME, num_pinned_pages=U64, expires_at_ms=OPT_U64),
     "unpin_request": st.builds(r.UnpinRequest, pin_id=NAME),
     "unpin_result": st.builds(r.UnpinResult, num_unpinned_pages=U64),
@@ -950,6 +963,56 @@ INVALID: list[tuple[str, Callable[[Any], Any], Any, type[KvtierError], str]] = [
         "invalidate.policy_epoch",
     ),
     (
+        "drop-whole-namespace-and-keys",
+        convert.from_proto_controller_command,
+        _command(drop=worker_link_pb2.DropCommand(namespace_digest=KEY16, page_keys=[KEY16], whole_namespace=True)),
+        InvalidArgument,
+        "drop.page_keys",
+    ),
+    (
+        "demote-whole-namespace-and-session",
+        convert.from_proto_controller_command,
+        _command(demote=worker_link_pb2.DemoteCommand(namespace_digest=KEY16, target_tier=2, session_id="s",
+                                                      whole_namespace=True)),
+        InvalidArgument,
+        "demote.session_id",
+    ),
+    (
+        "pin-command-no-id",
+        convert.from_proto_controller_command,
+        _command(pin=worker_link_pb2.PinCommand(namespace_digest=KEY16, page_keys=[KEY16], tier=1)),
+        InvalidArgument,
+        "pin.pin_id",
+    ),
+    (
+        "pin-command-no-keys",
+        convert.from_proto_controller_command,
+        _command(pin=worker_link_pb2.PinCommand(pin_id="p", namespace_digest=KEY16, tier=1)),
+        InvalidArgument,
+        "pin.page_keys",
+    ),
+    (
+        "pin-command-no-tier",
+        convert.from_proto_controller_command,
+        _command(pin=worker_link_pb2.PinCommand(pin_id="p", namespace_digest=KEY16, page_keys=[KEY16])),
+        InvalidArgument,
+        "pin.tier",
+    ),
+    (
+        "pin-command-short-digest",
+        convert.from_proto_controller_command,
+        _command(pin=worker_link_pb2.PinCommand(pin_id="p", namespace_digest=b"x", page_keys=[KEY16], tier=1)),
+        InvalidArgument,
+        "pin.namespace_digest",
+    ),
+    (
+        "unpin-command-no-id",
+        convert.from_proto_controller_command,
+        _command(unpin=worker_link_pb2.UnpinCommand()),
+        InvalidArgument,
+        "unpin.pin_id",
+    ),
+    (
         "snapshot-command-no-id",
         convert.from_proto_controller_command,
         _command(request_snapshot=worker_link_pb2.RequestSnapshotCommand()),
@@ -1072,6 +1135,30 @@ INVALID: list[tuple[str, Callable[[Any], Any], Any, type[KvtierError], str]] = [
         _policy(eviction_policy=""),
         InvalidArgument,
         "policy.eviction_policy",
+    ),
+    (
+        "pause-expected-beyond-a-year",
+        convert.from_proto_pause_request,
+        sessions_pb2.PauseRequest(session_id="s", expected_ms=2**64 - 1),
+        InvalidArgument,
+        "expected_ms",
+    ),
+    (
+        "returning-eta-beyond-a-year",
+        convert.from_proto_returning_request,
+        sessions_pb2.ReturningRequest(session_id="s", eta_ms=convert.MAX_DURATION_MS + 1),
+        InvalidArgument,
+        "eta_ms",
+    ),
+    (
+        "pin-ttl-beyond-a-year",
+        convert.from_proto_pin_request,
+        admin_pb2.PinRequest(
+            namespace=common_pb2.NamespaceIdentity(model_id="m", kv_dtype="fp32", page_size=4),
+            token_ids=common_pb2.TokenIds(ids=[1]), tier=common_pb2.TIER_HBM, ttl_s=2**63,
+        ),
+        InvalidArgument,
+        "ttl_s",
     ),
     (
         "versioned-policy-version-zero",

@@ -205,3 +205,28 @@ def test_sequence_that_outgrows_the_pool_finishes_with_length(checkpoints):
     assert len(r.prompt_token_ids) + len(r.token_ids) == 6 * 4 + 1  # every slot used, last token unfed
     assert engine.pool.num_in_use == 0
     engine.check_integrity()
+
+
+def test_a_private_duplicate_keeps_running_when_the_cached_parent_goes_down_a_tier(checkpoints):
+    """B computes the same prefix as A in the same step, so B runs on private copies while A's
+    pages are what the index caches. Once A finishes, those cached pages are idle and a
+    demotion (watermark, or a parked session) moves them to DRAM. B's next full page then has a
+    parent below HBM: it stays private (a child may not be faster than its parent) instead of
+    stopping the engine with "parent missing", and B's tokens are what they would have been."""
+    from kvtier.tier_manager import TierConfig
+    from kvtier.tiers import Tier
+
+    prompt = list(range(10, 18))  # two full pages of 4
+    reference = make_engine(checkpoints["llama"]).generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))
+    engine = make_engine(checkpoints["llama"], num_pages=64, tier_config=TierConfig(dram_pages=32))
+    a = engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    b = engine.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.step()  # both prefill; A finishes, its pages become the cached (idle) copies
+    engine.pop_result(a)
+    assert engine.tiers.demote_all(Tier.DRAM) == 2
+    engine.tiers.wait_idle()
+    engine.tiers.poll()
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pop_result(b).token_ids == reference[0].token_ids
+    engine.check_integrity()

@@ -452,14 +452,23 @@ def test_tls_and_auth_secrets_are_mounted_as_files(rendered: dict[str, list[dict
         assert mounts["tls"]["mountPath"] == "/etc/kvtier/tls" and mounts["tls"]["readOnly"]
         for var, file in (("CERT", "tls.crt"), ("KEY", "tls.key"), ("CA", "ca.crt")):
             assert env[f"KVTIER_TLS_{var}_FILE"] == f"/etc/kvtier/tls/{file}"
-        # Each pod gets only its own key of the auth Secret.
+        # Each pod gets the keys it needs: the token table (both verify callers), and the
+        # worker's own token only on workers.
         assert volumes["auth"]["secret"]["secretName"] == "kvtier-auth"
-        assert volumes["auth"]["secret"]["items"] == [{"key": token_key, "path": Path(token_file).name}]
+        expected_items = [{"key": "tokens", "path": "tokens"}]
+        if token_key != "tokens":
+            expected_items.append({"key": token_key, "path": Path(token_file).name})
+        assert volumes["auth"]["secret"]["items"] == expected_items
         assert env["KVTIER_AUTH_TOKEN_FILE"] == f"{mounts['auth']['mountPath']}/{Path(token_file).name}"
         assert env["KVTIER_AUTH_TOKEN_FILE"] == token_file
-    assert "KVTIER_AUTH_TOKEN_FILE" not in env_of(
-        container(controller_deployment(rendered["default"])["spec"]["template"]["spec"], "controller")
-    )
+        assert "KVTIER_ALLOW_UNAUTHENTICATED" not in env
+    assert literal_env(container(worker_pod, "ray-worker"))["KVTIER_AUTH_TOKENS_FILE"] == "/etc/kvtier/auth/tokens"
+    default_controller = container(controller_deployment(rendered["default"])["spec"]["template"]["spec"], "controller")
+    assert "KVTIER_AUTH_TOKEN_FILE" not in env_of(default_controller)
+    # Without auth the processes listen on 0.0.0.0 only because the chart says the network admits callers.
+    assert literal_env(default_controller)["KVTIER_ALLOW_UNAUTHENTICATED"] == "true"
+    (default_group,) = raycluster(rendered["default"])["spec"]["workerGroupSpecs"]
+    assert literal_env(container(default_group["template"]["spec"], "ray-worker"))["KVTIER_ALLOW_UNAUTHENTICATED"] == "true"
 
 
 CANARIES = {

@@ -134,6 +134,44 @@ def test_zero_copy_into_an_aligned_dram_pool(tmp_path, pools):
     assert torch.equal(dram.tensor[2:5], data)
 
 
+@pytest.mark.parametrize("geometry", [ALIGNED, ODD], ids=["aligned", "bounce"])
+def test_pages_picked_by_row_from_a_pool_tensor_with_batched_headers(tmp_path, pools, geometry):
+    # Scattered pool rows into scattered slots (three runs), mixed token counts and parents:
+    # each slot's header is byte for byte what SlotHeader.encode_into writes.
+    pool = pools(tmp_path, 16, geometry)
+    dram = make_dram_pool(10, geometry)
+    dram.tensor.copy_(pages_for(range(10), geometry))
+    rows = [7, 0, 3, 9, 4]
+    slots = [SlotId(s) for s in (5, 6, 7, 12, 1)]
+    reserved = pool.allocate_many(16)
+    assert reserved is not None
+    for s in sorted(set(reserved) - set(slots)):
+        pool.free(s)
+    tokens = [list(range(r, r + (r % 3) * 5)) for r in rows]
+    parents = [key_for(r + 100) if r % 2 else None for r in rows]
+    sums = [page_checksum(dram.tensor[r]) for r in rows]
+    keys = [key_for(r) for r in rows]
+    pool.write_pages(slots, dram.tensor, keys, [NS] * 5, sums, parents=parents, tokens=tokens, rows=rows)
+    for i, s in enumerate(slots):
+        generation = i + 1  # a fresh pool hands out generations 1, 2, ... in call order
+        header = SlotHeader(s, SlotState.COMPLETE, generation, geometry.page_bytes, sums[i], keys[i], NS)
+        header.parent_key, header.tokens = parents[i], tuple(tokens[i])
+        expected = bytearray(HEADER_BYTES)
+        header.encode_into(memoryview(expected))
+        path, offset = slot_offset(pool, s)
+        with open(path, "rb") as f:
+            f.seek(offset)
+            assert f.read(HEADER_BYTES) == bytes(expected)
+    out = torch.zeros(5, *dram.tensor.shape[1:], dtype=geometry.dtype)
+    assert pool.read_pages(slots, out) == [SlotVerdict.OK] * 5
+    assert torch.equal(out, dram.tensor[rows])
+    (spare,) = pool.allocate_many(1) or []
+    with pytest.raises(InvalidArgument, match="rows"):
+        pool.write_pages([spare], dram.tensor, [key_for(50)], [NS], [0], rows=[10])
+    assert pool.is_reserved(spare)  # a refused call changes nothing
+    pool.free(spare)
+
+
 def test_bf16_pages_and_buffered_io(tmp_path, pools):
     g = PoolGeometry(2, 2, 64, 16, torch.bfloat16)
     pool = pools(tmp_path, 4, g, direct_io=False, sync=SyncPolicy.DATA)
@@ -263,6 +301,25 @@ def test_free_defers_the_header_rewrite_to_a_flush(tmp_path, pools):
     assert pool.flush_frees() == 2 and pool.counts() == (4, 3, 0, 1, 0)
     pool.close()
     assert [r.slot for r in pools(tmp_path, 4).recovery.recovered] == [2]
+
+
+def test_allocation_reuses_releasing_slots_without_a_rewrite(tmp_path, pools):
+    pool = pools(tmp_path, 4)
+    store(pool, range(4))
+    pool.free(SlotId(2))
+    pool.free(SlotId(0))
+    assert pool.counts() == (4, 0, 0, 2, 2)
+    # Short of free slots: the releasing ones come back (lowest first) with no I/O.
+    assert pool.allocate_many(2) == [0, 2] and pool.counts() == (4, 0, 2, 2, 0)
+    pool.free(SlotId(2))  # unwritten: its disk header still names page 2, so releasing
+    assert pool.counts() == (4, 0, 1, 2, 1)
+    store(pool, [10], slots=[SlotId(0)])  # the write replaces page 0's header
+    pool.close()
+    # Page 2 was flushed at close, page 0 was overwritten: neither comes back.
+    again = pools(tmp_path, 4)
+    assert sorted((r.slot, r.key) for r in again.recovery.recovered) == [
+        (0, key_for(10)), (1, key_for(1)), (3, key_for(3))
+    ]
 
 
 def test_one_pool_per_directory(tmp_path, pools):

@@ -42,8 +42,8 @@ async def test_converges_to_a_lognormal_and_adapts_after_a_shift(redis_client):
     p = predictor.predict("acme", "search")
     assert p.source is PredictionSource.HISTORY
     assert abs(p.return_in_ms - 1_000.0) / 1_000.0 < 0.10
-    # 10 % / 90 % points of a lognormal(σ = 0.5): median × e^(∓1.2816 σ) ≈ 527 / 1898 ms.
-    assert abs(p.quantile_lo_ms - 527.0) / 527.0 < 0.2 and abs(p.quantile_hi_ms - 1898.0) / 1898.0 < 0.2
+    # 5 % / 90 % points of a lognormal(σ = 0.5): median × e^(−1.645 σ) ≈ 439, × e^(1.2816 σ) ≈ 1898 ms.
+    assert abs(p.quantile_lo_ms - 439.0) / 439.0 < 0.2 and abs(p.quantile_hi_ms - 1898.0) / 1898.0 < 0.2
     assert p.confidence > 0.8
 
     # The tool gets 4x slower: after a few half-lives the old shape no longer matters.
@@ -103,3 +103,34 @@ def test_rescaling_keeps_quantiles():
         history.observe(lognormal_ms(rng, 100.0, 0.01))
     assert abs(history.quantile_ms(0.5) - 100.0) < 5.0
     assert history.num_observations < 1_000
+
+
+def test_the_low_quantile_is_not_optimistic_with_a_short_history():
+    """Prefetches aim at ``quantile_lo_ms``: with 20 observations the next duration must fall
+    below it at most ~5 % of the time. The bare empirical 5 % point of 20 samples (about the
+    smallest seen) is undercut more often; the prediction bound is what keeps it honest."""
+    rng = random.Random(11)
+    num_trials = 2_000
+    below_bound = below_empirical = 0
+    for _ in range(num_trials):
+        history = ToolHistory("t", "x", half_life_obs=50.0)
+        for _ in range(20):
+            history.observe(lognormal_ms(rng, 1_000.0, 0.5))
+        following = lognormal_ms(rng, 1_000.0, 0.5)
+        below_bound += following < history.lower_bound_ms(0.05)
+        below_empirical += following < history.quantile_ms(0.05)
+    assert below_bound / num_trials <= 0.055
+    assert below_empirical > below_bound
+
+
+async def test_the_prefetch_quantile_is_the_configured_low_one(redis_client):
+    rng = random.Random(5)
+    predictor = ToolReturnPredictor(redis_client)
+    await feed(predictor, "acme", "run_tests", rng, 2_000.0, 0.4, 30)
+    p = predictor.predict("acme", "run_tests")
+    history = predictor.history("acme", "run_tests")
+    assert p.quantile_lo_ms == pytest.approx(history.lower_bound_ms(PredictorParams().lo_quantile))
+    assert p.quantile_lo_ms < history.quantile_ms(0.10) < p.return_in_ms
+    cold = ToolReturnPredictor(redis_client, PredictorParams(lo_quantile=0.05, default_sigma=0.5))
+    # No history: the lognormal default's 5 % point, median × e^(−1.645 σ).
+    assert cold.predict("acme", "other", expected_ms=1_000).quantile_lo_ms == pytest.approx(439.5, rel=0.01)

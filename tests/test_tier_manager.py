@@ -244,3 +244,48 @@ def test_disk_full_falls_back_to_dropping_and_keeps_serving(ckpt, tmp_path):
         [[(7 * i + j) % 256 for j in range(13)] for i in range(5)], SamplingParams(max_tokens=8, ignore_eos=True)
     )
     assert result["outs"] == [r.token_ids for r in expected]
+
+
+def test_a_prefetch_never_spills_the_ancestors_of_the_pages_it_brings_up(ckpt, tmp_path):
+    """HBM nearly full with a running request: making room for a prefetched chain's lower pages
+    must not spill the chain's own HBM pages above them (idle leaves of HBM while their
+    children are below), or a child would rise above its parent. The prefetch promotes what
+    fits below its HBM ancestors and leaves the rest below."""
+    engine = tiered(ckpt, tmp_path, num_pages=8, dram=16, nvme=0)
+    cached = prompt(17, seed=11)  # 4 full pages cached
+    engine.generate([cached], SamplingParams(max_tokens=1, ignore_eos=True))
+    chain = [engine.index.get(k) for k in page_keys(engine.digest_for(None), cached, PS)]
+    assert engine.tiers.demote_pages(chain[2:], Tier.DRAM).num_moved == 2
+    engine.tiers.wait_idle()
+    engine.tiers.poll()
+    engine.add_request(prompt(20, seed=12), SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()  # a running request now holds most of HBM
+    outcome = engine.tiers.prefetch(chain)
+    assert outcome.num_moved + outcome.num_skipped == 2 and outcome.num_moved >= 1
+    tiers = [n.tier for n in chain]
+    assert tiers[:2] == [Tier.HBM, Tier.HBM] and tiers == sorted(tiers)  # never faster than a parent
+    engine.check_integrity()
+
+
+def test_a_prefetch_leaves_a_page_already_on_its_way_down_to_its_transfer(ckpt, tmp_path):
+    """A chain page in the middle of a background demotion stops a prefetch of its chain there:
+    the transfer owns it (still marked as moving), and it may land below HBM while the pages
+    under it would be coming up. The index stays consistent once the demotion is applied."""
+    engine = tiered(ckpt, tmp_path, num_pages=16, dram=16, nvme=0)
+    cached = prompt(17, seed=13)
+    engine.generate([cached], SamplingParams(max_tokens=1, ignore_eos=True))
+    chain = [engine.index.get(k) for k in page_keys(engine.digest_for(None), cached, PS)]
+    assert engine.tiers.demote_pages(chain[2:], Tier.DRAM).num_moved == 2
+    engine.tiers.wait_idle()
+    engine.tiers.poll()
+    assert engine.tiers.demote(Tier.HBM, Tier.DRAM, 1, TransferReason.WATERMARK) is not None
+    assert chain[1].moving  # the only idle HBM leaf is on its way down
+    outcome = engine.tiers.prefetch(chain)
+    assert (outcome.num_moved, outcome.num_skipped) == (0, 2) and chain[1].moving
+    engine.tiers.wait_idle()
+    engine.tiers.poll()
+    tiers = [n.tier for n in chain]
+    assert tiers == sorted(tiers) and tiers[0] is Tier.HBM
+    engine.check_integrity()
+    assert engine.tiers.prefetch(chain).num_moved == 3  # nothing in flight now: all of it comes up
+    assert [n.tier for n in chain] == [Tier.HBM] * 4

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -305,6 +306,12 @@ def test_contract_violations_raise_at_submit(tiers):
         t.engine.submit(HBM, DRAM, [(0, 99)], TransferReason.EVICTION)
     with pytest.raises(InvalidArgument, match="appears twice"):
         t.engine.submit(HBM, DRAM, [(0, 1), (2, 1)], TransferReason.EVICTION)
+    with pytest.raises(InvalidArgument, match="appears twice"):
+        t.engine.submit(HBM, DRAM, np.array([[3, 1], [0, 2], [3, 4]]), TransferReason.EVICTION)
+    with pytest.raises(InvalidArgument, match="source page, destination page"):
+        t.engine.submit(HBM, DRAM, [(0, 1, 2), (3,)], TransferReason.EVICTION)
+    with pytest.raises(InvalidArgument, match=r"\[n, 2\]"):
+        t.engine.submit(HBM, DRAM, np.arange(3), TransferReason.EVICTION)
     with pytest.raises(InvalidArgument, match="needs 1 keys"):
         t.engine.submit(HBM, NVME, [(0, 0)], TransferReason.EVICTION)
     with pytest.raises(InvalidArgument, match="holds no page"):

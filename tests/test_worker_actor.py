@@ -107,3 +107,28 @@ async def test_phases_in_order_then_serve(tmp_path: Path, restore_logging):
         assert actor.stats().worker_id == "w-inproc"
     finally:
         actor.shutdown()
+
+
+@pytest.mark.parametrize(("name", "policy_cls"), [("lru", "LRUPolicy"), ("value", "ValuePolicy")])
+def test_the_worker_radix_uses_the_configured_eviction_policy(tmp_path: Path, restore_logging, name, policy_cls):
+    args = worker_args(["--eviction-policy", name, "--hbm-bytes", "2Mi", "--device", "cpu",
+                        "--state-dir", str(tmp_path), "--dram-bytes", "1Mi"], env={})
+    actor = WorkerActor(args.config, worker_id="w-policy", connect_controller=False)
+    actor.init_device()
+    actor.load_model()
+    assert actor.allocate_pools()["eviction_policy"] == name
+    assert type(actor._engine.index.policy).__name__ == policy_cls
+
+
+def test_an_unknown_eviction_policy_is_refused_naming_the_field():
+    from kvtier.config import settings_of
+    from kvtier.eviction import POLICY_NAMES
+
+    with pytest.raises(ConfigError) as caught:
+        worker_args(["--eviction-policy", "lfu"], env={})
+    assert caught.value.field == "eviction_policy" and "(from --eviction-policy)" in caught.value.message
+    with pytest.raises(ConfigError, match="eviction_policy"):
+        worker_args([], env={"KVTIER_EVICTION_POLICY": "random"})
+    # The config's choices are the policies the engine knows (config.py does not import them).
+    accepted = next(s.accepted for s in settings_of(WorkerConfig) if s.name == "eviction_policy")
+    assert sorted(accepted.removeprefix("one of ").split(", ")) == sorted(POLICY_NAMES)

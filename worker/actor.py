@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from kvtier.auth import TokenTableFile, read_token_file
 from kvtier.config import WorkerConfig, load_config, settings_of
 from kvtier.engine.engine import Engine, default_namespace
 from kvtier.errors import ConfigError, FailedPrecondition, Unavailable
@@ -42,6 +43,7 @@ from kvtier.nvme_pool import slots_for_bytes
 from kvtier.page_pool import PoolGeometry
 from kvtier.records import WorkerStats
 from kvtier.rpc.server_options import advertised_host
+from kvtier.rpc.tls import ClientTls, secure_or_insecure_channel, server_credentials
 from kvtier.telemetry import Telemetry
 from kvtier.tier_manager import TierConfig
 from kvtier.worker.link import WorkerLink
@@ -81,12 +83,21 @@ _FLAG_FIELDS: dict[str, str] = {
     "--kv-cache-dtype": "kv_cache_dtype",
     "--gpu-memory-utilization": "gpu_memory_utilization",
     "--max-model-len": "max_model_len",
+    "--eviction-policy": "eviction_policy",
+    "--tenant-quotas": "tenant_quotas",
+    "--namespace-ttls": "namespace_ttls",
     "--hbm-bytes": "hbm_bytes",
     "--dram-bytes": "dram_bytes",
     "--nvme-bytes": "nvme_bytes",
     "--nvme-dir": "nvme_dir",
     "--state-dir": "state_dir",
     "--auth-token-file": "auth_token_file",
+    "--auth-tokens-file": "auth_tokens_file",
+    "--tls-cert-file": "tls_cert_file",
+    "--tls-key-file": "tls_key_file",
+    "--tls-client-ca-file": "tls_client_ca_file",
+    "--tls-ca-file": "tls_ca_file",
+    "--tls-server-name": "tls_server_name",
     "--metrics-port": "metrics_port",
     "--log-level": "log_level",
 }
@@ -106,9 +117,8 @@ def worker_args(argv: Sequence[str] | None = None, *, env: Mapping[str, str] | N
     for flag, name in _FLAG_FIELDS.items():
         parser.add_argument(flag, dest=name, help=helps[name])
     parser.add_argument("--controller-address", dest="controller_address", help=argparse.SUPPRESS)
-    parser.add_argument(
-        "--log-json", dest="log_json", action="store_const", const="true", help=helps["log_json"]
-    )
+    for flag, name in (("--log-json", "log_json"), ("--allow-unauthenticated", "allow_unauthenticated")):
+        parser.add_argument(flag, dest=name, action="store_const", const="true", help=helps[name])
     parser.add_argument("--worker-id", help="worker id, stable across restarts of the same slot")
     parser.add_argument(
         "--heartbeat-interval-s",
@@ -117,7 +127,8 @@ def worker_args(argv: Sequence[str] | None = None, *, env: Mapping[str, str] | N
         help="seconds between heartbeats to the controller",
     )
     ns = vars(parser.parse_args(argv))
-    overrides = {name: ns.pop(name) for name in [*_FLAG_FIELDS.values(), "log_json"] if name in ns}
+    switches = ["log_json", "allow_unauthenticated"]
+    overrides = {name: ns.pop(name) for name in [*_FLAG_FIELDS.values(), *switches] if name in ns}
     try:
         config = load_config(WorkerConfig, file=ns.pop("config"), env=env, overrides=overrides)
     except ConfigError as err:  # name the flag as the user typed it (--block-size, not --page-size)
@@ -308,6 +319,9 @@ class WorkerActor:
             attention_backend=self._attention_backend,
             max_model_len=self.config.max_model_len,
             tier_config=tier_config if tier_config.dram_pages or tier_config.nvme_slots else None,
+            eviction_policy=self.config.eviction_policy,
+            tenant_quotas=self.config.tenant_quotas,
+            namespace_ttls=self.config.namespace_ttls,
         )
         info = {
             "num_pages": num_pages,
@@ -317,6 +331,7 @@ class WorkerActor:
             "max_model_len": self._engine.max_model_len,
             "dram_pages": tier_config.dram_pages,
             "nvme_slots": tier_config.nvme_slots,
+            "eviction_policy": self._engine.index.policy.name,
         }
         log.info("page pools allocated", extra=info)
         self._results["allocate_pools"] = info
@@ -331,14 +346,29 @@ class WorkerActor:
         self._runtime = self._runtime or WorkerRuntime()
         if self.config.metrics_port is not None and self._telemetry is None:
             self._telemetry = Telemetry("kvtier-worker", port=self.config.metrics_port, host=self.config.host)
+        config = self.config
+        # Every auth and TLS file is read before anything listens, so a bad one fails the phase cleanly.
+        tokens = TokenTableFile(config.auth_tokens_file) if config.auth_tokens_file is not None else None
+        credentials = server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
+        link_token = read_token_file(config.auth_token_file) if config.auth_token_file is not None else None
+        link_tls = ClientTls.from_files(
+            config.tls_ca_file,
+            # The worker's certificate doubles as its client certificate (mTLS) on TLS links.
+            config.tls_cert_file if config.tls_ca_file is not None else None,
+            config.tls_key_file if config.tls_ca_file is not None else None,
+            config.tls_server_name,
+        )
         self._server = self._runtime.run(
             serve_worker(
                 self._engine,
-                host=self.config.host,
-                port=self.config.port,
+                host=config.host,
+                port=config.port,
                 worker_id=self.worker_id,
                 advertise_host=self._advertise_host(),
                 telemetry=self._telemetry,
+                tokens=tokens,
+                credentials=credentials,
+                allow_unauthenticated=config.allow_unauthenticated,
             )
         )
         if self._connect_controller:
@@ -349,7 +379,8 @@ class WorkerActor:
                 address=self._server.address,
                 boot_id=self._server.boot_id,
                 heartbeat_interval_s=self._heartbeat_interval_s,
-                token=_read_token(self.config.auth_token_file),
+                token=link_token,
+                tls=link_tls,
             )
             self._runtime.run(_start(self._link))
         return self._server.address
@@ -378,7 +409,7 @@ class WorkerActor:
             raise FailedPrecondition(f"the worker is not serving (last phase: {self.phase()})")
         if not self._server.loop.is_alive:
             raise Unavailable("the worker's engine thread has stopped")
-        self._runtime.run(_probe(self._server.address), timeout_s=10.0)
+        self._runtime.run(_probe(self._server.address, self._self_tls()), timeout_s=10.0)
 
     def stats(self) -> WorkerStats:
         if self._server is None or self._runtime is None:
@@ -403,6 +434,19 @@ class WorkerActor:
             self._telemetry.close()
             self._telemetry = None
 
+    def _self_tls(self) -> ClientTls | None:
+        """How the worker dials its own TLS server for health checks: trusting the deployment CA
+        (``tls_ca_file``, else the client CA, else its certificate as a self-signed root) and
+        presenting its certificate when the server requires one."""
+        c = self.config
+        if c.tls_cert_file is None:
+            return None
+        return ClientTls(
+            ca_file=c.tls_ca_file or c.tls_client_ca_file or c.tls_cert_file,
+            cert_file=c.tls_cert_file if c.tls_client_ca_file is not None else None,
+            key_file=c.tls_key_file if c.tls_client_ca_file is not None else None,
+        )
+
     def _advertise_host(self) -> str:
         host = self.config.host
         if host not in ("0.0.0.0", "::", ""):
@@ -419,11 +463,10 @@ async def _start(link: WorkerLink) -> None:
     link.start()
 
 
-async def _probe(address: str) -> None:
-    import grpc.aio
+async def _probe(address: str, tls: ClientTls | None = None) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with secure_or_insecure_channel(address, tls) as channel:
         response = await health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(), timeout=5.0
         )
@@ -431,17 +474,6 @@ async def _probe(address: str) -> None:
         raise Unavailable(
             f"the worker's health service reports {health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)}"
         )
-
-
-def _read_token(path: Path | None) -> str | None:
-    if path is None:
-        return None
-    try:
-        return path.expanduser().read_text().strip() or None
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot read auth_token_file {path}: {exc.strerror}", field="auth_token_file"
-        ) from exc
 
 
 # --------------------------------------------------------------------------- Ray glue

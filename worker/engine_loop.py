@@ -41,6 +41,25 @@ depth, tier HBM) or DROP per page, with the page's namespace digest. A radix nod
 not know its namespace, so the loop keeps a side map page key → digest: a child inherits
 its parent's digest; a depth-1 page is matched against the root keys of the namespaces
 admitted so far (``next_key(root, tokens) == key``; one hash per known namespace).
+
+Invalidation (DESIGN §5.3): ``epochs`` is the worker's policy-epoch table; the servicer
+derives every request's digest with it, so once an epoch rises no new request reaches the
+old digest. ``invalidate`` marks the admitted namespaces the new epoch makes stale and
+drops their idle pages at once (leaves first; each drop is a DROP page event, which is
+what removes the directory's entries). Pages a running sequence holds, and the pages
+such a sequence caches when it finishes, go in background passes (at most every
+``RECLAIM_INTERVAL_S`` while busy, and whenever the engine goes idle) until no page and
+no sequence of a stale namespace is left.
+
+Admin pins (``pin`` / ``unpin``, by pin id): radix pins on the listed pages the worker
+holds in the pin's tier or a faster one, released exactly once: by ``unpin``, when
+``expires_at_ms`` passes (checked before every step, and the idle thread wakes for it),
+or when their namespace is invalidated. Pinning an id the loop already holds changes
+nothing (the controller sends every pin again when the link reconnects).
+
+Quotas and TTLs (``kvtier.quotas``, ``kvtier.ttls``): the engine enforces them before each
+step; while idle the loop runs the same bounded pass and wakes for the next TTL deadline.
+Pages they demote or drop leave as MOVE / DROP page events, like any other.
 """
 
 from __future__ import annotations
@@ -55,8 +74,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtier.engine.engine import Engine, StepOutput
+from kvtier.epochs import EpochTable
 from kvtier.errors import FailedPrecondition, IntegrityError, KvtierError, NotFound, Unavailable
-from kvtier.hashing import NamespaceDigest, PageKey, next_key, page_keys, root_key, short
+from kvtier.hashing import NamespaceDigest, NamespaceIdentity, PageKey, next_key, page_keys, root_key, short
 from kvtier.log import get_logger, redact_tokens
 from kvtier.radix import RadixNode
 from kvtier.records import (
@@ -65,9 +85,12 @@ from kvtier.records import (
     GenerateRequest,
     IntegrityReport,
     IntegrityResult,
+    InvalidationScope,
     InventoryPage,
     NamespaceInventory,
     PageEvent,
+    PinCommand,
+    PinId,
     RunId,
     SessionId,
     TierOccupancy,
@@ -88,6 +111,9 @@ T = TypeVar("T")
 # Page events waiting for the WorkerLink. Beyond this (no controller connected for a
 # long time) the buffer is dropped and the link sends a full snapshot instead.
 MAX_BUFFERED_PAGE_EVENTS = 1 << 16
+# Session holds (_hold_session): their pin ids, and the share of HBM they may keep together.
+HOLD_PREFIX = "session-hold/"
+MAX_HELD_FRACTION = 0.5
 # When step() makes no progress (nothing admissible, e.g. the pool is full of pinned
 # pages) the thread waits this long for news instead of spinning.
 STALLED_WAIT_S = 0.005
@@ -96,6 +122,8 @@ STALLED_WAIT_S = 0.005
 LOAD_PUBLISH_INTERVAL_S = 0.05
 # Sessions whose last generation's pages the loop remembers (least recently finished go first).
 MAX_SESSIONS = 1 << 16
+# While stale namespaces still have pages and the engine is busy, look for idle ones this often.
+RECLAIM_INTERVAL_S = 0.05
 
 
 def new_run_id() -> RunId:
@@ -119,6 +147,21 @@ class DropOutcome:
     num_dropped: int
     num_kept: int
     num_missing: int
+
+
+@dataclass(frozen=True, slots=True)
+class PageCounts:
+    """Pages an operation handled now, and pages it left alone (``num_kept``)."""
+
+    num_done: int
+    num_kept: int
+
+
+@dataclass(slots=True, eq=False)
+class _Pin:
+    digest: NamespaceDigest
+    nodes: list[RadixNode]  # the pinned nodes, one radix pin each
+    expires_at_ms: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +215,8 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None
         self.is_draining = False
+        # The worker's policy epochs (asyncio side): the servicer applies them to every request.
+        self.epochs = EpochTable()
         # Counters, written by the engine thread (metrics and tests read them).
         self.num_finished = 0
         self.num_cancelled = 0
@@ -180,6 +225,11 @@ class EngineLoop:
         self._key_digest: dict[PageKey, NamespaceDigest] = {}
         self._roots: dict[NamespaceDigest, PageKey] = {}
         self._sessions: OrderedDict[SessionId, SessionPages] = OrderedDict()
+        self._identities: dict[NamespaceDigest, NamespaceIdentity] = {}  # of admitted namespaces
+        self._stale: set[NamespaceDigest] = set()  # invalidated, pages or sequences left
+        self._reclaim_due = False  # a stale namespace's sequence ended, or pages were in transit
+        self._reclaimed_at = 0.0
+        self._pins: dict[PinId, _Pin] = {}
         # ---- shared, under _events_lock
         self._events_lock = threading.Lock()
         self._events: list[PageEvent] = []
@@ -189,6 +239,13 @@ class EngineLoop:
         engine.index.on_insert.append(self._on_insert)
         engine.index.on_remove.append(self._on_remove)
         engine.index.on_move.append(self._on_move)
+        # Pages indexed before the loop existed (restored from NVMe at start-up) carry their
+        # namespace: learn them, so the first snapshot lists them and the directory routes to them.
+        for node in sorted(engine.index.nodes(), key=lambda n: n.depth):
+            digest = self._digest_of(node)
+            if digest is not None:
+                self._key_digest[node.key] = digest
+                self._roots.setdefault(digest, root_key(digest))
 
     # ---- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
@@ -266,21 +323,49 @@ class EngineLoop:
         """
         return await self._call(lambda: self._inventory(reset_page_events))
 
-    async def drop_pages(self, digest: NamespaceDigest, keys: tuple[PageKey, ...]) -> DropOutcome:
-        """Remove ``keys`` and their descendants from the cache where no sequence holds them."""
-        return await self._call(lambda: self._drop_pages(digest, keys))
+    async def drop_pages(
+        self, digest: NamespaceDigest, keys: tuple[PageKey, ...], *, whole_namespace: bool = False
+    ) -> DropOutcome:
+        """Remove ``keys`` and their descendants (or every page of the namespace) from the
+        cache where no sequence holds them and no pin keeps them."""
+        return await self._call(lambda: self._drop_pages(digest, keys, whole_namespace))
 
     async def demote(
-        self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None, dst: Tier
+        self,
+        digest: NamespaceDigest,
+        keys: tuple[PageKey, ...],
+        session: SessionId | None,
+        dst: Tier,
+        *,
+        whole_namespace: bool = False,
     ) -> MoveOutcome:
-        """Move the listed (or the session's) idle pages down to ``dst``; held pages stay."""
-        return await self._call(lambda: self._tiers().demote_pages(self._resolve(digest, keys, session), dst))
+        """Move idle pages down to ``dst``: the listed ones and their descendants, the
+        session's, or the whole namespace's. Held and pinned pages stay."""
+        return await self._call(
+            lambda: self._tiers().demote_pages(self._demote_targets(digest, keys, session, whole_namespace), dst)
+        )
+
+    async def invalidate(self, scope: InvalidationScope, epoch: int) -> PageCounts:
+        """Mark the admitted namespaces ``scope`` makes stale at ``epoch`` and drop their idle
+        pages now; the rest (``num_kept``) go in background passes. Install the epoch in
+        ``epochs`` first, so no new request reaches the stale digests."""
+        return await self._call(lambda: self._invalidate(scope, epoch))
+
+    async def pin(self, command: PinCommand) -> PageCounts:
+        """Pin the listed pages held in ``command.tier`` or faster (``num_kept``: the rest)."""
+        return await self._call(lambda: self._pin(command))
+
+    async def unpin(self, pin_id: PinId) -> int:
+        """Release a pin; the number of pages released (0 for an unknown or lapsed pin)."""
+        return await self._call(lambda: self._release_pin(pin_id))
 
     async def prefetch(
-        self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None
+        self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None,
+        *, hold_s: float | None = None,
     ) -> MoveOutcome:
-        """Promote the listed (or the session's) lower-tier pages into HBM, cached and idle."""
-        return await self._call(lambda: self._tiers().prefetch(self._resolve(digest, keys, session)))
+        """Promote the listed (or the session's) lower-tier pages into HBM, cached and idle;
+        a session's are held there up to ``hold_s`` seconds (``_hold_session``)."""
+        return await self._call(lambda: self._prefetch(digest, keys, session, hold_s))
 
     async def drop_session(self, digest: NamespaceDigest, session: SessionId) -> DropOutcome:
         """Remove the session's private pages, deepest first; a shared prefix stays cached."""
@@ -353,13 +438,20 @@ class EngineLoop:
                     ):
                         if self._tier_work_pending():
                             break
-                        self._cond.wait()
+                        wait_s = self._idle_wait_s()
+                        if wait_s is not None and wait_s <= 0:
+                            break
+                        self._cond.wait(wait_s)
                     if self._inbox.is_stopping:
                         break
                     ops = list(self._inbox.ops)
                     self._inbox.ops.clear()
                 for op in ops:
                     op()
+                if self._pins:
+                    self._expire_pins()
+                if not self.engine.has_unfinished():
+                    self.engine.enforce_limits()  # quotas and TTLs while idle (step() runs them when busy)
                 if not self.engine.has_unfinished() and self._tier_work_pending():
                     # Idle, but transfers finished or are due: apply them without a request.
                     assert self.engine.tiers is not None
@@ -376,6 +468,10 @@ class EngineLoop:
                             if not self._inbox.ops and not self._inbox.is_stopping:
                                 self._cond.wait(STALLED_WAIT_S)
                 now = time.monotonic()
+                if self._stale and (not self.engine.has_unfinished() or (
+                        self._reclaim_due and now - self._reclaimed_at >= RECLAIM_INTERVAL_S)):
+                    self._reclaim_stale()
+                    self._reclaimed_at = now
                 if now - self._load_at >= LOAD_PUBLISH_INTERVAL_S or not self.engine.has_unfinished():
                     self._load, self._load_at = self._measure_load(), now
         except BaseException as exc:  # a bug in the engine: stop serving rather than guess
@@ -423,6 +519,7 @@ class EngineLoop:
         )
         if digest not in self._roots:
             self._roots[digest] = root_key(digest)
+            self._identities[digest] = request.namespace
         self._runs[run.run_id] = run
         log.info(
             "generation admitted",
@@ -441,6 +538,7 @@ class EngineLoop:
         self.engine.abort(run.run_id)
         result = self.engine.pop_result(run.run_id)
         self.num_cancelled += 1
+        self._run_ended(run)
         log.info(
             "generation cancelled",
             extra={"run_id": run.run_id, "generated_tokens": len(result.token_ids)},
@@ -460,6 +558,7 @@ class EngineLoop:
             if out.finished:
                 del self._runs[run.run_id]
                 self.num_finished += 1
+                self._run_ended(run)
                 self._emit(run, self._final(run))
 
     def _final(self, run: _Run) -> GenerateFinal:
@@ -624,10 +723,12 @@ class EngineLoop:
             for (digest, tier), pages in groups.items()
         ]
 
-    def _drop_pages(self, digest: NamespaceDigest, keys: tuple[PageKey, ...]) -> DropOutcome:
+    def _drop_pages(self, digest: NamespaceDigest, keys: tuple[PageKey, ...], whole_namespace: bool) -> DropOutcome:
         index = self.engine.index
         targets: set[PageKey] = set()
         num_missing = 0
+        if whole_namespace:
+            targets = {key for key, d in self._key_digest.items() if d == digest}
         for key in keys:
             if key in index and self._key_digest.get(key) == digest:
                 targets.add(key)
@@ -650,10 +751,146 @@ class EngineLoop:
             num_dropped=num_dropped, num_kept=len(subtree) - num_dropped, num_missing=num_missing
         )
 
+    # ---- invalidation and pins (engine thread) -----------------------------------------
+    def _invalidate(self, scope: InvalidationScope, epoch: int) -> PageCounts:
+        for digest, identity in self._identities.items():
+            if identity.policy_epoch < epoch and scope.matches(identity):
+                self._stale.add(digest)
+        for pin_id in [p for p, pin in self._pins.items() if pin.digest in self._stale]:
+            self._release_pin(pin_id)  # a stale page is worth nothing: nothing may keep it
+        num_dropped, num_kept = self._reclaim_stale()
+        log.info("namespaces invalidated", extra={
+            "policy_epoch": epoch, "num_stale_namespaces": len(self._stale),
+            "num_dropped": num_dropped, "num_kept": num_kept})
+        return PageCounts(num_done=num_dropped, num_kept=num_kept)
+
+    def _run_ended(self, run: _Run) -> None:
+        if self._stale and self.engine.digest_for(run.request.namespace) in self._stale:
+            self._reclaim_due = True  # its pages are idle now (and cached, if it finished)
+
+    def _reclaim_stale(self) -> tuple[int, int]:
+        """Drop the idle pages of stale namespaces, leaves first; (dropped, left for later).
+
+        A stale namespace is forgotten once it has no page and no sequence left (a running
+        sequence caches its pages when it finishes; a later pass drops them).
+        """
+        index = self.engine.index
+        doomed = [n for n in index.nodes() if self._key_digest.get(n.key) in self._stale]
+        doomed.sort(key=lambda n: -n.depth)  # children before their parents
+        num_dropped = 0
+        for node in doomed:
+            if node.is_leaf and index.is_evictable(node):
+                index.remove(node.key)
+                num_dropped += 1
+        scheduler = self.engine.scheduler
+        running = {seq.namespace for seq in (*scheduler.waiting, *scheduler.running)} & self._stale
+        left = {self._key_digest[n.key] for n in doomed if n.key in self._key_digest}
+        # Pages no stale sequence explains (in transit): look again soon. Otherwise the next
+        # pass comes when a stale sequence ends (``_run_ended``) or the engine goes idle.
+        self._reclaim_due = bool(left - running)
+        for digest in self._stale - running - left:
+            self._stale.discard(digest)
+            self._identities.pop(digest, None)
+            self._roots.pop(digest, None)
+        return num_dropped, len(doomed) - num_dropped
+
+    def _pin(self, command: PinCommand) -> PageCounts:
+        existing = self._pins.get(command.pin_id)
+        if existing is not None:
+            return PageCounts(num_done=len(existing.nodes), num_kept=len(command.page_keys) - len(existing.nodes))
+        if command.namespace_digest in self._stale:
+            return PageCounts(num_done=0, num_kept=len(command.page_keys))
+        index = self.engine.index
+        nodes: list[RadixNode] = []
+        for key in command.page_keys:
+            node = index.get(key)
+            if node is None or self._key_digest.get(key) != command.namespace_digest or node.tier > command.tier:
+                continue
+            if node.moving:  # a transfer in flight would carry a pinned page out of its tier
+                continue
+            index.pin(key)
+            nodes.append(node)
+        self._pins[command.pin_id] = _Pin(command.namespace_digest, nodes, command.expires_at_ms)
+        return PageCounts(num_done=len(nodes), num_kept=len(command.page_keys) - len(nodes))
+
+    def _release_pin(self, pin_id: PinId) -> int:
+        pin = self._pins.pop(pin_id, None)
+        if pin is None:
+            return 0
+        index = self.engine.index
+        released = 0
+        for node in pin.nodes:
+            if index.get(node.key) is node and node.pins > 0:  # gone with a failed checksum: nothing to release
+                index.unpin(node.key)
+                released += 1
+        return released
+
+    def _expire_pins(self) -> None:
+        now_ms = time.time() * 1000.0
+        for pin_id in [p for p, pin in self._pins.items()
+                       if pin.expires_at_ms is not None and pin.expires_at_ms <= now_ms]:
+            released = self._release_pin(pin_id)
+            log.info("pin expired", extra={"pin_id": pin_id, "num_released": released})
+
+    def _idle_wait_s(self) -> float | None:
+        """Seconds until a timed pin lapses or quota / TTL work is due (None: nothing timed)."""
+        waits = [w for w in (self._pin_wait_s(), self.engine.limits_wait_s()) if w is not None]
+        return min(waits) if waits else None
+
+    def _pin_wait_s(self) -> float | None:
+        """Seconds until the next pin lapses (None: no timed pin), so the idle thread wakes for it."""
+        deadlines = [p.expires_at_ms for p in self._pins.values() if p.expires_at_ms is not None]
+        if not deadlines:
+            return None
+        return max(0.0, min(deadlines) / 1000.0 - time.time())
 
     # ---- sessions (engine thread) ------------------------------------------------------
+    def _prefetch(
+        self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None, hold_s: float | None
+    ) -> MoveOutcome:
+        chain = self._resolve(digest, keys, session)
+        outcome = self._tiers().prefetch(chain)
+        if session is not None and hold_s:
+            self._hold_session(digest, session, chain, hold_s)
+        return outcome
+
+    def _hold_session(self, digest: NamespaceDigest, session: SessionId, chain: list[RadixNode], hold_s: float) -> None:
+        """Keep a prefetched session's pages in HBM until it is back (at most ``hold_s``).
+
+        A prefetch lands ahead of the session's return; idle, and last touched before
+        everything that ran since, its pages would be the first an eviction takes: brought
+        up only to go down again. One pin on the deepest HBM page holds the chain above it
+        (leaves leave first), in ``_pins`` under the session's hold id, so it lapses with the
+        other pins, and goes when the session's next generation finishes or the session ends.
+
+        Holds together keep at most ``MAX_HELD_FRACTION`` of HBM: beyond that a session's
+        pages compete as usual. Held pages cannot make room, and an HBM full of them leaves
+        every other page (the turns just finished, the prefetches still to come) to eviction.
+        """
+        self._release_pin(_hold_id(session))
+        index = self.engine.index
+        held = next((n for n in reversed(chain) if index.get(n.key) is n and n.tier is Tier.HBM and not n.moving),
+                    None)
+        if held is None or self._held_pages() + held.depth > MAX_HELD_FRACTION * self.engine.pool.num_pages:
+            return
+        index.pin(held.key)
+        self._pins[_hold_id(session)] = _Pin(digest, [held], round(time.time() * 1000.0 + hold_s * 1000.0))
+
+    def _held_pages(self) -> int:
+        """Pages the session holds keep in HBM: each held page and its ancestors, shared ones once."""
+        held: set[PageKey] = set()
+        for pin_id, pin in self._pins.items():
+            if not pin_id.startswith(HOLD_PREFIX) or not pin.nodes:
+                continue
+            node: RadixNode | None = pin.nodes[0]
+            while node is not None and node.key not in held:
+                held.add(node.key)
+                node = node.parent
+        return len(held)
+
     def _remember_session(self, run: _Run, prompt: list[int], output: list[int]) -> None:
         assert run.request.session_id is not None
+        self._release_pin(_hold_id(run.request.session_id))  # back and done: its pages cache as usual
         digest = self.engine.digest_for(run.request.namespace)
         fed = [*prompt, *output[:-1]]  # the last sampled token is never fed back: no K/V
         keys = tuple(page_keys(digest, fed, self.engine.pool.page_size))
@@ -688,7 +925,27 @@ class EngineLoop:
             chain.append(node)
         return chain
 
+    def _demote_targets(
+        self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None, whole_namespace: bool
+    ) -> list[RadixNode]:
+        if whole_namespace:
+            return [n for n in self.engine.index.nodes() if self._key_digest.get(n.key) == digest]
+        nodes = self._resolve(digest, keys, session)
+        if session is not None:
+            return nodes
+        # A page leaves its tier only after everything below it: the descendants go too.
+        seen = {n.key for n in nodes}
+        stack = list(nodes)
+        while stack:
+            for child in stack.pop().children.values():
+                if child.key not in seen:
+                    seen.add(child.key)
+                    nodes.append(child)
+                    stack.append(child)
+        return nodes
+
     def _drop_session(self, digest: NamespaceDigest, session: SessionId) -> DropOutcome:
+        self._release_pin(_hold_id(session))
         chain = self._resolve(digest, (), session)
         num_missing = len(self._sessions[session].page_keys) - len(chain)
         index = self.engine.index
@@ -701,6 +958,11 @@ class EngineLoop:
             num_dropped += 1
         del self._sessions[session]
         return DropOutcome(num_dropped=num_dropped, num_kept=len(chain) - num_dropped, num_missing=num_missing)
+
+
+def _hold_id(session: SessionId) -> PinId:
+    """The pin id of a session's prefetch hold (admin pin ids never start with this)."""
+    return PinId(HOLD_PREFIX + session)
 
 
 def _shutting_down() -> Unavailable:

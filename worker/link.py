@@ -1,5 +1,9 @@
 """The worker's end of ``WorkerLink.Connect``: inventory up, commands down (DESIGN §3).
 
+The stream carries the worker's bearer token (role worker) and, with ``tls``, runs over TLS,
+presenting the worker's certificate to a controller that requires one (mTLS); see
+``docs/decisions/0007-authentication.md``.
+
 One bidi stream per connection, reopened with exponential backoff (capped at
 ``max_backoff_s``) whenever it breaks. On every (re)connect the worker sends, in order:
 
@@ -15,13 +19,16 @@ same step that lists the inventory, and no batch is drained while a snapshot is 
 taken (``_send_lock``), so a snapshot with ``as_of_seq = n`` reflects exactly the
 batches up to n and every later batch holds later changes.
 
-Commands: ``Drop`` (idle pages leave the cache; pages a sequence holds are kept; by
-session: the session's private pages, shared prefixes stay), ``Demote`` (idle pages move
-down now; held ones stay and are counted in ``num_skipped_pages``), ``Prefetch`` (lower-tier
-pages are promoted into HBM and stay cached there), ``RequestSnapshot`` and ``Drain`` are
-carried out; ``Invalidate`` is acknowledged with ``error_code="UNSUPPORTED"``. Demote,
-Prefetch and Drop may name a session instead of pages (the engine loop resolves its last
-generation's pages). Every command is acknowledged exactly once, by id.
+Commands: ``Drop`` (idle pages leave the cache; pages a sequence holds or a pin keeps are
+kept; by session: the session's private pages, shared prefixes stay), ``Demote`` (idle
+pages move down now, with what hangs below them; held ones stay and are counted in
+``num_skipped_pages``), ``Prefetch`` (lower-tier pages are promoted into HBM and stay
+cached there), ``RequestSnapshot``, ``Drain``, ``Invalidate`` (the epoch is installed in
+the engine loop's table before the ack, so every later request derives the new digest;
+stale pages are dropped now or in the background), ``Pin`` and ``Unpin`` are carried out.
+Demote, Prefetch and Drop may name a session instead of pages (the engine loop resolves its
+last generation's pages); Demote and Drop may name the whole namespace. Every command is
+acknowledged exactly once, by id.
 """
 
 from __future__ import annotations
@@ -47,20 +54,24 @@ from kvtier.records import (
     DrainCommand,
     DropCommand,
     Heartbeat,
+    InvalidateCommand,
     InventorySnapshotChunk,
     ModelIdentity,
     NamespaceInventory,
     PageEventBatch,
+    PinCommand,
     PrefetchCommand,
     Registration,
     RequestSnapshotCommand,
     SnapshotId,
     TierCapacity,
+    UnpinCommand,
     WorkerEvent,
     WorkerId,
 )
 from kvtier.rpc import convert
 from kvtier.rpc._gen import worker_link_pb2, worker_link_pb2_grpc
+from kvtier.rpc.tls import ClientTls, secure_or_insecure_channel
 from kvtier.tiers import Tier
 from kvtier.worker.engine_loop import EngineLoop
 
@@ -87,14 +98,19 @@ def registration_for(loop: EngineLoop, *, worker_id: str, address: str, boot_id:
         boot_id=BootId(boot_id),
         model=ModelIdentity.of(engine.namespace),
         page_size=pool.page_size,
-        capacities=(
-            TierCapacity(
-                tier=Tier.HBM,
-                capacity_pages=pool.num_pages,
-                capacity_bytes=pool.num_pages * pool.geometry.page_bytes,
-            ),
+        capacities=tuple(
+            TierCapacity(tier=tier, capacity_pages=pages, capacity_bytes=pages * pool.geometry.page_bytes)
+            for tier, pages in _tier_pages(loop)
         ),
     )
+
+
+def _tier_pages(loop: EngineLoop) -> list[tuple[Tier, int]]:
+    """Pages per tier this worker has: HBM always, DRAM and NVMe when configured."""
+    tiers = loop.engine.tiers
+    if tiers is None:
+        return [(Tier.HBM, loop.engine.pool.num_pages)]
+    return [(tier, tiers.capacity(tier)) for tier in tiers.tiers]
 
 
 def snapshot_chunks(
@@ -144,6 +160,7 @@ class WorkerLink:
         initial_backoff_s: float = 0.05,
         max_backoff_s: float = 2.0,
         token: str | None = None,
+        tls: ClientTls | None = None,
     ) -> None:
         if not 1 <= max_batch_events <= convert.MAX_BATCH_EVENTS:
             raise ValueError(
@@ -158,6 +175,7 @@ class WorkerLink:
         self._initial_backoff_s = initial_backoff_s
         self._max_backoff_s = max_backoff_s
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._tls = tls  # TLS to the controller (with a client certificate for mTLS), or plaintext
         self._heartbeat_seq = 0
         self._batch_seq = 0
         self._send_lock = asyncio.Lock()
@@ -218,7 +236,7 @@ class WorkerLink:
             await asyncio.sleep(delay)
 
     async def _session(self) -> None:
-        async with grpc.aio.insecure_channel(self.controller_address, options=CHANNEL_OPTIONS) as channel:
+        async with secure_or_insecure_channel(self.controller_address, self._tls, CHANNEL_OPTIONS) as channel:
             call = worker_link_pb2_grpc.WorkerLinkStub(channel).Connect(metadata=self._metadata)
             try:
                 await call.write(convert.to_proto_worker_event(self.registration))
@@ -318,12 +336,16 @@ class WorkerLink:
         if isinstance(body, DemoteCommand | PrefetchCommand):
             if isinstance(body, DemoteCommand):
                 moved = await self._loop.demote(body.namespace_digest, body.page_keys, body.session_id,
-                                                body.target_tier)
+                                                body.target_tier, whole_namespace=body.whole_namespace)
             else:
                 if body.target_tier is not Tier.HBM:
                     return CommandAck(command.command_id, error_code="INVALID_ARGUMENT",
                                       error_message="this worker prefetches into HBM only")
-                moved = await self._loop.prefetch(body.namespace_digest, body.page_keys, body.session_id)
+                # The deadline is when the session is expected back: the pages are held in HBM
+                # until then, so an eviction meanwhile does not undo the prefetch.
+                hold_s = body.deadline_ms / 1000.0 if body.deadline_ms else None
+                moved = await self._loop.prefetch(body.namespace_digest, body.page_keys, body.session_id,
+                                                  hold_s=hold_s)
             log.info(
                 f"{type(body).__name__.removesuffix('Command').lower()} command carried out",
                 extra={
@@ -341,7 +363,8 @@ class WorkerLink:
                 "num_dropped": outcome.num_dropped, "num_kept": outcome.num_kept})
             return CommandAck(command.command_id, num_pages=outcome.num_dropped, num_skipped_pages=outcome.num_kept)
         if isinstance(body, DropCommand):
-            outcome = await self._loop.drop_pages(body.namespace_digest, body.page_keys)
+            outcome = await self._loop.drop_pages(body.namespace_digest, body.page_keys,
+                                                  whole_namespace=body.whole_namespace)
             log.info(
                 "drop command carried out",
                 extra={
@@ -368,6 +391,21 @@ class WorkerLink:
             self._loop.is_draining = body.draining
             log.info("drain state changed", extra={"draining": body.draining})
             return CommandAck(command.command_id)
+        if isinstance(body, InvalidateCommand):
+            # Installed before anything awaits: no request admitted from now on derives a stale digest.
+            self._loop.epochs.install(body.scope, body.policy_epoch)
+            counts = await self._loop.invalidate(body.scope, body.policy_epoch)
+            return CommandAck(command.command_id, num_pages=counts.num_done, num_skipped_pages=counts.num_kept)
+        if isinstance(body, PinCommand):
+            counts = await self._loop.pin(body)
+            log.info("pin carried out", extra={"command_id": command.command_id, "pin_id": body.pin_id,
+                                               "num_pinned": counts.num_done, "num_skipped": counts.num_kept})
+            return CommandAck(command.command_id, num_pages=counts.num_done, num_skipped_pages=counts.num_kept)
+        if isinstance(body, UnpinCommand):
+            released = await self._loop.unpin(body.pin_id)
+            log.info("unpin carried out", extra={"command_id": command.command_id, "pin_id": body.pin_id,
+                                                 "num_released": released})
+            return CommandAck(command.command_id, num_pages=released)
         return CommandAck(
             command.command_id,
             error_code=UNSUPPORTED,

@@ -26,15 +26,23 @@ from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvtier.auth import TokenTable, TokenTableFile
 from kvtier.engine.engine import Engine
-from kvtier.errors import InvalidArgument, NotFound, PermissionDenied
+from kvtier.errors import InvalidArgument, NotFound
 from kvtier.hashing import NamespaceIdentity
 from kvtier.log import get_logger
 from kvtier.records import BootId, WorkerId, WorkerStats
 from kvtier.rpc import convert
 from kvtier.rpc._gen import worker_pb2, worker_pb2_grpc
-from kvtier.rpc.server_options import SERVER_OPTIONS, advertised_host, bind_insecure, join_host_port
-from kvtier.rpc.status import rpc_errors
+from kvtier.rpc.auth_interceptor import principal_tenant, resolve_tenant, server_interceptors
+from kvtier.rpc.server_options import (
+    SERVER_OPTIONS,
+    advertised_host,
+    bind_port,
+    check_exposure,
+    join_host_port,
+)
+from kvtier.rpc.status import MalformedRequestInterceptor, rpc_errors
 from kvtier.telemetry import Telemetry
 from kvtier.worker.engine_loop import EngineLoop
 from kvtier.worker.metrics import WorkerMetrics
@@ -51,25 +59,6 @@ WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 # digest derived from other values would file this worker's pages under a namespace that
 # the controller (deriving from the same request fields) never looks up.
 _MODEL_FIELDS = ("weights_digest", "rope_config", "kv_dtype", "page_size")
-
-
-def principal_tenant(context: grpc.aio.ServicerContext) -> str | None:
-    """The tenant of the authenticated caller, or None while authentication is off.
-
-    The one hook for auth (DESIGN §8): once bearer tokens exist, this returns the
-    tenant bound to the caller's token and a request can no longer pick another one.
-    """
-    return None
-
-
-def resolve_tenant(namespace: NamespaceIdentity, tenant: str | None) -> NamespaceIdentity:
-    if tenant is None:
-        return namespace  # no authentication configured: the payload's tenant stands
-    if namespace.tenant and namespace.tenant != tenant:
-        raise PermissionDenied(
-            "namespace.tenant names a tenant this caller may not act for", field="namespace.tenant"
-        )
-    return dataclasses.replace(namespace, tenant=tenant)
 
 
 def check_serves(namespace: NamespaceIdentity, served: NamespaceIdentity) -> None:
@@ -107,7 +96,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         generate = convert.from_proto_generate_request(request)
         namespace = resolve_tenant(generate.namespace, principal_tenant(context))
         check_serves(namespace, self._loop.engine.namespace)
-        generate = dataclasses.replace(generate, namespace=namespace)
+        # The digest is derived with the current policy epoch: invalidated keys are unreachable.
+        generate = dataclasses.replace(generate, namespace=self._loop.epochs.apply(namespace))
         async with contextlib.aclosing(self._loop.submit(generate)) as events:
             async for event in events:
                 yield convert.to_proto_generate_event(event)
@@ -177,11 +167,19 @@ async def serve_worker(
     boot_id: str | None = None,
     advertise_host: str | None = None,
     telemetry: Telemetry | None = None,
+    tokens: TokenTable | TokenTableFile | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+    allow_unauthenticated: bool = False,
 ) -> WorkerServer:
     """Start the engine thread and the gRPC server on ``host:port`` (0: a free port).
 
     With ``telemetry`` the worker's metrics (``kvtier.worker.metrics``) are exported there.
+    With ``tokens`` every call but health and reflection needs a bearer token of that table
+    (``kvtier.rpc.auth_interceptor``); with ``credentials`` the server speaks TLS only.
+    Without ``tokens`` it refuses a non-loopback ``host`` unless ``allow_unauthenticated``.
     """
+    check_exposure(host, what="worker", is_authenticated=tokens is not None,
+                   allow_unauthenticated=allow_unauthenticated)
     worker_id = WorkerId(worker_id) if worker_id else default_worker_id()
     boot = BootId(boot_id or uuid.uuid4().hex)
     health = HealthServicer()
@@ -202,14 +200,17 @@ async def serve_worker(
     if telemetry is not None:
         loop.metrics = WorkerMetrics(telemetry, loop, worker_id)
     servicer = WorkerServicer(loop, worker_id=worker_id, boot_id=boot)
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(
+        options=SERVER_OPTIONS,
+        interceptors=(*server_interceptors(tokens, server="worker"), MalformedRequestInterceptor()),
+    )
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         (WORKER_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    bound = bind_insecure(server, host, port, what="worker", port_hint="port 0")
+    bound = bind_port(server, host, port, what="worker", port_hint="port 0", credentials=credentials)
     loop.start()
     await server.start()
     for service in ("", WORKER_SERVICE):

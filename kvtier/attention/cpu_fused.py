@@ -1,11 +1,8 @@
 """Paged attention on CPU through a small C++/OpenMP kernel that reads pages in place.
 
-The kernel (``csrc/paged_attention_cpu.cpp``) is compiled on first use with
-``torch.utils.cpp_extension`` (needs a C++ compiler and ``ninja``) and cached under
-``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); later processes load the
-cached library in well under a second. It is built with ``-march=native``, so the
-extension name carries a digest of the CPU's feature flags: hosts that share a cache
-directory but differ in ISA never load each other's binary.
+The kernel (``csrc/paged_attention_cpu.cpp``) is compiled on first use and cached
+(``kvtier.native``: ``torch.utils.cpp_extension`` + ``ninja``, ``-march=native``, one
+binary per CPU feature set).
 
 If the build fails, the backend logs one warning naming the cause and serves every call
 with the reference implementation, so a worker without a compiler is slow, not down.
@@ -15,103 +12,33 @@ know.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import threading
-import time
 from pathlib import Path
 
 import torch
 
 from kvtier.attention.base import AttentionMetadata, attention_reference, write_kv_reference
 from kvtier.errors import FailedPrecondition
+from kvtier.native import NativeExtension
 
 logger = logging.getLogger("kvtier.attention")
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG", "-Wno-psabi"]
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-_lock = threading.Lock()
-_loaded = False
-_load_error: FailedPrecondition | None = None
-
-
-def _cpu_tag() -> str:
-    """Digest of what ``-march=native`` depends on: architecture and CPU feature flags."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = line
-                break
-    except OSError:
-        pass
-    text = f"{platform.machine()}|{flags}|{torch.__version__}"
-    return hashlib.blake2b(text.encode(), digest_size=4).hexdigest()
-
-
-def _ensure_ninja_on_path() -> None:
-    """cpp_extension runs ``ninja`` from PATH; the pip ``ninja`` wheel may sit in an unactivated venv."""
-    if shutil.which("ninja") is not None:
-        return
-    try:
-        import ninja  # type: ignore[import-not-found]
-    except ImportError:
-        return  # cpp_extension reports "Ninja is required" and the caller falls back
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
-def _build_failure_summary(exc: Exception) -> str:
-    """The line of a build log that names the cause (cpp_extension puts it mid-message)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    for line in lines:
-        lowered = line.lower()
-        if "error:" in lowered or "not found" in lowered or "is required" in lowered:
-            return line[:300]
-    return f"{type(exc).__name__}: {lines[0][:300] if lines else 'no message'}"
+_EXTENSION = NativeExtension(
+    "kvtier_paged_attention",
+    Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp",
+    what="paged-attention kernel",
+    fallback_hint="set KVTIER_ATTENTION_BACKEND=torch-reference",
+)
 
 
 def load_kernel() -> None:
     """Build or load the extension once per process; raise ``FailedPrecondition`` if impossible.
 
     Thread-safe: concurrent first callers wait for one build. A failure is remembered, so
-    the compiler is not retried on every call. Across processes torch's build lock
-    serialises builds of the same extension directory.
+    the compiler is not retried on every call.
     """
-    global _loaded, _load_error
-    if _loaded:
-        return
-    with _lock:
-        if _loaded:
-            return
-        if _load_error is not None:
-            raise _load_error
-        start_s = time.monotonic()
-        try:
-            from torch.utils import cpp_extension
-
-            _ensure_ninja_on_path()
-            cpp_extension.load(
-                name=f"kvtier_paged_attention_{_cpu_tag()}",
-                sources=[str(_SOURCE)],
-                extra_cflags=_CFLAGS,
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-                verbose=False,
-            )
-        except Exception as exc:  # compiler missing, ninja missing, headers missing, ...
-            logger.debug("cpu-fused kernel build output:\n%s", exc)
-            _load_error = FailedPrecondition(
-                f"the C++ paged-attention kernel could not be built or loaded ({_build_failure_summary(exc)}); "
-                "install a C++ compiler and `pip install ninja`, or set KVTIER_ATTENTION_BACKEND=torch-reference"
-            )
-            raise _load_error from exc
-        _loaded = True
-        logger.info("cpu-fused attention kernel ready in %.1f s", time.monotonic() - start_s)
+    _EXTENSION.load()
 
 
 class CpuFusedBackend:

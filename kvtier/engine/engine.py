@@ -28,17 +28,22 @@ from kvtier.engine.sampler import make_generator, sample
 from kvtier.engine.scheduler import Scheduler, SchedulerConfig
 from kvtier.engine.sequence import Sequence, SequenceStatus
 from kvtier.errors import IntegrityError, InvalidArgument, NotFound
-from kvtier.eviction import CostModel, ValuePolicy
+from kvtier.eviction import DEFAULT_POLICY, CostModel, make_engine_policy
 from kvtier.hashing import NamespaceDigest, NamespaceIdentity, namespace_digest
 from kvtier.model import LlamaModel
 from kvtier.page_pool import PagePool, PoolGeometry
+from kvtier.quotas import QuotaTable, QuotaTracker
 from kvtier.radix import EvictionPolicy, RadixIndex
 from kvtier.tier_manager import TierConfig, TierManager
 from kvtier.tiers import Tier
+from kvtier.ttls import TtlSweeper, TtlTable
 
 log = logging.getLogger("kvtier.engine")
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# Pages quota enforcement and TTL expiry may handle per step (each), so a burst of work never
+# stalls decode for long; what is left goes in the next steps (or the worker's idle loop).
+LIMIT_PAGES_PER_STEP = 64
 
 
 @dataclass(slots=True)
@@ -99,10 +104,12 @@ class Engine:
         namespace: NamespaceIdentity | None = None,
         attention_backend: str = "auto",
         scheduler_config: SchedulerConfig | None = None,
-        eviction_policy: EvictionPolicy | None = None,
+        eviction_policy: EvictionPolicy | str | None = None,
         max_model_len: int | None = None,
         record_logits: bool = False,
         tier_config: TierConfig | None = None,
+        tenant_quotas: QuotaTable | None = None,
+        namespace_ttls: TtlTable | None = None,
     ) -> None:
         if page_size < 1:
             raise InvalidArgument(f"page_size must be >= 1, got {page_size}", field="page_size")
@@ -112,14 +119,17 @@ class Engine:
         num_layers, kv_heads, head_dim = model.kv_geometry
         self.geometry = PoolGeometry(num_layers, kv_heads, head_dim, page_size, param.dtype)
         self.pool = PagePool(num_pages, self.geometry, device=param.device)
-        if eviction_policy is None:
-            # Value-based eviction is the default (LRU stays selectable): the trace replay
+        if eviction_policy is None or isinstance(eviction_policy, str):
+            # A policy by name (kvtier.eviction.POLICY_NAMES) gets this engine's cost model and
+            # tiers. Value-based eviction is the default (LRU stays selectable): the trace replay
             # shows it at or above LRU at every capacity (loadtests/replay.py).
             tiers = [Tier.HBM]
             if tier_config is not None:
                 tiers += [Tier.DRAM] if tier_config.dram_pages else []
                 tiers += [Tier.NVME] if tier_config.nvme_slots else []
-            eviction_policy = ValuePolicy(self._cost_model(model, self.geometry), tiers=tiers)
+            eviction_policy = make_engine_policy(
+                eviction_policy or DEFAULT_POLICY, cost=self._cost_model(model, self.geometry), tiers=tiers
+            )
         self.index = RadixIndex(self.pool, eviction_policy)
         self.tiers = TierManager(self.index, tier_config) if tier_config is not None else None
         self.scheduler = Scheduler(self.pool, self.index, scheduler_config, self.tiers)
@@ -132,6 +142,12 @@ class Engine:
             model_id="unnamed", kv_dtype=_DTYPE_NAMES.get(param.dtype, "fp32"), page_size=page_size
         )
         self._digests: dict[NamespaceIdentity, NamespaceDigest] = {}
+        self._identities: dict[NamespaceDigest, NamespaceIdentity] = {}  # the reverse, for quotas and TTLs
+        self.quotas = QuotaTracker(
+            self.index, tenant_quotas, page_bytes=self.geometry.page_bytes, identity_of=self._identities.get,
+            tiers=self.tiers,
+        ) if tenant_quotas else None
+        self.ttls = TtlSweeper(self.index, namespace_ttls, identity_of=self._identities.get) if namespace_ttls else None
         self.record_logits = record_logits
         self._seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
@@ -186,6 +202,10 @@ class Engine:
         if digest is None:
             ns.validate()
             digest = self._digests[ns] = namespace_digest(ns)
+            self._identities[digest] = ns
+            for limits in (self.quotas, self.ttls):
+                if limits is not None:
+                    limits.learn(digest)
         return digest
 
     def validate_prompt(self, prompt: list[int]) -> None:
@@ -279,6 +299,7 @@ class Engine:
         self.index.expire_pins()
         if self.tiers is not None:
             self.tiers.maintain()
+        self.enforce_limits()
         batch = self.scheduler.schedule()
         if batch is None:
             return []
@@ -333,13 +354,35 @@ class Engine:
         rids = [self.add_request(p, sp, namespace=namespace) for p, sp in zip(prompts, params, strict=True)]
         while any(not self._seqs[r].is_finished for r in rids):
             self.step()
+        self.enforce_limits()  # the last step cached pages after its own enforcement ran
         return [self.pop_result(r) for r in rids]
+
+    # ---- quotas and TTLs ------------------------------------------------------------
+    def enforce_limits(self, max_pages: int = LIMIT_PAGES_PER_STEP) -> int:
+        """Drop pages whose namespace TTL passed, then bring tenants over a quota back
+        under it (``kvtier.ttls``, ``kvtier.quotas``); at most ``max_pages`` pages each.
+        Returns the pages handled."""
+        done = 0
+        if self.ttls is not None:
+            done += self.ttls.expire(max_pages=max_pages)
+        if self.quotas is not None:
+            done += self.quotas.enforce(max_pages)
+        return done
+
+    def limits_wait_s(self) -> float | None:
+        """Seconds until ``enforce_limits`` has work (0: now; None: nothing scheduled), for an idle caller."""
+        if self.quotas is not None and self.quotas.has_work():
+            return 0.0
+        deadline = self.ttls.next_deadline() if self.ttls is not None else None
+        return None if deadline is None else max(0.0, deadline - self.index.clock())
 
     def check_integrity(self) -> None:
         """Raise with the numbers if any pool, index or sequence accounting is off."""
         self.scheduler.check_integrity()
         if self.tiers is not None:
             self.tiers.check_integrity()
+        if self.quotas is not None:
+            self.quotas.check_integrity()
         for seq in self._seqs.values():
             if seq.status is SequenceStatus.FINISHED and seq.pages:
                 raise IntegrityError(f"finished {seq.request_id} still holds pages")

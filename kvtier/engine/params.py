@@ -51,11 +51,12 @@ class SamplingParams:
                 f"at most {MAX_STOP_SEQUENCES} stop_sequences are allowed, got {len(self.stop_sequences)}",
                 field="stop_sequences",
             )
-        for seq in [*self.stop_sequences, self.tool_call_sequence]:
+        named = [(f"stop_sequences[{i}]", seq) for i, seq in enumerate(self.stop_sequences)]
+        for name, seq in [*named, ("tool_call_sequence", self.tool_call_sequence)]:
             if len(seq) > MAX_STOP_SEQUENCE_TOKENS:
                 raise InvalidArgument(
-                    f"a stop sequence may have at most {MAX_STOP_SEQUENCE_TOKENS} tokens, got {len(seq)}",
-                    field="stop_sequences",
+                    f"{name} may have at most {MAX_STOP_SEQUENCE_TOKENS} tokens, got {len(seq)}", field=name
                 )
-        if any(len(s) == 0 for s in self.stop_sequences):
-            raise InvalidArgument("stop_sequences must not contain an empty sequence", field="stop_sequences")
+        for i, seq in enumerate(self.stop_sequences):
+            if not seq:
+                raise InvalidArgument(f"stop_sequences[{i}] must not be empty", field=f"stop_sequences[{i}]")

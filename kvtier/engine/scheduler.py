@@ -91,9 +91,11 @@ class Scheduler:
         reserved = sum(s.reserved_pages for s in self.running)
         return self.pool.num_free + self.pool.num_cached_idle - reserved
 
-    def _allocate(self) -> PageId | None:
+    def _allocate(self, seq: Sequence, num_pending: int) -> PageId | None:
+        """A page for ``seq``, which will cache ``num_pending`` new pages (this one included):
+        with the pool full, a tenant that would pass its quota gives up its own pages first."""
         page = self.pool.allocate()
-        if page is None and self.index.evict(1) == 1:
+        if page is None and self.index.evict(1, namespace=seq.namespace, num_pending=num_pending) == 1:
             page = self.pool.allocate()
         return page
 
@@ -135,6 +137,7 @@ class Scheduler:
                     seq.promoted_tokens_by_tier[tier] = seq.promoted_tokens_by_tier.get(tier, 0) + ps
             seq.promotion_wait_s += self.tiers.counters.promotion_wait_s - wait_start
         cached_tokens = len(hits) * ps
+        num_new = max(seq.num_tokens // ps - len(hits), 0)  # full pages this admission will cache
         # The last prompt position must be computed to get logits; if every page hit,
         # recompute that one token in a private copy of the last page (copy-on-write).
         needs_cow = cached_tokens >= seq.num_tokens
@@ -143,14 +146,14 @@ class Scheduler:
         ok = True
         if needs_cow:
             private = self.pool.copy_on_write(pages[-1])
-            if private is None and self.index.evict(1) == 1:
+            if private is None and self.index.evict(1, namespace=seq.namespace, num_pending=num_new) == 1:
                 private = self.pool.copy_on_write(pages[-1])
             if private is None:
                 ok = False
             else:
                 pages[-1] = private
         while ok and len(pages) < total_pages:
-            page = self._allocate()
+            page = self._allocate(seq, num_new)
             if page is None:
                 ok = False
             else:
@@ -209,12 +212,13 @@ class Scheduler:
             if len(seq.pages) >= self.pool.num_pages:
                 capped.append(seq)
                 continue
-            page = self._allocate()
+            num_pending = len(seq.pages) + 1 - seq.num_registered
+            page = self._allocate(seq, num_pending)
             while page is None and order:
                 victim = order.pop()
                 self.preempt(victim)
                 preempted.append(victim)
-                page = self._allocate()
+                page = self._allocate(seq, num_pending)
             if page is None:
                 # Nothing left to preempt but the sequence itself.
                 self.preempt(seq)
@@ -262,6 +266,13 @@ class Scheduler:
             if keys[j] not in self.index:
                 parent = keys[j - 1] if j > 0 else None
                 if self.index.insert(keys[j], parent, seq.pages[j], seq.page_tokens(j), seq.namespace) is None:
+                    cached_parent = self.index.get(parent) if parent is not None else None
+                    if cached_parent is not None and cached_parent.tier is not Tier.HBM:
+                        # The index's copy of an ancestor we duplicated privately went down a
+                        # tier meanwhile (a demotion of idle pages while we ran on our own
+                        # copy). A child may not be faster than its parent, so this page and
+                        # the ones after it stay private to the sequence (not cached).
+                        return
                     raise IntegrityError(f"cannot cache page {j} of {seq.request_id}: parent missing")
 
     def finish(self, seq: Sequence) -> None:
@@ -275,6 +286,7 @@ class Scheduler:
     def _release_pages(self, seq: Sequence) -> None:
         pages, seq.pages = seq.pages, []
         seq.reserved_pages = 0
+        self.index.note_released(pages)
         for page in pages:
             self.pool.release(page)
 

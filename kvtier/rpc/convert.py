@@ -71,6 +71,7 @@ from kvtier.records import (
     PageEventKind,
     PageKeyPrefix,
     PauseRequest,
+    PinCommand,
     PinId,
     PinRequest,
     PinResult,
@@ -100,6 +101,7 @@ from kvtier.records import (
     TokenChunk,
     TokenPrefix,
     TokensByTier,
+    UnpinCommand,
     UnpinRequest,
     UnpinResult,
     Usage,
@@ -129,6 +131,9 @@ MAX_TEXT_CHARS = 4096  # reasons, error messages, tool names, problems
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LIST_ITEMS = 4096  # adapters, tiers, workers, reports ... in one message
 MAX_LIST_LIMIT = 1000  # `limit` of list RPCs
+# Durations a caller gives (tool-call estimates, ETAs, pin TTLs): a year at most, so that
+# "now + duration" always fits the uint64 timestamps sent back (and a typo is caught).
+MAX_DURATION_MS = 365 * 24 * 3600 * 1000
 # Servers and channels must raise grpc.max_receive_message_length / max_send_message_length
 # to this (gRPC's default of 4 MiB is below a MAX_PROMPT_TOKENS prompt: up to 5 bytes a token).
 MAX_MESSAGE_BYTES = 16 << 20
@@ -203,6 +208,15 @@ def _finite(value: float, path: str, *, minimum: float | None = None) -> float:
 def _optional(msg: Any, name: str) -> Any:
     """Value of a proto3 ``optional`` scalar, or None when unset."""
     return getattr(msg, name) if msg.HasField(name) else None
+
+
+def _optional_duration(msg: Any, name: str, path: str, *, unit_ms: int = 1) -> int | None:
+    """A proto3 ``optional`` duration (in ``unit_ms`` milliseconds), at most ``MAX_DURATION_MS``."""
+    value = _optional(msg, name)
+    limit = MAX_DURATION_MS // unit_ms
+    if value is not None and value > limit:
+        raise _invalid(_join(path, name), f"must be at most {limit} (a year), got {value}")
+    return value
 
 
 def _required_message(msg: Any, name: str, path: str) -> Any:
@@ -744,7 +758,7 @@ def from_proto_pause_request(msg: sessions_pb2.PauseRequest, path: str = "") -> 
     return PauseRequest(
         session_id=_session_id(msg.session_id, _join(path, "session_id")),
         tool_name=_optional_string(msg.tool_name, _join(path, "tool_name"), max_chars=MAX_TEXT_CHARS),
-        expected_ms=_optional(msg, "expected_ms"),
+        expected_ms=_optional_duration(msg, "expected_ms", path),
     )
 
 
@@ -754,7 +768,8 @@ def to_proto_returning_request(request: ReturningRequest) -> sessions_pb2.Return
 
 def from_proto_returning_request(msg: sessions_pb2.ReturningRequest, path: str = "") -> ReturningRequest:
     return ReturningRequest(
-        session_id=_session_id(msg.session_id, _join(path, "session_id")), eta_ms=_optional(msg, "eta_ms")
+        session_id=_session_id(msg.session_id, _join(path, "session_id")),
+        eta_ms=_optional_duration(msg, "eta_ms", path),
     )
 
 
@@ -1048,39 +1063,51 @@ def _command_keys(msg: Any, path: str) -> tuple[PageKey, ...]:
     return keys
 
 
-def _command_target(msg: Any, path: str) -> tuple[tuple[PageKey, ...], SessionId | None]:
-    """Page keys or a session id: exactly one addresses a command's pages."""
+def _command_target(msg: Any, path: str) -> tuple[tuple[PageKey, ...], SessionId | None, bool]:
+    """Page keys, a session id or the whole namespace: exactly one addresses a command's pages."""
     session_id = _optional_string(msg.session_id, _join(path, "session_id"))
+    if msg.whole_namespace:
+        if session_id is not None:
+            raise _invalid(_join(path, "session_id"), "must be empty when whole_namespace is set")
+        if msg.page_keys:
+            raise _invalid(_join(path, "page_keys"), "must be empty when whole_namespace is set")
+        return (), None, True
     if session_id is None:
-        return _command_keys(msg, path), None
+        return _command_keys(msg, path), None, False
     if msg.page_keys:
         raise _invalid(_join(path, "page_keys"), "must be empty when session_id is set")
-    return (), SessionId(session_id)
+    return (), SessionId(session_id), False
 
 
-def _check_target(keys: tuple[PageKey, ...], session_id: SessionId | None, what: str) -> None:
-    if bool(keys) == bool(session_id):
-        raise InvalidArgument(f"a {what} names its pages by page_keys or by session_id (exactly one)",
-                              field="page_keys")
+def _check_target(
+    keys: tuple[PageKey, ...], session_id: SessionId | None, whole_namespace: bool, what: str
+) -> None:
+    if bool(keys) + bool(session_id) + whole_namespace != 1:
+        raise InvalidArgument(
+            f"a {what} names its pages by page_keys, session_id or whole_namespace (exactly one)",
+            field="page_keys",
+        )
 
 
 def to_proto_demote_command(command: DemoteCommand) -> worker_link_pb2.DemoteCommand:
-    _check_target(command.page_keys, command.session_id, "DemoteCommand")
+    _check_target(command.page_keys, command.session_id, command.whole_namespace, "DemoteCommand")
     return worker_link_pb2.DemoteCommand(
         namespace_digest=command.namespace_digest,
         page_keys=command.page_keys,
         target_tier=int(command.target_tier),
         session_id=command.session_id or "",
+        whole_namespace=command.whole_namespace,
     )
 
 
 def from_proto_demote_command(msg: worker_link_pb2.DemoteCommand, path: str = "demote") -> DemoteCommand:
-    keys, session_id = _command_target(msg, path)
+    keys, session_id, whole_namespace = _command_target(msg, path)
     return DemoteCommand(
         namespace_digest=_digest(msg.namespace_digest, _join(path, "namespace_digest")),
         page_keys=keys,
         target_tier=_tier(msg.target_tier, _join(path, "target_tier")),
         session_id=session_id,
+        whole_namespace=whole_namespace,
     )
 
 
@@ -1111,18 +1138,22 @@ def from_proto_prefetch_command(
 
 
 def to_proto_drop_command(command: DropCommand) -> worker_link_pb2.DropCommand:
-    _check_target(command.page_keys, command.session_id, "DropCommand")
+    _check_target(command.page_keys, command.session_id, command.whole_namespace, "DropCommand")
     return worker_link_pb2.DropCommand(
-        namespace_digest=command.namespace_digest, page_keys=command.page_keys, session_id=command.session_id or ""
+        namespace_digest=command.namespace_digest,
+        page_keys=command.page_keys,
+        session_id=command.session_id or "",
+        whole_namespace=command.whole_namespace,
     )
 
 
 def from_proto_drop_command(msg: worker_link_pb2.DropCommand, path: str = "drop") -> DropCommand:
-    keys, session_id = _command_target(msg, path)
+    keys, session_id, whole_namespace = _command_target(msg, path)
     return DropCommand(
         namespace_digest=_digest(msg.namespace_digest, _join(path, "namespace_digest")),
         page_keys=keys,
         session_id=session_id,
+        whole_namespace=whole_namespace,
     )
 
 
@@ -1163,6 +1194,38 @@ def from_proto_drain_command(msg: worker_link_pb2.DrainCommand, path: str = "dra
     return DrainCommand(draining=msg.draining)
 
 
+def _pin_id(value: str, path: str) -> PinId:
+    return PinId(_string(value, path, required=True))
+
+
+def to_proto_pin_command(command: PinCommand) -> worker_link_pb2.PinCommand:
+    return worker_link_pb2.PinCommand(
+        pin_id=command.pin_id,
+        namespace_digest=command.namespace_digest,
+        page_keys=command.page_keys,
+        tier=int(command.tier),
+        expires_at_ms=command.expires_at_ms,
+    )
+
+
+def from_proto_pin_command(msg: worker_link_pb2.PinCommand, path: str = "pin") -> PinCommand:
+    return PinCommand(
+        pin_id=_pin_id(msg.pin_id, _join(path, "pin_id")),
+        namespace_digest=_digest(msg.namespace_digest, _join(path, "namespace_digest")),
+        page_keys=_command_keys(msg, path),
+        tier=_tier(msg.tier, _join(path, "tier")),
+        expires_at_ms=_optional(msg, "expires_at_ms"),
+    )
+
+
+def to_proto_unpin_command(command: UnpinCommand) -> worker_link_pb2.UnpinCommand:
+    return worker_link_pb2.UnpinCommand(pin_id=command.pin_id)
+
+
+def from_proto_unpin_command(msg: worker_link_pb2.UnpinCommand, path: str = "unpin") -> UnpinCommand:
+    return UnpinCommand(pin_id=_pin_id(msg.pin_id, _join(path, "pin_id")))
+
+
 # Command type -> (oneof member, to_proto); oneof member -> from_proto.
 _COMMAND_WRITERS: dict[type, tuple[str, Callable[[Any], Any]]] = {
     DemoteCommand: ("demote", to_proto_demote_command),
@@ -1171,6 +1234,8 @@ _COMMAND_WRITERS: dict[type, tuple[str, Callable[[Any], Any]]] = {
     InvalidateCommand: ("invalidate", to_proto_invalidate_command),
     RequestSnapshotCommand: ("request_snapshot", to_proto_request_snapshot_command),
     DrainCommand: ("drain", to_proto_drain_command),
+    PinCommand: ("pin", to_proto_pin_command),
+    UnpinCommand: ("unpin", to_proto_unpin_command),
 }
 _COMMAND_PARSERS: dict[str, Callable[[Any, str], Command]] = {
     "demote": from_proto_demote_command,
@@ -1179,6 +1244,8 @@ _COMMAND_PARSERS: dict[str, Callable[[Any, str], Command]] = {
     "invalidate": from_proto_invalidate_command,
     "request_snapshot": from_proto_request_snapshot_command,
     "drain": from_proto_drain_command,
+    "pin": from_proto_pin_command,
+    "unpin": from_proto_unpin_command,
 }
 
 
@@ -1431,7 +1498,7 @@ def from_proto_pin_request(msg: admin_pb2.PinRequest, path: str = "") -> PinRequ
         namespace=namespace,
         prefix=prefix,
         tier=_tier(msg.tier, _join(path, "tier")),
-        ttl_s=_optional(msg, "ttl_s"),
+        ttl_s=_optional_duration(msg, "ttl_s", path, unit_ms=1000),
     )
 
 

@@ -7,6 +7,11 @@ in the ``kvtier-error-field`` trailing metadata. Any other exception is a bug: i
 logged with a fresh run id and the caller gets ``INTERNAL`` with that id and nothing
 else, never the exception's text.
 
+Request bytes that do not decode as the method's message (corrupt wire format, invalid
+UTF-8 in a string field) never reach a servicer: grpc itself would answer UNKNOWN, so every
+kvtier server installs ``MalformedRequestInterceptor``, which decodes inside the handler and
+answers ``INVALID_ARGUMENT`` (field ``request``) instead.
+
 Clients: ``error_from_rpc_error(rpc_error)`` turns a ``grpc.RpcError`` back into the
 matching ``KvtierError`` subclass, field included.
 """
@@ -18,14 +23,15 @@ import functools
 import inspect
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
 import grpc
 import grpc.aio
+from google.protobuf.message import DecodeError
 
 from kvtier import errors
-from kvtier.errors import KvtierError
+from kvtier.errors import InvalidArgument, KvtierError
 
 logger = logging.getLogger(__name__)
 
@@ -77,12 +83,23 @@ def new_run_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
+MAX_METADATA_VALUE_CHARS = 256
+
+
+def metadata_value(text: str) -> str:
+    """``text`` as a valid gRPC metadata value: printable ASCII, others escaped, at most
+    ``MAX_METADATA_VALUE_CHARS`` characters. A field path can hold a caller's map key (any
+    text), and one invalid character would turn the whole answer into INTERNAL."""
+    escaped = "".join(c if " " <= c <= "~" else c.encode("unicode_escape").decode("ascii") for c in text)
+    return escaped if len(escaped) <= MAX_METADATA_VALUE_CHARS else escaped[: MAX_METADATA_VALUE_CHARS - 3] + "..."
+
+
 async def abort_with(context: grpc.aio.ServicerContext, err: KvtierError) -> NoReturn:
     """Abort the current RPC with ``err``'s status code. Always raises (``grpc.aio.AbortError``)."""
     code = status_code_for(err)
     metadata: list[tuple[str, str]] = [(ERROR_TYPE_METADATA_KEY, type(err).__name__)]
     if err.field:
-        metadata.append((FIELD_METADATA_KEY, err.field))
+        metadata.append((FIELD_METADATA_KEY, metadata_value(err.field)))
     if code is grpc.StatusCode.INTERNAL:
         # A KvtierError with code INTERNAL (IntegrityError) is a bug report: keep its
         # message (errors carry no token ids or text) and make it findable in the log.
@@ -144,6 +161,90 @@ def rpc_errors(method: F) -> F:
             return await method(*args)
 
     return unary  # type: ignore[return-value]
+
+
+KVTIER_METHOD_PREFIX = "/kvtier.v1."
+
+
+def _malformed(decode: Callable[[bytes], Any], exc: DecodeError) -> InvalidArgument:
+    message_type = getattr(getattr(decode, "__self__", None), "DESCRIPTOR", None)
+    name = message_type.full_name if message_type is not None else "request message"
+    # protobuf's reason names the failure ("String field had bad UTF-8"), never the bytes.
+    reason = str(exc).rsplit(": ", 1)[-1] or type(exc).__name__
+    return InvalidArgument(f"the request is not a valid {name}: {reason}", field="request")
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Answers INVALID_ARGUMENT, not grpc's UNKNOWN, when request bytes do not decode.
+
+    grpc runs a handler's ``request_deserializer`` before the servicer, and an exception
+    there becomes ``UNKNOWN: Unexpected DecodeError``. For kvtier's own services this
+    interceptor hands the servicer the raw bytes' decoding instead: a unary request that
+    does not decode is aborted with ``INVALID_ARGUMENT``; on a request stream the bad
+    message raises ``InvalidArgument`` from the request iterator, inside the servicer's
+    ``@rpc_errors`` boundary. Health and reflection keep grpc's behaviour.
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or handler.request_deserializer is None or not method.startswith(KVTIER_METHOD_PREFIX):
+            return handler
+        decode = handler.request_deserializer
+        serialize = handler.response_serializer
+        if handler.request_streaming:
+            behavior = handler.stream_stream or handler.stream_unary
+
+            async def decoded(raw_messages: AsyncIterator[bytes]) -> AsyncIterator[Any]:
+                async for raw in raw_messages:
+                    try:
+                        yield decode(raw)
+                    except DecodeError as exc:
+                        raise _malformed(decode, exc) from None
+
+            if handler.stream_stream is not None:
+
+                async def stream_stream(raw_messages: AsyncIterator[bytes], context: Any) -> AsyncIterator[Any]:
+                    async with contextlib.aclosing(behavior(decoded(raw_messages), context)) as responses:
+                        async for response in responses:
+                            yield response
+
+                return grpc.stream_stream_rpc_method_handler(stream_stream, response_serializer=serialize)
+
+            async def stream_unary(raw_messages: AsyncIterator[bytes], context: Any) -> Any:
+                return await behavior(decoded(raw_messages), context)
+
+            return grpc.stream_unary_rpc_method_handler(stream_unary, response_serializer=serialize)
+
+        async def parse(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return decode(raw)
+            except DecodeError as exc:
+                await abort_with(context, _malformed(decode, exc))
+
+        if handler.unary_stream is not None:
+            behavior = handler.unary_stream
+            if not inspect.isasyncgenfunction(behavior):
+                return handler  # no kvtier servicer streams with context.write()
+
+            async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                request = await parse(raw, context)
+                async with contextlib.aclosing(behavior(request, context)) as responses:
+                    async for response in responses:
+                        yield response
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, response_serializer=serialize)
+
+        behavior = handler.unary_unary
+
+        async def unary_unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            return await behavior(await parse(raw, context), context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, response_serializer=serialize)
 
 
 def error_from_rpc_error(rpc_error: grpc.RpcError) -> KvtierError:

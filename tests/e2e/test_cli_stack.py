@@ -33,9 +33,10 @@ def test_up_serves_and_down_stops_everything_it_started(tmp_path: Path):
         with grpc.insecure_channel(endpoints["controller"]) as channel:
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
         assert status.status == health_pb2.HealthCheckResponse.SERVING
+        # `kvtier up` turned auth on; status finds the admin token in the state directory.
         shown = subprocess.run(
             [sys.executable, "-m", "kvtier.cli", "status", "--controller", endpoints["controller"], "--json"],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True, text=True, timeout=60, env={**env, "KVTIER_STATE_DIR": str(state)},
         )
         assert shown.returncode == 0, shown.stderr
         view = json.loads(shown.stdout)

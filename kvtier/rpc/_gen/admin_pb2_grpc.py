@@ -120,7 +120,8 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListWorkers(self, request, context):
-        """Every registered worker with its capacity and load.
+        """Every registered worker with its capacity and load. Leader only (workers
+        link to the leader).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -149,7 +150,12 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Drain(self, request, context):
-        """Stops (or resumes) admitting new requests on a worker.
+        """Stops (or resumes) admitting new requests on a worker. Draining: Route skips
+        the worker at once and the worker refuses new Generate calls; its running
+        requests finish where they are, and once it is idle the controller drops its
+        cached pages in every tier (pinned pages stay), so its cache and its directory
+        entries empty. Resuming puts it back into Route, with whatever it holds then.
+        Leader only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -177,7 +183,8 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetPolicy(self, request, context):
-        """Installs a new tiering policy version.
+        """Installs a new tiering policy version; the leader acts on it at once, standbys
+        within a second. Leader only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -206,6 +213,7 @@ class AdminServicer:
 
     def Snapshot(self, request, context):
         """Asks workers for a full inventory snapshot and reconciles the directory with it.
+        Leader only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

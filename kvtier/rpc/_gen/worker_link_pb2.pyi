@@ -141,16 +141,18 @@ class WorkerEvent(_message.Message):
     def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., page_events: _Optional[_Union[PageEventBatch, _Mapping]] = ..., snapshot: _Optional[_Union[InventorySnapshotChunk, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ...) -> None: ...
 
 class DemoteCommand(_message.Message):
-    __slots__ = ("namespace_digest", "page_keys", "target_tier", "session_id")
+    __slots__ = ("namespace_digest", "page_keys", "target_tier", "session_id", "whole_namespace")
     NAMESPACE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PAGE_KEYS_FIELD_NUMBER: _ClassVar[int]
     TARGET_TIER_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     namespace_digest: bytes
     page_keys: _containers.RepeatedScalarFieldContainer[bytes]
     target_tier: _common_pb2.Tier
     session_id: str
-    def __init__(self, namespace_digest: _Optional[bytes] = ..., page_keys: _Optional[_Iterable[bytes]] = ..., target_tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    whole_namespace: bool
+    def __init__(self, namespace_digest: _Optional[bytes] = ..., page_keys: _Optional[_Iterable[bytes]] = ..., target_tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., session_id: _Optional[str] = ..., whole_namespace: _Optional[bool] = ...) -> None: ...
 
 class PrefetchCommand(_message.Message):
     __slots__ = ("namespace_digest", "page_keys", "target_tier", "deadline_ms", "session_id")
@@ -167,14 +169,16 @@ class PrefetchCommand(_message.Message):
     def __init__(self, namespace_digest: _Optional[bytes] = ..., page_keys: _Optional[_Iterable[bytes]] = ..., target_tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., deadline_ms: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class DropCommand(_message.Message):
-    __slots__ = ("namespace_digest", "page_keys", "session_id")
+    __slots__ = ("namespace_digest", "page_keys", "session_id", "whole_namespace")
     NAMESPACE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PAGE_KEYS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     namespace_digest: bytes
     page_keys: _containers.RepeatedScalarFieldContainer[bytes]
     session_id: str
-    def __init__(self, namespace_digest: _Optional[bytes] = ..., page_keys: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    whole_namespace: bool
+    def __init__(self, namespace_digest: _Optional[bytes] = ..., page_keys: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[str] = ..., whole_namespace: _Optional[bool] = ...) -> None: ...
 
 class InvalidateCommand(_message.Message):
     __slots__ = ("scope", "policy_epoch")
@@ -196,8 +200,28 @@ class DrainCommand(_message.Message):
     draining: bool
     def __init__(self, draining: _Optional[bool] = ...) -> None: ...
 
+class PinCommand(_message.Message):
+    __slots__ = ("pin_id", "namespace_digest", "page_keys", "tier", "expires_at_ms")
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PAGE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    pin_id: str
+    namespace_digest: bytes
+    page_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    tier: _common_pb2.Tier
+    expires_at_ms: int
+    def __init__(self, pin_id: _Optional[str] = ..., namespace_digest: _Optional[bytes] = ..., page_keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
+
+class UnpinCommand(_message.Message):
+    __slots__ = ("pin_id",)
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    pin_id: str
+    def __init__(self, pin_id: _Optional[str] = ...) -> None: ...
+
 class ControllerCommand(_message.Message):
-    __slots__ = ("command_id", "demote", "prefetch", "drop", "invalidate", "request_snapshot", "drain")
+    __slots__ = ("command_id", "demote", "prefetch", "drop", "invalidate", "request_snapshot", "drain", "pin", "unpin")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     DEMOTE_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +229,8 @@ class ControllerCommand(_message.Message):
     INVALIDATE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    UNPIN_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     demote: DemoteCommand
     prefetch: PrefetchCommand
@@ -212,4 +238,6 @@ class ControllerCommand(_message.Message):
     invalidate: InvalidateCommand
     request_snapshot: RequestSnapshotCommand
     drain: DrainCommand
-    def __init__(self, command_id: _Optional[int] = ..., demote: _Optional[_Union[DemoteCommand, _Mapping]] = ..., prefetch: _Optional[_Union[PrefetchCommand, _Mapping]] = ..., drop: _Optional[_Union[DropCommand, _Mapping]] = ..., invalidate: _Optional[_Union[InvalidateCommand, _Mapping]] = ..., request_snapshot: _Optional[_Union[RequestSnapshotCommand, _Mapping]] = ..., drain: _Optional[_Union[DrainCommand, _Mapping]] = ...) -> None: ...
+    pin: PinCommand
+    unpin: UnpinCommand
+    def __init__(self, command_id: _Optional[int] = ..., demote: _Optional[_Union[DemoteCommand, _Mapping]] = ..., prefetch: _Optional[_Union[PrefetchCommand, _Mapping]] = ..., drop: _Optional[_Union[DropCommand, _Mapping]] = ..., invalidate: _Optional[_Union[InvalidateCommand, _Mapping]] = ..., request_snapshot: _Optional[_Union[RequestSnapshotCommand, _Mapping]] = ..., drain: _Optional[_Union[DrainCommand, _Mapping]] = ..., pin: _Optional[_Union[PinCommand, _Mapping]] = ..., unpin: _Optional[_Union[UnpinCommand, _Mapping]] = ...) -> None: ...

@@ -125,6 +125,28 @@ given in values); empty when it must come from a Secret through the environment.
 {{- end -}}
 {{- end -}}
 
+{{/*
+Without auth.enabled, kvtier processes listening on 0.0.0.0 refuse to start unless told that
+the network admits callers (kvtier/rpc/server_options.py check_exposure): here the
+NetworkPolicy does. Callers include it only when auth is off.
+*/}}
+{{- define "kvtier.unauthenticatedEnv" -}}
+- name: KVTIER_ALLOW_UNAUTHENTICATED
+  value: "true"
+{{- end -}}
+
+{{/* Worker auth settings: its own token and the table it verifies frontends with. */}}
+{{- define "kvtier.workerAuthEnv" -}}
+{{- if .Values.auth.enabled }}
+- name: KVTIER_AUTH_TOKEN_FILE
+  value: /etc/kvtier/auth/worker-token
+- name: KVTIER_AUTH_TOKENS_FILE
+  value: /etc/kvtier/auth/tokens
+{{- else }}
+{{ include "kvtier.unauthenticatedEnv" . }}
+{{- end }}
+{{- end -}}
+
 {{/* TLS files of every kvtier process; callers include it only when tls.enabled. */}}
 {{- define "kvtier.tlsEnv" -}}
 - name: KVTIER_TLS_CERT_FILE
@@ -153,8 +175,14 @@ the config file is that role's TOML; the auth Secret contributes only that role'
     secretName: {{ $v.auth.existingSecret }}
     defaultMode: 0440
     items:
-      - key: {{ ternary $v.auth.tokensKey $v.auth.workerTokenKey (eq .role "controller") }}
-        path: {{ ternary "tokens" "worker-token" (eq .role "controller") }}
+      # Controllers and workers verify callers with the token table; workers also need
+      # their own token for WorkerLink.
+      - key: {{ $v.auth.tokensKey }}
+        path: tokens
+      {{- if ne .role "controller" }}
+      - key: {{ $v.auth.workerTokenKey }}
+        path: worker-token
+      {{- end }}
 {{- end }}
 {{- if $v.tls.enabled }}
 - name: tls
@@ -213,6 +241,8 @@ the config file is that role's TOML; the auth Secret contributes only that role'
 {{- if .Values.auth.enabled }}
 - name: KVTIER_AUTH_TOKEN_FILE
   value: /etc/kvtier/auth/tokens
+{{- else }}
+{{ include "kvtier.unauthenticatedEnv" . }}
 {{- end }}
 {{- if .Values.tls.enabled }}
 - name: KVTIER_HEALTH_PORT

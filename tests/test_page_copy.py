@@ -1,0 +1,213 @@
+"""Fused page copy + checksum: the C++ kernel against the reference definition, and its fallback."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier import page_copy
+from kvtier.checksum import page_checksum, page_checksums
+from kvtier.dram_pool import aligned_host_tensor, make_dram_pool
+from kvtier.errors import FailedPrecondition
+from kvtier.native import NativeExtension
+from kvtier.page_pool import PagePool, PoolGeometry
+from kvtier.tiers import Tier
+from kvtier.transfer import TransferEngine, TransferReason
+
+DTYPES = [torch.uint8, torch.float16, torch.bfloat16, torch.float32, torch.int64]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel() -> None:
+    """Builds (or loads the cached) kernel once; a build failure fails these tests."""
+    page_copy.load_kernel()
+
+
+@pytest.fixture(autouse=True)
+def kernel_mode(monkeypatch) -> None:
+    monkeypatch.delenv(page_copy.ENV_VAR, raising=False)
+
+
+def random_pages(n: int, page_elems: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Pages of random bytes (every bit pattern, NaNs included: the copy is of bytes)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n, page_elems * itemsize), dtype=torch.uint8, generator=g)
+    return raw.view(dtype)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(0, 6),
+    page_elems=st.integers(1, 3000),
+    dtype=st.sampled_from(DTYPES),
+    streaming=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_kernel_copies_bytes_and_equals_the_reference_checksum(n, page_elems, dtype, streaming, seed):
+    src = random_pages(n, page_elems, dtype, seed)
+    dst = torch.zeros_like(src)
+    got = page_copy.copy_with_checksums(src, dst, streaming=streaming)
+    assert got.dtype == torch.int64 and got.shape == (n,)
+    assert torch.equal(got, page_checksums(src))
+    assert same_bytes(dst, src)
+    assert torch.equal(page_copy.checksums(src), page_checksums(src))
+
+
+@pytest.mark.parametrize("page_bytes", [1, 8, 511, 512, 513, 4096 + 24, 32768, 65536 + 8])
+def test_partial_tail_blocks_are_summed_zero_padded(page_bytes):
+    src = random_pages(3, page_bytes, torch.uint8, seed=page_bytes)
+    dst = torch.empty_like(src)
+    got = page_copy.copy_with_checksums(src, dst)
+    padded = torch.nn.functional.pad(src, (0, (-page_bytes) % 512))
+    expected = [page_checksum(src[i].numpy().tobytes()) for i in range(3)]
+    assert [v & (2**64 - 1) for v in got.tolist()] == expected
+    assert torch.equal(got, page_checksums(padded))  # the padding adds nothing
+    assert torch.equal(dst, src)
+
+
+def test_golden_value_from_the_kernel():
+    # The same vector that pins the on-disk algorithm in tests/test_checksum.py.
+    page = torch.frombuffer(bytearray(bytes(range(256)) * 4), dtype=torch.uint8)[None]
+    assert int(page_copy.checksums(page)[0]) & (2**64 - 1) == 0x8281807F7E7D7C00
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+def test_large_runs_with_streaming_stores_and_helper_threads(streaming, num_threads):
+    # 40 pages of 32 KiB: several 256 KiB chunks to share; an aligned destination allows
+    # streaming stores (the kernel checks alignment itself and falls back to plain stores).
+    src = random_pages(40, 8192, torch.float32, seed=7)
+    raw = aligned_host_tensor(src.numel() * 4)
+    raw.zero_()
+    dst = raw.view(torch.float32).view(src.shape)
+    got = page_copy.copy_with_checksums(src, dst, streaming=streaming, num_threads=num_threads)
+    assert torch.equal(got, page_checksums(src)) and same_bytes(dst, src)
+    # A destination off the 64-byte grid cannot take streaming stores: plain stores, same result.
+    backing = torch.zeros(src.numel() * 4 + 64, dtype=torch.uint8)
+    shift = 8 if backing.data_ptr() % 64 == 0 else 0
+    odd = backing[shift : shift + src.numel() * 4].view(torch.float32).view(src.shape)
+    assert odd.data_ptr() % 64
+    got = page_copy.copy_with_checksums(src, odd, streaming=True, num_threads=num_threads)
+    assert torch.equal(got, page_checksums(src)) and same_bytes(odd, src)
+
+
+def test_strided_views_are_refused_by_the_op_and_handled_by_the_wrapper():
+    base = random_pages(4, 1024, torch.float32, seed=3)
+    strided = base[::2]  # every other page: not one block of memory
+    assert not strided.is_contiguous()
+    dst = torch.zeros(2, 1024)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.kvtier_page.copy_checksum(strided, dst, 0, 1)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.kvtier_page.checksum(strided)
+    got = page_copy.copy_with_checksums(strided, dst)  # torch path
+    assert torch.equal(got, page_checksums(strided)) and same_bytes(dst, strided)
+    out = torch.zeros(1024, 4).t()  # a non-contiguous destination too
+    assert torch.equal(page_copy.copy_with_checksums(base, out), page_checksums(base))
+    assert same_bytes(out, base)
+    assert torch.equal(page_copy.checksums(strided), page_checksums(strided))
+
+
+def test_the_op_checks_its_contract():
+    src = random_pages(4, 256, torch.float32, seed=4)
+    with pytest.raises(RuntimeError, match="pages"):
+        torch.ops.kvtier_page.copy_checksum(src, torch.zeros(3, 256), 0, 1)
+    with pytest.raises(RuntimeError, match="bytes"):
+        torch.ops.kvtier_page.copy_checksum(src, torch.zeros(4, 128), 0, 1)
+    whole = torch.zeros(6, 256)
+    with pytest.raises(RuntimeError, match="overlap"):
+        torch.ops.kvtier_page.copy_checksum(whole[:4], whole[2:], 0, 1)
+    with pytest.raises(ValueError, match="4 pages into 3"):
+        page_copy.copy_with_checksums(src, torch.zeros(3, 256))
+
+
+def test_a_dtype_conversion_goes_through_torch():
+    src = random_pages(3, 64, torch.float32, seed=5)
+    src = torch.nan_to_num(src, nan=0.0, posinf=1.0, neginf=-1.0)
+    dst = torch.zeros(3, 64, dtype=torch.float64)
+    got = page_copy.copy_with_checksums(src, dst)
+    assert torch.equal(dst, src.double()) and torch.equal(got, page_checksums(dst))
+
+
+@pytest.mark.parametrize("how", ["env", "argument"])
+def test_disabled_kernel_gives_identical_results(how, monkeypatch):
+    src = random_pages(5, 777, torch.bfloat16, seed=6)
+    fused_dst, torch_dst = torch.zeros_like(src), torch.zeros_like(src)
+    fused = page_copy.copy_with_checksums(src, fused_dst)
+    if how == "env":
+        monkeypatch.setenv(page_copy.ENV_VAR, "torch")
+        assert not page_copy.kernel_enabled()
+        fallback = page_copy.copy_with_checksums(src, torch_dst)
+        assert torch.equal(page_copy.checksums(src), fused)
+    else:
+        fallback = page_copy.copy_with_checksums(src, torch_dst, use_kernel=False)
+    assert torch.equal(fused, fallback) and same_bytes(fused_dst, torch_dst)
+
+
+def test_bad_env_value_is_an_error_naming_the_variable(monkeypatch):
+    monkeypatch.setenv(page_copy.ENV_VAR, "fast")
+    with pytest.raises(FailedPrecondition, match=page_copy.ENV_VAR):
+        page_copy.copy_with_checksums(torch.zeros(1, 8), torch.zeros(1, 8))
+
+
+def test_unbuildable_kernel_falls_back_with_one_warning(monkeypatch, tmp_path, caplog):
+    missing = NativeExtension(
+        "kvtier_page_copy_missing", tmp_path / "missing.cpp", what="page copy kernel", fallback_hint="x"
+    )
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build"))  # leave the real cache alone
+    monkeypatch.setattr(page_copy, "_EXTENSION", missing)
+    monkeypatch.setattr(page_copy, "_warned", False)
+    src = random_pages(2, 100, torch.float32, seed=8)
+    with caplog.at_level(logging.WARNING, logger="kvtier.page_copy"):
+        for _ in range(3):
+            dst = torch.zeros_like(src)
+            assert torch.equal(page_copy.copy_with_checksums(src, dst), page_checksums(src))
+            assert same_bytes(dst, src)
+    warnings = [r for r in caplog.records if "fall back to torch" in r.getMessage()]
+    assert len(warnings) == 1 and "could not be built" in warnings[0].getMessage()
+    with pytest.raises(FailedPrecondition, match="could not be built"):
+        page_copy.load_kernel()  # remembered: the same error, no second build
+
+
+GEOMETRY = PoolGeometry(num_layers=2, kv_heads=2, head_dim=8, page_size=4, dtype=torch.float16)
+
+
+@pytest.mark.parametrize(("mode", "copy_threads"), [("auto", 1), ("auto", 2), ("torch", 1)])
+def test_transfer_engine_round_trip_is_identical_with_and_without_the_kernel(mode, copy_threads, monkeypatch):
+    monkeypatch.setenv(page_copy.ENV_VAR, mode)
+    hbm, dram = PagePool(12, GEOMETRY), make_dram_pool(12, GEOMETRY)
+    for pool in (hbm, dram):
+        while pool.allocate() is not None:
+            pass
+    hbm.tensor.copy_(random_pages(12, GEOMETRY.page_numel, torch.float16, seed=9).view(hbm.tensor.shape))
+    original = hbm.tensor.clone()
+    engine = TransferEngine(hbm, dram, chunk_bytes=3 * GEOMETRY.page_bytes, copy_threads=copy_threads)
+    try:
+        pairs = [(0, 5), (1, 6), (2, 7), (3, 8), (9, 0), (11, 2), (10, 1)]
+        engine.submit(Tier.HBM, Tier.DRAM, pairs, TransferReason.EVICTION)
+        assert engine.wait_idle(timeout_s=30)
+        (down,) = engine.poll_completed()
+        expected = page_checksums(original[[s for s, _ in pairs]]).numpy().view(np.uint64).tolist()
+        assert down.is_ok and down.checksums == expected
+        hbm.tensor.zero_()
+        engine.submit(Tier.DRAM, Tier.HBM, [(d, s) for s, d in pairs], TransferReason.PROMOTION_ON_HIT)
+        assert engine.wait_idle(timeout_s=30)
+        (up,) = engine.poll_completed()
+        assert up.is_ok and up.verified == [True] * len(pairs)
+        for s, _ in pairs:
+            assert same_bytes(hbm.tensor[s], original[s])
+        engine.check_integrity()
+    finally:
+        engine.close()
+    hbm.check_integrity()
+    dram.check_integrity()

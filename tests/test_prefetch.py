@@ -1,0 +1,186 @@
+"""Prefetch timing and holding (controller/prefetch.py, decision 0008): the promote-time
+estimate learnt from acks, the bookkeeping, and end to end against a real controller and
+worker — a prefetched session's pages are held in HBM until it is back (an eviction in
+between does not undo the prefetch), the hold goes when the turn finishes or the session
+ends, and a session kept in HBM is held there the same way (a guard prefetch at once)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+import pytest_asyncio
+
+from kvtier.client import AsyncClient
+from kvtier.config import ControllerConfig
+from kvtier.controller.orchestrator import OrchestratorParams
+from kvtier.controller.prefetch import Outcome, PauseOutcome, PrefetchStats, PromoteLatency
+from kvtier.controller.server import serve_controller
+from kvtier.controller.sessions import PrefetchState
+from kvtier.engine import Engine, SamplingParams
+from kvtier.hashing import namespace_digest, page_keys
+from kvtier.records import SessionState
+from kvtier.tier_manager import TierConfig
+from kvtier.tiers import Tier
+from kvtier.worker.link import WorkerLink
+from kvtier.worker.servicer import serve_worker
+
+from hf_checkpoints import build_checkpoint
+
+in_module_loop = pytest.mark.asyncio(loop_scope="module")
+
+PAGE_SIZE = 4
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+# --------------------------------------------------------------------------- pure pieces
+
+
+def test_promote_latency_learns_the_overhead_beyond_the_copy():
+    latency = PromoteLatency(50.0, quantile=0.9, window=10)
+    assert latency.estimate_ms(1_000_000, 1e9) == pytest.approx(1.0 + 50.0)  # the guess until an ack
+    for overhead_ms in (5, 5, 5, 5, 5, 5, 5, 5, 5, 200):  # one prefetch waited for a long prefill
+        latency.observe(1.0 + overhead_ms, 1_000_000, 1e9)
+    assert latency.overhead_ms() == pytest.approx(5.0)  # the 90 % point of ten: the ninth
+    latency.observe(201.0, 1_000_000, 1e9)  # a second long wait pushes it up
+    assert latency.overhead_ms() == pytest.approx(200.0)
+    latency.observe(0.0, 10_000_000, 1e9)  # faster than the bandwidth says: no negative overhead
+    assert min(latency._overheads) == 0.0
+    with pytest.raises(ValueError):
+        PromoteLatency(1.0, quantile=0.0)
+
+
+def test_stats_keep_timeliness_and_waste_apart():
+    stats = PrefetchStats(num_prefetched=3, prefetched_bytes=300)
+
+    def outcome(kind: str, num_bytes: int) -> PauseOutcome:
+        return PauseOutcome("s", "t", Tier.DRAM, 1, num_bytes, kind, 0, 1000.0, 1100.0, None, 10.0)
+
+    stats.count_outcome(outcome(Outcome.ON_TIME, 100))
+    stats.count_outcome(outcome(Outcome.ON_TIME, 100))
+    stats.count_outcome(outcome(Outcome.LATE, 100))
+    stats.count_waste("evicted", 50)  # on time, then half of it evicted before use
+    stats.count_waste("ended", 0)  # nothing prefetched: not a waste
+    assert stats.on_time_fraction == pytest.approx(2 / 3)
+    assert stats.wasted_fraction == pytest.approx(50 / 300)
+    assert stats.num_wasted == 1 and stats.wasted_count_by_reason == {"evicted": 1}
+    assert stats.mean_abs_error_ms == pytest.approx(100.0)
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def worker(tmp_path_factory):
+    ckpt = build_checkpoint(tmp_path_factory.mktemp("prefetch") / "llama", "llama", seed=6)
+    engine = Engine.from_pretrained(ckpt, page_size=PAGE_SIZE, num_pages=256, tier_config=TierConfig(dram_pages=128))
+    server = await serve_worker(engine, worker_id="w-pf")
+    yield server
+    await server.stop(0)
+
+
+@contextlib.asynccontextmanager
+async def cluster(worker, redis_url, tmp_path, **params):
+    config = ControllerConfig(port=0, state_dir=tmp_path, lease_ttl_s=1.0, heartbeat_interval_s=0.5)
+    controller = await serve_controller(config, redis_url=redis_url, orchestrator_params=OrchestratorParams(**params))
+    link = WorkerLink(worker.loop, controller_address=controller.address, worker_id=worker.worker_id,
+                      address=worker.address, boot_id=worker.boot_id, heartbeat_interval_s=0.1,
+                      batch_interval_s=0.02, max_backoff_s=0.2)
+    link.start()
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while not ((e := controller.registry.get(worker.worker_id)) and any(t.tier is Tier.DRAM for t in e.tiers)):
+            assert loop.time() < deadline, "the worker did not register with its DRAM tier"
+            await asyncio.sleep(0.01)
+        async with AsyncClient(controller.address) as client:
+            yield controller, client
+    finally:
+        await link.stop()
+        await controller.stop(0)
+
+
+def history_keys(worker, history):
+    return page_keys(namespace_digest(worker.engine.namespace), history[:-1], PAGE_SIZE)
+
+
+def tiers_of(worker, keys):
+    index = worker.engine.index
+    return [index.get(k).tier if index.get(k) is not None else None for k in keys]
+
+
+async def demote_all(worker) -> int:
+    return await worker.loop._call(lambda: worker.engine.tiers.demote_all(Tier.DRAM))
+
+
+async def prefetched(orchestrator, session: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while (await orchestrator.store.get(session)).prefetch_state != PrefetchState.DONE:
+        assert loop.time() < deadline, f"the prefetch of {session} did not run"
+        await asyncio.sleep(0.02)
+
+
+@in_module_loop
+async def test_a_prefetched_session_is_held_in_hbm_until_its_turn_then_released(worker, flushed_redis_url, tmp_path):
+    namespace = worker.engine.namespace
+    # Returning(eta 2 s) with a 1.5 s margin: the prefetch fires ~0.4 s from now and holds the
+    # pages until the eta + margin, 3.5 s from now: the test acts well inside that window.
+    async with cluster(worker, flushed_redis_url, tmp_path, margin_ms=1_500.0) as (controller, client):
+        prompt = [12, 24, 36, 48, 60, 72, 84, 96, 108, 120, 132]
+        out, _ = await client.complete(namespace, prompt, GREEDY, session_id="s-hold")
+        history = prompt + out
+        keys = history_keys(worker, history)
+        assert (await client.pause("s-hold", tool="slow", expected_ms=60_000)).parked_tier is Tier.DRAM
+        await client.returning("s-hold", eta_ms=2_000)
+        await prefetched(controller.orchestrator, "s-hold")
+        assert tiers_of(worker, keys) == [Tier.HBM] * 4
+        await demote_all(worker)  # pressure: every idle page would go, the held ones stay
+        assert tiers_of(worker, keys) == [Tier.HBM] * 4
+
+        _, final = await client.complete(namespace, history + [5, 6], GREEDY, session_id="s-hold")
+        assert final.usage.promoted_tokens == 0 and final.usage.cached_tokens == 16
+        await demote_all(worker)  # the turn finished: the hold is gone, the pages cache as usual
+        assert Tier.DRAM in tiers_of(worker, keys)
+        stats = controller.orchestrator.stats
+        assert (stats.num_on_time, stats.num_late, stats.wasted_bytes) == (1, 0, 0)
+
+        # End releases a hold at once: the session's private pages go.
+        prompt = [7, 14, 21, 28, 35, 42, 49, 56, 63, 70, 77]
+        out, _ = await client.complete(namespace, prompt, GREEDY, session_id="s-hold-end")
+        keys = history_keys(worker, prompt + out)
+        await client.pause("s-hold-end", tool="slow", expected_ms=60_000)
+        await client.returning("s-hold-end", eta_ms=2_000)
+        await prefetched(controller.orchestrator, "s-hold-end")
+        assert tiers_of(worker, keys) == [Tier.HBM] * 4
+        assert (await client.end("s-hold-end")).state is SessionState.ENDED
+        assert tiers_of(worker, keys) == [None] * 4
+        assert (await worker.loop.check_integrity()).is_ok
+
+
+@in_module_loop
+async def test_a_session_kept_in_hbm_is_held_there_until_its_turn(worker, flushed_redis_url, tmp_path):
+    namespace = worker.engine.namespace
+    # Copies weigh heavily here (copy_weight): holding a paused session in HBM is the cheaper choice.
+    async with cluster(worker, flushed_redis_url, tmp_path, copy_weight=1e6) as (controller, client):
+        orchestrator = controller.orchestrator
+        prompt = [3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 33]
+        out, _ = await client.complete(namespace, prompt, GREEDY, session_id="s-guard")
+        history = prompt + out
+        keys = history_keys(worker, history)
+        # Kept in HBM, and a guard prefetch at once: it moves nothing and holds the pages...
+        info = await client.pause("s-guard", tool="search", expected_ms=2_000)
+        assert info.parked_tier is Tier.HBM
+        await prefetched(orchestrator, "s-guard")
+        # ... so the worker's own demotion (pressure elsewhere) cannot take them meanwhile.
+        await demote_all(worker)
+        assert tiers_of(worker, keys) == [Tier.HBM] * 4
+        _, final = await client.complete(namespace, history + [1, 2], GREEDY, session_id="s-guard")
+        assert final.usage.promoted_tokens == 0
+        await demote_all(worker)  # back and done: no longer held
+        assert Tier.DRAM in tiers_of(worker, keys)
+        stats = orchestrator.stats
+        assert stats.num_kept_in_hbm == 1 and stats.num_demoted == 0 and stats.num_prefetched == 0
+        last = orchestrator.outcomes[-1]
+        assert last.outcome == Outcome.KEPT and last.num_pages == 0 and last.wasted_bytes == 0
