@@ -47,6 +47,10 @@ from kvtier.tiers import Tier
 
 KEY_PREFIX = "kvt:session:"
 DEFAULT_TTL_S = 3600.0
+# An ended session's record stays this long (End is idempotent, a late Pause is refused with
+# a clear FAILED_PRECONDITION), then goes: an agent fleet ends sessions all day, and keeping
+# each for the full idle TTL grew Redis's memory without bound in the soak.
+ENDED_TTL_S = 60.0
 
 
 class PrefetchState:
@@ -174,7 +178,8 @@ class SessionStore:
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.delete(key)  # fields that became None must go too
             pipe.hset(key, mapping=record.to_hash())
-            pipe.pexpire(key, max(1, round(self.ttl_s * 1000)))
+            ttl_s = min(self.ttl_s, ENDED_TTL_S) if record.state is SessionState.ENDED else self.ttl_s
+            pipe.pexpire(key, max(1, round(ttl_s * 1000)))
             await pipe.execute()
 
     async def scan(self) -> AsyncIterator[SessionRecord]:

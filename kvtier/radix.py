@@ -385,9 +385,21 @@ class RadixIndex:
         if self._nodes.get(node.key) is node and self.is_evictable(node):
             node.version += 1
             priority = self.policy.priority(node)
-            heapq.heappush(self._heaps[node.tier], (priority, next(self._push_order), node.version, node))
+            heap = self._heaps[node.tier]
+            heapq.heappush(heap, (priority, next(self._push_order), node.version, node))
+            if len(heap) > 2 * len(self._nodes) + 64:
+                # A page hit and released again and again pushes a new entry each time and
+                # stales the last; while nothing is evicted none is popped, and the heap grew
+                # without bound (the soak's worker RSS). Keep it within twice the live nodes
+                # (amortised O(1) per push).
+                heap[:] = [e for e in heap if self._is_live_entry(e, node.tier)]
+                heapq.heapify(heap)
             if self.on_evictable is not None:
                 self.on_evictable(node, priority)
+
+    def _is_live_entry(self, entry: tuple[float, int, int, RadixNode], tier: Tier) -> bool:
+        _, _, version, node = entry
+        return version == node.version and node.tier is tier and self._nodes.get(node.key) is node
 
     def pop_victims(self, tier: Tier, num_pages: int) -> list[RadixNode]:
         """Up to ``num_pages`` evictable nodes of ``tier`` in policy order.
@@ -397,8 +409,9 @@ class RadixIndex:
         heap = self._heaps[tier]
         victims: list[RadixNode] = []
         while len(victims) < num_pages and heap:
-            priority, _, version, node = heapq.heappop(heap)
-            if version != node.version or self._nodes.get(node.key) is not node or node.tier is not tier:
+            entry = heapq.heappop(heap)
+            priority, node = entry[0], entry[3]
+            if not self._is_live_entry(entry, tier):
                 continue
             if not self.is_evictable(node):
                 continue

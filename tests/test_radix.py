@@ -92,3 +92,17 @@ def test_remove_of_an_inner_node_is_refused():
     index.remove(keys[0])
     assert len(index) == 0
     index.check_integrity()
+
+
+def test_candidate_heaps_stay_bounded_when_pages_are_hit_and_released_without_eviction():
+    index = make_index(num_pages=8)
+    tokens = list(range(12))
+    keys, pages = cache_chain(index, tokens)
+    for _ in range(2000):  # every release re-queues the leaf and stales its previous entry
+        for page in pages:
+            index.pool.acquire(page)
+        for page in pages:
+            index.pool.release(page)
+    assert sum(len(heap) for heap in index._heaps.values()) <= 2 * len(pages) + 64 + 1
+    assert index.evict(8) == len(pages)  # the live entries survived the compaction, in order
+    index.check_integrity()

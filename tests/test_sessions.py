@@ -21,10 +21,11 @@ from kvtier.client import AsyncClient
 from kvtier.config import ControllerConfig
 from kvtier.controller.orchestrator import OrchestratorParams, TimerQueue, TokenBucket, choose_tier
 from kvtier.controller.server import serve_controller
+from kvtier.controller.sessions import ENDED_TTL_S, KEY_PREFIX, SessionRecord, SessionStore
 from kvtier.engine import Engine, SamplingParams
 from kvtier.eviction import CostModel
 from kvtier.hashing import namespace_digest, page_keys
-from kvtier.records import SessionState, TierOccupancy
+from kvtier.records import SessionId, SessionState, TierOccupancy
 from kvtier.tier_manager import TierConfig
 from kvtier.tiers import Tier
 from kvtier.worker.link import WorkerLink
@@ -244,3 +245,14 @@ async def test_timer_queue_fires_due_callbacks_once_with_replace_and_cancel():
     now[0] = 1000
     assert await timers.fire_due() == 1 and fired == ["b", "a2"]
     assert len(timers) == 0 and await timers.fire_due() == 0
+
+
+async def test_an_ended_session_record_expires_soon_an_active_one_keeps_the_idle_ttl(redis_client):
+    store = SessionStore(redis_client, ttl_s=3600)
+    active = SessionRecord(session_id=SessionId("s-active"), state=SessionState.ACTIVE)
+    ended = SessionRecord(session_id=SessionId("s-ended"), state=SessionState.ENDED)
+    await store.put(active)
+    await store.put(ended)
+    assert await redis_client.pttl(KEY_PREFIX + "s-active") > ENDED_TTL_S * 1000
+    assert 0 < await redis_client.pttl(KEY_PREFIX + "s-ended") <= ENDED_TTL_S * 1000
+    assert (await store.get(SessionId("s-ended"))).state is SessionState.ENDED
