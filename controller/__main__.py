@@ -14,6 +14,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from kvtier import tracing
 from kvtier.config import ControllerConfig, load_config, settings_of
 from kvtier.errors import KvtierError
 from kvtier.log import setup_logging
@@ -60,6 +61,8 @@ async def _serve(args: ControllerArgs) -> int:
     from kvtier.controller.server import serve_controller
 
     try:
+        # Spans and metrics over OTLP when otlp_endpoint is set (a missing exporter fails here).
+        tracing.setup_process("kvtier-controller", otlp_endpoint=args.config.otlp_endpoint)
         server = await serve_controller(
             args.config, controller_id=args.controller_id, advertise_host=args.advertise_host
         )
@@ -74,6 +77,7 @@ async def _serve(args: ControllerArgs) -> int:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop()
+    tracing.shutdown()
     return 0
 
 

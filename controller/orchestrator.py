@@ -57,6 +57,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 
+from kvtier.auth import Principal
 from kvtier.controller.predictor import Prediction, ToolReturnPredictor
 from kvtier.controller.prefetch import MoveReason, Outcome, PauseOutcome, PrefetchStats, PromoteLatency
 from kvtier.controller.registry import Registry, WorkerEntry
@@ -354,9 +355,11 @@ class Orchestrator:
             lock = self._locks[session] = asyncio.Lock()
         return lock
 
-    async def _get(self, session: SessionId) -> SessionRecord:
+    async def _get(self, session: SessionId, caller: Principal | None = None) -> SessionRecord:
+        """The session's record; NOT_FOUND when there is none or it belongs to a tenant the
+        caller may not act for (the same answer, so ids of other tenants' sessions leak nothing)."""
         record = await self.store.get(session)
-        if record is None:
+        if record is None or (caller is not None and record.tenant and not caller.may_act_for(record.tenant)):
             raise NotFound(f"no session {session!r}; a Route with its session_id starts one", field="session_id")
         return record
 
@@ -398,6 +401,12 @@ class Orchestrator:
         async with self._lock(session):
             now = self._now()
             record = await self.store.get(session)
+            if record is not None and record.state is not SessionState.ENDED and record.tenant != tenant:
+                # Another tenant's live session under the same id: its record is not ours to
+                # change (the Route itself still answers; only the bookkeeping is skipped).
+                log.warning("Route names a session of another tenant; session left as it is",
+                            extra={"session_id": session})
+                return record.info()
             if record is None or record.state is SessionState.ENDED:
                 record = SessionRecord(session_id=session, state=SessionState.ACTIVE)
             elif record.state in (SessionState.PAUSED, SessionState.RESUMING):
@@ -454,9 +463,9 @@ class Orchestrator:
         return min(record.num_parked_pages, below + missing)
 
     # ---- Pause -----------------------------------------------------------------------------
-    async def pause(self, request: PauseRequest) -> SessionInfo:
+    async def pause(self, request: PauseRequest, *, caller: Principal | None = None) -> SessionInfo:
         async with self._lock(request.session_id):
-            record = await self._get(request.session_id)
+            record = await self._get(request.session_id, caller)
             if record.state is SessionState.PAUSED:
                 return record.info()
             record.require(SessionState.ACTIVE, action="Pause")
@@ -538,9 +547,9 @@ class Orchestrator:
         self._schedule(record.session_id, record.prefetch_at_ms)
 
     # ---- Returning -------------------------------------------------------------------------
-    async def returning(self, request: ReturningRequest) -> SessionInfo:
+    async def returning(self, request: ReturningRequest, *, caller: Principal | None = None) -> SessionInfo:
         async with self._lock(request.session_id):
-            record = await self._get(request.session_id)
+            record = await self._get(request.session_id, caller)
             record.require(SessionState.PAUSED, SessionState.RESUMING, action="Returning")
             now = self._now()
             eta_ms = request.eta_ms or 0
@@ -563,9 +572,9 @@ class Orchestrator:
             return record.info()
 
     # ---- End ---------------------------------------------------------------------------------
-    async def end(self, request: EndRequest) -> SessionInfo:
+    async def end(self, request: EndRequest, *, caller: Principal | None = None) -> SessionInfo:
         async with self._lock(request.session_id):
-            record = await self._get(request.session_id)
+            record = await self._get(request.session_id, caller)
             if record.state is SessionState.ENDED:
                 return record.info()
             self.timers.cancel(record.session_id)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import grpc.aio
 
+from kvtier import tracing
 from kvtier.auth import Principal
 from kvtier.controller import directory as dirmod
 from kvtier.controller.registry import Registry, WorkerEntry
@@ -300,5 +301,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> router_pb2.RouteResponse:
         self._router.access.check_serving()
         route = convert.from_proto_route_request(request)
-        decision = await self._router.route(route, principal_tenant(context))
+        decision = await tracing.traced_route(  # the `route` span (a no-op with tracing off)
+            self._router.route(route, principal_tenant(context)), route, context.invocation_metadata()
+        )
         return convert.to_proto_route_decision(decision)

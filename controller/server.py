@@ -47,7 +47,7 @@ from kvtier.controller.worker_admin import WorkerAdmin
 from kvtier.embedded_redis import EmbeddedRedis
 from kvtier.errors import Unavailable
 from kvtier.log import get_logger
-from kvtier.records import Command, CommandAck, ControllerStatus, TierOccupancy, WorkerId
+from kvtier.records import Command, CommandAck, ControllerStatus, SessionState, TierOccupancy, WorkerId
 from kvtier.rpc._gen import (
     admin_pb2,
     admin_pb2_grpc,
@@ -149,6 +149,7 @@ class ControllerServer:
 
     def status(self) -> ControllerStatus:
         live = self.registry.live_workers()
+        sessions = self.orchestrator.session_counts() if self.orchestrator is not None else {}
         return ControllerStatus(
             controller_id=self.controller_id,
             is_leader=self.is_leader,
@@ -157,9 +158,9 @@ class ControllerServer:
             uptime_s=int(asyncio.get_running_loop().time() - self.started_at_s),
             num_workers=len(self.registry.workers()),
             num_live_workers=len(live),
-            num_active_sessions=0,  # sessions arrive with the Sessions service
-            num_paused_sessions=0,
-            num_resuming_sessions=0,
+            num_active_sessions=sessions.get(SessionState.ACTIVE, 0),
+            num_paused_sessions=sessions.get(SessionState.PAUSED, 0),
+            num_resuming_sessions=sessions.get(SessionState.RESUMING, 0),
             tiers=_sum_tiers([t for e in live for t in e.tiers]),
             policy_version=self.policy.version if self.policy is not None else 0,
             is_directory_reachable=self.access.is_reachable,

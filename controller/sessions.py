@@ -25,6 +25,7 @@ from typing import Protocol
 import grpc.aio
 import redis.asyncio as aredis
 
+from kvtier.auth import Principal
 from kvtier.controller.resync import REDIS_ERRORS, describe
 from kvtier.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvtier.hashing import NamespaceDigest
@@ -42,6 +43,7 @@ from kvtier.records import (
 )
 from kvtier.rpc import convert
 from kvtier.rpc._gen import sessions_pb2, sessions_pb2_grpc
+from kvtier.rpc.auth_interceptor import principal_tenant
 from kvtier.rpc.status import rpc_errors
 from kvtier.tiers import Tier
 
@@ -225,11 +227,11 @@ class SessionStore:
 class SessionHints(Protocol):
     """What the Sessions service calls (``kvtier.controller.orchestrator.Orchestrator``)."""
 
-    async def pause(self, request: PauseRequest) -> SessionInfo: ...
+    async def pause(self, request: PauseRequest, *, caller: Principal | None = None) -> SessionInfo: ...
 
-    async def returning(self, request: ReturningRequest) -> SessionInfo: ...
+    async def returning(self, request: ReturningRequest, *, caller: Principal | None = None) -> SessionInfo: ...
 
-    async def end(self, request: EndRequest) -> SessionInfo: ...
+    async def end(self, request: EndRequest, *, caller: Principal | None = None) -> SessionInfo: ...
 
 
 class SessionsServicer(sessions_pb2_grpc.SessionsServicer):
@@ -248,7 +250,7 @@ class SessionsServicer(sessions_pb2_grpc.SessionsServicer):
         self, request: sessions_pb2.PauseRequest, context: grpc.aio.ServicerContext
     ) -> sessions_pb2.PauseResponse:
         self._check_serving()
-        info = await self._hints.pause(convert.from_proto_pause_request(request))
+        info = await self._hints.pause(convert.from_proto_pause_request(request), caller=principal_tenant(context))
         return convert.to_proto_pause_response(info)
 
     @rpc_errors
@@ -256,7 +258,7 @@ class SessionsServicer(sessions_pb2_grpc.SessionsServicer):
         self, request: sessions_pb2.ReturningRequest, context: grpc.aio.ServicerContext
     ) -> sessions_pb2.ReturningResponse:
         self._check_serving()
-        info = await self._hints.returning(convert.from_proto_returning_request(request))
+        info = await self._hints.returning(convert.from_proto_returning_request(request), caller=principal_tenant(context))
         return convert.to_proto_returning_response(info)
 
     @rpc_errors
@@ -264,5 +266,5 @@ class SessionsServicer(sessions_pb2_grpc.SessionsServicer):
         self, request: sessions_pb2.EndRequest, context: grpc.aio.ServicerContext
     ) -> sessions_pb2.EndResponse:
         self._check_serving()
-        info = await self._hints.end(convert.from_proto_end_request(request))
+        info = await self._hints.end(convert.from_proto_end_request(request), caller=principal_tenant(context))
         return convert.to_proto_end_response(info)

@@ -68,6 +68,10 @@ class Principal:
     role: Role
     tenants: frozenset[str] = frozenset()
 
+    def may_act_for(self, tenant: str) -> bool:
+        """Whether this caller may act on ``tenant``'s resources (an admin: any tenant)."""
+        return self.role is Role.ADMIN or (self.role is Role.FRONTEND and tenant in self.tenants)
+
     def tenant_for(self, requested: str) -> str:
         """The tenant a request naming ``requested`` ("" for none) acts for, or raise.
 

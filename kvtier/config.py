@@ -140,6 +140,13 @@ def _metrics_port() -> Any:
     return setting(None, "Prometheus endpoint port; unset serves no metrics", min=0, max=65535)
 
 
+def _otlp_endpoint() -> Any:
+    return setting(
+        None, "OTLP/gRPC collector address (e.g. http://otel-collector:4317) for spans and metrics; "
+        "needs the kvtier[otlp] extra; unset: no OTLP export",
+    )
+
+
 def _state_dir() -> Any:
     return setting(Path("~/.kvtier"), "directory for embedded Redis data, NVMe page files and logs")
 
@@ -202,6 +209,7 @@ class ControllerConfig:
         min=0, max=65535,
     )
     metrics_port: int | None = _metrics_port()
+    otlp_endpoint: str | None = _otlp_endpoint()
     log_level: str = _log_level()
     log_json: bool = _log_json()
 
@@ -268,6 +276,7 @@ class WorkerConfig:
         "(the most specific rule wins; 0: no TTL; see kvtier.ttls); unset: no TTLs",
     )
     metrics_port: int | None = _metrics_port()
+    otlp_endpoint: str | None = _otlp_endpoint()
     log_level: str = _log_level()
     log_json: bool = _log_json()
 

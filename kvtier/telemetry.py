@@ -3,15 +3,15 @@
 Each process builds one ``Telemetry``; instruments carry units and descriptions, and
 attributes are ids, tiers and outcomes — never token ids or text (DESIGN §5.11). The
 Prometheus registry is per instance (not the global one), so several processes' worth of
-telemetry can live in one test process without colliding. OTLP export is added when
-``OTEL_EXPORTER_OTLP_ENDPOINT`` is set and the exporter package is installed; no
-collector is required otherwise.
+telemetry can live in one test process without colliding. OTLP export is added when the
+process has an OTLP endpoint (the ``otlp_endpoint`` setting, installed by
+``kvtier.tracing.setup_process``, or ``otlp_endpoint=`` here); it needs the ``kvtier[otlp]``
+extra. No collector is required otherwise. Spans: ``kvtier.tracing``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from wsgiref.simple_server import WSGIServer
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
@@ -21,6 +21,8 @@ from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetr
 from opentelemetry.sdk.resources import Resource
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 
+from kvtier import tracing
+
 log = logging.getLogger("kvtier.telemetry")
 
 # Latency buckets in seconds: sub-millisecond directory ops up to multi-second prefills.
@@ -28,13 +30,16 @@ LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 
 
 class Telemetry:
-    def __init__(self, service: str, *, port: int | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, service: str, *, port: int | None = None, host: str = "127.0.0.1", otlp_endpoint: str | None = None
+    ) -> None:
         self.service = service
         self.registry = CollectorRegistry()
         readers: list[MetricReader] = [PrometheusMetricReader(registry=self.registry)]
-        otlp = _otlp_reader()
-        if otlp is not None:
-            readers.append(otlp)
+        endpoint = otlp_endpoint or tracing.otlp_endpoint()
+        if endpoint:
+            metric_exporter = tracing.otlp_exporters()[1]  # ConfigError naming the extra when missing
+            readers.append(PeriodicExportingMetricReader(metric_exporter(endpoint=endpoint)))
         self.provider = MeterProvider(resource=Resource.create({"service.name": service}), metric_readers=readers)
         self.meter: Meter = self.provider.get_meter("kvtier")
         self._server: WSGIServer | None = None
@@ -55,13 +60,3 @@ class Telemetry:
             self._server = None
         self.provider.shutdown()
 
-
-def _otlp_reader() -> MetricReader | None:
-    if not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-        return None
-    try:
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-    except ImportError:
-        log.warning("OTEL_EXPORTER_OTLP_ENDPOINT is set but opentelemetry-exporter-otlp is not installed")
-        return None
-    return PeriodicExportingMetricReader(OTLPMetricExporter())

@@ -162,6 +162,8 @@ async def test_returning_promotes_at_once_and_end_cancels_and_frees(worker, flus
         keys = history_keys(worker, prompt + out)
         await client.pause("s-end", tool="slow", expected_ms=60_000)
         assert orchestrator.timers.is_scheduled("s-end")
+        status = await client.status()  # s-ret is RESUMING, s-end PAUSED
+        assert (status.num_active_sessions, status.num_paused_sessions, status.num_resuming_sessions) == (0, 1, 1)
         info = await client.end("s-end")
         assert info.state is SessionState.ENDED
         assert not orchestrator.timers.is_scheduled("s-end")

@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from opentelemetry.sdk.trace import TracerProvider
 
+from kvtier import tracing
 from kvtier.auth import TokenTableFile, read_token_file
 from kvtier.config import WorkerConfig, load_config, settings_of
 from kvtier.engine.engine import Engine, default_namespace
@@ -99,6 +101,7 @@ _FLAG_FIELDS: dict[str, str] = {
     "--tls-ca-file": "tls_ca_file",
     "--tls-server-name": "tls_server_name",
     "--metrics-port": "metrics_port",
+    "--otlp-endpoint": "otlp_endpoint",
     "--log-level": "log_level",
 }
 
@@ -228,6 +231,7 @@ class WorkerActor:
         self._runtime: WorkerRuntime | None = None
         self._server: WorkerServer | None = None
         self._telemetry: Telemetry | None = None
+        self._tracing: TracerProvider | None = None  # installed by this actor (otlp_endpoint)
         self._link: WorkerLink | None = None
         self._results: dict[str, Any] = {}  # phase -> its result; a repeated phase returns it
         setup_logging(config.log_level, config.log_json)
@@ -344,6 +348,9 @@ class WorkerActor:
         if self._server is not None:
             return self._server.address
         self._runtime = self._runtime or WorkerRuntime()
+        if self.config.otlp_endpoint and not tracing.is_enabled():
+            # ConfigError naming otlp_endpoint and the kvtier[otlp] extra when the exporter is missing.
+            self._tracing = tracing.setup_process("kvtier-worker", otlp_endpoint=self.config.otlp_endpoint)
         if self.config.metrics_port is not None and self._telemetry is None:
             self._telemetry = Telemetry("kvtier-worker", port=self.config.metrics_port, host=self.config.host)
         config = self.config
@@ -433,6 +440,9 @@ class WorkerActor:
         if self._telemetry is not None:
             self._telemetry.close()
             self._telemetry = None
+        if self._tracing is not None:
+            tracing.shutdown()  # flushes the spans still queued for export
+            self._tracing = None
 
     def _self_tls(self) -> ClientTls | None:
         """How the worker dials its own TLS server for health checks: trusting the deployment CA

@@ -16,6 +16,7 @@ import hashlib
 import itertools
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,6 +69,7 @@ class GenerationResult:
     num_promoted_tokens: int = 0
     promoted_tokens_by_tier: dict[Tier, int] = field(default_factory=dict)
     promotion_wait_s: float = 0.0
+    prefill_started_at: float | None = None  # perf_counter() when its first forward pass began (spans)
     logits: list[torch.Tensor] | None = field(default=None, repr=False)
 
 
@@ -150,6 +152,7 @@ class Engine:
         self.ttls = TtlSweeper(self.index, namespace_ttls, identity_of=self._identities.get) if namespace_ttls else None
         self.record_logits = record_logits
         self._seqs: dict[str, Sequence] = {}
+        self._prefill_started_at: dict[str, float] = {}  # request id -> first forward pass (tracing)
         self._arrival = itertools.count()
         self._request_ids = itertools.count()
 
@@ -279,6 +282,7 @@ class Engine:
         if not seq.is_finished:
             raise InvalidArgument(f"request {request_id!r} has not finished", field="request_id")
         del self._seqs[request_id]
+        prefill_started_at = self._prefill_started_at.pop(request_id, None)
         assert seq.finish_reason is not None
         return GenerationResult(
             request_id=seq.request_id,
@@ -291,6 +295,7 @@ class Engine:
             num_promoted_tokens=seq.num_promoted_tokens,
             promoted_tokens_by_tier=dict(seq.promoted_tokens_by_tier),
             promotion_wait_s=seq.promotion_wait_s,
+            prefill_started_at=prefill_started_at,
             logits=seq.logits_trace,
         )
 
@@ -310,8 +315,11 @@ class Engine:
             outputs.append(StepOutput(seq.request_id, [], True, FinishReason.LENGTH))
         if not batch.seqs:
             return outputs
+        forward_at = time.perf_counter()
         logits = self.runner.run(batch.seqs)
         for seq, row in zip(batch.seqs, logits, strict=True):
+            if seq.num_computed_tokens == 0:  # its first forward pass: prefill began at forward_at
+                self._prefill_started_at[seq.request_id] = forward_at
             seq.num_computed_tokens += seq.num_tokens - seq.num_computed
             seq.num_computed = seq.num_tokens
             self.scheduler.register_full_pages(seq)

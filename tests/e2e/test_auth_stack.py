@@ -36,9 +36,12 @@ from kvtier.records import (
     EndRequest,
     GenerateRequest,
     ModelIdentity,
+    PauseRequest,
     Registration,
+    ReturningRequest,
     RouteRequest,
     SessionId,
+    SessionState,
     TierCapacity,
     TokenPrefix,
     WorkerId,
@@ -403,3 +406,27 @@ def namespace_of(stack, tenant):
     import dataclasses
 
     return dataclasses.replace(stack.namespace, tenant=tenant)
+
+
+async def test_a_frontend_cannot_touch_another_tenants_session(cluster):
+    """Pause/Returning/End of tenant a's session with tenant b's token: NOT_FOUND, the same answer
+    as an unknown id (no oracle for other tenants' session ids); b's Route naming the id leaves
+    a's record as it is; a's own token still ends it."""
+    _, worker, ch = cluster
+    await call_route_with_session(cluster, "fe-a", "s-owned")
+    stub = sessions_pb2_grpc.SessionsStub(ch["controller"])
+    for rpc, message in (
+        (stub.Pause, convert.to_proto_pause_request(PauseRequest(SessionId("s-owned"), tool_name="t"))),
+        (stub.Returning, convert.to_proto_returning_request(ReturningRequest(SessionId("s-owned")))),
+        (stub.End, convert.to_proto_end_request(EndRequest(SessionId("s-owned")))),
+    ):
+        assert await code_of(rpc(message, metadata=bearer("fe-b"), timeout=10)) is grpc.StatusCode.NOT_FOUND
+    hijack = RouteRequest(namespace(worker, "b"), TokenPrefix(tuple(PROMPT)), session_id=SessionId("s-owned"))
+    await router_pb2_grpc.RouterStub(ch["controller"]).Route(
+        convert.to_proto_route_request(hijack), metadata=bearer("fe-b"), timeout=10)
+    paused = await stub.Pause(convert.to_proto_pause_request(PauseRequest(SessionId("s-owned"), tool_name="t")),
+                              metadata=bearer("fe-a"), timeout=10)
+    assert convert.from_proto_pause_response(paused).state is SessionState.PAUSED
+    ended = await stub.End(convert.to_proto_end_request(EndRequest(SessionId("s-owned"))),
+                           metadata=bearer("fe-a"), timeout=10)
+    assert convert.from_proto_end_response(ended).state is SessionState.ENDED
