@@ -11,7 +11,13 @@ Three paths, all applied to the radix index only once the bytes are where it say
 - **Promotion on hit**: matched pages in DRAM/NVMe are copied into HBM before prefill,
   each verified against the checksum it carried since it left HBM. A mismatch drops
   that page and everything below it (the engine recomputes them) — wrong bytes are
-  never used. The wait is recorded as eviction-induced first-token latency.
+  never used. The wait is recorded as eviction-induced first-token latency. A page
+  a prefetch is bringing up is waited for, not promoted a second time.
+- **Commanded moves** (the controller's Demote and Prefetch, asynchronous): the engine
+  thread allocates destinations, marks the pages moving and submits the transfers
+  (``start_demotion`` / ``start_prefetch``); a ``MoveTicket`` collects them and is
+  applied, all of its transfers together, once the last one completes. Its ``on_done``
+  is the acknowledgement: the bytes are where the index says.
 
 Every page held by a transfer carries an extra reference (HBM/DRAM) or a reserved slot
 (NVMe) until its ``TransferDone`` is applied, so nothing it reads can be reused.
@@ -26,14 +32,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.checksum import page_checksum
 from kvtier.dram_pool import DramPool
 from kvtier.errors import IntegrityError, InvalidArgument, KvtierError
-from kvtier.hashing import short
+from kvtier.hashing import PageKey, short
 from kvtier.nvme_pool import NvmePool, SlotId
 from kvtier.page_pool import PageId, PagePool
 from kvtier.radix import RadixIndex, RadixNode
@@ -138,12 +144,38 @@ class MoveOutcome:
     num_skipped: int
 
 
+@dataclass(slots=True, eq=False)
+class MoveTicket:
+    """A commanded move (controller Demote / Prefetch) while its transfers run.
+
+    Its transfers are applied together once the last one completes (a prefetch's DRAM
+    parents must land before its NVMe children; a park's DRAM pages before the HBM pages
+    above them). Then ``is_done`` is set and ``on_done`` runs once, on the engine thread,
+    with the final outcome. A ticket with nothing to move is done when it is returned.
+    """
+
+    is_promotion: bool
+    num_moved: int = 0
+    num_skipped: int = 0
+    transfer_ids: list[TransferId] = field(default_factory=list)
+    num_open: int = 0  # transfers not completed yet
+    hold: RadixNode | None = None  # a prefetch pins the chain's deepest HBM page meanwhile
+    is_done: bool = False
+    on_done: Callable[[MoveOutcome], None] | None = None
+
+    @property
+    def outcome(self) -> MoveOutcome:
+        return MoveOutcome(num_moved=self.num_moved, num_skipped=self.num_skipped)
+
+
 @dataclass(slots=True)
 class _Pending:
     nodes: list[RadixNode]
     dsts: list[int]
     src: Tier
     dst: Tier
+    ticket: MoveTicket | None = None  # a commanded move's part: applied with the whole ticket
+    done: TransferDone | None = None  # completed, waiting for the ticket's other parts
 
 
 class TierManager:
@@ -297,8 +329,10 @@ class TierManager:
                 else:
                     assert self.nvme is not None
                     try:
+                        # NVMe I/O is host memory: a GPU page goes through a host copy first.
+                        host_bytes = src_bytes.cpu() if src_bytes.is_cuda else src_bytes
                         self.nvme.write_pages(
-                            [SlotId(target)], src_bytes[None], [node.key], [node.namespace or b"\0" * 16], [checksum],
+                            [SlotId(target)], host_bytes[None], [node.key], [node.namespace or b"\0" * 16], [checksum],
                             parents=[node.parent.key if node.parent else None], tokens=[node.tokens],
                         )
                     except KvtierError as exc:  # disk full or failing: drop instead (the slot is free again)
@@ -367,6 +401,13 @@ class TierManager:
             self.index.requeue(node)
         if not nodes:
             return None
+        return self._submit_demotion(nodes, dsts, src, dst, reason)
+
+    def _submit_demotion(
+        self, nodes: list[RadixNode], dsts: list[int], src: Tier, dst: Tier, reason: TransferReason,
+        ticket: MoveTicket | None = None,
+    ) -> TransferId:
+        """Copy ``nodes`` (marked moving, deepest first) into the allocated ``dsts``."""
         src_pool = self.hbm if src is Tier.HBM else self.dram
         assert src_pool is not None
         for node in nodes:  # held until applied: not freed or reused under the copy
@@ -383,7 +424,10 @@ class TierManager:
             assert self.dram is not None
             self.dram.set_checksums([PageId(n.page) for n in nodes], [n.checksum or 0 for n in nodes])
         transfer = self.transfers.submit(src, dst, list(zip([n.page for n in nodes], dsts, strict=True)), reason, **kwargs)
-        self._pending[transfer.transfer_id] = _Pending(nodes, dsts, src, dst)
+        self._pending[transfer.transfer_id] = _Pending(nodes, dsts, src, dst, ticket)
+        if ticket is not None:
+            ticket.transfer_ids.append(transfer.transfer_id)
+            ticket.num_open += 1
         return transfer.transfer_id
 
     def _with_ancestors(self, victims: list[RadixNode], tier: Tier, limit: int) -> list[RadixNode]:
@@ -418,16 +462,52 @@ class TierManager:
             if p.src is Tier.HBM:
                 for node in p.nodes:
                     holds[PageId(node.page)] = holds.get(PageId(node.page), 0) + 1
+            elif p.dst is Tier.HBM:  # a prefetch's destinations, allocated with one reference
+                for page in p.dsts:
+                    holds[PageId(page)] = holds.get(PageId(page), 0) + 1
         return holds
 
     def poll(self) -> None:
         for done in self.transfers.poll_completed():
-            self._apply_demotion(done)
+            self._on_done(done)
 
-    def _apply_demotion(self, done: TransferDone) -> None:
-        pending = self._pending.pop(done.transfer.transfer_id, None)
+    def _on_done(self, done: TransferDone) -> None:
+        transfer_id = done.transfer.transfer_id
+        pending = self._pending.get(transfer_id)
         if pending is None:
             return
+        ticket = pending.ticket
+        if ticket is None:
+            del self._pending[transfer_id]
+            self._apply_demotion(pending, done)
+            return
+        pending.done = done
+        ticket.num_open -= 1
+        if ticket.num_open == 0:
+            self._apply_ticket(ticket)
+
+    def _apply_ticket(self, ticket: MoveTicket) -> None:
+        parts = [self._pending.pop(tid) for tid in ticket.transfer_ids]
+        if ticket.is_promotion:
+            self._apply_prefetch(ticket, parts)
+        else:
+            # Slower sources first: a page in DRAM lies below the HBM pages of its chain, and a
+            # page may leave its tier only once nothing below it is faster than its target.
+            for part in sorted(parts, key=lambda p: -int(p.src)):
+                assert part.done is not None
+                moved = self._apply_demotion(part, part.done)
+                ticket.num_moved += moved
+                ticket.num_skipped += len(part.nodes) - moved
+        self._finish(ticket)
+
+    @staticmethod
+    def _finish(ticket: MoveTicket) -> None:
+        ticket.is_done = True
+        if ticket.on_done is not None:
+            ticket.on_done(ticket.outcome)
+
+    def _apply_demotion(self, pending: _Pending, done: TransferDone) -> int:
+        """Point the index at the pages that arrived and are still idle; returns how many."""
         src_pool = self.hbm if pending.src is Tier.HBM else self.dram
         assert src_pool is not None
         moved = 0
@@ -460,6 +540,7 @@ class TierManager:
             self.counters.disk_full_events += 1
             self._mark_failing(pending.dst)
             log.warning("demotion %s -> %s failed: %s", pending.src.label, pending.dst.label, done.error)
+        return moved
 
     def _free_target(self, tier: Tier, target: int) -> None:
         if tier is Tier.DRAM:
@@ -495,58 +576,213 @@ class TierManager:
 
     # ---- commanded moves (controller Demote / Prefetch) ---------------------------------
     def demote_pages(self, nodes: Sequence[RadixNode], dst: Tier) -> MoveOutcome:
-        """Move the idle ones of ``nodes`` down to ``dst`` now, deepest first.
+        """``start_demotion`` and wait until it is applied (tests, tools)."""
+        return self.wait_for(self.start_demotion(nodes, dst))
 
-        Deepest first because a page may only leave a tier once nothing below it is
-        faster; a page held by a running sequence (or with a held page below it) stays.
-        Pages already in ``dst`` or below are neither moved nor skipped.
+    def prefetch(self, chain: Sequence[RadixNode]) -> MoveOutcome:
+        """``start_prefetch`` and wait until it is applied (tests, tools)."""
+        return self.wait_for(self.start_prefetch(chain))
+
+    def wait_for(self, ticket: MoveTicket) -> MoveOutcome:
+        """Block (applying every transfer that completes meanwhile) until ``ticket`` is done."""
+        while not ticket.is_done:
+            self.poll()
+            if not ticket.is_done:
+                time.sleep(0.0002)
+        return ticket.outcome
+
+    def start_demotion(self, nodes: Sequence[RadixNode], dst: Tier) -> MoveTicket:
+        """Start moving the idle ones of ``nodes`` down to ``dst``; applied when all arrived.
+
+        Deepest first: a page may only leave its tier once nothing below it is faster than
+        ``dst`` (its children go in the same ticket or are there already). A page held by a
+        running sequence, pinned, already moving, or with a held page below it stays and is
+        counted as skipped, as is one for which ``dst`` has no room; a page a sequence picks
+        up before the copy lands stays too (counted when applied). Pages already in ``dst``
+        or below are neither moved nor skipped. Paced by the transfer engine's budget.
         """
-        moved = skipped = 0
+        ticket = MoveTicket(is_promotion=False)
+        chosen: set[PageKey] = set()
+        groups: dict[Tier, tuple[list[RadixNode], list[int]]] = {}
         for node in sorted(nodes, key=lambda n: -n.depth):
             if node.tier >= dst:
                 continue
-            if self.index.get(node.key) is node and self.index.is_evictable(node) and self._move_now(
-                node, dst, allow_room=True
-            ):
-                moved += 1
-            else:
-                skipped += 1
-        return MoveOutcome(num_moved=moved, num_skipped=skipped)
+            target = self._reserve_below(node, dst, chosen)
+            if target is None:
+                ticket.num_skipped += 1
+                continue
+            chosen.add(node.key)
+            group = groups.setdefault(node.tier, ([], []))
+            group[0].append(node)
+            group[1].append(target)
+        for src, (group_nodes, dsts) in groups.items():
+            self._submit_demotion(group_nodes, dsts, src, dst, TransferReason.PARK, ticket)
+        if not ticket.num_open:
+            self._finish(ticket)
+        return ticket
 
-    def prefetch(self, chain: Sequence[RadixNode]) -> MoveOutcome:
-        """Promote the lower-tier pages of ``chain`` (root first) into HBM, where they stay
-        cached and idle. Stops at the first page being moved by a transfer (in any tier: an
-        HBM ancestor on its way down may land before its children come up): a child may
-        not rise above its parent."""
+    def _reserve_below(self, node: RadixNode, dst: Tier, chosen: set[PageKey]) -> int | None:
+        """A destination in ``dst`` for ``node`` (then marked moving), or None: it stays."""
+        if (
+            self.index.get(node.key) is not node
+            or node.pins
+            or node.moving
+            or (node.tier is Tier.HBM and self.hbm.ref_count(PageId(node.page)) > 0)
+            or not self.is_usable(dst)
+            or any(c.tier < dst and c.key not in chosen for c in node.children.values())
+        ):
+            return None
+        node.moving = True  # not a victim while we make room below
+        target = self._allocate(dst)
+        if target is None:
+            node.moving = False
+            self.index.requeue(node)
+        return target
+
+    def start_prefetch(self, chain: Sequence[RadixNode]) -> MoveTicket:
+        """Start promoting the lower-tier pages of ``chain`` (root first) into HBM, where they
+        stay cached and idle once applied. Stops at the first page being moved by a transfer
+        (in any tier: an HBM ancestor on its way down may land before its children come up):
+        a child may not rise above its parent. Pages left below (no room, a page moving) are
+        skipped; so are those whose transfer fails or is cancelled."""
+        ticket = MoveTicket(is_promotion=True)
         num_below = sum(1 for n in chain if n.tier is not Tier.HBM)
         lower: list[RadixNode] = []
-        above: list[RadixNode] = []  # the chain's pages already in HBM: ancestors of ``lower``
+        hold: RadixNode | None = None  # the deepest of the chain's pages already in HBM
         for node in chain:
             if node.moving:  # on its way to another tier: nothing below it may rise above it
                 break
             if node.tier is Tier.HBM:
-                above.append(node)
+                hold = node
                 continue
             lower.append(node)
+        if self.config.simulate:  # completes at once (no bytes to copy)
+            if hold is not None:
+                self.index.pin(hold.key)
+            promoted = self._promote_now(lower)
+            if hold is not None:
+                self.index.unpin(hold.key)
+            self._settle_prefetched(promoted)
+            ticket.num_moved, ticket.num_skipped = len(promoted), num_below - len(promoted)
+            self._finish(ticket)
+            return ticket
         # Making room for the pages coming up must not spill their ancestors (idle, and leaves
-        # in HBM while their children are below): a child may not rise above its parent. A
-        # request's promotion holds its matched pages; a prefetch holds nothing, so it marks
-        # them as promote() marks the pages it moves: not a victim meanwhile.
-        for node in above:
+        # in HBM while their children are below): a child may not rise above its parent. One
+        # pin on the deepest holds the chain above it (leaves go first) until the ticket is applied.
+        if hold is not None and lower:
+            self.index.pin(hold.key)
+            ticket.hold = hold
+        pages = self._allocate_hbm(lower)
+        lower = lower[: len(pages)]
+        ticket.num_skipped = num_below - len(lower)
+        groups: dict[Tier, list[int]] = {}
+        for i, node in enumerate(lower):
+            groups.setdefault(node.tier, []).append(i)
+        for tier, idx in groups.items():  # DRAM (the parents) before NVMe
+            if tier is Tier.DRAM:
+                assert self.dram is not None
+                self.dram.set_checksums([PageId(lower[i].page) for i in idx], [lower[i].checksum or 0 for i in idx])
+            nodes = [lower[i] for i in idx]
+            dsts = [int(pages[i]) for i in idx]
+            # Above background demotions in the lanes; below a request's promotion on hit.
+            transfer = self.transfers.submit(
+                tier, Tier.HBM, list(zip([n.page for n in nodes], dsts, strict=True)), TransferReason.PREFETCH,
+                priority=5,
+            )
+            self._pending[transfer.transfer_id] = _Pending(nodes, dsts, tier, Tier.HBM, ticket)
+            ticket.transfer_ids.append(transfer.transfer_id)
+            ticket.num_open += 1
+        if not ticket.num_open:
+            self._release_hold(ticket)
+            self._finish(ticket)
+        return ticket
+
+    def _allocate_hbm(self, nodes: list[RadixNode]) -> list[PageId]:
+        """HBM pages for ``nodes`` (a chain, parents first), as many as there is room for.
+        ``nodes`` are marked moving (not victims while we make room); those that get a page
+        stay so, the rest are victims again."""
+        for node in nodes:
             node.moving = True
-        try:
-            promoted = self.promote(lower)
-        finally:
-            for node in above:
+        pages: list[PageId] = []
+        for _ in nodes:
+            page = self._allocate(Tier.HBM)
+            if page is None:
+                break
+            pages.append(PageId(page))
+        for node in nodes[len(pages) :]:  # staying below: a victim again (a pop skipped it)
+            node.moving = False
+            self.index.requeue(node)
+        return pages
+
+    def _release_hold(self, ticket: MoveTicket) -> None:
+        hold, ticket.hold = ticket.hold, None
+        if hold is not None and self.index.get(hold.key) is hold and hold.pins > 0:
+            self.index.unpin(hold.key)
+
+    def _apply_prefetch(self, ticket: MoveTicket, parts: list[_Pending]) -> None:
+        """Point the index at the pages that arrived intact, parents first; stop at the first
+        that did not (cancelled, failed, a checksum mismatch: that page and its subtree are
+        dropped, as on a promotion on hit)."""
+        promoted: list[RadixNode] = []
+        failed_at: RadixNode | None = None
+        is_stopped = False
+        for part in sorted(parts, key=lambda p: int(p.src)):
+            done = part.done
+            assert done is not None
+            verified = done.verified if done.verified is not None else [done.is_ok] * len(part.nodes)
+            num_ok = 0
+            for j, (node, page) in enumerate(zip(part.nodes, part.dsts, strict=True)):
                 node.moving = False
-                self.index.requeue(node)
+                in_place = self.index.get(node.key) is node and node.tier is part.src
+                arrived = done.status is TransferStatus.OK and verified[j]
+                num_ok += arrived
+                parent_in_hbm = node.parent is None or node.parent.tier is Tier.HBM
+                if not is_stopped and in_place and arrived and parent_in_hbm:
+                    self.index.move(node, Tier.HBM, page)
+                    promoted.append(node)
+                    continue
+                self.hbm.release(PageId(page))
+                if in_place:
+                    self.index.requeue(node)
+                    if not is_stopped and done.status is TransferStatus.OK and not verified[j]:
+                        failed_at = node
+                is_stopped = True
+            self.counters.moved(part.src, Tier.HBM, num_ok, self.page_bytes)
+        if failed_at is not None and self.index.get(failed_at.key) is failed_at:
+            self.counters.checksum_failures += 1
+            self.counters.pages_dropped += self.index.drop_subtree(failed_at)
+            log.warning("page %s failed its checksum on prefetch; dropped", short(failed_at.key))
+        self._release_hold(ticket)
+        self._settle_prefetched(promoted)
+        ticket.num_moved = len(promoted)
+        ticket.num_skipped += sum(len(p.nodes) for p in parts) - len(promoted)
+
+    def _settle_prefetched(self, promoted: list[RadixNode]) -> None:
         # A prefetch is a use to come (the session returns soon): counted as one, so the pages
         # are not the first victims of the next demotion with an access clock as old as the
         # pause. Touched while still held, they enter the eviction heap with the new clock.
         self.index.touch(promoted)
-        for node in promoted:  # promote hands us one reference each; the cache keeps the page
+        for node in promoted:  # each arrived with one reference (its allocation); the cache keeps it
             self.hbm.release(PageId(node.page))
-        return MoveOutcome(num_moved=len(promoted), num_skipped=num_below - len(promoted))
+
+    def _prefetches_of(self, nodes: Sequence[RadixNode]) -> list[MoveTicket]:
+        keys = {n.key for n in nodes}
+        tickets: dict[int, MoveTicket] = {}
+        for part in self._pending.values():
+            if part.ticket is not None and part.ticket.is_promotion and any(n.key in keys for n in part.nodes):
+                tickets[id(part.ticket)] = part.ticket
+        return list(tickets.values())
+
+    def cancel_prefetches(self, nodes: Sequence[RadixNode]) -> int:
+        """Cancel the prefetches in flight for any of ``nodes`` and apply them now: pages of a
+        transfer that completed first land, the others stay below. Returns how many."""
+        tickets = self._prefetches_of(nodes)
+        for ticket in tickets:
+            for transfer_id in ticket.transfer_ids:
+                self.transfers.cancel(transfer_id)
+        for ticket in tickets:
+            self.wait_for(ticket)
+        return len(tickets)
 
     # ---- promotion --------------------------------------------------------------------
     def promote(self, nodes: Sequence[RadixNode]) -> list[RadixNode]:
@@ -554,23 +790,41 @@ class TierManager:
 
         Returns the leading nodes now in HBM, each with one reference held for the
         caller. A page that fails its checksum is dropped with its subtree; nodes after
-        it are not returned (the caller recomputes from there).
+        it are not returned (the caller recomputes from there). Pages a prefetch is
+        bringing up are waited for (and count as promoted: the request waited for them),
+        never copied twice.
         """
         if not nodes:
             return []
         start = time.perf_counter()
-        for node in nodes:
-            node.moving = True  # not a victim while we make room
-        pages: list[PageId] = []
-        for _ in nodes:
-            page = self._allocate(Tier.HBM)
-            if page is None:
-                break
-            pages.append(PageId(page))
-        for node in nodes:
+        arrived: list[RadixNode] = []
+        if prefetches := self._prefetches_of(nodes):
+            for ticket in prefetches:
+                self.wait_for(ticket)
+            # What landed now leads the chain in HBM; a page the prefetch left below (or that a
+            # failed checksum dropped, with what hangs below it) ends what it brought.
+            remaining: list[RadixNode] = []
+            for node in nodes:
+                if self.index.get(node.key) is not node:
+                    break
+                if node.tier is Tier.HBM and not remaining:
+                    self.hbm.acquire(PageId(node.page))
+                    arrived.append(node)
+                else:
+                    remaining.append(node)
+            self.counters.promotion_wait_s += time.perf_counter() - start
+            self.counters.promoted_pages += len(arrived)
+            nodes = remaining
+        return arrived + self._promote_now(nodes)
+
+    def _promote_now(self, nodes: Sequence[RadixNode]) -> list[RadixNode]:
+        """``promote`` for pages no transfer is bringing up: copy them now and wait."""
+        if not nodes:
+            return []
+        start = time.perf_counter()
+        pages = self._allocate_hbm(list(nodes))
+        for node in nodes[: len(pages)]:
             node.moving = False
-        for node in nodes[len(pages) :]:  # staying below: a victim again (a pop skipped it)
-            self.index.requeue(node)
         nodes = list(nodes[: len(pages)])
         promoted: list[RadixNode] = []
         failed_at: RadixNode | None = None
@@ -620,7 +874,7 @@ class TierManager:
                 if done.transfer.transfer_id == transfer_id:
                     found = done
                 else:
-                    self._apply_demotion(done)
+                    self._on_done(done)
             if found is not None:
                 return found
             time.sleep(0.0002)

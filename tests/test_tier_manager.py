@@ -15,13 +15,16 @@ import torch
 from kvtier.engine import Engine, SamplingParams, SchedulerConfig
 from kvtier.hashing import page_keys
 from kvtier.nvme_pool import HEADER_BYTES
-from kvtier.tier_manager import TierConfig, Watermark
+from kvtier.tier_manager import MoveOutcome, TierConfig, Watermark
 from kvtier.tiers import Tier
 from kvtier.transfer import TransferReason
 
 from hf_checkpoints import build_checkpoint, hf_logits, load_hf
 
 PS = 4
+# The GPU check runs these tests with KVTIER_TEST_DEVICE=cuda: HBM on the device, DRAM pinned,
+# copies on the transfer engine's CUDA streams, checksums summed in HBM (the oracle stays on CPU).
+DEVICE = os.environ.get("KVTIER_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +43,13 @@ def prompt(n: int, seed: int) -> list[int]:
 
 def tiered(ckpt, tmp_path, *, num_pages=256, dram=64, nvme=64, page_size=PS, **kwargs) -> Engine:
     config = TierConfig(dram_pages=dram, nvme_slots=nvme, nvme_dir=tmp_path / "nvme" if nvme else None)
-    return Engine.from_pretrained(ckpt, page_size=page_size, num_pages=num_pages, tier_config=config, **kwargs)
+    return Engine.from_pretrained(
+        ckpt, page_size=page_size, num_pages=num_pages, tier_config=config, device=DEVICE, **kwargs
+    )
 
 
 def plain(ckpt, **kwargs) -> Engine:
-    return Engine.from_pretrained(ckpt, page_size=PS, num_pages=256, **kwargs)
+    return Engine.from_pretrained(ckpt, page_size=PS, num_pages=256, device=DEVICE, **kwargs)
 
 
 def assert_oracle(hf, result):
@@ -52,7 +57,7 @@ def assert_oracle(hf, result):
     ref = hf_logits(hf, full)
     p = len(result.prompt_token_ids)
     for i, row in enumerate(result.logits):
-        torch.testing.assert_close(row, ref[p - 1 + i], atol=1e-4, rtol=0)
+        torch.testing.assert_close(row.cpu(), ref[p - 1 + i], atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("down_to", [Tier.DRAM, Tier.NVME])
@@ -289,3 +294,59 @@ def test_a_prefetch_leaves_a_page_already_on_its_way_down_to_its_transfer(ckpt, 
     engine.check_integrity()
     assert engine.tiers.prefetch(chain).num_moved == 3  # nothing in flight now: all of it comes up
     assert [n.tier for n in chain] == [Tier.HBM] * 4
+
+
+def test_a_request_needing_pages_mid_prefetch_waits_for_that_transfer(ckpt, hf, tmp_path):
+    """A Prefetch runs in the background; a request that needs its pages before it is applied
+    waits for that transfer (no second copy, no recompute), and its output equals the oracle
+    and a run whose pages never moved."""
+    engine = tiered(ckpt, tmp_path, dram=0, record_logits=True)
+    base = prompt(14, seed=21)  # 3 full pages + 2
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    engine.generate([base], params)
+    engine.tiers.demote_all(Tier.NVME)
+    chain = [engine.index.get(k) for k in page_keys(engine.digest_for(None), base, PS)]
+    assert [n.tier for n in chain] == [Tier.NVME] * 3
+
+    ticket = engine.tiers.start_prefetch(chain)
+    # Submitted, not applied: the index still says NVMe until the engine thread applies it.
+    assert not ticket.is_done and all(n.moving and n.tier is Tier.NVME for n in chain)
+    promoted = engine.tiers.promote(chain)  # what admission does for a matched lower-tier chain
+    assert promoted == chain and ticket.is_done and ticket.outcome.num_moved == 3
+    assert all(n.tier is Tier.HBM and engine.pool.ref_count(n.page) == 1 for n in chain)
+    for node in promoted:
+        engine.pool.release(node.page)
+    engine.check_integrity()
+
+    engine.tiers.demote_all(Tier.NVME)
+    ticket = engine.tiers.start_prefetch(chain)
+    follow = base[:12] + [5, 6, 7]
+    r = engine.generate([follow], params)[0]
+    assert ticket.is_done and ticket.outcome == MoveOutcome(num_moved=3, num_skipped=0)
+    assert r.num_cached_tokens == 12
+    assert r.token_ids == plain(ckpt).generate([follow], params)[0].token_ids
+    assert_oracle(hf, r)
+    page_bytes = engine.geometry.page_bytes
+    assert engine.tiers.transfers.stats().bytes_moved[(Tier.NVME, Tier.HBM)] == 2 * 3 * page_bytes  # once each
+    engine.check_integrity()
+    engine.close()
+
+
+def test_a_cancelled_prefetch_leaves_every_page_in_one_place(ckpt, tmp_path):
+    """Cancelling a prefetch in flight (the session ended) applies it at once: pages whose copy
+    completed are in HBM, the others stay below; no HBM page it allocated leaks."""
+    engine = tiered(ckpt, tmp_path, dram=0, nvme=64)
+    base = prompt(30, seed=22)  # 7 full pages
+    engine.generate([base], SamplingParams(max_tokens=1, ignore_eos=True))
+    chain = [engine.index.get(k) for k in page_keys(engine.digest_for(None), base, PS)]
+    engine.tiers.demote_all(Tier.NVME)
+    free_before = engine.pool.num_free
+    ticket = engine.tiers.start_prefetch(chain)
+    assert engine.tiers.cancel_prefetches(chain) == 1 and ticket.is_done
+    moved = ticket.outcome.num_moved
+    assert moved + ticket.outcome.num_skipped == len(chain)
+    assert [n.tier for n in chain] == [Tier.HBM] * moved + [Tier.NVME] * (len(chain) - moved)
+    assert not any(n.moving for n in chain)
+    assert engine.pool.num_free == free_before - moved
+    engine.check_integrity()
+    engine.close()

@@ -6,6 +6,7 @@ fresh snapshot after the controller restarts."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
 
 import grpc.aio
@@ -33,9 +34,11 @@ from kvtier.records import (
     Registration,
     RequestSnapshotCommand,
     SnapshotId,
+    TokenChunk,
 )
 from kvtier.rpc import convert
 from kvtier.rpc._gen import worker_link_pb2_grpc
+from kvtier.tier_manager import TierConfig
 from kvtier.tiers import Tier
 from kvtier.worker.link import WorkerLink, snapshot_chunks
 from kvtier.worker.servicer import serve_worker
@@ -269,6 +272,72 @@ async def test_link_keeps_retrying_until_a_controller_appears(worker):
     finally:
         await link.stop()
         await server.stop(0)
+
+
+@in_module_loop
+async def test_a_large_demotion_is_acknowledged_once_applied_while_decode_keeps_stepping(checkpoint, tmp_path):
+    """A park's Demote runs as a background transfer: the engine thread submits it and keeps
+    decoding the running request; the ack comes once the pages are where the index says,
+    with the real counts (the running request's pages stay and are counted as skipped)."""
+    page_size = 16
+    fills = [[(37 * i + 5 * j) % 250 + 1 for j in range(160)] for i in range(4)]  # 40 full pages
+    page_bytes = Engine.from_pretrained(checkpoint, page_size=page_size, num_pages=4).geometry.page_bytes
+    # Paced to take about a second (the budget that paces background demotion): plenty of
+    # decode steps of the running request fit in it.
+    config = TierConfig(nvme_slots=256, nvme_dir=tmp_path / "nvme", demotion_budget_bytes_per_s=40 * page_bytes)
+    engine = Engine.from_pretrained(checkpoint, page_size=page_size, num_pages=256, tier_config=config)
+    tiered = await serve_worker(engine, worker_id="w-park")
+    long_prompt = [7, 8, 9] * 7
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    reference = Engine.from_pretrained(checkpoint, page_size=page_size, num_pages=256).generate(
+        [long_prompt], params)[0].token_ids
+    tickets, steps_in_flight = [], []
+    start_demotion, step = engine.tiers.start_demotion, engine.step
+
+    def counting_start(nodes, dst):  # engine thread
+        tickets.append(start_demotion(nodes, dst))
+        return tickets[-1]
+
+    def counting_step():  # engine thread: a decode step while the park's transfer runs
+        if tickets and not tickets[0].is_done:
+            steps_in_flight.append(len(tickets[0].transfer_ids))
+        return step()
+
+    engine.tiers.start_demotion, engine.step = counting_start, counting_step
+    server, peer, port = await start_peer()
+    link = make_link(tiered, port)
+    link.start()
+    try:
+        await wait_for(lambda: link.is_connected, what="connection")
+        conn = peer.connections[0]
+        namespace = engine.namespace
+        async with AsyncClient() as client:
+            for prompt in fills:
+                await client.complete(namespace, prompt, SamplingParams(max_tokens=1), worker=tiered.address)
+            tokens: list[int] = []
+            async with contextlib.aclosing(
+                client.generate(namespace, long_prompt, params, worker=tiered.address)
+            ) as events:
+                async for event in events:
+                    if not tokens:  # running: ask for every page of the namespace to go down
+                        command = DemoteCommand(namespace_digest(namespace), (), Tier.NVME, whole_namespace=True)
+                        await conn.commands.put(ControllerCommand(CommandId(21), command))
+                    if isinstance(event, TokenChunk):
+                        tokens.extend(event.token_ids)
+            await wait_for(lambda: conn.ack(21) is not None, timeout_s=30, what="demote ack")
+        ack = conn.ack(21)
+        assert ack.ok and ack.num_pages >= 40
+        assert ack.num_skipped_pages >= 1  # the running request's prompt pages were held
+        assert len(tickets) == 1 and tickets[0].is_done
+        assert steps_in_flight, "decode must keep stepping while the demotion's transfer runs"
+        inventory = await tiered.loop.inventory()
+        assert sum(len(i.pages) for i in inventory if i.tier is Tier.NVME) == ack.num_pages
+        assert tokens == reference
+        assert (await tiered.loop.check_integrity()).is_ok
+    finally:
+        await link.stop()
+        await server.stop(0)
+        await tiered.stop(0)
 
 
 def test_snapshot_chunks_split_pages_and_mark_the_last():

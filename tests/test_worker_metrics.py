@@ -1,24 +1,34 @@
 """A running worker's Prometheus endpoint, scraped over HTTP: the DESIGN §9 families exist
-with units, move after requests, and carry no token ids."""
+with units, move after requests, and carry no token ids; tenant quota and namespace TTL
+counters; GPU gauges from NVML (a fake NVML here: no GPU on the test machine) and the
+degrade path without one."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import re
+import time
 import urllib.request
+from types import SimpleNamespace
 
+import pynvml
 import pytest
 import pytest_asyncio
 
 from kvtier.client import AsyncClient
 from kvtier.engine import Engine, SamplingParams
+from kvtier.quotas import QuotaTable
 from kvtier.telemetry import Telemetry
 from kvtier.tier_manager import TierConfig
 from kvtier.tiers import Tier
+from kvtier.ttls import TtlTable
+from kvtier.worker.metrics import GpuMetrics
 from kvtier.worker.servicer import serve_worker
 
 from hf_checkpoints import build_checkpoint
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+in_module_loop = pytest.mark.asyncio(loop_scope="module")
 
 # OpenTelemetry appends real units (seconds, bytes) to the Prometheus names; counts whose
 # unit is an annotation ({token}, {page}) keep the bare name.
@@ -67,6 +77,7 @@ def value(text: str, family: str, **labels: str) -> float:
     return total
 
 
+@in_module_loop
 async def test_metrics_exist_with_units_and_move_after_requests(served):
     server, engine, telemetry = served
     ns = engine.namespace
@@ -92,3 +103,156 @@ async def test_metrics_exist_with_units_and_move_after_requests(served):
     assert re.search(r'^kvtier_pages\{[^}]*state="cached"[^}]*tier="dram"', after, re.M), "DRAM occupancy not exported"
     # No raw content: the scrape names no prompt tokens, only counts and ids.
     assert "prompt=" not in after and "token_ids" not in after
+
+
+# ---- tenant quotas and namespace TTLs --------------------------------------------------------
+QUOTA_FAMILIES = [
+    "kvtier_quota_pages_demoted_total",
+    "kvtier_quota_pages_dropped_total",
+    "kvtier_quota_stuck_total",
+    "kvtier_quota_evictions_total",
+    "kvtier_quota_tenant_pages",
+    "kvtier_quota_limit_pages",
+    "kvtier_quota_overage_pages",
+    "kvtier_ttl_expired_pages_total",
+]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def limited(tmp_path_factory):
+    ckpt = build_checkpoint(tmp_path_factory.mktemp("limits") / "llama", "llama", seed=4)
+    clock_offset_s = [0.0]
+    engine = Engine.from_pretrained(
+        ckpt, page_size=4, num_pages=64, tier_config=TierConfig(dram_pages=32),
+        tenant_quotas=QuotaTable.from_setting({"acme": {"hbm": 2}}),
+        namespace_ttls=TtlTable.from_setting([{"tenant": "globex", "ttl_s": 60}]),
+    )
+    engine.index.clock = lambda: time.monotonic() + clock_offset_s[0]  # TTLs without sleeping
+    telemetry = Telemetry("kvtier-worker-limits", port=0)
+    server = await serve_worker(engine, worker_id="w-limits", telemetry=telemetry)
+    yield server, engine, telemetry, clock_offset_s
+    await server.stop(0)
+    telemetry.close()
+
+
+@in_module_loop
+async def test_quota_and_ttl_counters_are_exported_by_tenant_and_move(limited):
+    server, engine, telemetry, clock_offset_s = limited
+    acme = dataclasses.replace(engine.namespace, tenant="acme")
+    globex = dataclasses.replace(engine.namespace, tenant="globex")
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompt = [(5 * i + 3) % 256 for i in range(14)]  # with the output: 4 full pages cached
+    before = scrape(telemetry.port)
+    for family in QUOTA_FAMILIES:
+        assert re.search(rf"^{family}[{{ ]", before, re.M), f"{family} missing before any request"
+    assert value(before, "kvtier_quota_limit_pages", tenant="acme", tier="hbm") == 2
+    async with AsyncClient() as client:
+        await client.complete(acme, prompt, params, worker=server.address)
+        await client.complete(globex, prompt, params, worker=server.address)
+    # Over its HBM quota, acme's deepest pages went down to DRAM (the engine thread, after the step).
+    await server.loop._call(engine.enforce_limits)
+    await server.loop.stats()  # the load the scrape reads is published after each iteration
+    after = scrape(telemetry.port)
+    assert value(after, "kvtier_quota_pages_demoted_total") == 2
+    assert value(after, "kvtier_quota_tenant_pages", tenant="acme", tier="hbm") == 2
+    assert value(after, "kvtier_quota_tenant_pages", tenant="acme", tier="dram") == 2
+    assert value(after, "kvtier_quota_overage_pages", tenant="acme", tier="hbm") == 0
+    assert value(after, "kvtier_quota_evictions_total", owner="foreign") == 0
+    assert value(after, "kvtier_ttl_expired_pages_total") == 0
+    assert "globex" not in after  # not configured and not over a quota: no series of its own
+
+    clock_offset_s[0] = 120.0  # globex's pages are now past their 60 s TTL
+    assert await server.loop._call(engine.enforce_limits) == 4
+    expired = scrape(telemetry.port)
+    assert value(expired, "kvtier_ttl_expired_pages_total") == 4
+    assert "# HELP kvtier_ttl_expired_pages_total cached pages dropped because their namespace's TTL" in expired
+
+
+# ---- GPU (NVML) ---------------------------------------------------------------------------------
+class FakeNvml:
+    """The slice of pynvml GpuMetrics calls, over two fake devices (NVML is outside the system)."""
+
+    NVMLError = pynvml.NVMLError
+    NVML_PCIE_UTIL_TX_BYTES = pynvml.NVML_PCIE_UTIL_TX_BYTES
+    NVML_PCIE_UTIL_RX_BYTES = pynvml.NVML_PCIE_UTIL_RX_BYTES
+
+    def __init__(self, *, init_error: int | None = None, pcie_supported: bool = True) -> None:
+        self.init_error = init_error
+        self.pcie_supported = pcie_supported
+        self.uuids = ["GPU-aaaa", "GPU-bbbb"]
+
+    def nvmlInit(self) -> None:
+        if self.init_error is not None:
+            raise pynvml.NVMLError(self.init_error)
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.uuids)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        if not 0 <= index < len(self.uuids):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return index
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> int:
+        return self.uuids.index(uuid)
+
+    def nvmlDeviceGetIndex(self, handle: int) -> int:
+        return handle
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> SimpleNamespace:
+        return SimpleNamespace(used=(handle + 1) * (1 << 30), total=80 * (1 << 30), free=0)
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> SimpleNamespace:
+        return SimpleNamespace(gpu=40 + handle, memory=0)
+
+    def nvmlDeviceGetPcieThroughput(self, handle: int, counter: int) -> int:
+        if not self.pcie_supported:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return 1000 if counter == pynvml.NVML_PCIE_UTIL_TX_BYTES else 3000  # KiB/s
+
+
+def gpu_scrape(nvml, env) -> tuple[GpuMetrics | None, str]:
+    telemetry = Telemetry("kvtier-gpu-test", port=0)
+    try:
+        gpus = GpuMetrics.start(telemetry.meter, {"worker": "w-gpu"}, nvml, env=env)
+        return gpus, scrape(telemetry.port)
+    finally:
+        telemetry.close()
+
+
+def test_gpu_gauges_come_from_nvml_for_the_visible_devices():
+    gpus, text = gpu_scrape(FakeNvml(), env={"CUDA_VISIBLE_DEVICES": "GPU-bbbb"})
+    assert gpus is not None and list(gpus.handles) == ["1"]
+    assert value(text, "kvtier_gpu_memory_used_bytes", gpu="1", worker="w-gpu") == 2 * (1 << 30)
+    assert value(text, "kvtier_gpu_memory_total_bytes", gpu="1") == 80 * (1 << 30)
+    assert value(text, "kvtier_gpu_utilization_percent", gpu="1") == 41
+    assert value(text, "kvtier_gpu_pcie_throughput_bytes_per_second", gpu="1", direction="tx") == 1000 * 1024
+    assert value(text, "kvtier_gpu_pcie_throughput_bytes_per_second", gpu="1", direction="rx") == 3000 * 1024
+    assert 'gpu="0"' not in text  # not visible to this process
+    assert "# HELP kvtier_gpu_memory_used_bytes device memory in use" in text
+
+    _, every = gpu_scrape(FakeNvml(pcie_supported=False), env={})
+    assert value(every, "kvtier_gpu_memory_used_bytes", gpu="0") == 1 << 30
+    assert value(every, "kvtier_gpu_memory_used_bytes", gpu="1") == 2 << 30
+    # A device without PCIe counters leaves that family out; the others stay.
+    assert "kvtier_gpu_pcie_throughput_bytes_per_second{" not in every
+
+
+def test_without_nvml_there_are_no_gpu_families_and_one_info_line(caplog):
+    caplog.set_level(logging.INFO, logger="kvtier")
+    gpus, text = gpu_scrape(FakeNvml(init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED), env={})
+    assert gpus is None and "kvtier_gpu" not in text
+    notes = [r for r in caplog.records if r.name == "kvtier.worker.metrics"]
+    assert len(notes) == 1 and notes[0].levelno == logging.INFO and "no GPU metrics" in notes[0].getMessage()
+    caplog.clear()
+    # This process, with the real pynvml: a machine without a GPU degrades the same way.
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        gpus, text = gpu_scrape(pynvml, env={})
+        assert gpus is None and "kvtier_gpu" not in text
+        assert len([r for r in caplog.records if r.name == "kvtier.worker.metrics"]) == 1
+    else:
+        pynvml.nvmlShutdown()
+        gpus, text = gpu_scrape(pynvml, env={})
+        assert gpus is not None and value(text, "kvtier_gpu_memory_total_bytes") > 0

@@ -73,11 +73,15 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvtier.engine.engine import Engine, StepOutput
+from opentelemetry.context import Context
+
+from kvtier import tracing
+from kvtier.engine.engine import Engine, GenerationResult, StepOutput
 from kvtier.epochs import EpochTable
 from kvtier.errors import FailedPrecondition, IntegrityError, KvtierError, NotFound, Unavailable
 from kvtier.hashing import NamespaceDigest, NamespaceIdentity, PageKey, next_key, page_keys, root_key, short
 from kvtier.log import get_logger, redact_tokens
+from kvtier.quotas import DEFAULT_TENANT
 from kvtier.radix import RadixNode
 from kvtier.records import (
     GenerateEvent,
@@ -98,8 +102,9 @@ from kvtier.records import (
     TokensByTier,
     Usage,
 )
-from kvtier.tier_manager import MoveOutcome, TierManager
+from kvtier.tier_manager import MoveOutcome, MoveTicket, TierManager
 from kvtier.tiers import Tier
+from kvtier.transfer import TransferDone
 
 if TYPE_CHECKING:
     from kvtier.worker.metrics import WorkerMetrics
@@ -131,12 +136,24 @@ def new_run_id() -> RunId:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantPages:
+    """A tenant's cached pages in one tier against its quota (``limit_pages`` None: no limit)."""
+
+    tenant: str
+    tier: Tier
+    num_pages: int
+    limit_pages: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class EngineLoad:
     """Occupancy and queue lengths as of the end of one engine iteration."""
 
     tiers: tuple[TierOccupancy, ...]
     queue_depth: int  # admitted to the engine, not yet running
     num_running_seqs: int
+    # Configured tenants, and any other tenant over its quota (none without quotas).
+    tenant_pages: tuple[TenantPages, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +198,7 @@ class _Run:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[GenerateEvent | BaseException]
     submitted_at: float
+    trace_parent: Context | None = None  # the caller's trace context (kvtier.tracing), if any
     is_done: bool = False  # asyncio side: the final event (or an error) was received
     # ---- engine thread
     first_token_at: float | None = None
@@ -210,6 +228,8 @@ class EngineLoop:
         self._on_failure = on_failure
         # Set by the server when the process exports metrics (kvtier.worker.metrics).
         self.metrics: WorkerMetrics | None = None
+        # Attributes of every ``generate`` span (kvtier.tracing), e.g. the worker id.
+        self.span_attributes: dict[str, str] = {}
         self._cond = threading.Condition()
         self._inbox = _Inbox()
         self._thread: threading.Thread | None = None
@@ -230,6 +250,8 @@ class EngineLoop:
         self._reclaim_due = False  # a stale namespace's sequence ended, or pages were in transit
         self._reclaimed_at = 0.0
         self._pins: dict[PinId, _Pin] = {}
+        # Commanded moves in flight (Demote / Prefetch): their futures resolve when applied.
+        self._moves: set[asyncio.Future[MoveOutcome]] = set()
         # ---- shared, under _events_lock
         self._events_lock = threading.Lock()
         self._events: list[PageEvent] = []
@@ -239,6 +261,8 @@ class EngineLoop:
         engine.index.on_insert.append(self._on_insert)
         engine.index.on_remove.append(self._on_remove)
         engine.index.on_move.append(self._on_move)
+        if engine.tiers is not None:
+            engine.tiers.transfers.on_done = self._transfer_done
         # Pages indexed before the loop existed (restored from NVMe at start-up) carry their
         # namespace: learn them, so the first snapshot lists them and the directory routes to them.
         for node in sorted(engine.index.nodes(), key=lambda n: n.depth):
@@ -267,13 +291,16 @@ class EngineLoop:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 
     # ---- requests -------------------------------------------------------------------
-    async def submit(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
+    async def submit(
+        self, request: GenerateRequest, *, trace_parent: Context | None = None
+    ) -> AsyncIterator[GenerateEvent]:
         """Generate for ``request``: ``TokenChunk`` events, then exactly one ``GenerateFinal``.
 
         Admission errors (``InvalidArgument``, ``ResourceExhausted``) raise on the first
         ``__anext__``, before any token. Closing or cancelling the iterator aborts the
         request in the engine; its pages are released exactly once. Use it under
-        ``contextlib.aclosing`` so that an early exit closes it at once.
+        ``contextlib.aclosing`` so that an early exit closes it at once. ``trace_parent``
+        parents the request's spans when tracing is on (``kvtier.tracing``).
         """
         if self.is_draining:
             raise Unavailable("this worker is draining and admits no new requests; route to another worker")
@@ -284,6 +311,7 @@ class EngineLoop:
             loop=aloop,
             queue=asyncio.Queue(),
             submitted_at=time.perf_counter(),
+            trace_parent=trace_parent,
         )
         try:
             await self._call(lambda: self._admit(run))
@@ -340,10 +368,25 @@ class EngineLoop:
         whole_namespace: bool = False,
     ) -> MoveOutcome:
         """Move idle pages down to ``dst``: the listed ones and their descendants, the
-        session's, or the whole namespace's. Held and pinned pages stay."""
-        return await self._call(
-            lambda: self._tiers().demote_pages(self._demote_targets(digest, keys, session, whole_namespace), dst)
-        )
+        session's, or the whole namespace's. Held and pinned pages stay. Returns once the
+        pages are there (``start_demote`` returns once the transfers are submitted)."""
+        return await (await self.start_demote(digest, keys, session, dst, whole_namespace=whole_namespace))
+
+    async def start_demote(
+        self,
+        digest: NamespaceDigest,
+        keys: tuple[PageKey, ...],
+        session: SessionId | None,
+        dst: Tier,
+        *,
+        whole_namespace: bool = False,
+    ) -> asyncio.Future[MoveOutcome]:
+        """Submit ``demote``'s transfers; the engine keeps stepping while they run. The
+        returned future resolves with the outcome once they are applied to the index."""
+        done: asyncio.Future[MoveOutcome] = asyncio.get_running_loop().create_future()
+        await self._call(lambda: self._track(
+            self._tiers().start_demotion(self._demote_targets(digest, keys, session, whole_namespace), dst), done))
+        return done
 
     async def invalidate(self, scope: InvalidationScope, epoch: int) -> PageCounts:
         """Mark the admitted namespaces ``scope`` makes stale at ``epoch`` and drop their idle
@@ -364,8 +407,19 @@ class EngineLoop:
         *, hold_s: float | None = None,
     ) -> MoveOutcome:
         """Promote the listed (or the session's) lower-tier pages into HBM, cached and idle;
-        a session's are held there up to ``hold_s`` seconds (``_hold_session``)."""
-        return await self._call(lambda: self._prefetch(digest, keys, session, hold_s))
+        a session's are held there up to ``hold_s`` seconds (``_hold_session``). Returns once
+        they are there (``start_prefetch`` returns once the transfers are submitted)."""
+        return await (await self.start_prefetch(digest, keys, session, hold_s=hold_s))
+
+    async def start_prefetch(
+        self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None,
+        *, hold_s: float | None = None,
+    ) -> asyncio.Future[MoveOutcome]:
+        """Submit ``prefetch``'s transfers; the engine keeps stepping while they run. The
+        returned future resolves with the outcome once they are applied (and the hold taken)."""
+        done: asyncio.Future[MoveOutcome] = asyncio.get_running_loop().create_future()
+        await self._call(lambda: self._prefetch(digest, keys, session, hold_s, done))
+        return done
 
     async def drop_session(self, digest: NamespaceDigest, session: SessionId) -> DropOutcome:
         """Remove the session's private pages, deepest first; a shared prefix stays cached."""
@@ -505,7 +559,12 @@ class EngineLoop:
                 op()
             except Exception:
                 log.exception("an operation posted while stopping failed")
-        self._fail_all(self._unavailable() if self.failure is not None else _shutting_down())
+        error = self._unavailable() if self.failure is not None else _shutting_down()
+        self._fail_all(error)
+        # Commanded moves still in flight are never applied by this thread: their callers hear.
+        for future in list(self._moves):
+            _deliver(future.get_loop(), _set_exception, future, error)
+        self._moves.clear()
 
     def _admit(self, run: _Run) -> None:
         request = run.request
@@ -539,6 +598,8 @@ class EngineLoop:
         result = self.engine.pop_result(run.run_id)
         self.num_cancelled += 1
         self._run_ended(run)
+        if tracing.is_enabled():
+            self._record_spans(run, result, time.perf_counter())
         log.info(
             "generation cancelled",
             extra={"run_id": run.run_id, "generated_tokens": len(result.token_ids)},
@@ -586,6 +647,8 @@ class EngineLoop:
         ttft_ms = (first - run.submitted_at) * 1000.0
         if self.metrics is not None:
             self.metrics.record_request(result, ttft_ms / 1000.0, now - first)
+        if tracing.is_enabled():
+            self._record_spans(run, result, now, usage)
         log.info(
             "generation finished",
             extra={
@@ -602,6 +665,46 @@ class EngineLoop:
         return GenerateFinal(
             usage=usage, finish_reason=result.finish_reason, run_id=run.run_id, ttft_ms=ttft_ms
         )
+
+    def _record_spans(self, run: _Run, result: GenerationResult, now: float, usage: Usage | None = None) -> None:
+        """The request's spans, from the timestamps it collected (counts only, no token ids)."""
+        times = tracing.GenerationTimes(
+            submitted_at=run.submitted_at,
+            finished_at=now,
+            prefill_started_at=result.prefill_started_at,
+            first_token_at=run.first_token_at,
+            promotion_wait_s=result.promotion_wait_s,
+        )
+        attributes: dict[str, str | int] = {
+            **self.span_attributes,
+            "kvtier.finish_reason": result.finish_reason.value,
+            "kvtier.prompt_tokens": len(result.prompt_token_ids),
+            "kvtier.generated_tokens": len(result.token_ids),
+            "kvtier.num_preemptions": result.num_preemptions,
+        }
+        if run.request.request_id:
+            attributes["kvtier.request_id"] = run.request.request_id
+        if run.request.session_id:
+            attributes["kvtier.session_id"] = run.request.session_id
+        phases: dict[str, dict[str, str | int]] = {
+            "admission": {"kvtier.cached_tokens": result.num_cached_tokens},
+            "prefill": {"kvtier.computed_prompt_tokens": len(result.prompt_token_ids) - result.num_cached_tokens},
+            "decode": {"kvtier.generated_tokens": len(result.token_ids)},
+        }
+        if usage is not None:
+            by_tier = usage.cached_tokens_by_tier
+            phases["promote"] = {
+                "kvtier.promoted_tokens": usage.promoted_tokens,
+                "kvtier.dram_tokens": by_tier.dram_tokens,
+                "kvtier.nvme_tokens": by_tier.nvme_tokens,
+            }
+        tracing.record_generation(run.run_id, times, attributes, phase_attributes=phases, parent=run.trace_parent)
+
+    def _transfer_done(self, done: TransferDone) -> None:  # a transfer thread; must not block
+        if self.metrics is not None:
+            self.metrics.transfer_done(done)
+        if tracing.is_enabled():
+            tracing.record_transfer(done)
 
     def _emit(self, run: _Run, item: GenerateEvent | BaseException) -> None:
         try:
@@ -633,8 +736,18 @@ class EngineLoop:
                 tiers.append(TierOccupancy(Tier.NVME, n.num_slots, free, cached, n.num_slots - free - cached, 0))
         scheduler = self.engine.scheduler
         return EngineLoad(
-            tiers=tuple(tiers), queue_depth=len(scheduler.waiting), num_running_seqs=len(scheduler.running)
+            tiers=tuple(tiers), queue_depth=len(scheduler.waiting), num_running_seqs=len(scheduler.running),
+            tenant_pages=self._tenant_pages(),
         )
+
+    def _tenant_pages(self) -> tuple[TenantPages, ...]:
+        quotas = self.engine.quotas
+        if quotas is None:
+            return ()
+        configured = {q.tenant for q in quotas.table.quotas} - {DEFAULT_TENANT}
+        keys = sorted({(tenant, tier) for tenant in configured for tier in Tier} | set(quotas.overage()))
+        return tuple(TenantPages(tenant, tier, quotas.num_pages(tenant, tier), quotas.limit(tenant, tier))
+                     for tenant, tier in keys)
 
     def _check_integrity(self) -> IntegrityResult:
         checks: list[tuple[str, Tier | None, Callable[[], None]]] = [
@@ -845,14 +958,41 @@ class EngineLoop:
         return max(0.0, min(deadlines) / 1000.0 - time.time())
 
     # ---- sessions (engine thread) ------------------------------------------------------
+    def _track(
+        self, ticket: MoveTicket, done: asyncio.Future[MoveOutcome], then: Callable[[], None] | None = None
+    ) -> None:
+        """Resolve ``done`` with ``ticket``'s outcome once it is applied (the engine thread
+        polls transfers at every step and while idle), after running ``then``."""
+        def finish(outcome: MoveOutcome) -> None:
+            self._moves.discard(done)
+            if then is not None:
+                then()
+            _deliver(done.get_loop(), _set_result, done, outcome)
+
+        if ticket.is_done:
+            finish(ticket.outcome)
+        else:
+            self._moves.add(done)
+            ticket.on_done = finish
+
     def _prefetch(
-        self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None, hold_s: float | None
-    ) -> MoveOutcome:
+        self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None, hold_s: float | None,
+        done: asyncio.Future[MoveOutcome],
+    ) -> None:
         chain = self._resolve(digest, keys, session)
-        outcome = self._tiers().prefetch(chain)
-        if session is not None and hold_s:
-            self._hold_session(digest, session, chain, hold_s)
-        return outcome
+        ticket = self._tiers().start_prefetch(chain)
+        if session is None or not hold_s:
+            self._track(ticket, done)
+            return
+        pages = self._sessions.get(session)
+
+        def hold() -> None:
+            # Not once the session's next generation has finished (it released the hold and
+            # cached its pages as usual) or the session ended meanwhile.
+            if self._sessions.get(session) is pages:
+                self._hold_session(digest, session, chain, hold_s)
+
+        self._track(ticket, done, hold)
 
     def _hold_session(self, digest: NamespaceDigest, session: SessionId, chain: list[RadixNode], hold_s: float) -> None:
         """Keep a prefetched session's pages in HBM until it is back (at most ``hold_s``).
@@ -947,6 +1087,11 @@ class EngineLoop:
     def _drop_session(self, digest: NamespaceDigest, session: SessionId) -> DropOutcome:
         self._release_pin(_hold_id(session))
         chain = self._resolve(digest, (), session)
+        # A prefetch in flight owns its pages (moving: kept); cancelled and applied now, what
+        # it brought up is held again, and is released below with the rest.
+        if self.engine.tiers is not None and self.engine.tiers.cancel_prefetches(chain):
+            self._release_pin(_hold_id(session))
+            chain = self._resolve(digest, (), session)
         num_missing = len(self._sessions[session].page_keys) - len(chain)
         index = self.engine.index
         num_dropped = 0

@@ -29,6 +29,12 @@ stale pages are dropped now or in the background), ``Pin`` and ``Unpin`` are car
 Demote, Prefetch and Drop may name a session instead of pages (the engine loop resolves its
 last generation's pages); Demote and Drop may name the whole namespace. Every command is
 acknowledged exactly once, by id.
+
+Demote and Prefetch run as background transfers (DESIGN §5.5): commands are taken in order,
+and a move's transfers are submitted before the next command is read, but the engine keeps
+stepping while they run and the link reads on. The ack goes when the move has been applied
+to the index (the bytes are where the inventory says) with the real counts, on the stream
+the command came in on; a stream that broke meanwhile loses it, as it loses any ack.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from collections.abc import Sequence
 import grpc
 import grpc.aio
 
-from kvtier.errors import KvtierError
+from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.log import get_logger
 from kvtier.records import (
     BootId,
@@ -72,6 +78,7 @@ from kvtier.records import (
 from kvtier.rpc import convert
 from kvtier.rpc._gen import worker_link_pb2, worker_link_pb2_grpc
 from kvtier.rpc.tls import ClientTls, secure_or_insecure_channel
+from kvtier.tier_manager import MoveOutcome
 from kvtier.tiers import Tier
 from kvtier.worker.engine_loop import EngineLoop
 
@@ -181,6 +188,7 @@ class WorkerLink:
         self._send_lock = asyncio.Lock()
         self._outbox: asyncio.Queue[WorkerEvent] | None = None
         self._task: asyncio.Task[None] | None = None
+        self._move_acks: set[asyncio.Task[None]] = set()  # Demote / Prefetch acks still to come
         self.connected = asyncio.Event()
         self.num_connections = 0  # successful registrations so far
 
@@ -195,6 +203,9 @@ class WorkerLink:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        for task in list(self._move_acks):
+            task.cancel()
+        await asyncio.gather(*self._move_acks, return_exceptions=True)
 
     @property
     def is_connected(self) -> bool:
@@ -278,9 +289,11 @@ class WorkerLink:
                 return
             await self._execute(message)
 
-    def _send(self, event: WorkerEvent) -> None:
-        if self._outbox is not None:
-            self._outbox.put_nowait(event)
+    def _send(self, event: WorkerEvent, outbox: asyncio.Queue[WorkerEvent] | None = None) -> None:
+        if outbox is None:
+            outbox = self._outbox
+        if outbox is not None:
+            outbox.put_nowait(event)
 
     # ---- outgoing ----------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:
@@ -326,26 +339,42 @@ class WorkerLink:
         command_id = CommandId(message.command_id)
         try:
             command = convert.from_proto_controller_command(message)
+            if isinstance(command.command, DemoteCommand | PrefetchCommand):
+                self._ack_when_applied(command, await self._start_move(command))
+                return
             ack = await self._carry_out(command)
         except KvtierError as err:
             ack = CommandAck(command_id, error_code=err.code, error_message=err.message)
         self._send(ack)
 
-    async def _carry_out(self, command: ControllerCommand) -> CommandAck:
+    async def _start_move(self, command: ControllerCommand) -> asyncio.Future[MoveOutcome]:
+        """Submit a Demote's or Prefetch's transfers; the future resolves once they are applied."""
         body = command.command
-        if isinstance(body, DemoteCommand | PrefetchCommand):
-            if isinstance(body, DemoteCommand):
-                moved = await self._loop.demote(body.namespace_digest, body.page_keys, body.session_id,
-                                                body.target_tier, whole_namespace=body.whole_namespace)
-            else:
-                if body.target_tier is not Tier.HBM:
-                    return CommandAck(command.command_id, error_code="INVALID_ARGUMENT",
-                                      error_message="this worker prefetches into HBM only")
-                # The deadline is when the session is expected back: the pages are held in HBM
-                # until then, so an eviction meanwhile does not undo the prefetch.
-                hold_s = body.deadline_ms / 1000.0 if body.deadline_ms else None
-                moved = await self._loop.prefetch(body.namespace_digest, body.page_keys, body.session_id,
-                                                  hold_s=hold_s)
+        if isinstance(body, DemoteCommand):
+            return await self._loop.start_demote(body.namespace_digest, body.page_keys, body.session_id,
+                                                 body.target_tier, whole_namespace=body.whole_namespace)
+        assert isinstance(body, PrefetchCommand)
+        if body.target_tier is not Tier.HBM:
+            raise InvalidArgument("this worker prefetches into HBM only", field="target_tier")
+        # The deadline is when the session is expected back: the pages are held in HBM until
+        # then, so an eviction meanwhile does not undo the prefetch.
+        hold_s = body.deadline_ms / 1000.0 if body.deadline_ms else None
+        return await self._loop.start_prefetch(body.namespace_digest, body.page_keys, body.session_id,
+                                               hold_s=hold_s)
+
+    def _ack_when_applied(self, command: ControllerCommand, applied: asyncio.Future[MoveOutcome]) -> None:
+        """Ack ``command`` on this stream once its move is applied, without holding up the
+        commands behind it."""
+        outbox = self._outbox
+        body = command.command
+        assert isinstance(body, DemoteCommand | PrefetchCommand)
+
+        async def ack_when_applied() -> None:
+            try:
+                moved = await applied
+            except KvtierError as err:
+                self._send(CommandAck(command.command_id, error_code=err.code, error_message=err.message), outbox)
+                return
             log.info(
                 f"{type(body).__name__.removesuffix('Command').lower()} command carried out",
                 extra={
@@ -355,7 +384,15 @@ class WorkerLink:
                     "num_skipped": moved.num_skipped,
                 },
             )
-            return CommandAck(command.command_id, num_pages=moved.num_moved, num_skipped_pages=moved.num_skipped)
+            ack = CommandAck(command.command_id, num_pages=moved.num_moved, num_skipped_pages=moved.num_skipped)
+            self._send(ack, outbox)
+
+        task = asyncio.create_task(ack_when_applied(), name=f"kvtier-ack-{command.command_id}")
+        self._move_acks.add(task)
+        task.add_done_callback(self._move_acks.discard)
+
+    async def _carry_out(self, command: ControllerCommand) -> CommandAck:
+        body = command.command
         if isinstance(body, DropCommand) and body.session_id is not None:
             outcome = await self._loop.drop_session(body.namespace_digest, body.session_id)
             log.info("session drop carried out", extra={

@@ -1,18 +1,28 @@
 """The worker's metrics (DESIGN §9): pages per tier, cache hits, recomputation, tier
-traffic, transfer latency, eviction-induced first-token latency, TTFT and TPOT.
+traffic, transfer latency, eviction-induced first-token latency, TTFT and TPOT, tenant
+quotas and namespace TTLs, and the GPU (NVML) when there is one.
 
 Gauges read the occupancy the engine thread last published (``EngineLoop.latest_load``)
 and plain counters, so a scrape never walks engine structures another thread mutates.
-Per-request values are recorded once, when the request finishes.
+Per-request values are recorded once, when the request finishes. Attributes are the
+worker id, tiers, states, outcomes, GPU index and tenant (bounded by the quota
+configuration) — never token ids or text.
+
+GPU gauges come from NVML (``nvidia-ml-py``): device memory, utilization and PCIe
+throughput of the GPUs this process may use (``CUDA_VISIBLE_DEVICES``, else all). Without
+a driver or a device, NVML fails to start: no GPU families, one info log line.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+import os
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
+import pynvml
 from opentelemetry.metrics import CallbackOptions, Observation
 
+from kvtier.log import get_logger
 from kvtier.telemetry import LATENCY_BUCKETS_S, Telemetry
 from kvtier.transfer import TransferDone
 
@@ -20,9 +30,13 @@ if TYPE_CHECKING:
     from kvtier.engine.engine import GenerationResult
     from kvtier.worker.engine_loop import EngineLoop
 
+log = get_logger("kvtier.worker.metrics")
+
 
 class WorkerMetrics:
-    def __init__(self, telemetry: Telemetry, loop: EngineLoop, worker_id: str) -> None:
+    def __init__(
+        self, telemetry: Telemetry, loop: EngineLoop, worker_id: str, *, nvml: Any = pynvml
+    ) -> None:
         self.loop = loop
         self.engine = loop.engine
         self.attrs = {"worker": worker_id}
@@ -92,8 +106,9 @@ class WorkerMetrics:
             "kvtier.pages_dropped", callbacks=[self._pages_dropped], unit="{page}",
             description="cached pages dropped because no lower tier had room or worked",
         )
-        if self.engine.tiers is not None:
-            self.engine.tiers.transfers.on_done = self._transfer_done
+        self._quota_families(m)
+        # None: no NVML (no driver or no device), so no GPU families.
+        self.gpus = GpuMetrics.start(m, self.attrs, nvml)
 
     # ---- recorded per request ---------------------------------------------------------
     def record_request(self, result: GenerationResult, ttft_s: float, decode_s: float) -> None:
@@ -113,7 +128,7 @@ class WorkerMetrics:
         if result.promotion_wait_s:
             self.eviction_wait.record(result.promotion_wait_s, a)
 
-    def _transfer_done(self, done: TransferDone) -> None:  # transfer worker thread
+    def transfer_done(self, done: TransferDone) -> None:  # transfer worker thread (EngineLoop routes it here)
         t = done.transfer
         self.transfer_latency.record(done.latency_s, {**self.attrs, "src": t.src_tier.label, "dst": t.dst_tier.label})
 
@@ -157,3 +172,167 @@ class WorkerMetrics:
     def _pages_dropped(self, _: CallbackOptions) -> Iterable[Observation]:
         tiers = self.engine.tiers
         yield Observation(0 if tiers is None else tiers.counters.pages_dropped, self.attrs)
+
+    # ---- tenant quotas and namespace TTLs (kvtier.quotas, kvtier.ttls) -------------------
+    def _quota_families(self, m: Any) -> None:
+        m.create_observable_counter(
+            "kvtier.quota.pages_demoted", callbacks=[self._quota_counter("pages_demoted")], unit="{page}",
+            description="cached pages moved one tier down to bring a tenant under its quota",
+        )
+        m.create_observable_counter(
+            "kvtier.quota.pages_dropped", callbacks=[self._quota_counter("pages_dropped")], unit="{page}",
+            description="cached pages dropped to bring a tenant under its quota (subtrees included)",
+        )
+        m.create_observable_counter(
+            "kvtier.quota.stuck", callbacks=[self._quota_counter("num_stuck")], unit="{event}",
+            description="enforcement passes that left a tenant over its quota (only held or pinned pages left)",
+        )
+        m.create_observable_counter(
+            "kvtier.quota.evictions", callbacks=[self._quota_evictions], unit="{page}",
+            description="pages a full pool took for an over-quota tenant's allocation, by owner "
+            "(own: the tenant's page; foreign: another tenant's, all its own were in use)",
+        )
+        m.create_observable_gauge(
+            "kvtier.quota.tenant_pages", callbacks=[self._tenant_pages], unit="{page}",
+            description="cached pages per tenant and tier (configured tenants, and any tenant over its quota)",
+        )
+        m.create_observable_gauge(
+            "kvtier.quota.limit_pages", callbacks=[self._tenant_limits], unit="{page}",
+            description="a tenant's quota per tier, in pages (tiers without a limit are absent)",
+        )
+        m.create_observable_gauge(
+            "kvtier.quota.overage_pages", callbacks=[self._tenant_overage], unit="{page}",
+            description="cached pages above a tenant's quota now, per tier (0 when within it)",
+        )
+        m.create_observable_counter(
+            "kvtier.ttl.expired_pages", callbacks=[self._ttl_expired], unit="{page}",
+            description="cached pages dropped because their namespace's TTL passed",
+        )
+
+    def _quota_counter(self, name: str) -> Any:
+        def observe(_: CallbackOptions) -> Iterable[Observation]:
+            quotas = self.engine.quotas
+            yield Observation(0 if quotas is None else getattr(quotas.counters, name), self.attrs)
+
+        return observe
+
+    def _quota_evictions(self, _: CallbackOptions) -> Iterable[Observation]:
+        quotas = self.engine.quotas
+        own, foreign = (0, 0) if quotas is None else (
+            quotas.counters.num_own_evictions, quotas.counters.num_foreign_evictions)
+        yield Observation(own, {**self.attrs, "owner": "own"})
+        yield Observation(foreign, {**self.attrs, "owner": "foreign"})
+
+    def _tenant_pages(self, _: CallbackOptions) -> Iterable[Observation]:
+        for t in self.loop.latest_load.tenant_pages:
+            yield Observation(t.num_pages, {**self.attrs, "tenant": t.tenant, "tier": t.tier.label})
+
+    def _tenant_limits(self, _: CallbackOptions) -> Iterable[Observation]:
+        for t in self.loop.latest_load.tenant_pages:
+            if t.limit_pages is not None:
+                yield Observation(t.limit_pages, {**self.attrs, "tenant": t.tenant, "tier": t.tier.label})
+
+    def _tenant_overage(self, _: CallbackOptions) -> Iterable[Observation]:
+        for t in self.loop.latest_load.tenant_pages:
+            if t.limit_pages is not None:
+                over = max(0, t.num_pages - t.limit_pages)
+                yield Observation(over, {**self.attrs, "tenant": t.tenant, "tier": t.tier.label})
+
+    def _ttl_expired(self, _: CallbackOptions) -> Iterable[Observation]:
+        ttls = self.engine.ttls
+        yield Observation(0 if ttls is None else ttls.num_expired, self.attrs)
+
+
+# NVML reports PCIe throughput in KiB/s.
+_KIB = 1024
+
+
+class GpuMetrics:
+    """GPU gauges read from NVML at scrape time (the scrape thread; NVML is thread-safe).
+
+    ``start`` returns None when NVML does not start or sees no device; a call that fails
+    later (a device lost, PCIe counters not supported) leaves that one observation out.
+    """
+
+    def __init__(self, nvml: Any, handles: Mapping[str, Any], attrs: Mapping[str, str]) -> None:
+        self.nvml = nvml
+        self.handles = dict(handles)  # gpu label (NVML index) -> device handle
+        self.attrs = dict(attrs)
+
+    @classmethod
+    def start(
+        cls, meter: Any, attrs: Mapping[str, str], nvml: Any = pynvml, *, env: Mapping[str, str] | None = None
+    ) -> GpuMetrics | None:
+        try:
+            nvml.nvmlInit()
+            handles = _visible_gpus(nvml, os.environ if env is None else env)
+        except nvml.NVMLError as exc:
+            log.info("no GPU metrics: NVML is not available", extra={"reason": str(exc)})
+            return None
+        if not handles:
+            log.info("no GPU metrics: NVML sees no GPU this process may use")
+            return None
+        gpus = cls(nvml, handles, attrs)
+        meter.create_observable_gauge(
+            "kvtier.gpu.memory_used", callbacks=[gpus._memory_used], unit="By",
+            description="device memory in use on the GPU (every process on it, driver reservations included), from NVML",
+        )
+        meter.create_observable_gauge(
+            "kvtier.gpu.memory_total", callbacks=[gpus._memory_total], unit="By",
+            description="device memory of the GPU, from NVML",
+        )
+        meter.create_observable_gauge(
+            "kvtier.gpu.utilization", callbacks=[gpus._utilization], unit="%",
+            description="share of the last sample period in which a kernel ran on the GPU, from NVML",
+        )
+        meter.create_observable_gauge(
+            "kvtier.gpu.pcie_throughput", callbacks=[gpus._pcie], unit="By/s",
+            description="PCIe traffic of the GPU by direction (tx: out of the GPU, rx: into it), "
+            "over NVML's last 20 ms sample",
+        )
+        log.info("GPU metrics from NVML", extra={"gpus": ",".join(handles)})
+        return gpus
+
+    def _each(self, read: Any) -> Iterable[Observation]:
+        for label, handle in self.handles.items():
+            try:
+                value = read(handle)
+            except self.nvml.NVMLError as exc:
+                log.debug("NVML read failed", extra={"gpu": label, "reason": str(exc)})
+                continue
+            yield Observation(value, {**self.attrs, "gpu": label})
+
+    def _memory_used(self, _: CallbackOptions) -> Iterable[Observation]:
+        return self._each(lambda h: self.nvml.nvmlDeviceGetMemoryInfo(h).used)
+
+    def _memory_total(self, _: CallbackOptions) -> Iterable[Observation]:
+        return self._each(lambda h: self.nvml.nvmlDeviceGetMemoryInfo(h).total)
+
+    def _utilization(self, _: CallbackOptions) -> Iterable[Observation]:
+        return self._each(lambda h: self.nvml.nvmlDeviceGetUtilizationRates(h).gpu)
+
+    def _pcie(self, _: CallbackOptions) -> Iterable[Observation]:
+        nvml = self.nvml
+        for direction, counter in (("tx", nvml.NVML_PCIE_UTIL_TX_BYTES), ("rx", nvml.NVML_PCIE_UTIL_RX_BYTES)):
+            for obs in self._each(lambda h, c=counter: nvml.nvmlDeviceGetPcieThroughput(h, c) * _KIB):
+                yield Observation(obs.value, {**(obs.attributes or {}), "direction": direction})
+
+
+def _visible_gpus(nvml: Any, env: Mapping[str, str]) -> dict[str, Any]:
+    """NVML handles of the GPUs this process may use, by NVML index: ``CUDA_VISIBLE_DEVICES``
+    (indices or ``GPU-`` UUIDs, as Ray and Kubernetes set it) when set, else every device."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+    else:
+        handles = []
+        for entry in (e.strip() for e in visible.split(",")):
+            if not entry:
+                continue
+            if entry.isdigit():
+                handles.append(nvml.nvmlDeviceGetHandleByIndex(int(entry)))
+            elif entry.startswith(("GPU-", "MIG-")):
+                handles.append(nvml.nvmlDeviceGetHandleByUUID(entry))
+            else:
+                break  # CUDA stops at the first invalid entry
+    return {str(nvml.nvmlDeviceGetIndex(h)): h for h in handles}

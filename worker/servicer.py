@@ -26,6 +26,7 @@ from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvtier import tracing
 from kvtier.auth import TokenTable, TokenTableFile
 from kvtier.engine.engine import Engine
 from kvtier.errors import InvalidArgument, NotFound
@@ -98,7 +99,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         check_serves(namespace, self._loop.engine.namespace)
         # The digest is derived with the current policy epoch: invalidated keys are unreachable.
         generate = dataclasses.replace(generate, namespace=self._loop.epochs.apply(namespace))
-        async with contextlib.aclosing(self._loop.submit(generate)) as events:
+        parent = tracing.remote_parent(context.invocation_metadata())  # None unless tracing is on
+        async with contextlib.aclosing(self._loop.submit(generate, trace_parent=parent)) as events:
             async for event in events:
                 yield convert.to_proto_generate_event(event)
 
@@ -197,6 +199,7 @@ async def serve_worker(
             aloop.call_soon_threadsafe(mark_not_serving)
 
     loop = EngineLoop(engine, on_failure=on_engine_failure)
+    loop.span_attributes["kvtier.worker_id"] = worker_id
     if telemetry is not None:
         loop.metrics = WorkerMetrics(telemetry, loop, worker_id)
     servicer = WorkerServicer(loop, worker_id=worker_id, boot_id=boot)

@@ -36,6 +36,7 @@ from fault_harness import (
     redis_reader,
     slowed,
     start_local_worker,
+    stop_controller,
     within,
 )
 
@@ -95,7 +96,7 @@ async def failover(fault_checkpoint, redis_url, tmp_path):
         if worker is not None:
             await worker.stop()
         if standby is not None:
-            await standby.stop(0)
+            await stop_controller(standby)
         await cancel_leftovers()
 
 

@@ -32,6 +32,7 @@ from fault_harness import (
     redis_reader,
     start_local_worker,
     start_valkey,
+    stop_controller,
     within,
 )
 
@@ -109,7 +110,7 @@ async def stack(fault_checkpoint, redis_url, tmp_path_factory):
     yield s
     await client.close()
     await s.worker.stop()
-    await controller.stop(0)
+    await stop_controller(controller)
     await reader_client.aclose()
     await cancel_leftovers()
 
@@ -237,6 +238,6 @@ async def test_a_revoked_frontend_token_gets_no_more_hits(fault_checkpoint, orac
         for client in clients.values():
             await client.close()
         await worker.stop()
-        await controller.stop(0)
+        await stop_controller(controller)
         await reader_client.aclose()
         valkey.stop()

@@ -35,6 +35,7 @@ from fault_harness import (
     redis_reader,
     start_local_worker,
     stats_pages,
+    stop_controller,
     tear_payload,
     within,
     worker_args,
@@ -149,7 +150,7 @@ async def stack(fault_checkpoint, redis_url, tmp_path_factory):
     torn.stop()
     full.stop()
     await local.stop()
-    await controller.stop(0)
+    await stop_controller(controller)
     await reader_client.aclose()
     await cancel_leftovers()
 

@@ -33,6 +33,7 @@ from fault_harness import (
     prompts,
     redis_reader,
     start_local_worker,
+    stop_controller,
 )
 
 from kvtier.client import AsyncClient
@@ -85,7 +86,7 @@ async def stack(fault_checkpoint, redis_url, tmp_path_factory):
     await client.close()
     for worker in workers.values():
         await worker.stop()
-    await controller.stop(0)
+    await stop_controller(controller)
     await reader_client.aclose()
     await cancel_leftovers()
 

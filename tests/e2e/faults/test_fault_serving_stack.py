@@ -33,6 +33,7 @@ from fault_harness import (
     start_local_worker,
     start_valkey,
     stats_pages,
+    stop_controller,
     within,
     worker_args,
 )
@@ -113,7 +114,7 @@ async def stack(fault_checkpoint, tmp_path_factory):
     await client.close()
     proc.stop()
     await local.stop()
-    await controller.stop(0)
+    await stop_controller(controller)
     await reader_client.aclose()
     s.valkey.stop()
     await cancel_leftovers()
