@@ -17,23 +17,54 @@ settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
-# Hold one reference on gRPC's asyncio runtime from the main thread for the whole session.
-# Otherwise the runtime shuts down whenever the last aio object is collected, and that
-# shutdown joins gRPC's poller thread, which can block forever when collection happens late
-# (pytest's final gc.collect(), after event loops closed): grpc/grpc#22365, #40989. The
-# session then hangs after every test has passed.
-grpc.aio.init_grpc_aio()
+_ray_started = False
+
+
+def _start_ray() -> None:
+    """One local Ray instance per test session (~5 s, ~0.8 GB).
+
+    ``address="local"`` starts a fresh instance instead of joining a stale session left in
+    Ray's temp directory. Started once, after collection and before any test runs: Ray
+    launches its GCS and raylet by fork + exec with Python run in between, and once gRPC's
+    threads exist in this process a child can deadlock before its exec (gRPC warns "Other
+    threads are currently calling into gRPC, skipping fork() handlers"); the raylet then
+    never starts and ``ray.init`` times out. One retry covers a slow start on a loaded box.
+    """
+    global _ray_started
+    import ray
+
+    for attempt in range(2):
+        try:
+            ray.init(address="local", num_cpus=2, object_store_memory=200 * 1024**2, include_dashboard=False)
+            _ray_started = True
+            return
+        except Exception:
+            ray.shutdown()
+            if attempt:
+                raise
+
+
+def pytest_collection_modifyitems(session, config, items):
+    if any("local_ray" in item.fixturenames for item in items):
+        _start_ray()
+    # Hold one reference on gRPC's asyncio runtime from the main thread for the whole session
+    # (after Ray is up: see _start_ray). Otherwise the runtime shuts down whenever the last aio
+    # object is collected, and that shutdown joins gRPC's poller thread, which can block
+    # forever when collection happens late (pytest's final gc.collect(), after event loops
+    # closed): grpc/grpc#22365, #40989. The session then hangs after every test has passed.
+    grpc.aio.init_grpc_aio()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _ray_started:
+        import ray
+
+        ray.shutdown()
 
 
 @pytest.fixture(scope="session")
 def local_ray():
-    """One local Ray instance per test session (~5 s, ~0.8 GB).
-
-    ``address="local"`` starts a fresh instance instead of joining a stale session left
-    in Ray's temp directory.
-    """
-    import ray
-
-    ray.init(address="local", num_cpus=2, object_store_memory=200 * 1024**2, include_dashboard=False)
+    """The session's local Ray instance (started before the first test; see ``_start_ray``)."""
+    if not _ray_started:
+        _start_ray()
     yield
-    ray.shutdown()
