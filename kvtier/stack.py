@@ -116,38 +116,47 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
     state_dir.mkdir(parents=True, exist_ok=True)
     options.state_dir = state_dir
     auth = ensure_local_tokens(state_dir) if options.auth else None
-    controller = await serve_controller(
-        ControllerConfig(
-            port=options.controller_port,
-            state_dir=state_dir,
-            redis_url=options.redis_url,
-            lease_ttl_s=options.lease_ttl_s,
-            heartbeat_interval_s=options.heartbeat_interval_s,
-            auth_token_file=auth.table_file if auth else None,
-        ),
-        redis_url=options.redis_url,
-        orchestrator_params=options.orchestrator_params,
-        predictor_params=options.predictor_params,
-    )
+    # Ray first, before this process has gRPC's threads (the controller's server): Ray starts
+    # its GCS and raylet by fork + exec with Python in between, and a child forked while other
+    # threads hold locks can hang before its exec; the raylet then never comes up.
     started_ray = False
+    if not ray.is_initialized():
+        try:
+            if options.ray_address:
+                ray.init(address=options.ray_address, include_dashboard=False, log_to_driver=False)
+            else:
+                # "local" starts a fresh instance rather than joining a stale session.
+                ray.init(
+                    address="local",
+                    num_cpus=max(2, options.num_workers),
+                    object_store_memory=200 << 20,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                )
+                started_ray = True
+        except Exception as exc:  # Ray reports start-up failures as bare Exceptions
+            ray.shutdown()
+            where = options.ray_address or "a local instance"
+            raise Unavailable(f"Ray did not start ({where}): {exc}; retry, or pass --ray-address") from exc
     try:
-        if not ray.is_initialized():
-            try:
-                if options.ray_address:
-                    ray.init(address=options.ray_address, include_dashboard=False, log_to_driver=False)
-                else:
-                    # "local" starts a fresh instance rather than joining a stale session.
-                    ray.init(
-                        address="local",
-                        num_cpus=max(2, options.num_workers),
-                        object_store_memory=200 << 20,
-                        include_dashboard=False,
-                        log_to_driver=False,
-                    )
-                    started_ray = True
-            except Exception as exc:  # Ray reports start-up failures as bare Exceptions
-                where = options.ray_address or "a local instance"
-                raise Unavailable(f"Ray did not start ({where}): {exc}; retry, or pass --ray-address") from exc
+        controller = await serve_controller(
+            ControllerConfig(
+                port=options.controller_port,
+                state_dir=state_dir,
+                redis_url=options.redis_url,
+                lease_ttl_s=options.lease_ttl_s,
+                heartbeat_interval_s=options.heartbeat_interval_s,
+                auth_token_file=auth.table_file if auth else None,
+            ),
+            redis_url=options.redis_url,
+            orchestrator_params=options.orchestrator_params,
+            predictor_params=options.predictor_params,
+        )
+    except BaseException:
+        if started_ray:
+            ray.shutdown()
+        raise
+    try:
         workers: list[WorkerHandle] = []
         loop = asyncio.get_running_loop()
         for i in range(options.num_workers):
