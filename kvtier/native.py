@@ -17,11 +17,13 @@ not down.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -47,6 +49,15 @@ def cpu_tag() -> str:
         pass
     text = f"{platform.machine()}|{flags}|{torch.__version__}"
     return hashlib.blake2b(text.encode(), digest_size=4).hexdigest()
+
+
+def build_directory(name: str) -> Path:
+    """Where ``name`` is built: one directory per Python environment (a second checkout's venv
+    no longer rebuilds into, and waits on, the first one's), under ``KVTIER_EXTENSIONS_DIR``
+    (default ``~/.cache/kvtier/extensions``)."""
+    root = Path(os.environ.get("KVTIER_EXTENSIONS_DIR") or Path.home() / ".cache" / "kvtier" / "extensions")
+    env = hashlib.blake2b(sys.prefix.encode(), digest_size=4).hexdigest()
+    return root / f"{name}-{env}"
 
 
 def _ensure_ninja_on_path() -> None:
@@ -116,14 +127,25 @@ class NativeExtension:
                 from torch.utils import cpp_extension
 
                 _ensure_ninja_on_path()
-                cpp_extension.load(
-                    name=f"{self.name}_{cpu_tag()}",
-                    sources=[str(self.source)],
-                    extra_cflags=self.cflags,
-                    extra_ldflags=self.ldflags,
-                    is_python_module=False,
-                    verbose=False,
-                )
+                name = f"{self.name}_{cpu_tag()}"
+                directory = build_directory(name)
+                directory.mkdir(parents=True, exist_ok=True)
+                # torch serialises builds with a lock *file* that a builder killed mid-build
+                # (a worker process a test or an operator kills) leaves behind, and every later
+                # load then waits on it forever. Builders here first take an flock, which the OS
+                # releases when its holder dies; whoever holds it knows any lock file is stale.
+                with open(directory / ".kvtier-build.lock", "w") as guard:
+                    fcntl.flock(guard, fcntl.LOCK_EX)
+                    (directory / "lock").unlink(missing_ok=True)
+                    cpp_extension.load(
+                        name=name,
+                        sources=[str(self.source)],
+                        extra_cflags=self.cflags,
+                        extra_ldflags=self.ldflags,
+                        build_directory=str(directory),
+                        is_python_module=False,
+                        verbose=False,
+                    )
             except Exception as exc:  # compiler missing, ninja missing, headers missing, ...
                 logger.debug("%s build output:\n%s", self.what, exc)
                 self._error = FailedPrecondition(

@@ -336,6 +336,10 @@ class TransferEngine:
         self._completed: collections.deque[TransferDone] = collections.deque()
         self._stats = TransferStats()
         self._closed = False
+        if not self.is_cuda:
+            # Build or load the copy kernel now, not on the first transfer: a first build takes
+            # seconds, and a commanded move would wait that long for its acknowledgement.
+            page_copy.kernel_enabled()
         self._copy_lane = _Lane("copy", 1, self._execute, intra_op_threads)
         self._disk_lane = _Lane("disk", num_disk_threads, self._execute, intra_op_threads)
 

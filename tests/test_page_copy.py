@@ -211,3 +211,23 @@ def test_transfer_engine_round_trip_is_identical_with_and_without_the_kernel(mod
         engine.close()
     hbm.check_integrity()
     dram.check_integrity()
+
+
+def test_a_lock_file_left_by_a_killed_builder_does_not_block_loading():
+    """torch's build lock is a plain file: a builder killed mid-build leaves it, and torch
+    would wait on it forever. The flock kvtier takes first proves it stale and removes it."""
+    import threading
+
+    from kvtier.native import NativeExtension, build_directory, cpu_tag
+
+    ext = page_copy._EXTENSION
+    directory = build_directory(f"{ext.name}_{cpu_tag()}")
+    page_copy.load_kernel()  # built (or loaded) once, so the directory exists
+    (directory / "lock").write_text("")  # what a killed builder leaves behind
+    fresh = NativeExtension(ext.name, ext.source, what="page copy kernel (again)", fallback_hint="-",
+                            extra_ldflags=())
+    loader = threading.Thread(target=fresh.load, daemon=True)
+    loader.start()
+    loader.join(60)
+    assert not loader.is_alive(), "loading waited on a stale lock file"
+    assert fresh.is_loaded and not (directory / "lock").exists()
