@@ -373,6 +373,8 @@ def test_configmap_holds_real_kvtier_settings(
     controller, worker = configs["controller.toml"], configs["worker.toml"]
     assert (controller.host, controller.port) == ("0.0.0.0", values["controller"]["port"])
     assert controller.metrics_port == values["controller"]["metricsPort"]
+    otlp = values["monitoring"]["otlpEndpoint"] or None
+    assert controller.otlp_endpoint == otlp and worker.otlp_endpoint == otlp
     assert worker.controller_address == f"{RELEASE}-kvtier-controller.{NAMESPACE}.svc:{controller.port}"
     assert worker.dram_bytes == values["kvCache"]["dramGiBPerGpu"] * GIB
     assert worker.nvme_bytes == values["kvCache"]["nvme"]["gibPerGpu"] * GIB
