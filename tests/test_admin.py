@@ -10,7 +10,6 @@ once; Snapshot(wait) reports the worker's whole inventory."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 
@@ -45,24 +44,13 @@ from kvtier.tiers import Tier
 from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import serve_worker
 
+from polling import eventually
+
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 
 PAGE_SIZE = 4
 ONE_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
 
-
-async def eventually(check, timeout_s=10.0, what="condition"):
-    """Poll ``check`` (sync or async) until it returns something truthy; returns that."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        result = check()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture(scope="module")

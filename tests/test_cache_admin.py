@@ -12,7 +12,6 @@ order), and a look at a worker's own epoch table and index after the fact.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import random
@@ -39,6 +38,8 @@ from kvtier.tiers import Tier
 from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import serve_worker
 
+from polling import eventually, wait_for
+
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 
 PAGE = 4
@@ -51,22 +52,6 @@ def fresh_tokens(n: int) -> list[int]:
     return [_rng.randrange(1, 512) for _ in range(n)]
 
 
-async def wait_for(predicate, timeout_s=10.0, what="condition"):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
-
-
-async def eventually(check, timeout_s=10.0, what="condition"):
-    """Poll an async ``check`` until it returns something truthy; returns that."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not (result := await check()):
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-    return result
 
 
 def start_link(controller, server) -> WorkerLink:

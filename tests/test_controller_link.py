@@ -53,28 +53,14 @@ from kvtier.tiers import Tier
 from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import serve_worker
 
+from polling import eventually, wait_for
+
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 
 PAGE_SIZE = 4
 PROMPT = [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133, 144, 155]  # 3 full pages + 2
 
 
-async def wait_for(predicate, timeout_s=10.0, what="condition"):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
-
-
-async def eventually(check, timeout_s=10.0, what="condition"):
-    """Poll an async ``check`` until it returns something truthy; returns that."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not (result := await check()):
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-    return result
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import serve_worker
 
 from hf_checkpoints import build_checkpoint
+from polling import eventually
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 
@@ -50,13 +51,6 @@ FAMILIES = {
     "kvtier_controller_bytes_moved_bytes_total": "counter",
 }
 
-
-async def wait_for(predicate, timeout_s=10.0, what="condition"):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not await predicate():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -83,7 +77,7 @@ async def cluster(worker, redis_url, tmp_path, **params):
             entry = controller.registry.get(worker.worker_id)
             return entry is not None and any(t.tier is Tier.DRAM for t in entry.tiers)
 
-        await wait_for(registered, what="registration and a heartbeat with the DRAM tier")
+        await eventually(registered, what="registration and a heartbeat with the DRAM tier")
         async with AsyncClient(controller.address) as client:
             yield controller, client
     finally:
@@ -149,7 +143,7 @@ async def test_families_exist_with_units_and_move_after_route_and_prefetch(worke
         async def back_in_directory() -> bool:  # the waste check reads the directory (lag 0 here)
             return await pages_in(client, namespace, history[:16], Tier.HBM) == 4
 
-        await wait_for(back_in_directory, what="the directory to see the prefetched pages in HBM")
+        await eventually(back_in_directory, what="the directory to see the prefetched pages in HBM")
         moved = await scrape(port)
         assert value(moved, "kvtier_controller_bytes_moved_bytes_total", reason="returning", src="dram",
                      dst="hbm") == 4 * page_bytes
@@ -210,7 +204,7 @@ async def test_wasted_prefetches_are_counted_when_ended_and_when_evicted(worker,
         async def demoted_in_directory() -> bool:
             return await pages_in(client, namespace, history[:16], Tier.DRAM) == 4
 
-        await wait_for(demoted_in_directory, what="the directory to see the pages back in DRAM")
+        await eventually(demoted_in_directory, what="the directory to see the pages back in DRAM")
         _, final = await client.complete(namespace, history + [7, 8], GREEDY, session_id="s-evicted")
         assert final.usage.promoted_tokens == 16  # the user paid the promotion the prefetch had saved
         evicted = await scrape(port)

@@ -32,6 +32,8 @@ from kvtier.ttls import TtlTable
 from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import serve_worker
 
+from polling import eventually
+
 PS = 4
 ONE = SamplingParams(max_tokens=1, ignore_eos=True)
 _rng = random.Random(9)
@@ -322,14 +324,6 @@ def test_pages_of_a_namespace_expire_after_its_ttl_of_idle_time_in_every_tier(ck
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 TTL_S = 2.0  # long enough to see the prefix routable first on a loaded machine
 
-
-async def eventually(check, timeout_s=10.0, what="condition"):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not (result := await check()):
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-    return result
 
 
 @dataclasses.dataclass

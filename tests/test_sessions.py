@@ -32,19 +32,13 @@ from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import serve_worker
 
 from hf_checkpoints import build_checkpoint, hf_logits, load_hf
+from polling import wait_for
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 
 PAGE_SIZE = 4
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
-
-async def wait_for(predicate, timeout_s=10.0, what="condition"):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture(scope="module")

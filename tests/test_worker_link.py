@@ -43,6 +43,8 @@ from kvtier.tiers import Tier
 from kvtier.worker.link import WorkerLink, snapshot_chunks
 from kvtier.worker.servicer import serve_worker
 
+from polling import wait_for
+
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 
 PAGE_SIZE = 4
@@ -99,12 +101,6 @@ async def start_peer(port: int = 0):
     await server.start()
     return server, peer, bound
 
-
-async def wait_for(predicate, timeout_s=10.0, what="condition"):
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture(scope="module")

@@ -61,6 +61,8 @@ from kvtier.tiers import Tier
 from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import serve_worker
 
+from polling import wait_for
+
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 PAGE_SIZE = 4
@@ -93,13 +95,6 @@ def bearer(name: str | None) -> tuple[tuple[str, str], ...]:
     token = TOKENS.get(name, name)
     return (("authorization", f"Bearer {token}"),)
 
-
-async def wait_for(predicate, timeout_s=10.0, what="condition"):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture(scope="module")

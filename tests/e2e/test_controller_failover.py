@@ -65,6 +65,8 @@ from kvtier.tiers import Tier
 from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import serve_worker
 
+from polling import wait_for
+
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 PAGE_SIZE = 4
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -83,13 +85,6 @@ def free_port() -> int:
             return port
     raise AssertionError("no free port in 20000-32000")
 
-
-async def wait_for(predicate, timeout_s=10.0, what="condition"):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
