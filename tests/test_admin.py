@@ -20,8 +20,6 @@ import pytest_asyncio
 
 from kvtier import errors
 from kvtier.client import AsyncClient
-from kvtier.config import ControllerConfig
-from kvtier.controller.server import serve_controller
 from kvtier.engine import Engine, SamplingParams
 from kvtier.hashing import namespace_digest, page_keys
 from kvtier.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
@@ -41,9 +39,9 @@ from kvtier.rpc import convert
 from kvtier.rpc._gen import admin_pb2, admin_pb2_grpc
 from kvtier.rpc.status import FIELD_METADATA_KEY
 from kvtier.tiers import Tier
-from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import serve_worker
 
+from live_controller import controller_at, linked
 from polling import eventually
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -67,35 +65,6 @@ async def workers(checkpoint):
     yield servers
     for server in servers:
         await server.stop(0)
-
-
-@contextlib.asynccontextmanager
-async def controller_at(redis_url, tmp_path, name="c1"):
-    config = ControllerConfig(port=0, state_dir=tmp_path / name, lease_ttl_s=1.0, heartbeat_interval_s=0.5)
-    server = await serve_controller(config, redis_url=redis_url)
-    try:
-        yield server
-    finally:
-        await server.stop(0)
-
-
-@contextlib.asynccontextmanager
-async def linked(controller, *servers):
-    links = [
-        WorkerLink(s.loop, controller_address=controller.address, worker_id=s.worker_id, address=s.address,
-                   boot_id=s.boot_id, heartbeat_interval_s=0.1, batch_interval_s=0.02, max_backoff_s=0.2)
-        for s in servers
-    ]
-    for link in links:
-        link.start()
-    try:
-        registry = controller.registry
-        await eventually(lambda: all(registry.get(s.worker_id) and registry.is_live(registry.get(s.worker_id))
-                                     for s in servers), what="registration")
-        yield links
-    finally:
-        for link in links:
-            await link.stop()
 
 
 @contextlib.asynccontextmanager
@@ -208,8 +177,8 @@ async def test_a_policy_changes_how_route_ranks_and_a_rollback_restores_it(worke
 @in_module_loop
 async def test_a_standby_follows_the_stored_policy_and_refuses_leader_only_rpcs(flushed_redis_url, tmp_path):
     async with (
-        controller_at(flushed_redis_url, tmp_path, "leader") as leader,
-        controller_at(flushed_redis_url, tmp_path, "standby") as standby,
+        controller_at(flushed_redis_url, tmp_path / "leader") as leader,
+        controller_at(flushed_redis_url, tmp_path / "standby") as standby,
         admin_of(leader) as leader_admin,
         admin_of(standby) as standby_admin,
     ):

@@ -21,8 +21,6 @@ import pytest_asyncio
 
 from kvtier import errors
 from kvtier.client import AsyncClient
-from kvtier.config import ControllerConfig
-from kvtier.controller.server import serve_controller
 from kvtier.engine import Engine, SamplingParams
 from kvtier.hashing import namespace_digest, page_keys, root_key
 from kvtier.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
@@ -50,9 +48,9 @@ from kvtier.records import (
 from kvtier.rpc import convert
 from kvtier.rpc._gen import admin_pb2, admin_pb2_grpc, worker_link_pb2_grpc
 from kvtier.tiers import Tier
-from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import serve_worker
 
+from live_controller import controller_at, linked
 from polling import eventually, wait_for
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -79,38 +77,6 @@ async def workers(checkpoint):
     yield servers
     for server in servers:
         await server.stop(0)
-
-
-@contextlib.asynccontextmanager
-async def controller_at(redis_url, tmp_path, **config):
-    config = ControllerConfig(port=0, state_dir=tmp_path, **{"lease_ttl_s": 1.0, "heartbeat_interval_s": 0.5,
-                                                             **config})
-    server = await serve_controller(config, redis_url=redis_url)
-    try:
-        yield server
-    finally:
-        await server.stop(0)
-
-
-@contextlib.asynccontextmanager
-async def linked(controller, *servers):
-    links = [
-        WorkerLink(s.loop, controller_address=controller.address, worker_id=s.worker_id, address=s.address,
-                   boot_id=s.boot_id, heartbeat_interval_s=0.1, batch_interval_s=0.02, max_backoff_s=0.2)
-        for s in servers
-    ]
-    for link in links:
-        link.start()
-    try:
-        await wait_for(lambda: all(controller.registry.get(s.worker_id) and
-                                   controller.registry.is_live(controller.registry.get(s.worker_id))
-                                   for s in servers), what="registration")
-        await wait_for(lambda: controller.links.counters["snapshots.applied"] >= len(servers),
-                       what="connect snapshots")
-        yield links
-    finally:
-        for link in links:
-            await link.stop()
 
 
 def matched(decision) -> dict[str, tuple[int, int, int]]:
