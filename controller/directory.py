@@ -46,6 +46,7 @@ from typing import NamedTuple, NewType
 import redis.asyncio as aredis
 from redis.exceptions import NoScriptError
 
+from kvtier.controller.directory_mirror import DirectoryMirror
 from kvtier.controller.leader import GLOBAL_PREFIX
 from kvtier.errors import IntegrityError, InvalidArgument
 from kvtier.hashing import KEY_BYTES, NamespaceDigest, PageKey, root_key
@@ -336,6 +337,12 @@ class Directory:
         self._lookup_sha = self._scripts["lookup"].sha
         self._meta_keys: dict[bytes, str] = {}
         self.counters: collections.Counter[str] = collections.Counter()
+        # Route's copy of what this object wrote (controller/directory_mirror.py). It answers
+        # only while every live incarnation is one whose every write it saw: registered here
+        # and no write of it failed midway (then Redis may or may not hold the write).
+        self.mirror = DirectoryMirror()
+        self._mirrored: set[int] = set()
+        self._unmirrored: set[int] = set()  # known incarnations the mirror cannot answer for
         # (op, seconds) of every round trip (op: the Lua script's name), for the controller's metrics.
         self.on_op: Callable[[str, float], None] | None = None
 
@@ -389,6 +396,9 @@ class Directory:
 
     def _forget_locally(self, wid: int) -> None:
         self._deadline_ms.pop(wid, None)
+        self._mirrored.discard(wid)
+        self._unmirrored.discard(wid)
+        self.mirror.forget_worker(wid)
         name = self._name_by_wid.get(wid)
         if name is not None and self._wid_by_name.get(name) == wid:
             del self._wid_by_name[name]
@@ -416,6 +426,7 @@ class Directory:
         self._wid_by_name[worker] = wid
         self._name_by_wid[wid] = worker
         self._deadline_ms[wid] = sent_ms + self.lease_ttl_ms
+        self._mirrored.add(wid)  # a new incarnation: every entry it will have is written here
         return Registration(Outcome.OK, worker, replaced_previous=bool(previous))
 
     async def heartbeat(self, worker: WorkerId) -> Outcome:
@@ -472,6 +483,8 @@ class Directory:
                 continue  # our own renewals are the authority for incarnations we know
             self._wid_by_name[name] = wid
             self._deadline_ms[wid] = sent_ms + pttl_ms
+            if wid not in self._mirrored:
+                self._unmirrored.add(wid)  # registered by another controller (or an earlier term)
         for wid in gone:
             self._forget_locally(wid)
         return num_live
@@ -585,16 +598,26 @@ class Directory:
                 extra.append(("SADD", f"{GLOBAL_PREFIX}wns:{wid}", ns))
                 extra.append(("SADD", f"{GLOBAL_PREFIX}namespaces", ns))
                 fresh.append((wid, ns))
-        replies = await self._eval_many(calls, extra) if calls else []
+        try:
+            replies = await self._eval_many(calls, extra) if calls else []
+        except BaseException:
+            self._mirrored.discard(wid)  # the batch may or may not be in Redis now
+            self._unmirrored.add(wid)
+            raise
         self._indexed.update(fresh)
 
         applied, statuses = 0, set()
-        for (_, indexes), reply in zip(parts.items(), replies, strict=True):
+        for (ns, indexes), reply in zip(parts.items(), replies, strict=True):
             statuses.add(reply[0])
             if reply[0] == b"ok":
                 applied += int(reply[2])
+                refused = {int(reply[j]) for j in range(3, len(reply), 2)}
                 for j in range(3, len(reply), 2):
                     rejected.append(RejectedEvent(indexes[int(reply[j])], RejectReason(reply[j + 1].decode())))
+                self.mirror.apply(wid, ns, (
+                    (int(e.kind), e.key, int(e.tier or 0), int(e.from_tier or 0))
+                    for j, e in enumerate(events[i] for i in indexes) if j not in refused
+                ))
         for r in rejected:
             self.counters[f"rejected.{r.reason.value}"] += 1
         rejected.sort()
@@ -624,20 +647,43 @@ class Directory:
                 reply = await self._lookup_redis.evalsha(self._lookup_sha, 1, meta, packed)
             except NoScriptError:
                 reply = await self._eval("lookup", meta, packed)
-        names, deadlines = self._name_by_wid, self._deadline_ms
         for w in reply[1::2]:
-            if w not in names:
+            if w not in self._name_by_wid:
                 await self.refresh_workers()  # a worker registered by another controller
                 break
+        self.mirror.learn_epoch(namespace, reply[0])
+        return self._result(keys, zip(reply[1::2], reply[2::2], strict=True), reply[0])
+
+    def local_lookup(self, namespace: NamespaceDigest, keys: Sequence[PageKey]) -> LookupResult | None:
+        """``lookup``'s answer from the mirror, without a round trip; None when it cannot answer.
+
+        It can while the namespace's epoch is known here and every live incarnation is one whose
+        every write went through this object (module docstring of ``directory_mirror``).
+        """
+        epoch = self.mirror.epoch(namespace)
+        if epoch is None or self._unmirrored and self._any_live(self._unmirrored):
+            return None
+        if keys and len(keys[0]) != KEY_BYTES:
+            _pack_keys(keys)  # the same InvalidArgument as a Redis lookup
+        self.counters["lookup.local"] += 1
+        return self._result(keys, self.mirror.lookup(namespace, keys), epoch)
+
+    def _any_live(self, wids: Iterable[int]) -> bool:
+        now_ms = self._clock_ms()
+        return any(self._deadline_ms.get(w, 0.0) > now_ms for w in wids)
+
+    def _result(self, keys: Sequence[PageKey], runs: Iterable[tuple[int, bytes]], epoch: int) -> LookupResult:
+        """Live incarnations' runs as matches: longest first, then by worker name."""
+        names, deadlines = self._name_by_wid, self._deadline_ms
         now_ms = self._clock_ms()
         matches = [
             WorkerMatch(names[w], tiers, tiers.count(1), tiers.count(2), tiers.count(3))
-            for w, tiers in zip(reply[1::2], reply[2::2], strict=True)
+            for w, tiers in runs
             if deadlines.get(w, 0.0) > now_ms
         ]
         if len(matches) > 1:
             matches.sort(key=lambda m: (-len(m.tiers), m.worker))
-        return LookupResult(len(keys), tuple(matches), reply[0])
+        return LookupResult(len(keys), tuple(matches), epoch)
 
     # -- namespaces ---------------------------------------------------------------------------
 
@@ -653,6 +699,7 @@ class Directory:
         )
         if reply[0] == b"fenced":
             return InvalidateResult(Outcome.FENCED)
+        self.mirror.invalidate(namespace, int(reply[1]))
         return InvalidateResult(Outcome.OK, int(reply[1]))
 
     async def reclaim_step(self, max_items: int = 1000) -> ReclaimResult:
@@ -676,6 +723,7 @@ class Directory:
         """Raise every namespace's fence to ``fence_token`` (run once after winning an election)."""
         if self.fence_token is None:
             return Outcome.FENCED
+        self.mirror.forget_epochs()
         cursor = 0
         while True:
             cursor, namespaces = await self._redis.sscan(f"{GLOBAL_PREFIX}namespaces", cursor, count=batch_size)

@@ -247,6 +247,9 @@ class Router:
         """The directory's answer, or None and why not (never raises for Redis trouble)."""
         if not self.access.is_reachable:
             return None, f"directory unreachable ({self.access.last_error}); ranked by affinity and load"
+        local = self.access.directory.local_lookup(digest, keys)  # the leader's mirror: no round trip
+        if local is not None:
+            return local, None
         try:
             # asyncio.timeout, not wait_for: wait_for wraps the lookup in a Task, and the extra
             # event-loop turns cost more than the Redis round trip itself on the Route hot path.

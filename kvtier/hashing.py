@@ -79,6 +79,7 @@ def namespace_digest(identity: NamespaceIdentity) -> NamespaceDigest:
     return NamespaceDigest(h.digest())
 
 
+@functools.lru_cache(maxsize=4096)
 def root_key(digest: NamespaceDigest) -> PageKey:
     return PageKey(hashlib.blake2b(digest, digest_size=KEY_BYTES).digest())
 

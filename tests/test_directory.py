@@ -19,6 +19,8 @@ from kvtier.controller.directory import (
     WorkerId,
 )
 from kvtier.controller.leader import LeaderLease
+from kvtier.controller.resync import REDIS_ERRORS
+from kvtier.embedded_redis import EmbeddedRedis
 from kvtier.errors import InvalidArgument
 from kvtier.hashing import NamespaceIdentity, namespace_digest, page_keys, root_key
 from kvtier.tiers import Tier
@@ -751,6 +753,14 @@ class DirectoryMachine(RuleBasedStateMachine):
         for (ns_i, keys), result in zip(LEAF_CHAINS, self.run(all_lookups()), strict=True):
             assert summary(result) == self.model.lookup(ns_i, keys)
             assert result.epoch == self.model.epoch[ns_i]
+            # Route's in-memory mirror: every incarnation here was registered by this object, so
+            # it answers, and exactly as Redis does (directory_mirror.py).
+            local = self.directory.local_lookup(NAMESPACES[ns_i], keys)
+            assert local is not None
+            assert (summary(local), local.epoch) == (summary(result), result.epoch)
+        # ...and it keeps nothing of retired incarnations (Redis purges them later).
+        kept = sum(len(inc["holdings"]) for inc in self.model.incarnations if not inc["retired"])
+        assert self.directory.mirror.num_entries() == kept
 
     @invariant()
     def stats_and_integrity_match(self):
@@ -770,3 +780,68 @@ def test_directory_matches_reference_model(flushed_redis_url):
         settings=settings(max_examples=60, stateful_step_count=50, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow]),
     )
+
+
+# -- Route's in-memory mirror (controller/directory_mirror.py) ------------------------------------
+
+
+async def test_local_lookup_answers_from_the_mirror_once_the_epoch_is_known(redis_client):
+    d = await make_directory(redis_client, W1, W2)
+    ns = ns_for()
+    keys = chain(ns, 4)
+    await d.apply_events(W1, 1, inserts(ns, keys[:3]))
+    await d.apply_events(W2, 1, inserts(ns, keys[:2], D) + [PageEvent.move(ns, keys[0], N, D)])
+    assert d.local_lookup(ns, keys) is None  # the namespace's epoch has not been read yet
+    remote = await d.lookup(ns, keys)
+    local = d.local_lookup(ns, keys)
+    assert summary(local) == summary(remote) == [(W1, bytes([1, 1, 1])), (W2, bytes([3, 2]))]
+    assert local.epoch == remote.epoch == 1 and d.counters["lookup.local"] == 1
+    # Writes after the first read land in both; an invalidation empties both.
+    await d.apply_events(W1, 2, [PageEvent.drop(ns, keys[1], H)])
+    assert summary(d.local_lookup(ns, keys)) == summary(await d.lookup(ns, keys)) == [
+        (W2, bytes([3, 2])), (W1, bytes([1]))]
+    assert (await d.invalidate(ns)).epoch == 2
+    local = d.local_lookup(ns, keys)
+    assert (local.matches, local.epoch) == ((), 2)
+
+
+async def test_local_lookup_defers_to_redis_for_incarnations_registered_elsewhere(redis_client, flushed_redis_url):
+    """A worker registered by another controller (a former leader): its entries were written by
+    that controller, so this one's mirror lacks them until the incarnation is gone."""
+    now = [0.0]
+    ours = await make_directory(redis_client, W1, lease_ttl_ms=60_000, clock_ms=lambda: now[0])
+    other_client = aredis.Redis.from_url(flushed_redis_url)
+    try:
+        theirs = await make_directory(other_client, W2, lease_ttl_ms=30_000)
+        ns = ns_for()
+        keys = chain(ns, 2)
+        await theirs.apply_events(W2, 1, inserts(ns, keys))
+        await ours.refresh_workers(revive=True)  # learns W2's incarnation and its lease
+        remote = await ours.lookup(ns, keys)
+        assert summary(remote) == [(W2, bytes([1, 1]))]
+        assert ours.local_lookup(ns, keys) is None  # would miss W2's pages
+        now[0] = 30_001.0  # W2's lease ran out here: Redis lookups drop it too
+        assert summary(await ours.lookup(ns, keys)) == []
+        assert summary(ours.local_lookup(ns, keys)) == []
+    finally:
+        await other_client.aclose()
+
+
+async def test_a_write_that_failed_midway_stops_the_mirror_answering_for_its_worker(tmp_path):
+    """Redis may or may not have applied a batch whose reply never came: Route reads Redis."""
+    server = EmbeddedRedis(tmp_path)
+    client = aredis.Redis.from_url(server.start())
+    try:
+        d = await make_directory(client, W1)
+        ns = ns_for()
+        keys = chain(ns, 2)
+        await d.apply_events(W1, 1, inserts(ns, keys[:1]))
+        await d.lookup(ns, keys)
+        assert summary(d.local_lookup(ns, keys)) == [(W1, bytes([1]))]
+        server.stop()
+        with pytest.raises(REDIS_ERRORS):
+            await d.apply_events(W1, 2, inserts(ns, keys[1:], parent=keys[0], first_depth=2))
+        assert d.local_lookup(ns, keys) is None
+    finally:
+        server.stop()
+        await client.aclose()

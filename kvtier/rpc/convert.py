@@ -351,7 +351,9 @@ def from_proto_namespace_identity(
     msg: common_pb2.NamespaceIdentity, path: str = "namespace"
 ) -> NamespaceIdentity:
     for name in _IDENTITY_STRINGS:
-        _string(getattr(msg, name), _join(path, name), max_chars=MAX_IDENTITY_FIELD_CHARS)
+        value = getattr(msg, name)
+        if len(value) > MAX_IDENTITY_FIELD_CHARS:  # the path is built only for the error (Route's hot path)
+            _string(value, _join(path, name), max_chars=MAX_IDENTITY_FIELD_CHARS)
     _string(msg.model_id, _join(path, "model_id"), required=True)
     if not msg.kv_dtype:
         raise _invalid(_join(path, "kv_dtype"), f"must be set to one of {', '.join(KV_DTYPES)}")
