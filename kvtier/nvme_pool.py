@@ -1,22 +1,34 @@
 """The NVMe tier: fixed-size page slots in preallocated files (DESIGN §6, decision record 0002).
 
-Layout of ``<directory>/slots-NNN.kvt`` (every number little-endian)::
+Layout of ``<directory>/slots-NNN.kvt`` (format version 2; every number little-endian)::
 
-    offset 0                  file superblock (4096 B): magic, version, geometry, slot range
-    4096 + i * slot_bytes     slot i of this file:
-                                header   4096 B  (fields below, zero padded)
-                                payload  page_bytes rounded up to 4096, zero padded
+    offset 0                  file superblock (4096 B): magic, version, geometry, slot range,
+                              slots per group, record bytes
+    4096 + g * group_bytes    slot group g of this file:
+                                header block  4096 B: one record of 4096 / G bytes per slot
+                                G payloads    page_bytes rounded up to 4096 each, zero padded
 
-    header  0  magic "KVTSLOT\\0"   8  version u16      10 state u16        12 slot u32
+    record  0  magic "KVTSLOT\\0"   8  version u16      10 state u16        12 slot u32
            16  generation u64      24  payload_bytes u64                   32 payload_checksum u64
            40  algorithm u16       42  num_tokens u16  44 flags u32 (bit 0: has parent)
            48  page key 16 B       64  namespace digest 16 B               80 parent key 16 B
-           96  header crc32 over [0, 96) + tokens       128 tokens int32 × num_tokens
+           96  record crc32 over [0, 96) + tokens       128 tokens int32 x num_tokens
 
-Write protocol: one ``pwritev`` per run of consecutive slots carries header and payload
-together; the header is written COMPLETE with the payload's checksum. Nothing relies on
-the order in which the device persists sectors: a slot counts as recovered only if its
-header crc, its state and the checksum of its payload all agree, so a write torn by a
+G (slots per group) follows from the geometry: small pages share a header block, so a
+group's payloads are one contiguous extent (32 KiB pages: G = 8, 512-byte records, 1.6 %
+of the device bytes in headers where version 1 spent 12.5 %, and a run of slots reads as
+two iovec segments per 8 pages instead of two per page); pages of 256 KiB and more keep
+one 4096-byte header block each (G = 1). The last group of a file may be short.
+
+Write protocol: one ``pwritev`` per run of consecutive slots carries header blocks and
+payloads together; each record is written COMPLETE with the payload's checksum. A header
+block shared with slots outside the run is read, changed in the run's records only, and
+written back under that group's lock (a run that covers a whole group owns its block:
+no other writer touches those records), so unchanged records are rewritten byte for byte
+(records are whole 512-byte sectors or more: a sector torn by power loss holds records
+of the run only). Nothing relies on the order in which the device persists sectors: a
+slot counts as recovered only if its record crc, its state and the checksum of its
+payload all agree, so a write torn by a
 crash or power loss is discarded at recovery, and a read always verifies the payload
 anyway. With ``SyncPolicy.DATA`` each write call ends with ``fdatasync`` (acknowledged
 pages survive power loss; costs a device flush per call); the default ``NONE`` survives a
@@ -71,14 +83,17 @@ from kvtier.page_pool import PoolGeometry
 SlotId = NewType("SlotId", int)
 
 ALIGN = 4096
-HEADER_BYTES = ALIGN
-FORMAT_VERSION = 1
+HEADER_BYTES = ALIGN  # one header block: the records of one slot group
+FORMAT_VERSION = 2
 MAX_TOKENS_PER_SLOT = (HEADER_BYTES - 128) // 4
+MIN_RECORD_BYTES = 512  # a sector: a record is never split across two
+# Slots share a header block until a group's payloads reach this size (32 KiB pages: 8).
+GROUP_PAYLOAD_BYTES = 256 << 10
 DEFAULT_FILE_BYTES = 1 << 30
 _SLOT_MAGIC = b"KVTSLOT\0"
 _FILE_MAGIC = b"KVTFILE\0"
 _HEADER = struct.Struct("<8sHHIQQQHHI16s16s16s")  # 96 bytes, then crc32 at 96
-_SUPER = struct.Struct("<8sHHIIIQQIIII16s")
+_SUPER = struct.Struct("<8sHHIIIQQIIII16sII")
 _TOKENS_AT = 128
 _FILE_RE = re.compile(r"^slots-(\d{3,})\.kvt$")
 _NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
@@ -92,14 +107,19 @@ _HEADER_FIELDS = (
     ("algorithm", "<u2", 40), ("num_tokens", "<u2", 42), ("flags", "<u4", 44),
     ("key", "S16", 48), ("namespace", "S16", 64), ("parent", "S16", 80), ("crc", "<u4", _HEADER.size),
 )  # fmt: skip
-_HEADER_RECORD = np.dtype(
-    {
-        "names": [name for name, _, _ in _HEADER_FIELDS],
-        "formats": [fmt for _, fmt, _ in _HEADER_FIELDS],
-        "offsets": [at for _, _, at in _HEADER_FIELDS],
-        "itemsize": HEADER_BYTES,
-    }
-)
+
+
+def _record_dtype(record_bytes: int) -> np.dtype:
+    return np.dtype(
+        {
+            "names": [name for name, _, _ in _HEADER_FIELDS],
+            "formats": [fmt for _, fmt, _ in _HEADER_FIELDS],
+            "offsets": [at for _, _, at in _HEADER_FIELDS],
+            "itemsize": record_bytes,
+        }
+    )
+
+
 _MASK64 = (1 << 64) - 1
 _HUGE_FROM_BYTES = 1 << 20
 
@@ -180,12 +200,13 @@ class SlotHeader:
         return fixed + crc.to_bytes(4, "little") + bytes(_TOKENS_AT - _HEADER.size - 4) + tokens
 
     def encode_into(self, buf: memoryview) -> bytes:
-        """Write the header into a 4096-byte buffer; returns its significant bytes."""
-        if len(buf) != HEADER_BYTES:
-            raise ValueError(f"a slot header is encoded into {HEADER_BYTES} bytes, got {len(buf)}")
+        """Write the header into a record (``buf``: 512 to 4096 bytes, the rest zeroed);
+        returns its significant bytes."""
         encoded = self.encode()
+        if not len(encoded) <= len(buf) <= HEADER_BYTES:
+            raise ValueError(f"a {len(encoded)}-byte header does not fit a {len(buf)}-byte record")
         buf[: len(encoded)] = encoded
-        buf[len(encoded) :] = _ZERO_HEADER[len(encoded) :]
+        buf[len(encoded) :] = _ZERO_HEADER[len(encoded) : len(buf)]
         return encoded
 
     @classmethod
@@ -202,7 +223,7 @@ class SlotHeader:
             raise ValueError("bad magic")
         if version != FORMAT_VERSION:
             raise ValueError(f"format version {version}, this build reads {FORMAT_VERSION}")
-        if ntok > MAX_TOKENS_PER_SLOT:
+        if ntok > MAX_TOKENS_PER_SLOT or _TOKENS_AT + 4 * ntok > len(buf):
             raise ValueError("token count out of range")
         tokens = bytes(buf[_TOKENS_AT : _TOKENS_AT + 4 * ntok])
         stored = int.from_bytes(buf[_HEADER.size : _HEADER.size + 4], "little")
@@ -222,6 +243,12 @@ class SlotHeader:
             tokens=tuple(np.frombuffer(tokens, dtype="<i4").tolist()),
             algorithm=algo,
         )
+
+
+class SlotLocation(NamedTuple):
+    path: Path
+    record_offset: int  # the slot's header record (inside its group's header block)
+    payload_offset: int
 
 
 class RecoveredPage(NamedTuple):
@@ -265,8 +292,41 @@ class _Entry:
 _FREE, _RESERVED, _STORED, _RELEASING = 0, 1, 2, 3
 
 
+class GroupLayout(NamedTuple):
+    """How slots of one geometry sit on disk: ``slots_per_group`` records share a header block."""
+
+    slots_per_group: int
+    record_bytes: int
+    payload_bytes: int
+
+    @property
+    def group_bytes(self) -> int:
+        return HEADER_BYTES + self.slots_per_group * self.payload_bytes
+
+    @property
+    def max_tokens(self) -> int:
+        return min(MAX_TOKENS_PER_SLOT, (self.record_bytes - _TOKENS_AT) // 4)
+
+
+def group_layout(geometry: PoolGeometry) -> GroupLayout:
+    """Slots per header block for ``geometry``: as many as keep a group's payloads within
+    ``GROUP_PAYLOAD_BYTES``, while a record (a power of two, at least one sector) still holds
+    a full page of tokens."""
+    payload = _round_up(geometry.page_bytes, ALIGN)
+    record = MIN_RECORD_BYTES
+    while record < min(HEADER_BYTES, _TOKENS_AT + 4 * geometry.page_size):
+        record *= 2
+    group = 1
+    while group * 2 <= HEADER_BYTES // record and group * 2 * payload <= GROUP_PAYLOAD_BYTES:
+        group *= 2
+    return GroupLayout(group, HEADER_BYTES // group, payload)
+
+
 def slot_bytes_for(geometry: PoolGeometry) -> int:
-    return HEADER_BYTES + _round_up(geometry.page_bytes, ALIGN)
+    """Device bytes per slot: its payload and its share of a header block (a file's short last
+    group and the superblock add at most 8 KiB per file)."""
+    layout = group_layout(geometry)
+    return layout.payload_bytes + layout.record_bytes
 
 
 def slots_for_bytes(capacity_bytes: int, geometry: PoolGeometry) -> int:
@@ -295,9 +355,19 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+class _Pages(NamedTuple):
+    """Byte views of the pages of one call, and where they are adjacent in memory: with
+    ``whole`` (one tensor's bytes) page ``i`` is row ``rows[i]`` of it, so consecutive rows go
+    out as one iovec segment."""
+
+    views: list[memoryview]
+    whole: memoryview | None
+    rows: np.ndarray | None
+
+
 def _page_views(
     pages: torch.Tensor | Sequence[torch.Tensor], n: int, page_bytes: int, rows: np.ndarray | None = None
-) -> list[memoryview]:
+) -> _Pages:
     """Zero-copy byte views of ``n`` pages: one conversion for a tensor (a run ``[n, ...]``,
     or a pool ``[N, ...]`` whose pages ``rows`` are meant), slices of it per page."""
     if isinstance(pages, torch.Tensor):
@@ -307,20 +377,22 @@ def _page_views(
                 raise InvalidArgument(
                     f"{n} pages of {page_bytes} bytes expected, got a tensor of {len(whole)} bytes"
                 )
-            return [whole[i * page_bytes : (i + 1) * page_bytes] for i in range(n)]
+            views = [whole[i * page_bytes : (i + 1) * page_bytes] for i in range(n)]
+            return _Pages(views, whole, np.arange(n, dtype=np.int64))
         num_rows = pages.shape[0] if pages.dim() else 0
         if len(whole) != num_rows * page_bytes:
             raise InvalidArgument(f"a pool of {page_bytes}-byte pages expected, got {tuple(pages.shape)}")
         if len(rows) and not (0 <= int(rows.min()) and int(rows.max()) < num_rows):
             raise InvalidArgument(f"page rows out of range [0, {num_rows})", field="rows")
-        return [whole[r * page_bytes : (r + 1) * page_bytes] for r in rows.tolist()]
+        views = [whole[r * page_bytes : (r + 1) * page_bytes] for r in rows.tolist()]
+        return _Pages(views, whole, rows)
     if rows is not None:
         raise InvalidArgument("rows select pages of one pool tensor, got a list of pages", field="rows")
     views = [_byte_view(p) for p in pages]
     bad = [len(v) for v in views if len(v) != page_bytes]
     if bad:
         raise InvalidArgument(f"a page of {bad[0]} bytes, the pool's pages have {page_bytes}")
-    return views
+    return _Pages(views, None, None)
 
 
 class _HeaderFields(NamedTuple):
@@ -336,23 +408,24 @@ class _HeaderFields(NamedTuple):
 
 
 class _Scratch(threading.local):
-    """Per-thread aligned buffers for headers and bounce copies (grown, never shrunk)."""
+    """Per-thread aligned buffers for header blocks and bounce copies (grown, never shrunk)."""
 
-    def __init__(self) -> None:
+    def __init__(self, record_bytes: int) -> None:
+        self.record_bytes = record_bytes
         self.headers = _aligned_buffer(ALIGN)
         self.staging = _aligned_buffer(ALIGN)
         self.encoded = _aligned_buffer(ALIGN)
-        self.encoded_dirty = 0  # bytes at the start of each encoded header that may be non-zero
+        self.encoded_dirty = 0  # bytes at the start of each encoded record that may be non-zero
 
-    def encode_area(self, num_headers: int) -> tuple[memoryview, np.ndarray]:
-        """Headers to encode into, as bytes and as ``[num_headers, HEADER_BYTES]`` uint8, zero
+    def encode_area(self, num_records: int) -> tuple[memoryview, np.ndarray]:
+        """Records to encode into, as bytes and as ``[num_records, record_bytes]`` uint8, zero
         beyond the first ``encoded_dirty`` bytes of each (only encoders write here)."""
-        num_bytes = num_headers * HEADER_BYTES
+        num_bytes = num_records * self.record_bytes
         if len(self.encoded) < num_bytes:
             self.encoded = _aligned_buffer(num_bytes)  # anonymous maps start zeroed
             self.encoded_dirty = 0
         view = memoryview(self.encoded)[:num_bytes]
-        return view, np.frombuffer(self.encoded, dtype=np.uint8, count=num_bytes).reshape(num_headers, -1)
+        return view, np.frombuffer(self.encoded, dtype=np.uint8, count=num_bytes).reshape(num_records, -1)
 
     def header_area(self, num_bytes: int) -> memoryview:
         if len(self.headers) < num_bytes:
@@ -363,6 +436,19 @@ class _Scratch(threading.local):
         if len(self.staging) < num_bytes:
             self.staging = _aligned_buffer(num_bytes)
         return memoryview(self.staging)[:num_bytes]
+
+
+class _Span(NamedTuple):
+    """One run's slots ``[first, end)`` of one file, by local index, and the header blocks
+    they touch: ``groups`` (local group ids), which of them the run shares with other slots
+    (``shared``: read, changed and written back under the group's lock)."""
+
+    fd: int
+    file_index: int
+    first: int
+    end: int
+    groups: range
+    shared: tuple[int, ...]
 
 
 class NvmePool:
@@ -398,15 +484,33 @@ class NvmePool:
         self.num_slots = num_slots
         self.sync = sync
         self.page_bytes = geometry.page_bytes
-        self.payload_bytes = _round_up(self.page_bytes, ALIGN)
-        self.slot_bytes = HEADER_BYTES + self.payload_bytes
+        self.layout = layout = group_layout(geometry)
+        self.payload_bytes = layout.payload_bytes
+        self.slots_per_group = layout.slots_per_group
+        self.record_bytes = layout.record_bytes
+        self.group_bytes = layout.group_bytes
+        self.max_tokens_per_slot = layout.max_tokens
+        self.slot_bytes = slot_bytes_for(geometry)
         self.slots_per_file = slots_per_file or max(1, min(num_slots, DEFAULT_FILE_BYTES // self.slot_bytes))
-        self.max_slots_per_io = max(1, min(_IOV_MAX // 3, round(max_io_bytes / self.slot_bytes)))
+        # Whole groups per call where possible; iovecs: a header block per group, a payload
+        # and a pad per slot at most.
+        per_io = min(max(1, max_io_bytes // self.payload_bytes), _IOV_MAX // 3)
+        self.max_slots_per_io = max(1, per_io - per_io % self.slots_per_group or per_io)
+        self._record = _record_dtype(self.record_bytes)
+        # Striped locks for header blocks shared between runs (see _Span.shared).
+        self._group_locks = [threading.Lock() for _ in range(64)]
         self._verify_on_recover = verify_payload_on_recover
         self._lock = threading.Lock()
-        self._scratch = _Scratch()
+        self._scratch = _Scratch(self.record_bytes)
         self._zero_pad = _aligned_buffer(self.payload_bytes - self.page_bytes or ALIGN)
         self._state = [_FREE] * num_slots
+        # What each stored slot's record must say (arrays, so a read checks a run of records
+        # and payload checksums in a few whole-array operations): generation, payload checksum
+        # and record crc, valid where _is_stored.
+        self._is_stored = np.zeros(num_slots, dtype=bool)
+        self._expect_generation = np.zeros(num_slots, dtype=np.uint64)
+        self._expect_checksum = np.zeros(num_slots, dtype=np.uint64)
+        self._expect_crc = np.zeros(num_slots, dtype=np.uint32)
         self._entries: dict[SlotId, _Entry] = {}
         self._by_key: dict[tuple[bytes, bytes], SlotId] = {}
         self._free: list[SlotId] = []
@@ -446,6 +550,8 @@ class NvmePool:
             g.head_dim,
             g.page_size,
             str(g.dtype).removeprefix("torch.").encode()[:16],
+            self.slots_per_group,
+            self.record_bytes,
         )
         return body + zlib.crc32(body).to_bytes(4, "little")
 
@@ -486,8 +592,7 @@ class NvmePool:
 
     def _open_one(self, path: Path, index: int, *, fresh: bool, created: list[Path]) -> int:
         expected = self._superblock(index)
-        first = index * self.slots_per_file
-        file_bytes = ALIGN + min(self.slots_per_file, self.num_slots - first) * self.slot_bytes
+        file_bytes = self.file_bytes(index)
         if fresh:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             created.append(path)
@@ -501,6 +606,14 @@ class NvmePool:
             return fd
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         found = os.pread(fd, len(expected), 0)
+        if found[:8] == _FILE_MAGIC and found[8:10] != expected[8:10]:
+            os.close(fd)
+            version = int.from_bytes(found[8:10], "little")
+            raise ConfigError(
+                f"{path} has slot format version {version}, this build reads {FORMAT_VERSION}; point "
+                "nvme.dir at an empty directory or delete its slot files (their pages are recomputed)",
+                field="nvme.dir",
+            )
         if found != expected:
             os.close(fd)
             raise ConfigError(
@@ -578,9 +691,43 @@ class NvmePool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _locate(self, slot: int) -> tuple[int, int]:
-        index, i = divmod(slot, self.slots_per_file)
-        return self._fds[index], ALIGN + i * self.slot_bytes
+    def slots_in_file(self, index: int) -> int:
+        return min(self.slots_per_file, self.num_slots - index * self.slots_per_file)
+
+    def file_bytes(self, index: int) -> int:
+        """Size of slot file ``index``: superblock, whole groups, and a short last group."""
+        n = self.slots_in_file(index)
+        full, rest = divmod(n, self.slots_per_group)
+        return ALIGN + full * self.group_bytes + (HEADER_BYTES + rest * self.payload_bytes if rest else 0)
+
+    def _header_offset(self, i: int) -> int:
+        """File offset of the header block of local slot ``i``'s group."""
+        return ALIGN + (i // self.slots_per_group) * self.group_bytes
+
+    def _payload_offset(self, i: int) -> int:
+        g, j = divmod(i, self.slots_per_group)
+        return ALIGN + g * self.group_bytes + HEADER_BYTES + j * self.payload_bytes
+
+    def locate(self, slot: SlotId | int) -> SlotLocation:
+        """Where ``slot``'s record and payload are on disk (for tools and fault tests)."""
+        index, i = divmod(int(slot), self.slots_per_file)
+        record_at = self._header_offset(i) + (i % self.slots_per_group) * self.record_bytes
+        return SlotLocation(self._file_path(index), record_at, self._payload_offset(i))
+
+    def _span(self, first_slot: int, num_slots: int) -> _Span:
+        index, first = divmod(first_slot, self.slots_per_file)
+        end = first + num_slots
+        assert end <= self.slots_in_file(index), "a run never crosses a file boundary"
+        g_size, n_file = self.slots_per_group, self.slots_in_file(index)
+        groups = range(first // g_size, (end - 1) // g_size + 1)
+        shared = tuple(
+            g for g in (groups[0], groups[-1]) if first > g * g_size or end < min(n_file, (g + 1) * g_size)
+        )
+        return _Span(self._fds[index], index, first, end, groups, tuple(sorted(set(shared))))
+
+    def _locks_for(self, file_index: int, groups: Sequence[int]) -> list[threading.Lock]:
+        stripes = {(file_index * 7919 + g) % len(self._group_locks) for g in groups}
+        return [self._group_locks[i] for i in sorted(stripes)]
 
     # ---- allocation -------------------------------------------------------------------
     @property
@@ -639,6 +786,7 @@ class NvmePool:
             entry = self._entries.pop(slot, None)
             if entry is not None:
                 del self._by_key[(entry.key, entry.namespace)]
+                self._is_stored[slot] = False
             if entry is not None or slot in self._stale:
                 self._stale.discard(slot)
                 self._state[slot] = _RELEASING
@@ -652,8 +800,8 @@ class NvmePool:
         with self._lock:
             batch, self._releasing = self._releasing, []
             generations = [self._take_generation() for _ in batch]
-        for slot, generation in zip(batch, generations, strict=True):
-            self._invalidate(slot, generation)
+        if batch:
+            self._invalidate(batch, generations)
         with self._lock:
             for slot in batch:
                 self._state[slot] = _FREE
@@ -680,10 +828,9 @@ class NvmePool:
 
     def stored_mask(self, slots: Sequence[int] | np.ndarray) -> np.ndarray:
         """Whether each slot holds a page (``entry`` is not None), under one lock."""
-        ids = np.asarray(slots, dtype=np.int64).tolist()
+        ids = np.asarray(slots, dtype=np.int64)
         with self._lock:
-            entries = self._entries
-            return np.fromiter((s in entries for s in ids), dtype=bool, count=len(ids))
+            return self._is_stored[ids]
 
     def lookup(self, key: PageKey, namespace: NamespaceDigest) -> SlotId | None:
         with self._lock:
@@ -694,18 +841,31 @@ class NvmePool:
         self._next_generation += 1
         return g
 
-    def _invalidate(self, slot: int, generation: int) -> None:
-        buf = self._scratch.header_area(HEADER_BYTES)
-        SlotHeader(slot, SlotState.FREE, generation, 0, 0, bytes(KEY_BYTES), bytes(KEY_BYTES)).encode_into(
-            buf
-        )
-        fd, offset = self._locate(slot)
-        try:
-            os.pwritev(fd, [buf], offset)
-        except OSError:
-            # Best effort: a stale COMPLETE header only brings back a verified, content-
-            # addressed page at the next start, never wrong bytes.
-            pass
+    def _invalidate(self, slots: Sequence[int], generations: Sequence[int]) -> None:
+        """Rewrite the records of ``slots`` FREE, one read-change-write per header block."""
+        by_block: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        g_size = self.slots_per_group
+        for slot, generation in zip(slots, generations, strict=True):
+            index, i = divmod(int(slot), self.slots_per_file)
+            by_block.setdefault((index, i // g_size), []).append((int(slot), i % g_size, int(generation)))
+        block = self._scratch.header_area(HEADER_BYTES)
+        zero = bytes(KEY_BYTES)
+        r = self.record_bytes
+        for (index, group), items in sorted(by_block.items()):
+            offset = ALIGN + group * self.group_bytes
+            (lock,) = self._locks_for(index, [group])
+            with lock:
+                try:
+                    if g_size > 1 and _preadv_all(self._fds[index], [block], offset) < HEADER_BYTES:
+                        block[:] = _ZERO_HEADER
+                    for slot, j, generation in items:
+                        header = SlotHeader(slot, SlotState.FREE, generation, 0, 0, zero, zero)
+                        header.encode_into(block[j * r : (j + 1) * r])
+                    os.pwritev(self._fds[index], [block], offset)
+                except OSError:
+                    # Best effort: a stale COMPLETE record only brings back a verified,
+                    # content-addressed page at the next start, never wrong bytes.
+                    pass
 
     # ---- I/O --------------------------------------------------------------------------
     def _runs(self, slots: Sequence[int] | np.ndarray) -> list[np.ndarray]:
@@ -714,12 +874,11 @@ class NvmePool:
         ids = np.asarray(slots, dtype=np.int64)
         order = np.argsort(ids, kind="stable")
         ordered = ids[order]
-        breaks = (np.diff(ordered) != 1) | (ordered[1:] % self.slots_per_file == 0)
-        runs: list[np.ndarray] = []
-        limit = self.max_slots_per_io
-        for segment in np.split(order, np.flatnonzero(breaks) + 1):
-            runs.extend(segment[c : c + limit] for c in range(0, len(segment), limit))
-        return runs
+        # Cut at file boundaries and at multiples of max_slots_per_io (a multiple of the
+        # group size, so the calls of one long run share no header block).
+        local = ordered[1:] % self.slots_per_file
+        breaks = (np.diff(ordered) != 1) | (local == 0) | (local % self.max_slots_per_io == 0)
+        return np.split(order, np.flatnonzero(breaks) + 1)
 
     def _can_target(
         self, pages: torch.Tensor | Sequence[torch.Tensor], run: Sequence[int], rows: np.ndarray | None
@@ -770,9 +929,11 @@ class NvmePool:
                 raise InvalidArgument(f"write_pages: {n} slots but {len(seq)} {name}", field=name)
         if tokens is not None:
             longest = max((len(t) for t in tokens), default=0)
-            if longest > MAX_TOKENS_PER_SLOT:
+            if longest > self.max_tokens_per_slot:
                 raise InvalidArgument(
-                    f"a slot header holds at most {MAX_TOKENS_PER_SLOT} tokens, got {longest}", field="tokens"
+                    f"a slot record of this geometry holds at most {self.max_tokens_per_slot} tokens, "
+                    f"got {longest}",
+                    field="tokens",
                 )
         if isinstance(checksums, np.ndarray) and checksums.dtype in (np.uint64, np.int64):
             sums = checksums.astype(np.int64, copy=False).view(np.uint64)
@@ -789,28 +950,29 @@ class NvmePool:
             first_generation = self._next_generation
             self._next_generation += n
         generations = np.arange(first_generation, first_generation + n, dtype=np.uint64)
-        views = _page_views(pages, n, self.page_bytes, row_ids)
+        source = _page_views(pages, n, self.page_bytes, row_ids)
         fields = _HeaderFields(slot_ids, generations, sums, keys, namespaces, parents, tokens)
         written = 0
         encoded: list[bytes] = [b""] * n
+        crcs = np.zeros(n, dtype=np.uint32)
         touched: set[int] = set()
         try:
             for run in self._runs(slot_ids):
-                fd, offset = self._locate(int(slot_ids[run[0]]))
+                span = self._span(int(slot_ids[run[0]]), len(run))
                 direct = self._can_target(pages, run, row_ids)
-                run_headers = self._write_run(fd, offset, fields, run, [views[i] for i in run], direct)
+                run_headers, run_crcs = self._write_run(span, fields, run, source, direct)
+                crcs[run] = run_crcs
                 for i, h in zip(run.tolist(), run_headers, strict=True):
                     encoded[i] = h
                 written += len(run)
-                touched.add(fd)
+                touched.add(span.fd)
             if self.sync is SyncPolicy.DATA:
                 for fd in touched:
                     os.fdatasync(fd)
         except OSError as exc:
             # The failing run may have landed in part (a short write): mark every slot of
             # the call FREE on disk so none of it comes back at the next start.
-            for s, g in zip(slot_ids.tolist(), generations.tolist(), strict=True):
-                self._invalidate(s, g)
+            self._invalidate(slot_ids.tolist(), generations.tolist())
             with self._lock:
                 for s in slot_ids.tolist():
                     self._state[s] = _FREE
@@ -824,6 +986,10 @@ class NvmePool:
                 ) from exc
             raise NvmeIOError(f"NVMe write failed ({exc}); {where}") from exc
         with self._lock:
+            self._is_stored[slot_ids] = True
+            self._expect_generation[slot_ids] = generations
+            self._expect_checksum[slot_ids] = sums
+            self._expect_crc[slot_ids] = crcs
             columns = zip(slot_ids.tolist(), generations.tolist(), sums.tolist(), strict=True)
             for i, (s, g, c) in enumerate(columns):
                 self._stale.discard(SlotId(s))
@@ -832,40 +998,98 @@ class NvmePool:
                 self._by_key[(keys[i], namespaces[i])] = SlotId(s)
 
     def _write_run(
-        self,
-        fd: int,
-        offset: int,
-        fields: _HeaderFields,
-        run: np.ndarray,
-        views: list[memoryview],
-        direct: bool,
-    ) -> list[bytes]:
-        """Write one run of slots; returns each header's significant bytes."""
+        self, span: _Span, fields: _HeaderFields, run: np.ndarray, source: _Pages, direct: bool
+    ) -> tuple[list[bytes], np.ndarray]:
+        """Write one run of slots (header blocks and payloads, one ``pwritev``, plus the
+        header block before the run's first payload when the run starts inside a group);
+        returns each record's significant bytes and crc."""
         k = len(run)
-        hdr, encoded = self._encode_headers(fields, run)
-        iov: list[memoryview] = []
-        staging = None
-        if not direct:
-            staging = self._scratch.staging_area(k * self.payload_bytes)
-        pad = memoryview(self._zero_pad)[: self.payload_bytes - self.page_bytes]
-        for j, v in enumerate(views):
-            iov.append(hdr[j * HEADER_BYTES : (j + 1) * HEADER_BYTES])
+        g_size, r_bytes, p_bytes = self.slots_per_group, self.record_bytes, self.payload_bytes
+        table, encoded = self._encode_headers(fields, run)
+        crcs = table.reshape(-1).view(self._record)["crc"].copy()
+        num_groups = len(span.groups)
+        blocks = self._scratch.header_area(num_groups * HEADER_BYTES)
+        records = np.frombuffer(blocks, dtype=np.uint8).reshape(num_groups * g_size, r_bytes)
+        base = span.groups[0] * g_size
+        lead = span.first % g_size != 0  # the first group's block sits before slots not ours
+        pad = memoryview(self._zero_pad)[: p_bytes - self.page_bytes]
+        staging = None if direct else self._scratch.staging_area(k * p_bytes)
+        positions = run.tolist()
+        locks = self._locks_for(span.file_index, span.shared)
+        for lock in locks:
+            lock.acquire()
+        try:
+            for gi, g in enumerate(span.groups):
+                block = blocks[gi * HEADER_BYTES : (gi + 1) * HEADER_BYTES]
+                offset = ALIGN + g * self.group_bytes
+                if g not in span.shared or _preadv_all(span.fd, [block], offset) < HEADER_BYTES:
+                    records[gi * g_size : (gi + 1) * g_size] = 0
+            records[span.first - base : span.end - base] = table
             if staging is not None:
-                area = staging[j * self.payload_bytes : (j + 1) * self.payload_bytes]
-                area[: self.page_bytes] = v
-                area[self.page_bytes :] = pad
-                iov.append(area)
+                for j, i in enumerate(positions):
+                    area = staging[j * p_bytes : (j + 1) * p_bytes]
+                    area[: self.page_bytes] = source.views[i]
+                    area[self.page_bytes :] = pad
+            iov = self._run_iov(span, positions, source, blocks, staging, pad)
+            start = self._payload_offset(span.first) if lead else self._header_offset(span.first)
+            _pwritev_all(span.fd, iov, start)
+            if lead:
+                _pwritev_all(span.fd, [blocks[:HEADER_BYTES]], self._header_offset(span.first))
+        finally:
+            for lock in reversed(locks):
+                lock.release()
+        return encoded, crcs
+
+    def _run_iov(
+        self,
+        span: _Span,
+        positions: list[int],
+        source: _Pages,
+        blocks: memoryview,
+        staging: memoryview | None,
+        pad: memoryview,
+    ) -> list[memoryview]:
+        """The iovecs of one run from its first header block (or, when the run starts inside a
+        group, its first payload) on: each group's block, then its payloads, merged into
+        one segment where the pages are consecutive rows of one tensor (``pad`` after each
+        page whose size is not a multiple of 4096; ``staging`` instead of the pages when
+        the run bounces)."""
+        g_size, p_bytes, page_bytes = self.slots_per_group, self.payload_bytes, self.page_bytes
+        first, k = span.first, len(positions)
+        local = np.arange(first, first + k)
+        # Segments start at every group start (a header block goes before them) and, for
+        # pages taken from a tensor, wherever the rows stop being consecutive.
+        starts_group = local % g_size == 0
+        if staging is None and not len(pad) and source.rows is not None:
+            rows = source.rows[positions]
+            breaks = starts_group[1:] | (np.diff(rows) != 1)
+        else:
+            rows = None
+            breaks = starts_group[1:] if staging is not None else np.ones(k - 1, dtype=bool)
+        cuts = [0, *(np.flatnonzero(breaks) + 1).tolist(), k]
+        group_starts = starts_group[cuts[:-1]].tolist()
+        base_group = span.groups[0]
+        iov: list[memoryview] = []
+        for a, b, at_group in zip(cuts[:-1], cuts[1:], group_starts, strict=True):
+            if at_group:
+                gi = (first + a) // g_size - base_group
+                iov.append(blocks[gi * HEADER_BYTES : (gi + 1) * HEADER_BYTES])
+            if staging is not None:
+                iov.append(staging[a * p_bytes : b * p_bytes])
+            elif rows is not None:
+                assert source.whole is not None
+                r0 = int(rows[a])
+                iov.append(source.whole[r0 * page_bytes : (r0 + b - a) * page_bytes])
             else:
-                iov.append(v)
+                iov.append(source.views[positions[a]])
                 if len(pad):
                     iov.append(pad)
-        _pwritev_all(fd, iov, offset)
-        return encoded
+        return iov
 
-    def _encode_headers(self, f: _HeaderFields, run: np.ndarray) -> tuple[memoryview, list[bytes]]:
-        """COMPLETE headers for the slots at positions ``run``, byte for byte what
-        ``SlotHeader.encode_into`` writes, in the thread's encode area; returns the area and
-        each header's significant bytes."""
+    def _encode_headers(self, f: _HeaderFields, run: np.ndarray) -> tuple[np.ndarray, list[bytes]]:
+        """COMPLETE records for the slots at positions ``run``, byte for byte what
+        ``SlotHeader.encode_into`` writes, in the thread's encode area; returns the area as
+        ``[k, record_bytes]`` uint8 and each record's significant bytes."""
         k = len(run)
         scratch = self._scratch
         area, table = scratch.encode_area(k)
@@ -879,7 +1103,7 @@ class NvmePool:
         dirty = max(scratch.encoded_dirty, int(significant.max()))
         table[:, :dirty] = 0
         scratch.encoded_dirty = dirty
-        rec = table.reshape(-1).view(_HEADER_RECORD)
+        rec = table.reshape(-1).view(self._record)
         rec["magic"] = _SLOT_MAGIC
         rec["version"] = FORMAT_VERSION
         rec["state"] = int(SlotState.COMPLETE)
@@ -904,20 +1128,21 @@ class NvmePool:
                 for j, t in enumerate(token_rows):
                     ints[j, first : first + len(t)] = np.asarray(t, dtype="<i4")
         crcs = np.empty(k, dtype=np.uint32)
+        r = self.record_bytes
+        ends = significant.tolist()
         for j in range(k):
-            base = j * HEADER_BYTES
+            base = j * r
             fixed = zlib.crc32(area[base : base + _HEADER.size])
-            crcs[j] = zlib.crc32(area[base + _TOKENS_AT : base + int(significant[j])], fixed)
+            crcs[j] = zlib.crc32(area[base + _TOKENS_AT : base + ends[j]], fixed)
         rec["crc"] = crcs
-        encoded = [bytes(area[j * HEADER_BYTES : j * HEADER_BYTES + int(significant[j])]) for j in range(k)]
-        return area, encoded
+        encoded = [bytes(area[j * r : j * r + ends[j]]) for j in range(k)]
+        return table, encoded
 
     def stored_checksums(self, slots: Sequence[SlotId] | np.ndarray) -> np.ndarray:
         """The checksums (uint64) stored with ``slots``, 0 for a slot that holds no page."""
-        ids = np.asarray(slots, dtype=np.int64).tolist()
+        ids = np.asarray(slots, dtype=np.int64)
         with self._lock:
-            entries = [self._entries.get(SlotId(s)) for s in ids]
-        return np.array([e.checksum if e else 0 for e in entries], dtype=np.uint64)
+            return np.where(self._is_stored[ids], self._expect_checksum[ids], np.uint64(0))
 
     def read_pages(
         self, slots: Sequence[SlotId], out: torch.Tensor | Sequence[torch.Tensor]
@@ -933,64 +1158,88 @@ class NvmePool:
             raise InvalidArgument(f"read_pages: {n} slots but {len(out)} output pages", field="out")
         slot_ids = np.asarray(slots, dtype=np.int64)
         with self._lock:
-            entries = []
-            for s in slot_ids.tolist():
-                e = self._entries.get(SlotId(s))
-                if e is None:
-                    raise InvalidArgument(f"read_pages: nvme slot {s} holds no page")
-                entries.append(e)
-        views = _page_views(out, n, self.page_bytes)
-        verdicts: list[SlotVerdict | None] = [None] * n
+            stored = self._is_stored[slot_ids]
+            if not stored.all():
+                raise InvalidArgument(f"read_pages: nvme slot {int(slot_ids[~stored][0])} holds no page")
+            generations = self._expect_generation[slot_ids]
+            checksums = self._expect_checksum[slot_ids]
+            crcs = self._expect_crc[slot_ids]
+        source = _page_views(out, n, self.page_bytes)
+        header_ok = np.zeros(n, dtype=bool)
+        suspects: list[tuple[int, memoryview | None]] = []  # (position, record) to look at closely
         for run in self._runs(slot_ids):
             positions = run.tolist()
-            fd, offset = self._locate(int(slot_ids[positions[0]]))
+            span = self._span(int(slot_ids[positions[0]]), len(positions))
             direct = self._can_target(out, positions, None)
-            got = self._read_run(fd, offset, [views[i] for i in positions], direct)
-            for j, i in enumerate(positions):
-                verdicts[i] = _check_header(got[j], int(slot_ids[i]), entries[i], self.page_bytes)
+            records, complete = self._read_run(span, positions, source, direct)
+            # The fast path: the record is the one this pool wrote (same slot, generation,
+            # checksum and crc over all its significant bytes).
+            rec = records.reshape(-1).view(self._record)
+            ok = (
+                complete
+                & (rec["magic"] == _SLOT_MAGIC)
+                & (rec["version"] == FORMAT_VERSION)
+                & (rec["state"] == int(SlotState.COMPLETE))
+                & (rec["slot"] == slot_ids[run])
+                & (rec["generation"] == generations[run])
+                & (rec["checksum"] == checksums[run])
+                & (rec["crc"] == crcs[run])
+            )
+            header_ok[run] = ok
+            for j in np.flatnonzero(~ok).tolist():
+                suspects.append((positions[j], memoryview(records[j]) if complete[j] else None))
         # Verify the bytes where they landed (after any bounce copy): end to end.
         if isinstance(out, torch.Tensor):
-            sums = page_copy.checksums(out).numpy().view(np.uint64).tolist()
+            sums = page_copy.checksums(out).numpy().view(np.uint64)
         else:
-            sums = [to_unsigned(int(page_checksums(t.reshape(1, -1))[0])) for t in out]
-        result: list[SlotVerdict] = []
-        for i in range(n):
-            v = verdicts[i]
-            if v is SlotVerdict.OK and sums[i] != entries[i].checksum:
-                v = SlotVerdict.CHECKSUM_MISMATCH
-            assert v is not None
-            result.append(v)
+            sums = np.array([to_unsigned(int(page_checksums(t.reshape(1, -1))[0])) for t in out], np.uint64)
+        payload_ok = sums == checksums
+        if header_ok.all() and payload_ok.all():
+            return [SlotVerdict.OK] * n
+        result = [SlotVerdict.OK if p else SlotVerdict.CHECKSUM_MISMATCH for p in payload_ok.tolist()]
+        with self._lock:
+            entries = {i: self._entries.get(SlotId(int(slot_ids[i]))) for i, _ in suspects}
+        for i, raw in suspects:
+            entry = entries[i]
+            verdict = (
+                SlotVerdict.WRONG_PAGE
+                if entry is None
+                else _check_header(raw, int(slot_ids[i]), entry, self.page_bytes)
+            )
+            if verdict is not SlotVerdict.OK:
+                result[i] = verdict
         return result
 
     def _read_run(
-        self, fd: int, offset: int, views: list[memoryview], direct: bool
-    ) -> list[memoryview | None]:
-        """Read one run; returns each slot's header bytes, or None where the file ended."""
-        k = len(views)
-        hdr = self._scratch.header_area(k * HEADER_BYTES)
-        staging = None
-        if not direct:
-            staging = self._scratch.staging_area(k * self.payload_bytes)
-        sink = self._scratch.staging_area(self.payload_bytes) if staging is None else None
-        iov: list[memoryview] = []
-        for j, v in enumerate(views):
-            iov.append(hdr[j * HEADER_BYTES : (j + 1) * HEADER_BYTES])
-            if staging is not None:
-                iov.append(staging[j * self.payload_bytes : (j + 1) * self.payload_bytes])
-            else:
-                iov.append(v)
-                if self.payload_bytes > self.page_bytes:
-                    assert sink is not None
-                    iov.append(sink[: self.payload_bytes - self.page_bytes])
-        num_read = _preadv_all(fd, iov, offset)
-        result: list[memoryview | None] = []
-        for j, v in enumerate(views):
-            complete = num_read >= (j + 1) * self.slot_bytes
-            if staging is not None and complete:
-                start = j * self.payload_bytes
-                v[:] = staging[start : start + self.page_bytes]
-            result.append(hdr[j * HEADER_BYTES : (j + 1) * HEADER_BYTES] if complete else None)
-        return result
+        self, span: _Span, positions: list[int], source: _Pages, direct: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Read one run (its header blocks and payloads in one ``preadv``, plus the block
+        before the first payload when the run starts inside a group); returns the run's
+        records (``[k, record_bytes]`` uint8, a copy) and which slots were read in full (the
+        file may end early)."""
+        k = len(positions)
+        g_size, r_bytes, p_bytes = self.slots_per_group, self.record_bytes, self.payload_bytes
+        blocks = self._scratch.header_area(len(span.groups) * HEADER_BYTES)
+        lead = span.first % g_size != 0
+        staging = None if direct else self._scratch.staging_area(k * p_bytes)
+        sink = self._scratch.staging_area(p_bytes) if staging is None else None
+        pad = (sink or memoryview(b""))[: p_bytes - self.page_bytes]
+        iov = self._run_iov(span, positions, source, blocks, staging, pad)
+        start = self._payload_offset(span.first) if lead else self._header_offset(span.first)
+        num_read = _preadv_all(span.fd, iov, start)
+        lead_ok = True
+        if lead:
+            got = _preadv_all(span.fd, [blocks[:HEADER_BYTES]], self._header_offset(span.first))
+            lead_ok = got == HEADER_BYTES
+        local = np.arange(span.first, span.end)
+        ends = ALIGN + (local // g_size) * self.group_bytes + HEADER_BYTES + (local % g_size + 1) * p_bytes
+        complete = (ends - start <= num_read) & lead_ok
+        if staging is not None:
+            for j in np.flatnonzero(complete).tolist():
+                source.views[positions[j]][:] = staging[j * p_bytes : j * p_bytes + self.page_bytes]
+        base = span.groups[0] * g_size
+        records = np.frombuffer(blocks, dtype=np.uint8).reshape(-1, r_bytes)[local - base]  # a copy
+        return records, complete
 
     # ---- recovery ---------------------------------------------------------------------
     def recover(self) -> RecoveryReport:
@@ -1005,23 +1254,22 @@ class NvmePool:
             if any(s == _RESERVED for s in self._state):
                 raise FailedPrecondition("recover() while slots are reserved (a write may be in flight)")
             self._state = [_FREE] * self.num_slots
+            self._is_stored[:] = False
             self._entries.clear()
             self._by_key.clear()
         report = RecoveryReport()
         best: dict[tuple[bytes, bytes], tuple[SlotId, SlotHeader]] = {}
         bad: list[SlotId] = []
         max_generation = 0
-        chunk = self.max_slots_per_io
-        buf = _aligned_buffer(chunk * self.slot_bytes)  # freed with the last reference
+        chunk = self.max_slots_per_io  # a multiple of the group size: chunks hold whole groups
+        buf = _aligned_buffer(self._span_bytes(chunk))  # freed with the last reference
         starts = [
             start
             for first in range(0, self.num_slots, self.slots_per_file)
             for start in range(first, min(self.num_slots, first + self.slots_per_file), chunk)
         ]
         for start in starts:
-            end = min(
-                self.num_slots, start + chunk, (start // self.slots_per_file + 1) * self.slots_per_file
-            )
+            end = min(self.num_slots, start + chunk, (start // self.slots_per_file + 1) * self.slots_per_file)
             for slot, header, reason in self._scan(list(range(start, end)), buf):
                 if header is not None:
                     max_generation = max(max_generation, header.generation)
@@ -1045,9 +1293,14 @@ class NvmePool:
             self._next_generation = max(self._next_generation, max_generation + 1)
             for (key, ns), (slot, h) in sorted(best.items(), key=lambda kv: kv[1][0]):
                 self._state[slot] = _STORED
+                encoded = h.encode()
                 self._entries[slot] = _Entry(
-                    PageKey(key), NamespaceDigest(ns), h.payload_checksum, h.generation, h.encode()
+                    PageKey(key), NamespaceDigest(ns), h.payload_checksum, h.generation, encoded
                 )
+                self._is_stored[slot] = True
+                self._expect_generation[slot] = h.generation
+                self._expect_checksum[slot] = h.payload_checksum
+                self._expect_crc[slot] = int.from_bytes(encoded[_HEADER.size : _HEADER.size + 4], "little")
                 self._by_key[(key, ns)] = slot
                 report.recovered.append(
                     RecoveredPage(
@@ -1063,31 +1316,42 @@ class NvmePool:
             self._free = [SlotId(s) for s in range(self.num_slots) if self._state[s] == _FREE]
             heapq.heapify(self._free)
             generations = [self._take_generation() for _ in bad]
-        for slot, g in zip(bad, generations, strict=True):
-            self._invalidate(slot, g)
+        if bad:
+            self._invalidate(bad, generations)
         report.discarded.sort()
         return report
 
+    def _span_bytes(self, num_slots: int) -> int:
+        """Bytes from the header block of a group-aligned slot to the end of the payload
+        ``num_slots`` slots later."""
+        return self._payload_offset(num_slots - 1) + self.payload_bytes - ALIGN
+
     def _scan(self, slots: list[int], buf: memoryview) -> list[tuple[int, SlotHeader | None, str | None]]:
-        fd, offset = self._locate(slots[0])
-        view = memoryview(buf)[: len(slots) * self.slot_bytes]
+        """Decode and verify group-aligned consecutive ``slots`` of one file."""
+        span = self._span(slots[0], len(slots))
+        g_size, r_bytes, p_bytes = self.slots_per_group, self.record_bytes, self.payload_bytes
+        start = self._header_offset(span.first)
+        view = memoryview(buf)[: self._span_bytes(len(slots))]
         if self._verify_on_recover:
-            num_read = _preadv_all(fd, [view], offset)
-            complete = [num_read >= (j + 1) * self.slot_bytes for j in range(len(slots))]
+            num_read = _preadv_all(span.fd, [view], start)
+            complete = [
+                self._payload_offset(span.first + j) + p_bytes - start <= num_read for j in range(len(slots))
+            ]
         else:
             complete = []
-            for j in range(len(slots)):
-                part = view[j * self.slot_bytes : j * self.slot_bytes + HEADER_BYTES]
-                complete.append(_preadv_all(fd, [part], offset + j * self.slot_bytes) == HEADER_BYTES)
+            for g in span.groups:
+                at = (g - span.groups[0]) * self.group_bytes
+                got = _preadv_all(span.fd, [view[at : at + HEADER_BYTES]], start + at)
+                complete.extend([got == HEADER_BYTES] * min(g_size, span.end - g * g_size))
         out: list[tuple[int, SlotHeader | None, str | None]] = []
         payloads: list[int] = []
         for j, slot in enumerate(slots):
-            base = j * self.slot_bytes
             if not complete[j]:
                 out.append((slot, None, SlotVerdict.SHORT_READ.value))
                 continue
+            at = (j // g_size) * self.group_bytes + (j % g_size) * r_bytes
             try:
-                header = SlotHeader.decode(view[base : base + HEADER_BYTES])
+                header = SlotHeader.decode(view[at : at + r_bytes])
             except ValueError as exc:
                 out.append((slot, None, f"{SlotVerdict.HEADER_CORRUPT.value}: {exc}"))
                 continue
@@ -1101,15 +1365,21 @@ class NvmePool:
                     payloads.append(j)
             out.append((slot, header, reason))
         if payloads:
-            pages = torch.frombuffer(buf, dtype=torch.uint8, count=len(slots) * self.slot_bytes)
-            pages = pages.view(len(slots), self.slot_bytes)[:, HEADER_BYTES : HEADER_BYTES + self.page_bytes]
-            sums = page_checksums(pages[payloads]).tolist()
+            whole = torch.frombuffer(buf, dtype=torch.uint8, count=len(view))
+            sums: list[int] = []
+            for g0 in range(0, len(slots), g_size):
+                picked = [j - g0 for j in payloads if g0 <= j < g0 + g_size]
+                if picked:
+                    at = (g0 // g_size) * self.group_bytes + HEADER_BYTES
+                    n_group = min(g_size, len(slots) - g0)
+                    pages = whole[at : at + n_group * p_bytes].view(n_group, p_bytes)[:, : self.page_bytes]
+                    sums.extend(page_checksums(pages[picked]).tolist())
             for j, value in zip(payloads, sums, strict=True):
                 slot, header, _ = out[j]
                 assert header is not None
                 if to_unsigned(value) != header.payload_checksum:
                     out[j] = (slot, header, SlotVerdict.CHECKSUM_MISMATCH.value)
-            del pages
+            del whole
         return out
 
     # ---- integrity --------------------------------------------------------------------
@@ -1135,6 +1405,8 @@ class NvmePool:
                 problems.append(f"releasing list has {len(self._releasing)} slots, table has {num_releasing}")
             if set(self._entries) != {s for s in range(self.num_slots) if self._state[s] == _STORED}:
                 problems.append(f"{len(self._entries)} entries for {num_stored} stored slots")
+            if set(np.flatnonzero(self._is_stored).tolist()) != set(self._entries):
+                problems.append(f"{int(self._is_stored.sum())} slots marked stored, {len(self._entries)} entries")
             if len(self._by_key) != len(self._entries) or any(
                 self._entries.get(s) is None or (self._entries[s].key, self._entries[s].namespace) != k
                 for k, s in self._by_key.items()

@@ -25,6 +25,8 @@ from kvtier.nvme_pool import (
     SlotState,
     SlotVerdict,
     SyncPolicy,
+    group_layout,
+    slot_bytes_for,
     slots_for_bytes,
 )
 from kvtier.page_pool import PoolGeometry
@@ -87,13 +89,14 @@ def store(pool: NvmePool, ids, g=ALIGNED, slots=None):
     return slots, data
 
 
-def slot_offset(pool: NvmePool, slot: int) -> tuple[Path, int]:
-    index, i = divmod(slot, pool.slots_per_file)
-    return pool.directory / f"slots-{index:03d}.kvt", ALIGN + i * pool.slot_bytes
+def slot_offset(pool: NvmePool, slot: int, part: str = "record") -> tuple[Path, int]:
+    """The file and offset of ``slot``'s header record (``part="record"``) or payload."""
+    where = pool.locate(SlotId(slot))
+    return where.path, where.record_offset if part == "record" else where.payload_offset
 
 
-def corrupt(pool: NvmePool, slot: int, at: int, data: bytes) -> None:
-    path, offset = slot_offset(pool, slot)
+def corrupt(pool: NvmePool, slot: int, at: int, data: bytes, part: str = "record") -> None:
+    path, offset = slot_offset(pool, slot, part)
     with open(path, "r+b") as f:
         f.seek(offset + at)
         f.write(data)
@@ -102,10 +105,45 @@ def corrupt(pool: NvmePool, slot: int, at: int, data: bytes) -> None:
 
 
 def test_capacity_in_bytes_becomes_whole_slots():
-    slot = HEADER_BYTES + ALIGNED.page_bytes
+    # 32 KiB pages: eight slots share a 4096-byte header block (512-byte records).
+    assert group_layout(ALIGNED) == (8, 512, ALIGNED.page_bytes)
+    slot = slot_bytes_for(ALIGNED)
+    assert slot == ALIGNED.page_bytes + 512
     assert slots_for_bytes(10 * slot + slot - 1, ALIGNED) == 10
     assert slots_for_bytes(0, ALIGNED) == 0
-    assert slots_for_bytes(5 * (HEADER_BYTES + ALIGN), ODD) == 5  # 384-byte payload padded to 4096
+    # 384-byte pages padded to 4096, eight to a group; 2 MiB pages keep a block each.
+    assert slots_for_bytes(5 * (512 + ALIGN), ODD) == 5
+    llama = PoolGeometry(num_layers=32, kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16)
+    assert group_layout(llama) == (1, HEADER_BYTES, 2 << 20)
+    # A page of 256 tokens needs 1152 bytes of record: 2048-byte records, two to a block.
+    assert group_layout(PoolGeometry(1, 1, 4, 256, torch.float32))[:2] == (2, 2048)
+
+
+def test_file_layout_groups_headers_before_contiguous_payloads(tmp_path, pools):
+    pool = pools(tmp_path, 11, slots_per_file=11)  # one group of 8, a short one of 3
+    assert pool.file_bytes(0) == ALIGN + 2 * HEADER_BYTES + 11 * ALIGNED.page_bytes
+    assert os.path.getsize(tmp_path / "slots-000.kvt") == pool.file_bytes(0)
+    assert pool.locate(SlotId(0)) == (tmp_path / "slots-000.kvt", ALIGN, ALIGN + HEADER_BYTES)
+    assert pool.locate(SlotId(7)) == (
+        tmp_path / "slots-000.kvt",
+        ALIGN + 7 * 512,
+        ALIGN + HEADER_BYTES + 7 * 32768,
+    )
+    second = ALIGN + HEADER_BYTES + 8 * 32768
+    assert pool.locate(SlotId(9)) == (tmp_path / "slots-000.kvt", second + 512, second + HEADER_BYTES + 32768)
+    # Runs that share header blocks with each other and with stored slots: 2-4, then 5-9
+    # (across the group boundary), then 0-1 and 10; every record survives the others.
+    assert pool.allocate_many(11) == list(range(11))
+    for ids in ([2, 3, 4], [5, 6, 7, 8, 9], [0, 1, 10]):
+        store(pool, ids, slots=[SlotId(i) for i in ids])
+    out = torch.zeros(11, *pages_for([0]).shape[1:])
+    assert pool.read_pages([SlotId(i) for i in range(11)], out) == [SlotVerdict.OK] * 11
+    assert torch.equal(out, pages_for(range(11)))
+    odd = [SlotId(i) for i in (3, 4, 5, 9)]  # reads starting inside a group
+    assert pool.read_pages(odd, out[:4]) == [SlotVerdict.OK] * 4
+    pool.close()
+    again = pools(tmp_path, 11, slots_per_file=11)
+    assert [r.slot for r in again.recovery.recovered] == list(range(11))
 
 
 @pytest.mark.parametrize("geometry", [ALIGNED, ODD], ids=["aligned", "bounce"])
@@ -156,12 +194,12 @@ def test_pages_picked_by_row_from_a_pool_tensor_with_batched_headers(tmp_path, p
         generation = i + 1  # a fresh pool hands out generations 1, 2, ... in call order
         header = SlotHeader(s, SlotState.COMPLETE, generation, geometry.page_bytes, sums[i], keys[i], NS)
         header.parent_key, header.tokens = parents[i], tuple(tokens[i])
-        expected = bytearray(HEADER_BYTES)
+        expected = bytearray(pool.record_bytes)
         header.encode_into(memoryview(expected))
         path, offset = slot_offset(pool, s)
         with open(path, "rb") as f:
             f.seek(offset)
-            assert f.read(HEADER_BYTES) == bytes(expected)
+            assert f.read(pool.record_bytes) == bytes(expected)
     out = torch.zeros(5, *dram.tensor.shape[1:], dtype=geometry.dtype)
     assert pool.read_pages(slots, out) == [SlotVerdict.OK] * 5
     assert torch.equal(out, dram.tensor[rows])
@@ -184,11 +222,11 @@ def test_bf16_pages_and_buffered_io(tmp_path, pools):
 def test_flipped_payload_byte_on_disk_fails_that_slot_only(tmp_path, pools):
     pool = pools(tmp_path)
     slots, data = store(pool, range(4))
-    path, offset = slot_offset(pool, 2)
+    path, offset = slot_offset(pool, 2, "payload")
     with open(path, "r+b") as f:
-        f.seek(offset + HEADER_BYTES + 1234)
+        f.seek(offset + 1234)
         byte = f.read(1)
-        f.seek(offset + HEADER_BYTES + 1234)
+        f.seek(offset + 1234)
         f.write(bytes([byte[0] ^ 0x10]))
     verdicts = pool.read_pages(slots, torch.zeros_like(data))
     assert verdicts == [SlotVerdict.OK, SlotVerdict.OK, SlotVerdict.CHECKSUM_MISMATCH, SlotVerdict.OK]
@@ -199,7 +237,7 @@ def test_garbled_header_and_misplaced_header_are_reported(tmp_path, pools):
     slots, data = store(pool, range(3))
     corrupt(pool, 0, 20, b"\xff\xff")
     # A valid header of another page written over slot 1 (a misdirected write).
-    buf = memoryview(bytearray(HEADER_BYTES))
+    buf = memoryview(bytearray(pool.record_bytes))
     SlotHeader(1, SlotState.COMPLETE, 99, ALIGNED.page_bytes, 5, key_for(42), NS).encode_into(buf)
     corrupt(pool, 1, 0, bytes(buf))
     verdicts = pool.read_pages(slots, torch.zeros_like(data))
@@ -232,17 +270,18 @@ def test_recovery_discards_torn_corrupt_and_duplicate_slots(tmp_path, pools):
     slots, data = store(pool, range(6))
     pool.close()
     corrupt(pool, 0, 30, b"\x00\x01\x02")  # torn header
-    corrupt(pool, 1, HEADER_BYTES + 100, b"\x00" * 4000)  # payload half written
+    corrupt(pool, 1, 100, b"\x00" * 4000, "payload")  # payload half written
     # Slot 5 becomes a second copy of page 4 with a newer generation: slot 4 loses.
-    path, offset4 = slot_offset(pool, 4)
+    path, offset4 = slot_offset(pool, 4, "payload")
     with open(path, "rb") as f:
-        f.seek(offset4 + HEADER_BYTES)
+        f.seek(offset4)
         payload = f.read(ALIGNED.page_bytes)
-    buf = memoryview(bytearray(HEADER_BYTES))
+    buf = memoryview(bytearray(pool.record_bytes))
     SlotHeader(
         5, SlotState.COMPLETE, 1000, ALIGNED.page_bytes, page_checksum(payload), key_for(4), NS
     ).encode_into(buf)
-    corrupt(pool, 5, 0, bytes(buf) + payload)
+    corrupt(pool, 5, 0, bytes(buf))
+    corrupt(pool, 5, 0, payload, "payload")
     again = pools(tmp_path, 8)
     reasons = dict(again.recovery.discarded)
     assert set(reasons) == {0, 1, 4}
@@ -258,15 +297,16 @@ def test_recovery_discards_torn_corrupt_and_duplicate_slots(tmp_path, pools):
 
 def test_truncated_file_loses_the_tail_slots_only(tmp_path, pools):
     pool = pools(tmp_path, 6)
-    store(pool, range(6))
+    store(pool, range(5))
     pool.close()
-    path, offset = slot_offset(pool, 4)
-    os.truncate(path, offset + HEADER_BYTES + 10)
+    path, offset = slot_offset(pool, 4, "payload")
+    os.truncate(path, offset + 10)
     again = pools(tmp_path, 6)
+    # The group's header block survives the cut: slot 4's record is intact, its payload is not.
     assert [r.slot for r in again.recovery.recovered] == [0, 1, 2, 3]
     assert dict(again.recovery.discarded) == {4: "payload checksum mismatch"}
     assert again.recovery.num_empty == 1
-    assert os.path.getsize(path) == ALIGN + 6 * again.slot_bytes
+    assert os.path.getsize(path) == again.file_bytes(0) == ALIGN + HEADER_BYTES + 6 * ALIGNED.page_bytes
 
 
 FREE_THEN_DIE_CHILD = PAGE_CODE + textwrap.dedent(
@@ -318,7 +358,9 @@ def test_allocation_reuses_releasing_slots_without_a_rewrite(tmp_path, pools):
     # Page 2 was flushed at close, page 0 was overwritten: neither comes back.
     again = pools(tmp_path, 4)
     assert sorted((r.slot, r.key) for r in again.recovery.recovered) == [
-        (0, key_for(10)), (1, key_for(1)), (3, key_for(3))
+        (0, key_for(10)),
+        (1, key_for(1)),
+        (3, key_for(3)),
     ]
 
 
@@ -332,7 +374,7 @@ def test_header_only_recovery_trusts_headers_and_reads_still_verify(tmp_path, po
     pool = pools(tmp_path, 4)
     slots, data = store(pool, range(2))
     pool.close()
-    corrupt(pool, 1, HEADER_BYTES + 8, b"\x01\x02\x03")
+    corrupt(pool, 1, 8, b"\x01\x02\x03", "payload")
     again = pools(tmp_path, 4, verify_payload_on_recover=False)
     assert [r.slot for r in again.recovery.recovered] == [0, 1]
     assert again.read_pages(slots, torch.zeros_like(data)) == [SlotVerdict.OK, SlotVerdict.CHECKSUM_MISMATCH]
@@ -421,7 +463,7 @@ def test_sigkilled_writer_leaves_recoverable_pages(tmp_path, pools):
     probe.close()
     # Tear two acknowledged pages the way a crash would: a header half written, a payload cut short.
     corrupt(probe, 3, 40, b"\xde\xad\xbe\xef")
-    corrupt(probe, 7, HEADER_BYTES + 2048, os.urandom(8192))
+    corrupt(probe, 7, 2048, os.urandom(8192), "payload")
     pool = pools(tmp_path, 64)
     rec = pool.recovery
     assert {s for s, _ in rec.discarded} == {3, 7}
@@ -478,10 +520,11 @@ DISK_FULL_CHILD = textwrap.dedent(
 
 
 def test_disk_full_is_a_typed_error_and_leaves_the_pool_consistent(tmp_path):
-    # The file size limit falls on a slot boundary: slots 0-4 fit, slot 5 gets EFBIG. (An
-    # O_DIRECT write cut to an unaligned size by the limit fails with EINVAL instead,
-    # which surfaces as NvmeIOError; a full filesystem gives ENOSPC at preallocation.)
-    limit = ALIGN + 5 * (HEADER_BYTES + ALIGNED.page_bytes)
+    # The file size limit falls on a slot boundary: the group's header block and slots 0-4
+    # fit, slot 5 gets EFBIG. (An O_DIRECT write cut to an unaligned size by the limit fails
+    # with EINVAL instead, which surfaces as NvmeIOError; a full filesystem gives ENOSPC at
+    # preallocation.)
+    limit = ALIGN + HEADER_BYTES + 5 * ALIGNED.page_bytes
     out = subprocess.run(
         [sys.executable, "-c", DISK_FULL_CHILD, str(tmp_path), str(limit)],
         capture_output=True,

@@ -14,7 +14,6 @@ import torch
 
 from kvtier.engine import Engine, SamplingParams, SchedulerConfig
 from kvtier.hashing import page_keys
-from kvtier.nvme_pool import HEADER_BYTES
 from kvtier.tier_manager import MoveOutcome, TierConfig, Watermark
 from kvtier.tiers import Tier
 from kvtier.transfer import TransferReason
@@ -95,9 +94,8 @@ def test_flipped_byte_on_nvme_is_rejected_and_recomputed(ckpt, hf, tmp_path):
     node = engine.index.get(second_key)
     assert node is not None and node.tier is Tier.NVME
     nvme = engine.tiers.nvme
-    index, i = divmod(node.page, nvme.slots_per_file)
-    path = nvme._file_path(index)
-    offset = HEADER_BYTES + i * nvme.slot_bytes + HEADER_BYTES + 100  # inside the payload
+    where = nvme.locate(node.page)
+    path, offset = where.path, where.payload_offset + 100  # inside the payload
     with open(path, "r+b") as f:
         f.seek(offset)
         byte = f.read(1)

@@ -12,7 +12,7 @@ import torch
 from kvtier.checksum import page_checksum
 from kvtier.dram_pool import make_dram_pool
 from kvtier.errors import InvalidArgument
-from kvtier.nvme_pool import ALIGN, HEADER_BYTES, NvmePool, SlotId
+from kvtier.nvme_pool import NvmePool, SlotId
 from kvtier.page_pool import PagePool, PoolGeometry
 from kvtier.tiers import Tier
 from kvtier.transfer import (
@@ -176,9 +176,9 @@ def test_corrupt_nvme_slot_fails_verification_of_that_slot_only(tiers):
     t.fill_hbm(seed=3)
     slots = t.nvme.allocate_many(3)
     assert t.to_nvme(HBM, [(i, s) for i, s in enumerate(slots)]).is_ok
-    path = t.nvme.directory / "slots-000.kvt"
-    with open(path, "r+b") as f:
-        f.seek(ALIGN + slots[1] * t.nvme.slot_bytes + HEADER_BYTES + 77)
+    where = t.nvme.locate(slots[1])
+    with open(where.path, "r+b") as f:
+        f.seek(where.payload_offset + 77)
         f.write(b"\x5a")
     up = t.run(NVME, DRAM, [(s, 5 + i) for i, s in enumerate(slots)])
     assert up.verified == [True, False, True] and up.bad_pairs == [(slots[1], 6)]

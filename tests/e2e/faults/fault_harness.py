@@ -470,46 +470,46 @@ class SlotOnDisk:
     """A slot holding a complete page, found by reading the slot files (format: kvtier.nvme_pool)."""
 
     path: Path
-    offset: int  # of the slot header
+    offset: int  # of the slot's payload
     page_key: bytes
 
 
 def complete_slots(nvme_dir: Path) -> list[SlotOnDisk]:
-    from kvtier.nvme_pool import ALIGN, HEADER_BYTES, SlotState, slot_bytes_for
+    from kvtier.nvme_pool import ALIGN, HEADER_BYTES, SlotState, group_layout
 
-    slot_bytes = slot_bytes_for(page_geometry())
+    layout = group_layout(page_geometry())
     found = []
     for path in sorted(nvme_dir.glob("slots-*.kvt")):
         with open(path, "rb") as f:
             size = path.stat().st_size
-            for offset in range(ALIGN, size - slot_bytes + 1, slot_bytes):
-                f.seek(offset)
-                header = f.read(64)
-                state = int.from_bytes(header[10:12], "little")
-                if header[:8] == b"KVTSLOT\0" and state == SlotState.COMPLETE:
-                    found.append(SlotOnDisk(path, offset, header[48:64]))
-    assert all(s.offset % ALIGN == 0 for s in found) and HEADER_BYTES == ALIGN
+            for block in range(ALIGN, size - HEADER_BYTES + 1, layout.group_bytes):
+                for j in range(layout.slots_per_group):
+                    payload = block + HEADER_BYTES + j * layout.payload_bytes
+                    if payload + layout.payload_bytes > size:
+                        break
+                    f.seek(block + j * layout.record_bytes)
+                    header = f.read(64)
+                    state = int.from_bytes(header[10:12], "little")
+                    if header[:8] == b"KVTSLOT\0" and state == SlotState.COMPLETE:
+                        found.append(SlotOnDisk(path, payload, header[48:64]))
+    assert all(s.offset % ALIGN == 0 for s in found)
     return found
 
 
 def flip_payload_byte(slot: SlotOnDisk, at: int = 100) -> None:
     """One bit of the page's bytes flips on the device: the header still claims the old checksum."""
-    from kvtier.nvme_pool import HEADER_BYTES
-
     with open(slot.path, "r+b") as f:
-        f.seek(slot.offset + HEADER_BYTES + at)
+        f.seek(slot.offset + at)
         byte = f.read(1)
-        f.seek(slot.offset + HEADER_BYTES + at)
+        f.seek(slot.offset + at)
         f.write(bytes([byte[0] ^ 0x01]))
 
 
 def tear_payload(slot: SlotOnDisk) -> None:
     """A write torn by a crash: the header went out complete, the second half of the page did not."""
-    from kvtier.nvme_pool import HEADER_BYTES
-
     page_bytes = page_geometry().page_bytes
     with open(slot.path, "r+b") as f:
-        f.seek(slot.offset + HEADER_BYTES + page_bytes // 2)
+        f.seek(slot.offset + page_bytes // 2)
         f.write(bytes(page_bytes - page_bytes // 2))
 
 
