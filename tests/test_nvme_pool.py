@@ -405,6 +405,18 @@ def test_reopen_with_another_geometry_or_capacity_is_refused(tmp_path, pools):
         NvmePool(tmp_path / "missing", 4, ALIGNED, create=False)
 
 
+def test_a_directory_of_another_format_version_is_refused_naming_it(tmp_path, pools):
+    """Version 1 kept one 4 KiB header per slot: its files must never be read as version 2."""
+    pools(tmp_path, 4).close()
+    path = tmp_path / "slots-000.kvt"
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write((1).to_bytes(2, "little"))  # the superblock's version field
+    with pytest.raises(ConfigError, match="slot format version 1, this build reads 2") as info:
+        NvmePool(tmp_path, 4, ALIGNED)
+    assert info.value.field == "nvme.dir"
+
+
 def test_allocation_contract(tmp_path, pools):
     pool = pools(tmp_path, 4)
     assert pool.allocate_many(5) is None
