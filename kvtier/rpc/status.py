@@ -121,6 +121,12 @@ async def _abort_internal(context: grpc.aio.ServicerContext, rpc_name: str, exc:
     raise AssertionError("context.abort() returned")
 
 
+async def _abort_for(context: grpc.aio.ServicerContext, rpc_name: str, exc: Exception) -> NoReturn:
+    if isinstance(exc, KvtierError):
+        await abort_with(context, exc)
+    await _abort_internal(context, rpc_name, exc)
+
+
 @contextlib.asynccontextmanager
 async def error_boundary(context: grpc.aio.ServicerContext, rpc_name: str = "rpc") -> AsyncIterator[None]:
     """Turn exceptions raised inside the block into aborts (see the module docstring)."""
@@ -128,10 +134,8 @@ async def error_boundary(context: grpc.aio.ServicerContext, rpc_name: str = "rpc
         yield
     except grpc.aio.AbortError:
         raise  # the servicer aborted on purpose
-    except KvtierError as err:
-        await abort_with(context, err)
     except Exception as exc:
-        await _abort_internal(context, rpc_name, exc)
+        await _abort_for(context, rpc_name, exc)
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -157,8 +161,12 @@ def rpc_errors(method: F) -> F:
 
     @functools.wraps(method)
     async def unary(*args: Any) -> Any:
-        async with error_boundary(args[-1], rpc_name):
+        try:  # error_boundary's body inlined: an async context manager costs Route ~4 us
             return await method(*args)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await _abort_for(args[-1], rpc_name, exc)
 
     return unary  # type: ignore[return-value]
 
