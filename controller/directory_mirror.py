@@ -51,6 +51,7 @@ class DirectoryMirror:
         self._pages: dict[bytes, dict[bytes, Holders]] = {}
         self._namespaces_of: dict[int, set[bytes]] = {}  # wid -> namespaces it has entries in
         self._epochs: dict[bytes, int] = {}  # learned from Redis (lookups, invalidations)
+        self._num_entries = 0  # (page, holder) pairs, kept as they change: a scrape reads it
 
     # -- writes (only what Redis accepted) ------------------------------------------------------
 
@@ -63,6 +64,7 @@ class DirectoryMirror:
             mask = _mask_of(holders, wid)
             new = next_mask(kind, mask, tier, from_tier)
             if new != mask:
+                self._num_entries += (new != 0) - (mask != 0)
                 updated = _with_mask(holders, wid, new)
                 if updated is None:
                     del pages[key]
@@ -83,17 +85,14 @@ class DirectoryMirror:
                     del pages[key]
                 else:
                     pages[key] = updated
+        self._num_entries -= removed
         return removed
 
     def invalidate(self, namespace: bytes, epoch: int) -> None:
         """The namespace's epoch moved to ``epoch``: every entry of it is gone."""
-        self._pages.pop(namespace, None)
+        pages = self._pages.pop(namespace, None) or {}
+        self._num_entries -= sum(1 if isinstance(h, int) else len(h) for h in pages.values())
         self._epochs[namespace] = epoch
-
-    def clear(self) -> None:
-        self._pages.clear()
-        self._namespaces_of.clear()
-        self._epochs.clear()
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -144,9 +143,10 @@ class DirectoryMirror:
             still = going
         return sorted((w, bytes(r)) for w, r in runs.items())
 
+    @property
     def num_entries(self) -> int:
-        """(page, holder) pairs held: for tests and the controller's status."""
-        return sum(1 if isinstance(h, int) else len(h) for pages in self._pages.values() for h in pages.values())
+        """(page, holder) pairs held (the controller's ``directory_mirror_entries`` gauge)."""
+        return self._num_entries
 
     def entries(self, namespace: bytes) -> dict[bytes, dict[int, int]]:
         """Every page of ``namespace`` with its holders' masks (tests and integrity checks)."""

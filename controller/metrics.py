@@ -7,6 +7,8 @@ appends ``_seconds`` / ``_bytes`` for real units and ``_total`` to counters)::
 
     kvtier.controller.rpc_latency           s          unary RPC (Route, Pause, Admin...) by rpc, code
     kvtier.controller.directory_op_latency  s          one directory round trip, by op (Lua script)
+    kvtier.controller.mirror_lookups        {lookup}   Route lookups answered by the leader's mirror (0010)
+    kvtier.controller.mirror_entries        {entry}    (page, holder) pairs in that mirror (~150 B each)
     kvtier.controller.workers               {worker}   registered workers by state (live/draining/expired)
     kvtier.controller.sessions              {session}  sessions by state, as this controller last wrote them
     kvtier.controller.prefetches            {session}  closed parked pauses by outcome (on_time, late)
@@ -47,6 +49,7 @@ from kvtier.telemetry import LATENCY_BUCKETS_S, Telemetry
 if TYPE_CHECKING:
     from kvtier.controller.orchestrator import Orchestrator
     from kvtier.controller.registry import Registry
+    from kvtier.controller.resync import DirectoryAccess
 
 log = get_logger("kvtier.controller.metrics")
 
@@ -64,6 +67,7 @@ class ControllerMetrics:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._registry: Registry | None = None
         self._orchestrator: Orchestrator | None = None
+        self._access: DirectoryAccess | None = None
         m = telemetry.meter
         self.rpc_latency = m.create_histogram(
             "kvtier.controller.rpc_latency", unit="s",
@@ -84,6 +88,14 @@ class ControllerMetrics:
             "kvtier.controller.prediction_abs_error", unit="s",
             description="absolute error of the predicted tool-call pause, by prediction source",
             explicit_bucket_boundaries_advisory=PAUSE_BUCKETS_S,
+        )
+        m.create_observable_counter(
+            "kvtier.controller.mirror_lookups", callbacks=[self._mirror_lookups], unit="{lookup}",
+            description="Route lookups answered by the leader's in-memory mirror of the directory (no Redis round trip)",
+        )
+        m.create_observable_gauge(
+            "kvtier.controller.mirror_entries", callbacks=[self._mirror_entries], unit="{entry}",
+            description="(page, holder) pairs in the leader's in-memory mirror of the directory",
         )
         m.create_observable_gauge(
             "kvtier.controller.workers", callbacks=[self._workers], unit="{worker}",
@@ -122,12 +134,15 @@ class ControllerMetrics:
     def port(self) -> int | None:
         return self.telemetry.port
 
-    def bind(self, registry: Registry, orchestrator: Orchestrator | None) -> None:
-        """Read workers from ``registry`` and sessions/prefetches from ``orchestrator`` (call on
-        the event loop that owns them)."""
+    def bind(
+        self, registry: Registry, orchestrator: Orchestrator | None, access: DirectoryAccess | None = None
+    ) -> None:
+        """Read workers from ``registry``, sessions/prefetches from ``orchestrator`` and the
+        directory mirror from ``access`` (call on the event loop that owns them)."""
         self._loop = asyncio.get_running_loop()
         self._registry = registry
         self._orchestrator = orchestrator
+        self._access = access
         if orchestrator is not None:
             orchestrator.listeners.append(self.pause_closed)
 
@@ -172,6 +187,15 @@ class ControllerMetrics:
         except (RuntimeError, concurrent.futures.TimeoutError) as exc:  # loop stopped or busy
             log.warning("controller state not read for a scrape", extra={"reason": type(exc).__name__})
             return None
+
+    # Two integers of the current Directory: a read from this thread is atomic, no loop hop.
+    def _mirror_lookups(self, _: CallbackOptions) -> Iterable[Observation]:
+        access = self._access
+        return [Observation(access.directory.counters["lookup.local"])] if access is not None else []
+
+    def _mirror_entries(self, _: CallbackOptions) -> Iterable[Observation]:
+        access = self._access
+        return [Observation(access.directory.mirror.num_entries)] if access is not None else []
 
     def _workers(self, _: CallbackOptions) -> Iterable[Observation]:
         registry = self._registry

@@ -319,7 +319,7 @@ async def serve_controller(
         controller.orchestrator = orchestrator
         if metrics is not None:
             controller.metrics = metrics
-            metrics.bind(registry, orchestrator)
+            metrics.bind(registry, orchestrator, access)
         router.on_session_route = orchestrator.on_route
         # Configuration seeds policy version 1; from then on the stored current version rules.
         policy_store = PolicyStore(client, seed=seed_policy(weights, orchestrator.params.budget_bytes_per_s),

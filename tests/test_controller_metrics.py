@@ -39,6 +39,8 @@ GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 FAMILIES = {
     "kvtier_controller_rpc_latency_seconds": "histogram",
     "kvtier_controller_directory_op_latency_seconds": "histogram",
+    "kvtier_controller_mirror_lookups_total": "counter",
+    "kvtier_controller_mirror_entries": "gauge",
     "kvtier_controller_workers": "gauge",
     "kvtier_controller_sessions": "gauge",
     "kvtier_controller_prefetches_total": "counter",
@@ -147,6 +149,7 @@ async def test_families_exist_with_units_and_move_after_route_and_prefetch(worke
         moved = await scrape(port)
         assert value(moved, "kvtier_controller_bytes_moved_bytes_total", reason="returning", src="dram",
                      dst="hbm") == 4 * page_bytes
+        assert value(moved, "kvtier_controller_mirror_entries") >= 4  # the leader mirrors what it wrote
 
         # The next turn closes the pause: on time, its lead and prediction error recorded.
         _, final = await client.complete(namespace, history + [1, 2, 3], GREEDY, session_id="s-cm")
@@ -158,6 +161,8 @@ async def test_families_exist_with_units_and_move_after_route_and_prefetch(worke
         assert value(after, "kvtier_controller_prefetch_lead_seconds_count") == 1
         assert value(after, "kvtier_controller_prediction_abs_error_seconds_count", source="caller_eta") == 1
         assert value(after, "kvtier_controller_prefetch_wasted_total") == 0
+        # The first Route read Redis (the namespace's epoch was unknown); this one, the mirror.
+        assert value(after, "kvtier_controller_mirror_lookups_total") >= 1 > value(routed, "kvtier_controller_mirror_lookups_total")
         assert value(after, "kvtier_controller_rpc_latency_seconds_count", rpc="Pause", code="OK") == 1
 
         # A bad call is timed under its status code.
