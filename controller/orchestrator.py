@@ -10,8 +10,10 @@ on a timer queue. ``promote_time`` is bytes over bandwidth plus the worker's mea
 overhead (a high quantile of recent Prefetch ack latencies beyond the copy: the wait for the
 engine step in progress and the round trip; ``controller/prefetch.py``); the low quantile is
 the predictor's ``lo_quantile`` (5 %). The Prefetch's ``deadline_ms`` asks the worker to hold
-the pages in HBM until the prediction's high quantile (at most ``max_hold_ms``): a prefetch
-lands early by design, and unheld pages are the first an eviction takes meanwhile. A session
+the pages in HBM until the prediction's high quantile (99 %, at most ``max_hold_ms``): a prefetch
+lands early by design, and unheld pages are the first an eviction takes meanwhile. A prefetch
+that left pages below (a page of the chain in another move, or no room at that moment) is
+topped up ``topup_delay_ms`` later, up to ``max_topups`` times, while the session is away. A session
 kept in HBM gets a *guard* prefetch at once: it moves nothing, brings back what the worker's
 own demotion moved down meanwhile and holds the pages until the return. Why all of these:
 ``docs/decisions/0008-prefetch-timing.md``.
@@ -126,6 +128,10 @@ class OrchestratorParams:
     # A Prefetch asks the worker to hold the pages in HBM until the predicted return's high
     # quantile (a late return finds them still there), but never longer than this.
     max_hold_ms: float = 10_000.0
+    # A prefetch that left pages below (a page of the chain in the middle of another move, or no
+    # room in HBM at that moment) is topped up this much later, at most this many times.
+    topup_delay_ms: float = 100.0
+    max_topups: int = 2
     num_outcomes_kept: int = 10_000  # recent PauseOutcomes (benchmarks read them)
 
 
@@ -279,6 +285,7 @@ class _SentPrefetch:
     page_bytes: int
     sent_at_ms: float
     paused_at_ms: int | None  # identifies the pause it serves
+    attempt: int = 0  # 0: the pause's prefetch; k > 0: its k-th top-up
 
 
 # --------------------------------------------------------------------------- orchestrator
@@ -598,32 +605,60 @@ class Orchestrator:
     # ---- prefetch ------------------------------------------------------------------------------
     def _schedule(self, session: SessionId, at_ms: float) -> None:
         async def fire() -> None:
-            # The session's lock is held to start and to finish the prefetch, not while the
-            # worker carries it out: a Route meanwhile must not wait for the ack (its TTFT would
-            # pay the transfer, and the prefetch would be scored on time). It closes the pause
-            # as late; the ack then finds the pause gone and only its traffic is counted.
-            try:
-                async with self._lock(session):
-                    record = await self.store.get(session)
-                    if record is None or record.prefetch_state != PrefetchState.SCHEDULED:
-                        return
-                    sent = self._prefetch_begin(record, MoveReason.PREFETCH)
-                    await self._save(record)
-                if sent is None:
-                    return
-                ack = await self._send(sent.worker, sent.command)
-                async with self._lock(session):
-                    record = await self.store.get(session)
-                    if (record is not None and record.prefetch_state == PrefetchState.SENT
-                            and record.paused_at_ms == sent.paused_at_ms):
-                        self._prefetch_end(sent, ack, record)
-                        await self._save(record)
-                    else:
-                        self._prefetch_end(sent, ack, None)
-            except Exception as exc:  # a timer must not die silently
-                log.error("scheduled prefetch failed", exc_info=exc, extra={"session_id": session})
+            await self._run_prefetch(
+                session, attempt=0,
+                may_start=lambda r: r.prefetch_state == PrefetchState.SCHEDULED,
+                may_finish=lambda r: r.prefetch_state == PrefetchState.SENT,
+            )
 
         self.timers.schedule(session, at_ms, fire)
+
+    def _schedule_topup(self, session: SessionId, attempt: int) -> None:
+        """Bring up, a little later, what the pause's prefetch left below. The pause stays scored
+        by its first prefetch (on time: its ack came before the Route); the top-up adds its pages
+        to those the Route judges, and a Route or End meanwhile cancels it (same timer key)."""
+
+        async def fire() -> None:
+            await self._run_prefetch(session, attempt=attempt, may_start=self._is_topping_up,
+                                     may_finish=self._is_topping_up)
+
+        self.timers.schedule(session, self.clock_ms() + self.params.topup_delay_ms, fire)
+
+    async def _run_prefetch(
+        self, session: SessionId, *, attempt: int,
+        may_start: Callable[[SessionRecord], bool], may_finish: Callable[[SessionRecord], bool],
+    ) -> None:
+        """A timer's prefetch (``attempt`` 0) or top-up, if the session is still where ``may_start``
+        expects; the ack applies to it only if it is still that pause and ``may_finish`` holds.
+
+        The session's lock is held to start and to finish the prefetch, not while the worker
+        carries it out: a Route meanwhile must not wait for the ack (its TTFT would pay the
+        transfer, and the prefetch would be scored on time). It closes the pause as late; the
+        ack then finds the pause gone and only its traffic is counted."""
+        try:
+            async with self._lock(session):
+                record = await self.store.get(session)
+                if record is None or not may_start(record):
+                    return
+                sent = self._prefetch_begin(record, MoveReason.PREFETCH, attempt=attempt)
+                await self._save(record)
+            if sent is None:
+                return
+            ack = await self._send(sent.worker, sent.command)
+            async with self._lock(session):
+                record = await self.store.get(session)
+                if record is not None and may_finish(record) and record.paused_at_ms == sent.paused_at_ms:
+                    self._prefetch_end(sent, ack, record)
+                    await self._save(record)
+                else:
+                    self._prefetch_end(sent, ack, None)
+        except Exception as exc:  # a timer must not die silently
+            log.error("scheduled prefetch failed", exc_info=exc, extra={"session_id": session, "attempt": attempt})
+
+    @staticmethod
+    def _is_topping_up(record: SessionRecord) -> bool:
+        return (record.state in (SessionState.PAUSED, SessionState.RESUMING)
+                and record.prefetch_state == PrefetchState.DONE)
 
     async def _prefetch_locked(self, record: SessionRecord, reason: str) -> None:
         """Promote the parked session's pages now and wait for the ack (Returning: its caller
@@ -632,8 +667,9 @@ class Orchestrator:
         if sent is not None:
             self._prefetch_end(sent, await self._send(sent.worker, sent.command), record)
 
-    def _prefetch_begin(self, record: SessionRecord, reason: str) -> _SentPrefetch | None:
-        """Mark ``record``'s prefetch SENT and build its command (None: nothing to prefetch)."""
+    def _prefetch_begin(self, record: SessionRecord, reason: str, *, attempt: int = 0) -> _SentPrefetch | None:
+        """Mark ``record``'s prefetch SENT and build its command (None: nothing to prefetch); a
+        top-up (``attempt`` > 0) leaves the state DONE."""
         self.timers.cancel(record.session_id)
         source = self._source_tier(record)
         if record.worker_id is None or record.namespace_digest is None or source is None:
@@ -642,9 +678,11 @@ class Orchestrator:
             reason = MoveReason.GUARD
         page_bytes = self._page_bytes(record.worker_id)
         bucket = self._bucket(record.worker_id, source)
-        if bucket is not None:
-            bucket.take(record.num_parked_pages * page_bytes)
-        record.prefetch_state = PrefetchState.SENT
+        if bucket is not None:  # a top-up moves at most what the last ack left below
+            num_pages = self._skipped_pages.get(record.session_id, 0) if attempt else record.num_parked_pages
+            bucket.take(num_pages * page_bytes)
+        if attempt == 0:
+            record.prefetch_state = PrefetchState.SENT
         # The deadline tells the worker how long to hold the pages in HBM (until the session is
         # expected back at the latest: see _hold_until_ms); without it an eviction in the
         # meantime takes them first, and the prefetch is wasted.
@@ -655,15 +693,16 @@ class Orchestrator:
         command = PrefetchCommand(
             record.namespace_digest, (), Tier.HBM, deadline_ms=deadline_ms, session_id=record.session_id)
         return _SentPrefetch(record.worker_id, command, reason, source, page_bytes, self.clock_ms(),
-                             record.paused_at_ms)
+                             record.paused_at_ms, attempt)
 
     def _prefetch_end(self, sent: _SentPrefetch, ack: CommandAck | None, record: SessionRecord | None) -> None:
         """Count a prefetch's ack; with ``record`` (still the same pause) mark it DONE or not.
 
         On the ack, ``num_parked_pages`` becomes the pages that came back (the rest stayed
-        below or were gone), and the ack's latency teaches the worker's ``PromoteLatency``."""
+        below or were gone; a top-up adds its own), and the ack's latency teaches the worker's
+        ``PromoteLatency``. Pages left below are topped up later (``_schedule_topup``)."""
         if ack is None or not ack.ok:
-            if record is not None:
+            if record is not None and sent.attempt == 0:
                 record.prefetch_state = PrefetchState.NONE  # the worker promotes on hit instead
             return
         latency_ms = self.clock_ms() - sent.sent_at_ms
@@ -682,8 +721,10 @@ class Orchestrator:
             return
         record.prefetch_state = PrefetchState.DONE
         record.prefetch_done_at_ms = self._now()
-        record.num_parked_pages = ack.num_pages
+        record.num_parked_pages = ack.num_pages + (record.num_parked_pages if sent.attempt else 0)
         self._skipped_pages[record.session_id] = ack.num_skipped_pages
+        if ack.num_skipped_pages and sent.attempt < self.params.max_topups:
+            self._schedule_topup(record.session_id, sent.attempt + 1)
 
     # ---- helpers -------------------------------------------------------------------------------
     async def _send(self, worker: WorkerId, command: Command) -> CommandAck | None:

@@ -31,6 +31,14 @@ quantile and a lognormal *prediction* bound fitted to the same history,
 (Student's t for the next observation of a sample of n_eff, not z for a known distribution):
 wider than the empirical point while history is short, the same once it is long.
 Why 5 %: ``docs/decisions/0008-prefetch-timing.md``.
+
+The high quantile is how long a prefetched session's pages are held in HBM for it, so it must
+not be optimistic either: a return after it finds the hold lapsed and the prefetched pages
+evicted (waste): holding to the q point wastes about 1 − q of what is prefetched before any
+other cause, so with the ≤ 10 % waste target q is 99 %, not 90 %. ``quantile_hi_ms`` is the
+mirror bound, the higher of the empirical 99 % point and the lognormal prediction bound. A
+hold ends when the session is back, so holding to a high quantile costs HBM only for the few
+returns that run long.
 """
 
 from __future__ import annotations
@@ -60,7 +68,7 @@ MAX_LOG2_WEIGHT = 900.0
 class Prediction:
     """``return_in_ms``: the expected wait (a median); ``quantile_lo_ms`` / ``quantile_hi_ms``:
     the wait is shorter than ``lo`` with probability ``lo_quantile`` (5 %) at most, longer
-    than ``hi`` with probability 1 − ``hi_quantile`` (10 %); ``confidence`` in [0, 1]."""
+    than ``hi`` with probability 1 − ``hi_quantile`` (1 %) at most; ``confidence`` in [0, 1]."""
 
     return_in_ms: float
     quantile_lo_ms: float
@@ -75,7 +83,7 @@ class PredictorParams:
     half_life_obs: float = 50.0  # observations after which old history weighs half
     min_samples: float = 5.0  # effective observations before history is trusted
     lo_quantile: float = 0.05  # prefetches aim here (decision 0008)
-    hi_quantile: float = 0.9
+    hi_quantile: float = 0.99  # a prefetched session's pages are held in HBM until here (decision 0008)
     # Spread assumed without history: lognormal with this sigma (of ln duration).
     default_sigma: float = 0.7
 
@@ -145,10 +153,18 @@ class ToolHistory:
     def lower_bound_ms(self, q: float) -> float:
         """A duration the next observation falls below with probability ~q: the lower of the
         empirical quantile and the lognormal prediction bound (module doc)."""
+        return min(self.quantile_ms(q), self._prediction_bound_ms(q))
+
+    def upper_bound_ms(self, q: float) -> float:
+        """A duration the next observation exceeds with probability ~1 − q: the higher of the
+        empirical quantile and the lognormal prediction bound (the mirror of ``lower_bound_ms``)."""
+        return max(self.quantile_ms(q), self._prediction_bound_ms(q))
+
+    def _prediction_bound_ms(self, q: float) -> float:
+        """The q point of the lognormal prediction interval for the next observation."""
         n = max(self.effective_samples, 2.0)
         mean, sd = self.log_moments()
-        bound = math.exp(mean + student_t_quantile(q, n - 1.0) * sd * math.sqrt(1.0 + 1.0 / n))
-        return min(self.quantile_ms(q), bound)
+        return math.exp(mean + student_t_quantile(q, n - 1.0) * sd * math.sqrt(1.0 + 1.0 / n))
 
     def quantile_ms(self, q: float) -> float:
         """The q-quantile, interpolated in log space inside its bin."""
@@ -241,7 +257,7 @@ class ToolReturnPredictor:
         if trusted:
             assert history is not None
             median = history.quantile_ms(0.5)
-            lo, hi = min(history.lower_bound_ms(p.lo_quantile), median), history.quantile_ms(p.hi_quantile)
+            lo, hi = min(history.lower_bound_ms(p.lo_quantile), median), history.upper_bound_ms(p.hi_quantile)
             n = history.effective_samples
             confidence = n / (n + p.min_samples)
         if expected_ms is not None:

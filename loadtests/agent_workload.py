@@ -1,6 +1,7 @@
 """Agent workload: one seeded multi-tenant, multi-turn, tool-calling workload under six policies.
 
     python -m loadtests.agent_workload [--json] [--plot PATH] [--quick] [--lower-tier nvme|dram]
+                                       [--records PATH]
 
 Workload (``make_workload``, deterministic in ``seed``): ``num_tenants`` tenants, each with a
 shared system prompt; ``sessions_per_tenant`` sessions per tenant, staggered starts; each
@@ -26,6 +27,28 @@ Pressure and geometry — what makes the comparison mean something on a CPU:
   link is slower than the memory attention reads, as PCIe is on a GPU, so reactive promotion
   shows in TTFT as it would there. ``--lower-tier dram`` runs the same workload on DRAM.
 
+How faithful this is to the issue, measured (``--records`` keeps every turn; issue #7 review,
+numbers in ``docs/decisions/0008-prefetch-timing.md``):
+
+* Reactive's median resume pays little transfer, for two reasons. (1) HBM is 44-57 % of every
+  session's final context, but sessions start over ``stagger_s`` and end after their last
+  turn: at the median resume the *live* sessions' contexts are ~1.0x HBM (quick) and ~1.2-1.3x
+  (full), so 40-45 % (quick) and 45-60 % (full) of reactive's resumes bring back a whole
+  private context and the rest a few leaf pages or nothing. (2) A whole private context
+  (12-17 MiB) comes back from this NVMe in ~5-10 ms, against a ~20-30 ms resume time to first
+  token that is mostly fixed per-request cost; on a GPU a 4 GiB context over PCIe (~160 ms) is
+  several times a resume's prefill. Reactive's resume p50 is 0.9-2.0x infinite HBM across
+  runs (median ~1.3x), and ``kvtier <= 0.5 x reactive`` needs it at >= 2x even with kvtier at
+  infinite HBM's level: a marginal target on this machine, whatever kvtier does.
+* More faithful parameters were tried and not adopted. Contexts 3x longer (``user_tokens``
+  768, quick) make reactive pay 100-400 ms per resume (19 of 20 promote), but 900-token
+  first-turn prefills on 2 shared cores take 3-4 s, every command waits behind them (no
+  chunked prefill), kvtier's planner learns a 2.6 s overhead and keeps every session in HBM:
+  the run measures CPU saturation, not tiering. A tighter HBM (``hbm_sessions`` 3, quick: live
+  set 1.2x HBM at the median resume) puts reactive at 1.9x infinite HBM and kvtier at 2.5x: its
+  holds (at most half of HBM, ~1.8 sessions) no longer cover the sessions due back. The
+  defaults are unchanged.
+
 Policies, each on a fresh local stack (1 worker, same checkpoint, same HBM size):
 
   recompute     every request in a fresh tenant namespace: nothing ever hits
@@ -43,7 +66,7 @@ come from the worker's ``TierManager.counters`` (read through Ray); prefetch out
 the controller's ``Orchestrator`` (``PrefetchStats`` and one ``PauseOutcome`` per pause):
 on time = pages back before the next Route; wasted bytes = prefetched and not in HBM when
 used (the session ended, or the directory showed them below HBM again). The client also
-counts resumes that still promoted pages after an on-time prefetch (its own evidence of
+counts resumes that still promoted pages after an acknowledged prefetch (its own evidence of
 waste). Bounded: fixed session/turn counts, loopback only.
 """
 
@@ -210,6 +233,8 @@ class TurnRecord:
     promoted_tokens: int
     recomputed_tokens: int  # usage.recomputed_tokens
     ttft_ms: float
+    worker_ttft_ms: float = 0.0  # the worker's own (admission to first token): the rest is Route + RPC
+    sent_at_s: float = 0.0  # since the policy's run started
 
     @property
     def is_resume(self) -> bool:
@@ -278,8 +303,8 @@ def prefetch_summary(stats: Any) -> dict[str, Any]:
 def join_outcomes(records: list[TurnRecord], outcomes: list[Any], page_size: int, page_bytes: int) -> dict[str, Any]:
     """Each closed pause (``PauseOutcome``, in closing order) with the resume it preceded: the
     k-th pause of a session is followed by its turn k + 1. Resume TTFT by prefetch outcome, and
-    the client's own evidence of waste: resumes that still promoted pages after an on-time
-    prefetch (pages demoted again before use)."""
+    the client's own evidence of waste: resumes that still promoted pages after a prefetch (a
+    guard's included) was acknowledged before them (pages demoted again before use)."""
     turns = {(r.session, r.turn): r for r in records}
     seen: dict[str, int] = {}
     by_outcome: dict[str, list[float]] = {}
@@ -301,7 +326,9 @@ def join_outcomes(records: list[TurnRecord], outcomes: list[Any], page_size: int
             wasted.append({"tool": outcome.tool, "tier": outcome.tier.label, "outcome": outcome.outcome,
                            "actual_ms": outcome.actual_ms, "predicted_ms": outcome.predicted_ms,
                            "lead_ms": outcome.lead_ms, "wasted_bytes": outcome.wasted_bytes})
-        if outcome.outcome == "on_time" and record.promoted_tokens > 0:
+        # Any prefetch acknowledged before the Route, a kept session's guard included: pages it
+        # brought or held that the turn still had to promote went down again before use.
+        if outcome.lead_ms is not None and outcome.lead_ms >= 0 and record.promoted_tokens > 0:
             num_wasted += 1
             wasted_bytes += -(-record.promoted_tokens // page_size) * page_bytes
     return {
@@ -309,8 +336,8 @@ def join_outcomes(records: list[TurnRecord], outcomes: list[Any], page_size: int
                                            "promoting": promoting.get(o, 0)}
                                        for o, v in sorted(by_outcome.items())},
         "prefetch_lead_ms": {"p01": pct(leads, 0.01), "p50": pct(leads, 0.5)} if leads else None,
-        "client_resumes_promoting_after_on_time_prefetch": num_wasted,
-        "client_promoted_bytes_after_on_time_prefetch": wasted_bytes,
+        "client_resumes_promoting_after_prefetch": num_wasted,
+        "client_promoted_bytes_after_prefetch": wasted_bytes,
         "wasted_pauses": wasted,
     }
 
@@ -438,7 +465,8 @@ async def _session(
             return  # failed twice: the session stops here (counted in request_errors)
         u = final.usage
         out.append(TurnRecord(policy, plan.session_id, k, u.prompt_tokens, min(cacheable, u.prompt_tokens),
-                              u.cached_tokens, u.promoted_tokens, u.recomputed_tokens, (first - start) * 1e3))
+                              u.cached_tokens, u.promoted_tokens, u.recomputed_tokens, (first - start) * 1e3,
+                              final.ttft_ms, start - t0))
         sent_before = len(context) + len(output) - 1  # the last output token's KV is never computed
         context = context + output
         if turn.tool is None:
@@ -538,7 +566,11 @@ async def run_policy(policy: str, workload: Workload, model: Path, state_dir: Pa
     return run, hbm_pages
 
 
-async def run_all(spec: WorkloadSpec, policies: tuple[str, ...] = POLICIES, log: Any = None) -> dict[str, Any]:
+async def run_all(
+    spec: WorkloadSpec, policies: tuple[str, ...] = POLICIES, log: Any = None, *, keep_turns: bool = False
+) -> dict[str, Any]:
+    """Every policy on the same workload. ``keep_turns``: also return each policy's turn records
+    and closed pauses under ``turns`` (for ``--records``: what the summary is computed from)."""
     import ray
 
     from kvtier.model.loader import write_random_checkpoint
@@ -561,6 +593,11 @@ async def run_all(spec: WorkloadSpec, policies: tuple[str, ...] = POLICIES, log:
                     summary["prefetch"] = {**run.prefetch, **join_outcomes(
                         run.records, run.outcomes, spec.page_size, _page_bytes(WORKLOAD_MODEL_CONFIG, spec.page_size))}
                 result["policies"][policy] = summary
+                if keep_turns:
+                    result.setdefault("turns", {})[policy] = {
+                        "records": [dataclasses.asdict(r) for r in run.records],
+                        "pauses": [_outcome_dict(o) for o in run.outcomes],
+                    }
                 if log is not None:
                     log(f"{policy:>13}: resume TTFT p50 {summary['resume_ttft_ms']['p50']:.1f} ms, "
                         f"p99 {summary['resume_ttft_ms']['p99']:.1f} ms, wall {run.wall_s:.1f} s")
@@ -580,6 +617,14 @@ async def run_all(spec: WorkloadSpec, policies: tuple[str, ...] = POLICIES, log:
         "tools": [dataclasses.asdict(t) for t in TOOLS],
     }
     return result
+
+
+def _outcome_dict(outcome: Any) -> dict[str, Any]:
+    """A ``PauseOutcome`` as plain values (tiers and sources by label)."""
+    d = {f.name: getattr(outcome, f.name) for f in dataclasses.fields(outcome)}
+    d["tier"] = outcome.tier.label
+    d["source"] = None if outcome.source is None else getattr(outcome.source, "name", str(outcome.source))
+    return d
 
 
 # --------------------------------------------------------------------------- output
@@ -668,6 +713,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lower-tier", choices=LOWER_TIERS, default="nvme",
                         help="the tiered policies' tier below HBM (default nvme: see the module doc)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.add_argument("--records", type=Path,
+                        help="write every turn's record and every closed pause, per policy, to this JSON file")
     args = parser.parse_args(argv)
     spec = WorkloadSpec.quick() if args.quick else WorkloadSpec()
     spec.lower_tier, spec.seed = args.lower_tier, args.seed
@@ -679,7 +726,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown policies {sorted(unknown)}; choose from {', '.join(POLICIES)}")
     import sys
 
-    result = asyncio.run(run_all(spec, policies, log=lambda m: print(m, file=sys.stderr, flush=True)))
+    result = asyncio.run(run_all(spec, policies, log=lambda m: print(m, file=sys.stderr, flush=True),
+                                 keep_turns=args.records is not None))
+    if args.records:
+        args.records.parent.mkdir(parents=True, exist_ok=True)
+        args.records.write_text(json.dumps(result.pop("turns", {}), indent=1, default=str))
     if args.plot:
         write_plot(result, args.plot)
     if args.json:

@@ -85,8 +85,8 @@ def test_summarize_and_headline() -> None:
 
 
 def test_pauses_join_the_turns_they_preceded() -> None:
-    """The k-th closed pause of a session precedes its turn k + 1; an on-time prefetch whose
-    turn still promoted pages is the client's evidence of waste."""
+    """The k-th closed pause of a session precedes its turn k + 1; a prefetch acknowledged
+    before the turn that still promoted pages is the client's evidence of waste."""
 
     def pause(session: str, outcome: str, lead_ms: float | None) -> PauseOutcome:
         return PauseOutcome(session, "search", Tier.NVME, 4, 4 << 20, outcome, 0, 500.0, 520.0, None, lead_ms)
@@ -102,6 +102,6 @@ def test_pauses_join_the_turns_they_preceded() -> None:
     by = joined["resume_ttft_ms_by_prefetch"]
     assert by["on_time"]["n"] == 2 and by["on_time"]["promoting"] == 1
     assert by["late"] == {"n": 1, "p50": 95.0, "p99": 95.0, "promoting": 1}
-    assert joined["client_resumes_promoting_after_on_time_prefetch"] == 1  # a/s0's turn 2
-    assert joined["client_promoted_bytes_after_on_time_prefetch"] == 2 << 20
+    assert joined["client_resumes_promoting_after_prefetch"] == 1  # a/s0's turn 2
+    assert joined["client_promoted_bytes_after_prefetch"] == 2 << 20
     assert joined["prefetch_lead_ms"]["p50"] in (150.0, 200.0)

@@ -184,3 +184,85 @@ async def test_a_session_kept_in_hbm_is_held_there_until_its_turn(worker, flushe
         assert stats.num_kept_in_hbm == 1 and stats.num_demoted == 0 and stats.num_prefetched == 0
         last = orchestrator.outcomes[-1]
         assert last.outcome == Outcome.KEPT and last.num_pages == 0 and last.wasted_bytes == 0
+
+
+@in_module_loop
+async def test_holds_share_a_capped_room_where_prefetched_pages_outrank_kept_ones(
+    worker, flushed_redis_url, tmp_path, monkeypatch
+):
+    """Holds keep at most MAX_HELD_FRACTION of HBM. At the cap, a hold on pages a prefetch copied
+    up displaces a guard's (pages that never left): dropping the latter costs at most what the
+    worker demotes meanwhile, dropping the former wastes the copy. A guard never displaces it."""
+    import kvtier.worker.engine_loop as engine_loop
+
+    namespace = worker.engine.namespace
+    digest = namespace_digest(namespace)
+    async with cluster(worker, flushed_redis_url, tmp_path) as (_, client):
+        histories = {}
+        for session, prompt in (("s-kept", [4, 8, 15, 16, 23, 42, 4, 8, 15, 16, 23]),
+                                ("s-paid", [9, 18, 27, 36, 45, 54, 63, 72, 81, 90, 99])):
+            out, _ = await client.complete(namespace, prompt, GREEDY, session_id=session)
+            histories[session] = history_keys(worker, prompt + out)
+        # Room for one session's 4 pages and a half: two holds do not fit together.
+        monkeypatch.setattr(engine_loop, "MAX_HELD_FRACTION", 6 / worker.engine.pool.num_pages)
+        loop = worker.loop
+        kept_id, paid_id = engine_loop._hold_id("s-kept"), engine_loop._hold_id("s-paid")
+        guard = await loop.prefetch(digest, (), "s-kept", hold_s=30.0)  # all in HBM: a guard
+        assert guard.num_moved == 0 and kept_id in loop._pins
+        await demote_all(worker)
+        assert tiers_of(worker, histories["s-kept"]) == [Tier.HBM] * 4  # held
+        assert Tier.DRAM in tiers_of(worker, histories["s-paid"])
+        paid = await loop.prefetch(digest, (), "s-paid", hold_s=30.0)
+        assert paid.num_moved > 0
+        assert paid_id in loop._pins and kept_id not in loop._pins  # displaced
+        assert tiers_of(worker, histories["s-paid"]) == [Tier.HBM] * 4
+        # A guard does not displace a paid hold: it is simply not taken.
+        await loop.prefetch(digest, (), "s-kept", hold_s=30.0)
+        assert paid_id in loop._pins and kept_id not in loop._pins
+        await demote_all(worker)
+        assert tiers_of(worker, histories["s-paid"]) == [Tier.HBM] * 4
+        for session in histories:
+            await client.end(session)
+        assert not [p for p in loop._pins if p.startswith(engine_loop.HOLD_PREFIX)]
+        assert (await worker.loop.check_integrity()).is_ok
+
+
+@in_module_loop
+async def test_pages_a_prefetch_left_below_are_topped_up_before_the_turn(worker, flushed_redis_url, tmp_path):
+    """A page of the chain in the middle of another move stops a prefetch there (a child may not
+    rise above its parent): the rest would be promoted on the request path. The orchestrator
+    tops the prefetch up shortly after, and the turn finds its whole history in HBM."""
+    from polling import wait_for
+
+    namespace = worker.engine.namespace
+    async with cluster(worker, flushed_redis_url, tmp_path, margin_ms=1_500.0, topup_delay_ms=50.0) as (
+        controller, client
+    ):
+        prompt = [5, 10, 20, 40, 80, 160, 200, 240, 11, 22, 33]
+        out, _ = await client.complete(namespace, prompt, GREEDY, session_id="s-topup")
+        history = prompt + out
+        keys = history_keys(worker, history)
+        assert (await client.pause("s-topup", tool="slow", expected_ms=60_000)).parked_tier is Tier.DRAM
+        assert tiers_of(worker, keys) == [Tier.DRAM] * 4
+        third = worker.engine.index.get(keys[2])
+
+        def set_moving(value: bool) -> None:
+            third.moving = value
+            if not value:
+                worker.engine.index.requeue(third)
+
+        await worker.loop._call(lambda: set_moving(True))  # as if another transfer were carrying it
+        await client.returning("s-topup", eta_ms=2_000)
+        await prefetched(controller.orchestrator, "s-topup")
+        assert tiers_of(worker, keys) == [Tier.HBM, Tier.HBM, Tier.DRAM, Tier.DRAM]
+        await worker.loop._call(lambda: set_moving(False))  # that move is over
+        await wait_for(lambda: tiers_of(worker, keys) == [Tier.HBM] * 4, what="the top-up of the skipped pages")
+
+        _, final = await client.complete(namespace, history + [7, 8], GREEDY, session_id="s-topup")
+        assert final.usage.promoted_tokens == 0 and final.usage.cached_tokens == 16
+        stats = controller.orchestrator.stats
+        assert (stats.num_on_time, stats.num_late, stats.wasted_bytes) == (1, 0, 0)
+        assert stats.moved[("prefetch", "dram", "hbm")][0] == 4  # 2 pages, then the other 2
+        assert controller.orchestrator.outcomes[-1].num_pages == 4
+        await client.end("s-topup")
+        assert (await worker.loop.check_integrity()).is_ok

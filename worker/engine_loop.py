@@ -179,6 +179,13 @@ class _Pin:
     digest: NamespaceDigest
     nodes: list[RadixNode]  # the pinned nodes, one radix pin each
     expires_at_ms: int | None
+    # Session holds only: whether the prefetch behind it copied pages up (a guard's did not).
+    is_paid: bool = False
+
+    def hold_rank(self) -> tuple[bool, float]:
+        """A session hold's claim on the capped room for holds, strongest first: pages a prefetch
+        paid to copy up before those of a guard, then the session due back first."""
+        return (not self.is_paid, float("inf") if self.expires_at_ms is None else self.expires_at_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -990,11 +997,14 @@ class EngineLoop:
             # Not once the session's next generation has finished (it released the hold and
             # cached its pages as usual) or the session ended meanwhile.
             if self._sessions.get(session) is pages:
-                self._hold_session(digest, session, chain, hold_s)
+                self._hold_session(digest, session, chain, hold_s, is_paid=ticket.outcome.num_moved > 0)
 
         self._track(ticket, done, hold)
 
-    def _hold_session(self, digest: NamespaceDigest, session: SessionId, chain: list[RadixNode], hold_s: float) -> None:
+    def _hold_session(
+        self, digest: NamespaceDigest, session: SessionId, chain: list[RadixNode], hold_s: float,
+        *, is_paid: bool = False,
+    ) -> None:
         """Keep a prefetched session's pages in HBM until it is back (at most ``hold_s``).
 
         A prefetch lands ahead of the session's return; idle, and last touched before
@@ -1003,30 +1013,64 @@ class EngineLoop:
         (leaves leave first), in ``_pins`` under the session's hold id, so it lapses with the
         other pins, and goes when the session's next generation finishes or the session ends.
 
-        Holds together keep at most ``MAX_HELD_FRACTION`` of HBM: beyond that a session's
-        pages compete as usual. Held pages cannot make room, and an HBM full of them leaves
-        every other page (the turns just finished, the prefetches still to come) to eviction.
+        Holds together keep at most ``MAX_HELD_FRACTION`` of HBM: held pages cannot make room,
+        and an HBM full of them leaves every other page (the turns just finished, the
+        prefetches still to come) to eviction. Within that room a hold whose prefetch copied
+        pages up (``is_paid``) outranks a guard's (its pages never left: losing the hold costs
+        at most what the worker demotes meanwhile, where a paid hold's pages would have been
+        copied up for nothing), and among equals the session due back first wins
+        (``_Pin.hold_rank``); a new hold displaces weaker ones until it fits, or is not taken.
         """
         self._release_pin(_hold_id(session))
         index = self.engine.index
         held = next((n for n in reversed(chain) if index.get(n.key) is n and n.tier is Tier.HBM and not n.moving),
                     None)
-        if held is None or self._held_pages() + held.depth > MAX_HELD_FRACTION * self.engine.pool.num_pages:
+        if held is None:
+            log.info("session not held: none of its pages is in HBM", extra={"session_id": session})
             return
+        pin = _Pin(digest, [held], round(time.time() * 1000.0 + hold_s * 1000.0), is_paid=is_paid)
+        room = MAX_HELD_FRACTION * self.engine.pool.num_pages
+        weaker = sorted(
+            (p for p, h in self._pins.items() if p.startswith(HOLD_PREFIX) and h.hold_rank() > pin.hold_rank()),
+            key=lambda p: self._pins[p].hold_rank(), reverse=True)  # the weakest goes first
+        displaced: list[PinId] = []
+        held_keys = self._held_keys()
+        while self._num_new_held(held, held_keys) + len(held_keys) > room and len(displaced) < len(weaker):
+            displaced.append(weaker[len(displaced)])
+            held_keys = self._held_keys(excluding=set(displaced))
+        if self._num_new_held(held, held_keys) + len(held_keys) > room:
+            log.info("session not held: holds are at their cap", extra={
+                "session_id": session, "num_pages": held.depth, "num_held": len(held_keys), "is_paid": is_paid})
+            return
+        for pin_id in displaced:
+            self._release_pin(pin_id)
+            log.debug("session hold displaced", extra={"pin_id": pin_id, "by_session_id": session})
         index.pin(held.key)
-        self._pins[_hold_id(session)] = _Pin(digest, [held], round(time.time() * 1000.0 + hold_s * 1000.0))
+        self._pins[_hold_id(session)] = pin
+        log.info("session held", extra={"session_id": session, "num_pages": held.depth, "num_held": len(held_keys),
+                                        "hold_ms": round(hold_s * 1000.0), "is_paid": is_paid})
 
-    def _held_pages(self) -> int:
+    def _held_keys(self, excluding: set[PinId] | None = None) -> set[PageKey]:
         """Pages the session holds keep in HBM: each held page and its ancestors, shared ones once."""
         held: set[PageKey] = set()
         for pin_id, pin in self._pins.items():
-            if not pin_id.startswith(HOLD_PREFIX) or not pin.nodes:
+            if not pin_id.startswith(HOLD_PREFIX) or not pin.nodes or (excluding and pin_id in excluding):
                 continue
             node: RadixNode | None = pin.nodes[0]
             while node is not None and node.key not in held:
                 held.add(node.key)
                 node = node.parent
-        return len(held)
+        return held
+
+    @staticmethod
+    def _num_new_held(node: RadixNode, held: set[PageKey]) -> int:
+        """Pages a hold on ``node`` adds to ``held`` (a prefix shared with a held session counts once)."""
+        num = 0
+        current: RadixNode | None = node
+        while current is not None and current.key not in held:
+            num += 1
+            current = current.parent
+        return num
 
     def _remember_session(self, run: _Run, prompt: list[int], output: list[int]) -> None:
         assert run.request.session_id is not None
