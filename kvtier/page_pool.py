@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NewType
 
+import numpy as np
 import torch
 
 from kvtier.errors import IntegrityError
@@ -90,6 +91,12 @@ class PagePool:
         self._pins = [0] * num_pages
         self._cached = [False] * num_pages
         self._free: deque[PageId] = deque(PageId(i) for i in range(num_pages))
+        # A mirror of free-list membership, not a state of its own (check_integrity holds the
+        # two equal): a bytearray, as cheap to set as a list item, that numpy reads without
+        # a copy, so a transfer of thousands of pages checks them in one gather
+        # (``free_mask``) instead of one Python call per page.
+        self._is_free = bytearray(b"\x01") * num_pages
+        self._is_free_view = np.frombuffer(self._is_free, dtype=np.bool_)
         self._num_in_use = 0
         self._num_cached_idle = 0
         # Called when a cached page drops to ref 0 (the index may now evict it).
@@ -130,6 +137,10 @@ class PagePool:
     def is_pinned(self, page: PageId) -> bool:
         return self._pins[page] > 0
 
+    def free_mask(self, pages: np.ndarray) -> np.ndarray:
+        """Whether each of ``pages`` (an int array of valid ids) is free, in one gather."""
+        return self._is_free_view[pages]
+
     def is_shared(self, page: PageId) -> bool:
         """Another holder (a sequence or the index) could observe a write to this page."""
         return self._ref[page] > 1 or self._cached[page]
@@ -143,6 +154,7 @@ class PagePool:
         if not self._free:
             return None
         page = self._free.popleft()
+        self._is_free[page] = 0
         self._ref[page] = 1
         self._num_in_use += 1
         return page
@@ -168,6 +180,7 @@ class PagePool:
                     self.on_idle(page)
             else:
                 self._free.append(page)
+                self._is_free[page] = 1
 
     # ---- cache membership (called by the radix index only) ------------------------
     def mark_cached(self, page: PageId) -> None:
@@ -187,6 +200,7 @@ class PagePool:
         if self._ref[page] == 0:
             self._num_cached_idle -= 1
             self._free.append(page)
+            self._is_free[page] = 1
 
     # ---- pins ---------------------------------------------------------------------
     def pin(self, page: PageId) -> None:
@@ -231,6 +245,9 @@ class PagePool:
             if self._ref[page] != 0 or self._cached[page]:
                 problems.append(f"free page {page} has ref {self._ref[page]} cached={self._cached[page]}")
                 break
+        flagged = np.flatnonzero(self._is_free_view)
+        if len(flagged) != len(free) or not free.issuperset(flagged.tolist()):
+            problems.append(f"{len(flagged)} pages flagged free, {len(free)} in the free list")
         if in_use != self._num_in_use or cached_idle != self._num_cached_idle:
             problems.append(
                 f"counters drifted: in_use {self._num_in_use} (actual {in_use}), "

@@ -179,6 +179,85 @@ def test_unbuildable_kernel_falls_back_with_one_warning(monkeypatch, tmp_path, c
         page_copy.load_kernel()  # remembered: the same error, no second build
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    num_src=st.integers(1, 40),
+    num_dst=st.integers(1, 40),
+    page_elems=st.sampled_from([1, 100, 128, 1000, 8192]),
+    dtype=st.sampled_from(DTYPES),
+    part_pages=st.none() | st.integers(1, 7),
+    num_threads=st.integers(1, 3),
+    use_kernel=st.sampled_from([None, False]),
+)
+def test_indexed_copy_moves_the_named_pages_and_returns_their_checksums(
+    data, num_src, num_dst, page_elems, dtype, part_pages, num_threads, use_kernel
+):
+    src = random_pages(num_src, page_elems, dtype, seed=num_src * 41 + num_dst)
+    dst = random_pages(num_dst, page_elems, dtype, seed=7)
+    before = dst.clone()
+    n = data.draw(st.integers(0, num_dst))
+    dst_ids = np.array(data.draw(st.permutations(range(num_dst)))[:n], dtype=np.int64)
+    # Sources may repeat (one page copied to two places) and may run consecutively.
+    src_ids = np.array(data.draw(st.lists(st.integers(0, num_src - 1), min_size=n, max_size=n)), dtype=np.int64)
+    parts: list[int] = []
+    sums = page_copy.copy_pages_with_checksums(
+        src, dst, src_ids, dst_ids, part_pages=part_pages, before_part=parts.append,
+        num_threads=num_threads, use_kernel=use_kernel,
+    )
+    assert sums.dtype == np.uint64 and sums.shape == (n,)
+    assert sums.tolist() == page_checksums(src[src_ids]).numpy().view(np.uint64).tolist()
+    assert same_bytes(dst[dst_ids], src[src_ids])
+    untouched = np.setdiff1d(np.arange(num_dst), dst_ids)
+    assert same_bytes(dst[untouched], before[untouched])
+    assert parts == list(range(0, n, part_pages or max(n, 1)))
+
+
+def test_indexed_copy_stops_between_parts_when_the_hook_raises():
+    src = random_pages(10, 512, torch.float32, seed=11)
+    dst = torch.zeros_like(src)
+    out = np.zeros(10, dtype=np.uint64)
+
+    def stop_at_six(num_copied: int) -> None:
+        if num_copied >= 6:
+            raise InterruptedError
+
+    ids = np.arange(10)[::-1].copy()  # read-only or reversed ids are fine
+    with pytest.raises(InterruptedError):
+        page_copy.copy_pages_with_checksums(src, dst, ids, ids, out, part_pages=3, before_part=stop_at_six)
+    assert same_bytes(dst[ids[:6]], src[ids[:6]]) and not dst[ids[6:]].any()
+    assert out[:6].tolist() == page_checksums(src[ids[:6]]).numpy().view(np.uint64).tolist()
+    assert not out[6:].any()
+
+
+def test_the_indexed_op_checks_its_contract():
+    src, dst = random_pages(4, 256, torch.float32, seed=12), torch.zeros(6, 256)
+    ids = torch.tensor([0, 1, 2])
+    sums = torch.zeros(3, dtype=torch.int64)
+    op = torch.ops.kvtier_page.copy_checksum_pages
+    with pytest.raises(RuntimeError, match=r"src_pages\[1\] = 4 is out of range \[0, 4\)"):
+        op(src, dst, torch.tensor([0, 4, 1]), ids, sums, 0, 3, 0, 1)
+    with pytest.raises(RuntimeError, match=r"dst_pages\[2\] = -1 is out of range"):
+        op(src, dst, ids, torch.tensor([0, 1, -1]), sums, 0, 3, 0, 1)
+    with pytest.raises(RuntimeError, match="differ in length"):
+        op(src, dst, ids, torch.tensor([0, 1]), sums, 0, 3, 0, 1)
+    with pytest.raises(RuntimeError, match=r"range \[1, 4\) is not within"):
+        op(src, dst, ids, ids, sums, 1, 4, 0, 1)
+    with pytest.raises(RuntimeError, match="int64"):
+        op(src, dst, ids.int(), ids, sums, 0, 3, 0, 1)
+    with pytest.raises(RuntimeError, match="bytes"):
+        op(src, torch.zeros(6, 128), ids, ids, sums, 0, 3, 0, 1)
+    whole = torch.zeros(10, 256)
+    with pytest.raises(RuntimeError, match="overlap"):
+        op(whole[:6], whole[4:], ids, ids, sums, 0, 3, 0, 1)  # pools sharing pages 4 and 5
+    with pytest.raises(ValueError, match="3 source pages but 2"):
+        page_copy.copy_pages_with_checksums(src, dst, np.arange(3), np.arange(2))
+    with pytest.raises(ValueError, match="uint64"):
+        page_copy.copy_pages_with_checksums(src, dst, np.arange(3), np.arange(3), np.zeros(3, dtype=np.int64))
+    op(src, dst, ids, ids, sums, 1, 3, 0, 2)  # a range copies only its own pairs
+    assert not dst[0].any() and same_bytes(dst[1:3], src[1:3]) and sums[0] == 0
+
+
 GEOMETRY = PoolGeometry(num_layers=2, kv_heads=2, head_dim=8, page_size=4, dtype=torch.float16)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -254,6 +255,42 @@ def test_cancel_in_progress_reports_cancelled_and_stops_at_a_run_boundary(tiers)
     assert t.engine.stats().bytes_moved[(NVME, DRAM)] == GEOMETRY.page_bytes
 
 
+def test_cpu_copy_cancelled_in_progress_stops_between_parts(tiers):
+    # One page per part and a budget of one page a second: after its first part the job
+    # sleeps in the pacer, where cancel finds it running.
+    t = tiers(chunk_bytes=GEOMETRY.page_bytes, budget_bytes_per_s=GEOMETRY.page_bytes)
+    original = t.fill_hbm(seed=8)
+    pairs = [(i, 10 + i) for i in range(6)]
+    tr = t.engine.submit(HBM, DRAM, pairs, TransferReason.WATERMARK)
+    deadline = time.monotonic() + 30
+    while not torch.equal(t.dram.tensor[10], original[0]):
+        assert time.monotonic() < deadline, "the first part was never copied"
+        time.sleep(0.005)
+    assert t.engine.cancel(tr.transfer_id) is CancelOutcome.IN_PROGRESS
+    assert t.engine.wait_idle(timeout_s=30)
+    (done,) = t.engine.poll_completed()
+    assert done.status is TransferStatus.CANCELLED
+    copied = done.num_bytes // GEOMETRY.page_bytes
+    assert 1 <= copied < 6 and done.num_bytes == copied * GEOMETRY.page_bytes
+    assert not t.dram.tensor[10 + copied :].any()  # parts after the cancel never ran
+    t.check()
+
+
+def test_large_scattered_cpu_copy_in_many_parts_round_trips(tiers):
+    t = tiers(num_hbm=64, num_dram=64, chunk_bytes=5 * GEOMETRY.page_bytes, copy_threads=2)
+    original = t.fill_hbm(seed=9)
+    rng = np.random.default_rng(0)
+    pairs = np.stack([rng.permutation(64)[:50], rng.permutation(64)[:50]], axis=1)
+    down = t.run(HBM, DRAM, pairs)
+    assert down.is_ok and down.num_bytes == 50 * GEOMETRY.page_bytes
+    assert down.checksums == [page_checksum(original[s]) for s in pairs[:, 0].tolist()]
+    t.hbm.tensor.zero_()
+    up = t.run(DRAM, HBM, pairs[:, ::-1], TransferReason.PROMOTION_ON_HIT)
+    assert up.is_ok and up.verified == [True] * 50
+    assert torch.equal(t.hbm.tensor[pairs[:, 0]], original[pairs[:, 0]])
+    t.check()
+
+
 def test_concurrent_submitters_across_lanes(tiers):
     t = tiers(num_hbm=64, num_dram=64, num_slots=64)
     original = t.fill_hbm(seed=6)
@@ -344,14 +381,18 @@ def test_a_destination_can_be_the_target_of_one_pending_transfer(tiers):
     t = tiers(on_done=lambda d: gate.wait(timeout=30))
     first = t.engine.submit(HBM, DRAM, [(0, 0)], TransferReason.EVICTION)
     second = t.engine.submit(HBM, DRAM, [(1, 1)], TransferReason.EVICTION)
-    with pytest.raises(InvalidArgument, match="already the destination"):
+    with pytest.raises(InvalidArgument, match=f"already the destination of pending transfer {second.transfer_id}"):
         t.engine.submit(HBM, DRAM, [(2, 1)], TransferReason.EVICTION)
+    with pytest.raises(InvalidArgument, match="dram page 1 is already"):
+        t.engine.submit(HBM, DRAM, np.array([[3, 9], [2, 1]]), TransferReason.EVICTION)
+    third = t.engine.submit(HBM, DRAM, [(3, 9)], TransferReason.EVICTION)  # the refusal marked nothing
     t.engine.check_integrity()
     gate.set()
     assert t.engine.wait_idle(timeout_s=30)
     assert {d.transfer.transfer_id for d in t.engine.poll_completed()} == {
         first.transfer_id,
         second.transfer_id,
+        third.transfer_id,
     }
 
 
