@@ -247,6 +247,20 @@ class WorkerConfig:
     nvme_bytes: int = setting(0, "NVMe tier budget; 0 disables the tier", min=0, is_size=True)
     nvme_dir: Path | None = setting(None, "directory for NVMe page files; unset uses state_dir/nvme")
     max_model_len: int | None = setting(None, "longest sequence; unset uses the model's limit", min=1)
+    # Link emulation (kvtier.transfer's doc, decision 0011): a hardware stand-in for benchmarks
+    # on machines without a GPU, where "HBM" is host memory and its links cost nothing.
+    emulated_dram_link_bytes_per_s: float | None = setting(
+        None,
+        "benchmarks without a GPU only: emulate a PCIe link of this many bytes/s for HBM <-> DRAM "
+        "transfers (none completes sooner than bytes / rate after it starts); unset: no emulation",
+        min=0, min_open=True,
+    )
+    emulated_nvme_link_bytes_per_s: float | None = setting(
+        None,
+        "benchmarks without a GPU only: emulate a link of this many bytes/s for HBM <-> NVMe transfers "
+        "(DRAM <-> NVMe is the real disk, never emulated); unset: no emulation",
+        min=0, min_open=True,
+    )
     # The names of kvtier.eviction.POLICY_NAMES (not imported here: that module loads torch).
     eviction_policy: str = setting(
         "value", "which cached pages leave a tier first: value (restore cost x reuse, per byte) or lru",
@@ -280,8 +294,21 @@ class WorkerConfig:
     log_level: str = _log_level()
     log_json: bool = _log_json()
 
+    @property
+    def emulated_link_bytes_per_s(self) -> dict[str, float]:
+        """The emulated links by lower tier ("dram", "nvme"); {} when emulation is off."""
+        rates = {"dram": self.emulated_dram_link_bytes_per_s, "nvme": self.emulated_nvme_link_bytes_per_s}
+        return {tier: rate for tier, rate in rates.items() if rate is not None}
+
     def check(self) -> None:
         _check_tls(self, client_ca=True)
+        # Also for configs built directly (kvtier.stack), which skip load_config's range check.
+        for name in ("emulated_dram_link_bytes_per_s", "emulated_nvme_link_bytes_per_s"):
+            rate = getattr(self, name)
+            if rate is not None and not (
+                isinstance(rate, int | float) and not isinstance(rate, bool) and math.isfinite(rate) and rate > 0
+            ):
+                raise ConfigError(f"{name} must be a positive, finite number of bytes/s, got {rate!r}", field=name)
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,11 @@ class StackOptions:
     dram_bytes: int = 256 << 20
     nvme_bytes: int = 0
     eviction_policy: str = "value"  # WorkerConfig.eviction_policy of every worker
+    # Link emulation, benchmarks without a GPU only (WorkerConfig.emulated_*_link_bytes_per_s,
+    # decision 0011): every worker's HBM <-> DRAM / HBM <-> NVMe links at these bytes/s.
+    # None (the default): no emulation.
+    emulated_dram_link_bytes_per_s: float | None = None
+    emulated_nvme_link_bytes_per_s: float | None = None
     max_restarts: int = 2
     # Bearer-token auth for the stack (DESIGN §8): an admin and a worker token under
     # state_dir/auth (0600). `kvtier up` and `kvtier demo` turn it on; off by default for
@@ -169,10 +174,13 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
                 dram_bytes=options.dram_bytes,
                 nvme_bytes=options.nvme_bytes,
                 eviction_policy=options.eviction_policy,
+                emulated_dram_link_bytes_per_s=options.emulated_dram_link_bytes_per_s,
+                emulated_nvme_link_bytes_per_s=options.emulated_nvme_link_bytes_per_s,
                 state_dir=state_dir,
                 auth_token_file=auth.worker_token_file if auth else None,
                 auth_tokens_file=auth.table_file if auth else None,
             )
+            config.check()  # built directly, not by load_config: the field checks run here
             worker_id = f"worker-{i}"
             actor, address = await loop.run_in_executor(
                 None,

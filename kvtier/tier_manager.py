@@ -76,6 +76,9 @@ class TierConfig:
     # Anti-thrash budget for background demotion (promotions are never paced). On the
     # CPU the copy competes with decode for cores; on a GPU it rides a copy engine.
     demotion_budget_bytes_per_s: float | None = 256 << 20
+    # Link emulation for benchmarks on machines without a GPU (kvtier.transfer's doc, decision
+    # 0011): bytes/s per tier pair that touches HBM; None (the default) moves at memory speed.
+    link_bytes_per_s: dict[tuple[Tier, Tier], float] | None = None
     simulate: bool = False  # move pages in the index and pools only (no bytes, no files)
 
 
@@ -91,6 +94,7 @@ class TierCounters:
     disk_full_events: int = 0
     promotion_wait_s: float = 0.0
     promoted_pages: int = 0
+    spill_link_wait_s: float = 0.0  # synchronous moves waiting on an emulated link (engine thread)
 
     def moved(self, src: Tier, dst: Tier, num_pages: int, page_bytes: int) -> None:
         pair = (src, dst)
@@ -204,6 +208,7 @@ class TierManager:
         self.transfers = TransferEngine(
             self.hbm, self.dram, None if config.simulate else self.nvme,
             budget_bytes_per_s=config.demotion_budget_bytes_per_s,
+            link_bytes_per_s=None if config.simulate else config.link_bytes_per_s,
         )
         self.counters = TierCounters()
         self._pending: dict[TransferId, _Pending] = {}
@@ -315,6 +320,7 @@ class TierManager:
             if target is None:
                 return False
             checksum: int | None = None
+            started = time.monotonic()
             if self.config.simulate:
                 if dst is Tier.DRAM:
                     self._adopt_dram(PageId(target))
@@ -340,6 +346,8 @@ class TierManager:
                         self._mark_failing(Tier.NVME)
                         log.warning("nvme write failed, dropping instead: %s", exc)
                         return False
+            # A synchronous move off HBM crosses the same (emulated) link as a transfer does.
+            self.counters.spill_link_wait_s += self.transfers.hold_link(node.tier, dst, self.page_bytes, started)
             self.counters.moved(node.tier, dst, 1, self.page_bytes)
             src = node.tier
             node.moving = False
@@ -450,6 +458,10 @@ class TierManager:
                 chosen[node.key] = node
                 node = node.parent
         return sorted(chosen.values(), key=lambda n: -n.depth)
+
+    def num_leaving(self, tier: Tier) -> int:
+        """Pages of ``tier`` in background transfers to a slower tier: freed there once applied."""
+        return sum(len(p.nodes) for p in self._pending.values() if p.src is tier and p.dst > tier)
 
     def has_pending(self) -> bool:
         """Transfers started and not yet applied (finished ones wait for ``poll``)."""
@@ -639,11 +651,12 @@ class TierManager:
             self.index.requeue(node)
         return target
 
-    def start_prefetch(self, chain: Sequence[RadixNode]) -> MoveTicket:
+    def start_prefetch(self, chain: Sequence[RadixNode], *, for_request: bool = False) -> MoveTicket:
         """Start promoting the lower-tier pages of ``chain`` (root first) into HBM, where they
-        stay cached and idle once applied. Stops at the first page being moved by a transfer
-        (in any tier: an HBM ancestor on its way down may land before its children come up):
-        a child may not rise above its parent. Pages left below (no room, a page moving) are
+        stay cached and idle once applied (``for_request``: a request waits for them, the engine
+        loop's promotion before admission, so a promotion on hit at its priority). Stops at the
+        first page being moved by a transfer (in any tier: an HBM ancestor on its way down may
+        land before its children come up): a child may not rise above its parent. Pages left below (no room, a page moving) are
         skipped; so are those whose transfer fails or is cancelled."""
         ticket = MoveTicket(is_promotion=True)
         num_below = sum(1 for n in chain if n.tier is not Tier.HBM)
@@ -686,8 +699,9 @@ class TierManager:
             dsts = [int(pages[i]) for i in idx]
             # Above background demotions in the lanes; below a request's promotion on hit.
             transfer = self.transfers.submit(
-                tier, Tier.HBM, list(zip([n.page for n in nodes], dsts, strict=True)), TransferReason.PREFETCH,
-                priority=5,
+                tier, Tier.HBM, list(zip([n.page for n in nodes], dsts, strict=True)),
+                TransferReason.PROMOTION_ON_HIT if for_request else TransferReason.PREFETCH,
+                priority=10 if for_request else 5,
             )
             self._pending[transfer.transfer_id] = _Pending(nodes, dsts, tier, Tier.HBM, ticket)
             ticket.transfer_ids.append(transfer.transfer_id)

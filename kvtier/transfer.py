@@ -42,6 +42,26 @@ process two threads copied as fast as one; with it free, 5-10 % faster (memcpy's
 second thread gained 7-17 %, in rare runs up to 1.9x). Background demotions are paced
 anyway (``budget_bytes_per_s``): decode beside a 256 MiB demotion slowed 1.01-1.05x
 with two threads against 0.99-1.01x with one (decision 0005).
+
+Link emulation (``link_bytes_per_s``, off by default; ``kvtier.link_emulation``, decision
+0011): a stand-in for GPU
+hardware on machines without one, for benchmarks only, like a tool that sleeps. Here "HBM" is
+host memory, so HBM <-> DRAM is a memcpy as fast as attention reads and NVMe -> HBM costs what
+the disk costs; on a GPU both cross PCIe (~25 GB/s) or the NVMe (~7 GB/s), 100-400x slower
+than the 3 TB/s that attention reads. With a rate set for a pair that touches HBM, a
+transfer of that pair is acknowledged no sooner than ``bytes / rate`` after it started, the
+same for demotions, promotions on hit and prefetches. The real copy runs first at full speed
+(its bytes are in place, unacknowledged, as a GPU's DMA would leave them mid-flight); the job
+then waits on the link thread, not in its lane, so a long emulated write never holds up a read
+queued behind it (a GPU's copy engines and an NVMe's queues do not serialise that way). Each
+pair (direction) is one link whose rate is split evenly among the transfers on it (processor
+sharing, as concurrent DMA streams share PCIe): two concurrent promotions each get half, and
+a one-page move is not queued behind a 256-page demotion, as it would be with a FIFO booking.
+The time a transfer spent in its real copy counts as link time at the share it would have had.
+``cancel`` during the wait reports CANCELLED at once; ``close`` cancels what still waits.
+DRAM <-> NVMe is never emulated: that link is the real disk.
+
+    submit -> lane: real copy -> link thread: until its bytes are across (shared) -> done
 """
 
 from __future__ import annotations
@@ -53,7 +73,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NewType
 
@@ -65,6 +85,7 @@ from kvtier.checksum import page_checksums
 from kvtier.dram_pool import DramPool, aligned_host_tensor
 from kvtier.errors import IntegrityError, InvalidArgument
 from kvtier.hashing import NamespaceDigest, PageKey
+from kvtier.link_emulation import EmulatedLinks, check_link_rates
 from kvtier.nvme_pool import DiskFull, NvmeIOError, NvmePool, SlotId
 from kvtier.page_pool import PagePool
 from kvtier.tiers import Tier
@@ -82,6 +103,7 @@ CPU_CHUNK_BYTES = 32 << 20
 
 TransferId = NewType("TransferId", int)
 TierPair = tuple[Tier, Tier]
+
 
 
 class TransferReason(enum.Enum):
@@ -155,6 +177,7 @@ class TransferDone:
     run_s: float = 0.0
     error: Exception | None = None
     dst_released: bool = False
+    link_wait_s: float = 0.0  # of run_s, spent waiting on an emulated link after the real copy
 
     @property
     def latency_s(self) -> float:
@@ -251,6 +274,7 @@ class _Job:
     charged_bytes: int = 0  # of moved_bytes, already charged to the engine's budget
     dst_released: bool = False
     started_at: float = 0.0
+    result: TransferDone | None = None  # held while the job waits on an emulated link
 
 
 class _Lane:
@@ -322,8 +346,11 @@ class TransferEngine:
         copy_threads: int = 2,
         on_done: Callable[[TransferDone], None] | None = None,
         budget_bytes_per_s: float | None = None,
+        link_bytes_per_s: Mapping[TierPair, float] | None = None,
     ) -> None:
         self.budget_bytes_per_s = budget_bytes_per_s
+        self.link_bytes_per_s = check_link_rates(link_bytes_per_s)
+        self._links = EmulatedLinks(self.link_bytes_per_s, self._link_done) if self.link_bytes_per_s else None
         # One budget for the whole engine, shared by every background job on both lanes: the
         # time by which the bytes charged so far fit it (see _pace).
         self._pace_lock = threading.Lock()
@@ -493,14 +520,20 @@ class TransferEngine:
 
     # ---- cancellation, completion -----------------------------------------------------
     def cancel(self, transfer_id: TransferId) -> CancelOutcome:
+        on_link = False
         with self._lock:
             job = self._jobs.get(transfer_id)
             if job is None or job.done:
                 return CancelOutcome.NOT_PENDING
             if job.running:
                 job.cancel_requested = True
-                return CancelOutcome.IN_PROGRESS
-            job.done = True  # the lane skips it when popped
+                on_link = job.result is not None
+            else:
+                job.done = True  # the lane skips it when popped
+        if job.running:
+            if on_link and self._links is not None:  # the link thread reports it now
+                self._links.wake()
+            return CancelOutcome.IN_PROGRESS
         self._deliver(job, TransferDone(job.transfer, TransferStatus.CANCELLED, queued_s=self._age(job)))
         return CancelOutcome.BEFORE_START
 
@@ -533,6 +566,8 @@ class TransferEngine:
             self.cancel(tid)
         self._copy_lane.close()
         self._disk_lane.close()
+        if self._links is not None:  # what still waits on an emulated link: CANCELLED now
+            self._links.close()
 
     def check_integrity(self) -> None:
         with self._lock:
@@ -618,7 +653,12 @@ class TransferEngine:
             done = TransferDone(t, TransferStatus.OK, checksums, verified, job.moved_bytes)
         self._pace(job, wait=False)  # the last run's bytes: the next background job pays
         done.queued_s = queued_s
-        done.run_s = time.monotonic() - started
+        if done.status is TransferStatus.OK and self._wait_on_link(job, done):
+            return  # the link thread finishes it
+        self._finish(job, done)
+
+    def _finish(self, job: _Job, done: TransferDone) -> None:
+        done.run_s = time.monotonic() - job.started_at
         with self._lock:
             job.done = True
             # Decided under the lock: once cancel() has answered IN_PROGRESS, the result
@@ -626,6 +666,49 @@ class TransferEngine:
             if job.cancel_requested and done.status is TransferStatus.OK:
                 done.status = TransferStatus.CANCELLED
         self._deliver(job, done)
+
+    # ---- link emulation (module doc) --------------------------------------------------
+    def hold_link(self, src: Tier, dst: Tier, num_bytes: int, started_at: float) -> float:
+        """For a synchronous move the caller made itself (``TierManager``'s spill on the engine
+        thread): block until ``num_bytes``, moved since ``started_at`` (``time.monotonic()``),
+        are across the emulated ``src -> dst`` link; seconds waited (0 when not emulated)."""
+        if self._links is None or (src, dst) not in self.link_bytes_per_s or num_bytes <= 0:
+            return 0.0
+        arrived = threading.Event()
+        entered = time.monotonic()
+        if self._links.add((src, dst), num_bytes, started_at, event=arrived):
+            arrived.wait()
+        return time.monotonic() - entered
+
+    def _wait_on_link(self, job: _Job, done: TransferDone) -> bool:
+        """Hand a copied job to the link thread until its emulated link has carried its
+        bytes; False when it need not wait (no emulation, already slower, or cancelled)."""
+        t = job.transfer
+        pair = (t.src_tier, t.dst_tier)
+        rate = self.link_bytes_per_s.get(pair)
+        if self._links is None or rate is None or not job.moved_bytes:
+            return False
+        if time.monotonic() - job.started_at >= job.moved_bytes / rate:
+            return False
+        with self._lock:
+            if job.cancel_requested:
+                return False
+            job.result = done
+        if self._links.add(pair, job.moved_bytes, job.started_at, job=job):
+            return True
+        with self._lock:  # closed meanwhile
+            job.result = None
+            job.cancel_requested = True
+        return False
+
+    def _link_done(self, job: _Job, waited_s: float, closed: bool) -> None:
+        with self._lock:
+            done, job.result = job.result, None
+            if closed:
+                job.cancel_requested = True
+        assert done is not None, "a job on an emulated link holds its result"
+        done.link_wait_s = waited_s
+        self._finish(job, done)
 
     @staticmethod
     def _runs(pairs: np.ndarray, limit: int, *, by: str = "both") -> list[np.ndarray]:

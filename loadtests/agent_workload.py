@@ -1,7 +1,7 @@
 """Agent workload: one seeded multi-tenant, multi-turn, tool-calling workload under six policies.
 
     python -m loadtests.agent_workload [--json] [--plot PATH] [--quick] [--lower-tier nvme|dram]
-                                       [--records PATH]
+                                       [--records PATH] [--emulate-link | --link-gbps DRAM,NVME]
 
 Workload (``make_workload``, deterministic in ``seed``): ``num_tenants`` tenants, each with a
 shared system prompt; ``sessions_per_tenant`` sessions per tenant, staggered starts; each
@@ -26,6 +26,26 @@ Pressure and geometry — what makes the comparison mean something on a CPU:
   itself (25 GB/s against 3 TB/s of HBM). NVMe (O_DIRECT, ~1-1.5 GB/s here) is the tier whose
   link is slower than the memory attention reads, as PCIe is on a GPU, so reactive promotion
   shows in TTFT as it would there. ``--lower-tier dram`` runs the same workload on DRAM.
+
+Link emulation (``--emulate-link``; off by default; decision 0011). A hardware stand-in, like
+a tool that sleeps: every policy's worker acknowledges a transfer that touches HBM no sooner
+than ``bytes / rate`` after it started (``kvtier.transfer``'s doc; DRAM <-> NVMe stays the real
+disk), and the orchestrator plans with the same rate. The rates keep a GPU's ratio of the
+bandwidth attention reads at to its links, HBM 3 TB/s : PCIe 25 GB/s : NVMe 7 GB/s (H100/H200
+class, PCIe 4 x16, one fast NVMe), scaled to this machine's "HBM": host memcpy measured at
+28 GB/s (torch ``copy_`` of 256 MiB fp32, one thread, load 0.8). So PCIe becomes
+28e9 x 25/3000 = 233 MB/s (HBM <-> DRAM) and NVMe 28e9 x 7/3000 = 65 MB/s (HBM <-> NVMe): a
+15 MiB private context takes ~65 ms over the one and ~240 ms over the other, 2.5-10x a 25 ms
+resume, as a several-GiB context over PCIe or NVMe is several times a resume's prefill on a GPU.
+``--link-gbps DRAM,NVME`` sets other rates (GB/s). Everything else is unchanged, and the
+``--json`` output carries ``emulated_link`` (null when off) so no emulated number passes for an
+unemulated one. Per turn, ``--records`` has the TTFTs; per policy, ``engine_waits`` says how long
+the worker's engine thread waited on tier moves (``spill_link_wait_s``: synchronous spills'
+emulated link time, every running sequence stalled meanwhile). Under emulation a round trip
+through NVMe (a 21 MiB private context: ~0.7 s) is longer than most of these tools' pauses, so kvtier
+keeps nearly every session in HBM, where they do not all fit: the NVMe-only configuration
+shows what a slow tier cannot hide. ``--lower-tier dram`` (PCIe, ~0.2 s) is the one where
+parking and prefetch fit inside the pauses (decision 0011 has the numbers).
 
 How faithful this is to the issue, measured (``--records`` keeps every turn; issue #7 review,
 numbers in ``docs/decisions/0008-prefetch-timing.md``):
@@ -103,6 +123,13 @@ WORKLOAD_MODEL_CONFIG = {
 # checksums, as the engine moves pages (O_DIRECT NVMe; memcpy for DRAM).
 CPU_FLOPS_PER_S = 30e9
 CPU_LINK_BYTES_PER_S = {"nvme": 0.5e9, "dram": 8e9}
+# Link emulation (module doc): a GPU's bandwidths, and this machine's stand-in for its HBM.
+GPU_HBM_BYTES_PER_S, GPU_PCIE_BYTES_PER_S, GPU_NVME_BYTES_PER_S = 3e12, 25e9, 7e9
+HOST_MEMCPY_BYTES_PER_S = 28e9  # measured here: torch copy_ of 256 MiB fp32, one thread
+EMULATED_LINK_BYTES_PER_S = {
+    "dram": HOST_MEMCPY_BYTES_PER_S * GPU_PCIE_BYTES_PER_S / GPU_HBM_BYTES_PER_S,  # 233 MB/s
+    "nvme": HOST_MEMCPY_BYTES_PER_S * GPU_NVME_BYTES_PER_S / GPU_HBM_BYTES_PER_S,  # 65 MB/s
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +168,14 @@ class WorkloadSpec:
     warm_observations: int = 20  # kvtier's predictor history per (tenant, tool) before the run
     margin_ms: float = 100.0  # orchestrator: prefetch this long before the predicted return
     seed: int = 0
+    # Link emulation (module doc): bytes/s of HBM <-> DRAM and HBM <-> NVMe; None: off.
+    emulated_link_bytes_per_s: dict[str, float] | None = None
+
+    def link_rate(self) -> float:
+        """Bytes/s between HBM and the lower tier, as the orchestrator plans with it."""
+        if self.emulated_link_bytes_per_s is not None:
+            return self.emulated_link_bytes_per_s[self.lower_tier]
+        return CPU_LINK_BYTES_PER_S[self.lower_tier]
 
     @classmethod
     def quick(cls) -> WorkloadSpec:
@@ -384,6 +419,7 @@ def targets(head: dict[str, Any]) -> dict[str, bool | None]:
 class PolicyRun:
     records: list[TurnRecord] = field(default_factory=list)
     bytes_moved: dict[str, int] = field(default_factory=dict)
+    engine_waits: dict[str, float] = field(default_factory=dict)  # _tier_counters
     prefetch: dict[str, Any] = field(default_factory=dict)
     outcomes: list[Any] = field(default_factory=list)  # PauseOutcome per closed pause (hint policies)
     wall_s: float = 0.0
@@ -394,25 +430,29 @@ def _page_bytes(config: dict[str, Any], page_size: int) -> int:
     return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * page_size * 4
 
 
-def _tier_counters(actor: Any) -> dict[str, int]:
-    """Bytes per tier pair from the worker's TierManager (empty without lower tiers)."""
+def _tier_counters(actor: Any) -> tuple[dict[str, int], dict[str, float]]:
+    """Bytes per tier pair from the worker's TierManager (empty without lower tiers), and the
+    seconds its engine thread waited on tier moves: promotions on hit and synchronous spills'
+    emulated link time (every running sequence stalls meanwhile)."""
     import ray
 
-    def read(worker: Any) -> dict[str, int]:
+    def read(worker: Any) -> tuple[dict[str, int], dict[str, float]]:
         tiers = getattr(getattr(worker, "_engine", None), "tiers", None)
         if tiers is None:
-            return {}
+            return {}, {}
+        c = tiers.counters
+        waits = {"promotion_wait_s": round(c.promotion_wait_s, 3), "spill_link_wait_s": round(c.spill_link_wait_s, 3)}
         for _ in range(5):
             try:
-                return {f"{a.label}->{b.label}": n for (a, b), n in dict(tiers.counters.bytes_moved).items()}
+                return {f"{a.label}->{b.label}": n for (a, b), n in dict(c.bytes_moved).items()}, waits
             except RuntimeError:  # the engine thread changed the dict meanwhile
                 time.sleep(0.01)
-        return {}
+        return {}, waits
 
     try:
         return ray.get(actor.__ray_call__.remote(read), timeout=30)
     except Exception as exc:  # an older Ray without __ray_call__: report none
-        return {"unavailable": 0, "error": str(type(exc).__name__)}  # type: ignore[dict-item]
+        return {"unavailable": 0, "error": str(type(exc).__name__)}, {}  # type: ignore[dict-item]
 
 
 async def _session(
@@ -504,7 +544,7 @@ def orchestrator_params(spec: WorkloadSpec) -> Any:
     from kvtier.geometry import geometry_from_config
     from kvtier.tiers import Tier
 
-    rate = CPU_LINK_BYTES_PER_S[spec.lower_tier]
+    rate = spec.link_rate()
     lower = Tier.NVME if spec.lower_tier == "nvme" else Tier.DRAM
     bandwidth = {**CostModel().bandwidth_bytes_per_s, (Tier.HBM, lower): rate, (lower, Tier.HBM): rate}
     cost = CostModel.for_model(geometry_from_config(WORKLOAD_MODEL_CONFIG), page_size=spec.page_size,
@@ -525,11 +565,13 @@ def _policy_options(policy: str, spec: WorkloadSpec, workload: Workload, model: 
         hbm_pages = 2 * (ws + len(workload.sessions) * session_pages)
     lower_bytes = 4 * ws * page_bytes if policy in TIERED_POLICIES else 0
     predictor = PredictorParams(min_samples=1e9) if policy == "hints-only" else PredictorParams()
+    links = spec.emulated_link_bytes_per_s or {}
     return StackOptions(
         state_dir=state_dir / policy, model=model, page_size=spec.page_size, hbm_bytes=hbm_pages * page_bytes,
         dram_bytes=lower_bytes if spec.lower_tier == "dram" else 0,
         nvme_bytes=lower_bytes if spec.lower_tier == "nvme" else 0,
         eviction_policy="lru" if policy == "hbm-lru" else "value",
+        emulated_dram_link_bytes_per_s=links.get("dram"), emulated_nvme_link_bytes_per_s=links.get("nvme"),
         orchestrator_params=orchestrator_params(spec), predictor_params=predictor,
     ), hbm_pages
 
@@ -554,7 +596,7 @@ async def run_policy(policy: str, workload: Workload, model: Path, state_dir: Pa
             ))
             run.wall_s = time.perf_counter() - t0
         await asyncio.sleep(0.2)  # let the last commands' acks land
-        run.bytes_moved = await asyncio.get_running_loop().run_in_executor(
+        run.bytes_moved, run.engine_waits = await asyncio.get_running_loop().run_in_executor(
             None, _tier_counters, stack.workers[0].actor)
         if policy in HINT_POLICIES and orchestrator is not None:
             run.prefetch = prefetch_summary(orchestrator.stats)
@@ -587,7 +629,7 @@ async def run_all(
             for policy in policies:
                 run, hbm_pages = await run_policy(policy, workload, model, root)
                 summary = summarize(run.records)
-                summary.update(bytes_moved=run.bytes_moved, wall_s=round(run.wall_s, 2), hbm_pages=hbm_pages,
+                summary.update(bytes_moved=run.bytes_moved, engine_waits=run.engine_waits, wall_s=round(run.wall_s, 2), hbm_pages=hbm_pages,
                                request_errors=len(run.errors), first_errors=run.errors[:3])
                 if run.prefetch:
                     summary["prefetch"] = {**run.prefetch, **join_outcomes(
@@ -604,6 +646,7 @@ async def run_all(
         finally:
             ray.shutdown()
     result.update(headline(result["policies"]))
+    result["emulated_link"] = emulated_link_summary(spec)
     result["targets_met"] = targets(headline(result["policies"]))
     result["workload"] = {
         **dataclasses.asdict(spec), "num_sessions": len(workload.sessions),
@@ -634,6 +677,30 @@ def _fmt(v: Any, spec: str = ".1f") -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
+def emulated_link_summary(spec: WorkloadSpec) -> dict[str, Any] | None:
+    """What ``--json`` reports as ``emulated_link``: None for an unemulated run."""
+    if spec.emulated_link_bytes_per_s is None:
+        return None
+    return {
+        "bytes_per_s": dict(spec.emulated_link_bytes_per_s),
+        "gpu_ratio": {"hbm": GPU_HBM_BYTES_PER_S, "pcie": GPU_PCIE_BYTES_PER_S, "nvme": GPU_NVME_BYTES_PER_S},
+        "host_memcpy_bytes_per_s": HOST_MEMCPY_BYTES_PER_S,
+        "is_default_ratio": spec.emulated_link_bytes_per_s == EMULATED_LINK_BYTES_PER_S,
+    }
+
+
+def parse_link_gbps(text: str) -> dict[str, float]:
+    """``--link-gbps DRAM,NVME`` (GB/s, both positive) as bytes/s per lower tier."""
+    parts = text.split(",")
+    try:
+        dram, nvme = (float(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--link-gbps takes DRAM,NVME in GB/s (e.g. 0.233,0.065), got {text!r}") from None
+    if not all(math.isfinite(v) and v > 0 for v in (dram, nvme)):
+        raise argparse.ArgumentTypeError(f"--link-gbps rates must be positive, got {text!r}")
+    return {"dram": dram * 1e9, "nvme": nvme * 1e9}
+
+
 def table(result: dict[str, Any]) -> str:
     lower = result["workload"]["lower_tier"]
     down, up = f"hbm->{lower}", f"{lower}->hbm"
@@ -656,6 +723,9 @@ def table(result: dict[str, Any]) -> str:
                  f"kvtier/reactive p50: {_fmt(result['kvtier_over_reactive'], '.2f')}   "
                  f"prefetch on time: {_fmt(result['prefetch_on_time'], '.2f')}")
     lines.append("targets: " + ", ".join(f"{k}: {v}" for k, v in result["targets_met"].items()))
+    link = result.get("emulated_link")
+    lines.append("EMULATED LINK: " + ", ".join(f"hbm<->{t} {r / 1e6:.0f} MB/s" for t, r in link["bytes_per_s"].items())
+                 if link else "link: not emulated (host memory speed)")
     return "\n".join(lines)
 
 
@@ -713,6 +783,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lower-tier", choices=LOWER_TIERS, default="nvme",
                         help="the tiered policies' tier below HBM (default nvme: see the module doc)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    link = parser.add_mutually_exclusive_group()
+    link.add_argument("--emulate-link", action="store_true",
+                      help="emulate a GPU's PCIe and NVMe links at this machine's scale (module doc)")
+    link.add_argument("--link-gbps", type=parse_link_gbps, metavar="DRAM,NVME",
+                      help="emulate HBM<->DRAM and HBM<->NVMe links at these GB/s")
     parser.add_argument("--records", type=Path,
                         help="write every turn's record and every closed pause, per policy, to this JSON file")
     args = parser.parse_args(argv)
@@ -720,6 +795,10 @@ def main(argv: list[str] | None = None) -> int:
     spec.lower_tier, spec.seed = args.lower_tier, args.seed
     if args.margin_ms is not None:
         spec.margin_ms = args.margin_ms
+    if args.emulate_link:
+        spec.emulated_link_bytes_per_s = dict(EMULATED_LINK_BYTES_PER_S)
+    elif args.link_gbps is not None:
+        spec.emulated_link_bytes_per_s = args.link_gbps
     policies = tuple(p for p in args.policies.split(",") if p)
     unknown = set(policies) - set(POLICIES)
     if unknown:

@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import argparse
 import math
+
+import pytest
 
 from kvtier.controller.prefetch import Outcome, PauseOutcome, PrefetchStats
 from kvtier.tiers import Tier
 from loadtests.agent_workload import (
+    CPU_LINK_BYTES_PER_S,
+    EMULATED_LINK_BYTES_PER_S,
     WORKLOAD_MODEL_CONFIG,
     TurnRecord,
     WorkloadSpec,
     _page_bytes,
+    _policy_options,
+    emulated_link_summary,
     hbm_pages_for,
     headline,
     join_outcomes,
     make_workload,
     orchestrator_params,
+    parse_link_gbps,
     prefetch_summary,
     summarize,
     targets,
@@ -105,3 +113,30 @@ def test_pauses_join_the_turns_they_preceded() -> None:
     assert joined["client_resumes_promoting_after_prefetch"] == 1  # a/s0's turn 2
     assert joined["client_promoted_bytes_after_prefetch"] == 2 << 20
     assert joined["prefetch_lead_ms"]["p50"] in (150.0, 200.0)
+
+
+def test_link_emulation_keeps_the_gpu_ratio_and_reaches_every_policy(tmp_path) -> None:
+    """--emulate-link: PCIe and NVMe at a GPU's ratio to the memory attention reads (3 TB/s :
+    25 GB/s : 7 GB/s), every policy's workers get it, the planner uses it, the result says so."""
+    rates = EMULATED_LINK_BYTES_PER_S
+    assert rates["dram"] / rates["nvme"] == pytest.approx(25 / 7)
+    assert 100 < 28e9 / rates["dram"] < 400 and 100 < 28e9 / rates["nvme"] < 500
+    plain = WorkloadSpec.quick()
+    assert emulated_link_summary(plain) is None
+    emulated = WorkloadSpec.quick()
+    emulated.emulated_link_bytes_per_s = dict(rates)
+    assert emulated_link_summary(emulated)["bytes_per_s"] == rates
+    workload = make_workload(emulated, WORKLOAD_MODEL_CONFIG["vocab_size"])
+    for policy in ("recompute", "hbm-lru", "reactive", "hints-only", "kvtier", "infinite-hbm"):
+        options, _ = _policy_options(policy, emulated, workload, tmp_path / "model", tmp_path)
+        assert options.emulated_dram_link_bytes_per_s == rates["dram"]
+        assert options.emulated_nvme_link_bytes_per_s == rates["nvme"]
+        bandwidth = options.orchestrator_params.bandwidth_bytes_per_s
+        assert bandwidth[(Tier.NVME, Tier.HBM)] == bandwidth[(Tier.HBM, Tier.NVME)] == rates["nvme"]
+        unemulated, _ = _policy_options(policy, plain, workload, tmp_path / "model", tmp_path)
+        assert unemulated.emulated_dram_link_bytes_per_s is None is unemulated.emulated_nvme_link_bytes_per_s
+        assert unemulated.orchestrator_params.bandwidth_bytes_per_s[(Tier.NVME, Tier.HBM)] == CPU_LINK_BYTES_PER_S["nvme"]
+    assert parse_link_gbps("0.25,0.07") == {"dram": 0.25e9, "nvme": 0.07e9}
+    for bad in ("0.25", "0,1", "a,b", "1,-2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_link_gbps(bad)

@@ -220,3 +220,40 @@ def test_configs_are_frozen() -> None:
     config = load_config(WorkerConfig, env={})
     with pytest.raises(AttributeError):
         config.page_size = 32  # type: ignore[misc]
+
+
+def test_link_emulation_is_off_by_default_and_validated() -> None:
+    config = load_config(WorkerConfig, env={})
+    assert config.emulated_dram_link_bytes_per_s is None and config.emulated_nvme_link_bytes_per_s is None
+    assert config.emulated_link_bytes_per_s == {}
+    config = load_config(
+        WorkerConfig,
+        env={"KVTIER_EMULATED_NVME_LINK_BYTES_PER_S": "6.5e7"},
+        overrides={"emulated_dram_link_bytes_per_s": "2.4e8"},
+    )
+    assert config.emulated_link_bytes_per_s == {"dram": 2.4e8, "nvme": 6.5e7}
+    for bad in ("0", "-5"):
+        with pytest.raises(ConfigError, match="emulated_nvme_link_bytes_per_s must be > 0") as exc:
+            load_config(WorkerConfig, env={"KVTIER_EMULATED_NVME_LINK_BYTES_PER_S": bad})
+        assert exc.value.field == "emulated_nvme_link_bytes_per_s"
+    with pytest.raises(ConfigError, match="emulated_dram_link_bytes_per_s must be a number"):
+        load_config(WorkerConfig, overrides={"emulated_dram_link_bytes_per_s": "fast"})
+    with pytest.raises(ConfigError, match="positive, finite") as exc:
+        load_config(WorkerConfig, env={"KVTIER_EMULATED_DRAM_LINK_BYTES_PER_S": "inf"})
+    assert exc.value.field == "emulated_dram_link_bytes_per_s"
+    # Built directly (as kvtier.stack does), check() names the field too.
+    with pytest.raises(ConfigError, match="positive, finite") as exc:
+        WorkerConfig(emulated_nvme_link_bytes_per_s=0.0).check()
+    assert exc.value.field == "emulated_nvme_link_bytes_per_s"
+
+
+def test_worker_links_cover_both_directions() -> None:
+    from kvtier.tiers import Tier
+    from kvtier.worker.actor import emulated_links
+
+    config = WorkerConfig(emulated_dram_link_bytes_per_s=2e8, emulated_nvme_link_bytes_per_s=5e7)
+    assert emulated_links(config) == {
+        (Tier.HBM, Tier.DRAM): 2e8, (Tier.DRAM, Tier.HBM): 2e8,
+        (Tier.HBM, Tier.NVME): 5e7, (Tier.NVME, Tier.HBM): 5e7,
+    }
+    assert emulated_links(WorkerConfig()) == {}

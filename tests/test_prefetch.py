@@ -266,3 +266,119 @@ async def test_pages_a_prefetch_left_below_are_topped_up_before_the_turn(worker,
         assert controller.orchestrator.outcomes[-1].num_pages == 4
         await client.end("s-topup")
         assert (await worker.loop.check_integrity()).is_ok
+
+
+# --------------------------------------------------------------------------- promotion before admission
+
+
+def _loop_on_a_slow_link(tmp_path, pair=(Tier.HBM, Tier.DRAM), pages_per_s=20.0, num_pages=24, dram_pages=64):
+    """An engine loop whose ``pair`` link is emulated at ``pages_per_s`` (decision 0011)."""
+    from kvtier.worker.engine_loop import EngineLoop
+
+    ckpt = build_checkpoint(tmp_path / "llama", "llama", seed=6)
+    page_bytes = Engine.from_pretrained(ckpt, page_size=PAGE_SIZE, num_pages=4).geometry.page_bytes
+    slow = TierConfig(dram_pages=dram_pages, link_bytes_per_s={pair: pages_per_s * page_bytes})
+    engine = Engine.from_pretrained(ckpt, page_size=PAGE_SIZE, num_pages=num_pages, tier_config=slow)
+    loop = EngineLoop(engine)
+    loop.start()
+    return engine, loop, page_bytes
+
+
+@pytest.mark.asyncio
+async def test_a_request_waits_for_its_pages_outside_the_engine_while_others_decode(tmp_path):
+    """Promotion before admission (worker/engine_loop.py, decision 0011): with a slow (emulated)
+    DRAM -> HBM link, a request whose prompt was demoted waits for its pages while a running
+    sequence keeps decoding; it then reports them as promoted and generates what it would have."""
+    from kvtier.records import GenerateFinal, GenerateRequest, TokenChunk
+
+    # A DRAM -> HBM link of 4 pages a second: the 3 demoted pages take at least 0.75 s.
+    engine, loop, _ = _loop_on_a_slow_link(tmp_path, (Tier.DRAM, Tier.HBM), 4.0, num_pages=256, dram_pages=128)
+    prompt = tuple(range(3, 3 + 3 * PAGE_SIZE + 2))  # 3 full pages + 2 tokens
+    events: list[tuple[str, tuple[int, ...]]] = []
+
+    async def run(name: str, tokens: tuple[int, ...], max_tokens: int) -> GenerateFinal:
+        request = GenerateRequest(namespace=engine.namespace, prompt_token_ids=tokens,
+                                  sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        final = None
+        async for event in loop.submit(request):
+            if isinstance(event, TokenChunk):
+                events.append((name, event.token_ids))
+            else:
+                final = event
+        assert final is not None
+        return final
+
+    def output(name: str) -> list[int]:
+        return [t for n, ids in events if n == name for t in ids]
+
+    try:
+        cold = await run("cold", prompt, 4)
+        assert cold.usage.cached_tokens == 0
+        assert await loop._call(lambda: engine.tiers.demote_all(Tier.DRAM)) > 0
+        runner = asyncio.create_task(run("runner", tuple(range(100, 100 + 2 * PAGE_SIZE + 1)), 80))
+        while not output("runner"):
+            await asyncio.sleep(0.001)
+        warm = await run("warm", prompt, 4)
+        await runner
+        assert warm.usage.cached_tokens == warm.usage.promoted_tokens == 3 * PAGE_SIZE
+        assert warm.usage.cached_tokens_by_tier.dram_tokens == 3 * PAGE_SIZE
+        assert output("warm") == output("cold")  # deterministic resume after the round trip
+        # The runner kept decoding while the warm request waited for its pages (before the fix,
+        # the engine thread waited for the copy and nothing ran meanwhile).
+        first_warm = next(i for i, (name, _) in enumerate(events) if name == "warm")
+        warm_sent = next(i for i, (name, _) in enumerate(events) if name == "runner")
+        assert sum(len(ids) for name, ids in events[warm_sent + 1 : first_warm] if name == "runner") > 8
+        assert (await loop.check_integrity()).is_ok
+    finally:
+        await loop.close()
+        engine.tiers.close()
+
+
+async def _generate(loop, engine, prompt: tuple[int, ...]) -> None:
+    from kvtier.records import GenerateRequest
+
+    request = GenerateRequest(namespace=engine.namespace, prompt_token_ids=prompt,
+                              sampling=SamplingParams(max_tokens=2, ignore_eos=True))
+    async for _ in loop.submit(request):
+        pass
+
+
+@pytest.mark.asyncio
+async def test_a_request_that_needs_room_waits_for_a_background_demotion(tmp_path):
+    """Room before admission (worker/engine_loop.py, decision 0011): with HBM full of cached
+    pages and a slow (emulated) HBM -> DRAM link, a new request waits outside the engine while
+    pages are demoted in the background; the engine thread spills nothing synchronously."""
+    engine, loop, _ = _loop_on_a_slow_link(tmp_path)
+    try:
+        for first in range(0, 240, 30):  # 8 prompts of 4 pages (+ output) into 24 pages of HBM
+            await _generate(loop, engine, tuple(range(first, first + 4 * PAGE_SIZE)))
+        counters = engine.tiers.counters
+        assert counters.bytes_moved.get((Tier.HBM, Tier.DRAM), 0) > 0  # room was made
+        assert counters.spill_link_wait_s == 0.0  # and never by a spill on the engine thread
+        assert (await loop.check_integrity()).is_ok
+    finally:
+        await loop.close()
+        engine.tiers.close()
+
+
+@pytest.mark.asyncio
+async def test_a_commanded_prefetch_makes_room_in_the_background(tmp_path):
+    """A Prefetch into a full HBM (worker/engine_loop.py, decision 0011): room is made by a
+    background demotion before the pages come up, not by spills on the engine thread."""
+    engine, loop, page_bytes = _loop_on_a_slow_link(tmp_path)
+    try:
+        parked = tuple(range(200, 200 + 4 * PAGE_SIZE))
+        await _generate(loop, engine, parked)
+        assert await loop._call(lambda: engine.tiers.demote_all(Tier.DRAM)) > 0
+        waited = engine.tiers.counters.spill_link_wait_s  # demote_all's own synchronous copies
+        for first in range(0, 180, 30):  # HBM fills with other cached pages
+            await _generate(loop, engine, tuple(range(first, first + 4 * PAGE_SIZE)))
+        digest = namespace_digest(engine.namespace)
+        outcome = await loop.prefetch(digest, tuple(page_keys(digest, parked, PAGE_SIZE)), None)
+        assert outcome.num_moved == 4 and outcome.num_skipped == 0
+        assert engine.tiers.counters.bytes_moved[(Tier.HBM, Tier.DRAM)] > 5 * page_bytes  # room was made
+        assert engine.tiers.counters.spill_link_wait_s == waited  # never by a spill on the engine thread
+        assert (await loop.check_integrity()).is_ok
+    finally:
+        await loop.close()
+        engine.tiers.close()

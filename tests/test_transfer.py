@@ -469,3 +469,110 @@ def test_cuda_round_trip(tmp_path):
     assert torch.equal(hbm.tensor[:6], original[:6])
     engine.close()
     nvme.close()
+
+
+# ---- link emulation (decision 0011) ---------------------------------------------------
+PAGE = GEOMETRY.page_bytes
+
+
+@pytest.mark.parametrize(
+    "src, dst, reason",
+    [
+        (HBM, DRAM, TransferReason.EVICTION),
+        (DRAM, HBM, TransferReason.PROMOTION_ON_HIT),
+        (HBM, NVME, TransferReason.PARK),
+        (NVME, HBM, TransferReason.PREFETCH),
+    ],
+)
+def test_an_emulated_link_is_never_faster_than_its_rate(tiers, src, dst, reason):
+    rate = 40 * PAGE  # bytes/s: 8 pages take at least 0.2 s
+    t = tiers(link_bytes_per_s={(src, dst): rate})
+    original = t.fill_hbm(seed=7)
+    pairs = [(i, i) for i in range(8)]
+    if src is not HBM:  # put the pages in the source tier first (unemulated pairs: no wait)
+        slots = t.nvme.allocate_many(8) if src is NVME else None
+        down = t.to_nvme(HBM, [(i, s) for i, s in enumerate(slots)]) if slots else t.run(HBM, DRAM, pairs)
+        assert down.is_ok and down.link_wait_s == 0.0
+        pairs = [(s, i) for i, s in enumerate(slots)] if slots else pairs
+        t.hbm.tensor.zero_()
+    if dst is NVME:
+        slots = t.nvme.allocate_many(8)
+        done = t.to_nvme(HBM, [(i, s) for i, s in enumerate(slots)], reason=reason)
+    else:
+        done = t.run(src, dst, pairs, reason)
+    assert done.is_ok and done.num_bytes == 8 * PAGE
+    # A lower bound on the transfer's own latency, not a timed assertion on the test.
+    assert done.run_s >= 8 * PAGE / rate and done.latency_s >= 8 * PAGE / rate
+    assert done.link_wait_s > 0
+    if dst is HBM:
+        assert torch.equal(t.hbm.tensor[:8], original[:8])
+    t.check()
+
+
+def test_transfers_on_one_emulated_link_share_it(tiers):
+    rate = 40 * PAGE
+    t = tiers(link_bytes_per_s={(HBM, DRAM): rate, (DRAM, HBM): rate})
+    t.fill_hbm()
+    a = t.engine.submit(HBM, DRAM, [(i, i) for i in range(4)], TransferReason.EVICTION)
+    b = t.engine.submit(HBM, DRAM, [(i, i) for i in range(4, 8)], TransferReason.EVICTION)
+    assert t.engine.wait_idle(timeout_s=30)
+    done = {d.transfer.transfer_id: d for d in t.engine.poll_completed()}
+    assert done[a.transfer_id].is_ok and done[b.transfer_id].is_ok
+    # The link is shared: the last to finish waited for (about) both transfers' bytes, far
+    # more than its own 4 pages' 0.1 s (the 10 % is the real copy, credited at full rate).
+    slowest = max(d.latency_s for d in done.values())
+    assert slowest >= 0.9 * 8 * PAGE / rate
+    t.check()
+
+
+def test_dram_nvme_is_not_emulated_and_bad_rates_name_the_field():
+    hbm, dram = PagePool(4, GEOMETRY), make_dram_pool(4, GEOMETRY)
+    with pytest.raises(InvalidArgument, match="to or from HBM only") as exc:
+        TransferEngine(hbm, dram, link_bytes_per_s={(DRAM, NVME): 1e6})
+    assert exc.value.field == "link_bytes_per_s"
+    for bad in (0, -1.0, float("nan"), float("inf"), "fast"):
+        with pytest.raises(InvalidArgument, match="positive number of bytes/s") as exc:
+            TransferEngine(hbm, dram, link_bytes_per_s={(HBM, DRAM): bad})
+        assert exc.value.field == "link_bytes_per_s"
+
+
+def test_cancel_during_the_emulated_wait_reports_cancelled_at_once(tiers):
+    t = tiers(link_bytes_per_s={(NVME, HBM): 1.0 * PAGE})  # one page a second: 4 pages wait 4 s
+    t.fill_hbm(seed=3)
+    slots = t.nvme.allocate_many(4)
+    assert t.to_nvme(HBM, [(i, s) for i, s in enumerate(slots)]).is_ok
+    tr = t.engine.submit(NVME, HBM, [(s, 10 + i) for i, s in enumerate(slots)], TransferReason.PREFETCH)
+    while True:  # the real copy is done quickly; then the job waits on the link
+        with t.engine._lock:
+            job = t.engine._jobs[tr.transfer_id]
+            if job.result is not None:
+                break
+        time.sleep(0.001)
+    assert t.engine.cancel(tr.transfer_id) is CancelOutcome.IN_PROGRESS
+    assert t.engine.wait_idle(timeout_s=2.0)  # well before the 4 s the link would take
+    (done,) = t.engine.poll_completed()
+    assert done.status is TransferStatus.CANCELLED and not done.is_ok
+    assert t.engine.cancel(tr.transfer_id) is CancelOutcome.NOT_PENDING
+    t.check()
+
+
+def test_close_cancels_transfers_waiting_on_an_emulated_link(tiers):
+    t = tiers(link_bytes_per_s={(HBM, DRAM): 1.0 * PAGE})
+    t.fill_hbm()
+    tr = t.engine.submit(HBM, DRAM, [(i, i) for i in range(4)], TransferReason.EVICTION)
+    while t.engine.num_pending and t.engine._jobs[tr.transfer_id].result is None:
+        time.sleep(0.001)
+    t.engine.close()
+    (done,) = t.engine.poll_completed()
+    assert done.status is TransferStatus.CANCELLED
+    t.check()
+
+
+def test_a_synchronous_hold_waits_for_the_link_and_costs_nothing_unemulated(tiers):
+    rate = 40 * PAGE
+    t = tiers(link_bytes_per_s={(HBM, NVME): rate})
+    started = time.monotonic()
+    waited = t.engine.hold_link(HBM, NVME, 4 * PAGE, started)
+    assert time.monotonic() - started >= 4 * PAGE / rate and waited > 0
+    assert t.engine.hold_link(HBM, DRAM, 4 * PAGE, time.monotonic()) == 0.0  # not emulated
+    t.check()

@@ -48,6 +48,7 @@ from kvtier.rpc.server_options import advertised_host
 from kvtier.rpc.tls import ClientTls, secure_or_insecure_channel, server_credentials
 from kvtier.telemetry import Telemetry
 from kvtier.tier_manager import TierConfig
+from kvtier.tiers import Tier
 from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import WorkerServer, default_worker_id, serve_worker
 from kvtier.worker.sizing import size_hbm_pool
@@ -92,6 +93,8 @@ _FLAG_FIELDS: dict[str, str] = {
     "--dram-bytes": "dram_bytes",
     "--nvme-bytes": "nvme_bytes",
     "--nvme-dir": "nvme_dir",
+    "--emulated-dram-link-bytes-per-s": "emulated_dram_link_bytes_per_s",
+    "--emulated-nvme-link-bytes-per-s": "emulated_nvme_link_bytes_per_s",
     "--state-dir": "state_dir",
     "--auth-token-file": "auth_token_file",
     "--auth-tokens-file": "auth_tokens_file",
@@ -104,6 +107,16 @@ _FLAG_FIELDS: dict[str, str] = {
     "--otlp-endpoint": "otlp_endpoint",
     "--log-level": "log_level",
 }
+
+
+def emulated_links(config: WorkerConfig) -> dict[tuple[Tier, Tier], float]:
+    """The config's emulated links as the transfer engine takes them: both directions of
+    HBM <-> DRAM (PCIe) and of HBM <-> NVMe (kvtier.transfer's doc)."""
+    lower = {"dram": Tier.DRAM, "nvme": Tier.NVME}
+    links: dict[tuple[Tier, Tier], float] = {}
+    for name, rate in config.emulated_link_bytes_per_s.items():
+        links[(Tier.HBM, lower[name])] = links[(lower[name], Tier.HBM)] = rate
+    return links
 
 
 def worker_args(argv: Sequence[str] | None = None, *, env: Mapping[str, str] | None = None) -> WorkerArgs:
@@ -314,6 +327,7 @@ class WorkerActor:
             dram_pages=self.config.dram_bytes // geometry.page_bytes,
             nvme_slots=slots_for_bytes(self.config.nvme_bytes, geometry),
             nvme_dir=self.config.nvme_dir or Path(self.config.state_dir).expanduser() / "nvme" / self.worker_id,
+            link_bytes_per_s=emulated_links(self.config) or None,
         )
         self._engine = Engine(
             self._model,
@@ -335,6 +349,7 @@ class WorkerActor:
             "max_model_len": self._engine.max_model_len,
             "dram_pages": tier_config.dram_pages,
             "nvme_slots": tier_config.nvme_slots,
+            "emulated_link_bytes_per_s": self.config.emulated_link_bytes_per_s,
             "eviction_policy": self._engine.index.policy.name,
         }
         log.info("page pools allocated", extra=info)

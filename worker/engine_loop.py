@@ -57,6 +57,23 @@ holds in the pin's tier or a faster one, released exactly once: by ``unpin``, wh
 or when their namespace is invalidated. Pinning an id the loop already holds changes
 nothing (the controller sends every pin again when the link reconnects).
 
+Room and promotion before admission: a request whose cached prefix lies partly below HBM, or
+whose admission would find too few free HBM pages, waits *outside* the engine while the loop
+makes room in the background (a demotion of the coldest idle pages, the request's own pinned
+meanwhile) and brings its pages up (``TierManager.start_prefetch``, or the controller's prefetch
+already bringing them); it is added to the engine once both are done (at most
+``MAX_ADMISSION_WAIT_S``; after that, or when nothing can leave HBM, the engine makes room and
+promotes on admission, as before). The engine thread never waits on those copies, so running
+sequences keep decoding and other requests keep being admitted: a transfer on the request path
+costs its own request, not every request behind it. With an emulated GPU link (decision 0011) a
+13 MiB NVMe promotion takes ~200 ms and a spill ~16 ms a page; done on the engine thread they
+stalled every resume behind them (quick NVMe run: 2.5-5.4 s of spills per run, resumes that
+moved nothing took 1.9 s). One request's room-making or promotion runs at a time, in arrival
+order, as the synchronous path did: concurrent ones would share the link and all finish late.
+Its pages are reported as promoted tokens (and its wait as promotion wait), as a promotion on
+admission would be. A commanded Prefetch likewise waits for room made in the background before
+its pages come up (at most ``MAX_PREFETCH_ROOM_WAIT_S``); its ack comes once they are applied.
+
 Quotas and TTLs (``kvtier.quotas``, ``kvtier.ttls``): the engine enforces them before each
 step; while idle the loop runs the same bounded pass and wakes for the next TTL deadline.
 Pages they demote or drop leave as MOVE / DROP page events, like any other.
@@ -104,7 +121,7 @@ from kvtier.records import (
 )
 from kvtier.tier_manager import MoveOutcome, MoveTicket, TierManager
 from kvtier.tiers import Tier
-from kvtier.transfer import TransferDone
+from kvtier.transfer import TransferDone, TransferReason
 
 if TYPE_CHECKING:
     from kvtier.worker.metrics import WorkerMetrics
@@ -129,6 +146,12 @@ LOAD_PUBLISH_INTERVAL_S = 0.05
 MAX_SESSIONS = 1 << 16
 # While stale namespaces still have pages and the engine is busy, look for idle ones this often.
 RECLAIM_INTERVAL_S = 0.05
+# A request waiting outside the engine for its pages to come up (module doc) is added anyway
+# after this long; what is still below is then promoted on admission.
+MAX_ADMISSION_WAIT_S = 5.0
+# A commanded prefetch waits at most this long for room made in the background; then it makes
+# room on the engine thread, as before.
+MAX_PREFETCH_ROOM_WAIT_S = 1.0
 
 
 def new_run_id() -> RunId:
@@ -210,6 +233,14 @@ class _Run:
     # ---- engine thread
     first_token_at: float | None = None
     num_emitted: int = 0
+    # Promotion before admission (module doc): the prompt's full-page keys, when it waits.
+    page_keys: list[PageKey] | None = None
+    waiting_since: float = 0.0
+    promotion: MoveTicket | None = None  # the loop's own prefetch for it
+    below_hbm: dict[PageKey, Tier] = field(default_factory=dict)  # its pages' tier when seen below
+    promoted_tokens_by_tier: dict[Tier, int] = field(default_factory=dict)  # brought up before admission
+    promotion_wait_s: float = 0.0  # waited for them before admission
+    pinned: RadixNode | None = None  # its deepest HBM page while it waits for room
 
 
 @dataclass(slots=True)
@@ -249,6 +280,9 @@ class EngineLoop:
         self.num_cancelled = 0
         # ---- engine thread only
         self._runs: dict[str, _Run] = {}
+        self._awaiting: dict[str, _Run] = {}  # waiting for their pages before admission (module doc)
+        # Commanded prefetches waiting for room (``_prefetch``): a retry and the caller's future.
+        self._deferred: list[tuple[Callable[[], None], asyncio.Future[MoveOutcome]]] = []
         self._key_digest: dict[PageKey, NamespaceDigest] = {}
         self._roots: dict[NamespaceDigest, PageKey] = {}
         self._sessions: OrderedDict[SessionId, SessionPages] = OrderedDict()
@@ -497,7 +531,7 @@ class EngineLoop:
                         and not self._inbox.is_stopping
                         and not self.engine.has_unfinished()
                     ):
-                        if self._tier_work_pending():
+                        if self._tier_work_pending() or self._awaiting or self._deferred:
                             break
                         wait_s = self._idle_wait_s()
                         if wait_s is not None and wait_s <= 0:
@@ -509,14 +543,18 @@ class EngineLoop:
                     self._inbox.ops.clear()
                 for op in ops:
                     op()
+                if self._deferred:
+                    self._retry_deferred()
+                if self._awaiting:
+                    self._admit_awaiting()
                 if self._pins:
                     self._expire_pins()
                 if not self.engine.has_unfinished():
                     self.engine.enforce_limits()  # quotas and TTLs while idle (step() runs them when busy)
-                if not self.engine.has_unfinished() and self._tier_work_pending():
+                if not self.engine.has_unfinished() and (self._tier_work_pending() or self._awaiting or self._deferred):
                     # Idle, but transfers finished or are due: apply them without a request.
-                    assert self.engine.tiers is not None
-                    self.engine.tiers.maintain()
+                    if self.engine.tiers is not None:
+                        self.engine.tiers.maintain()
                     with self._cond:
                         if not self._inbox.ops and not self._inbox.is_stopping:
                             self._cond.wait(STALLED_WAIT_S)
@@ -547,7 +585,7 @@ class EngineLoop:
             self._fail_pending_calls()
 
     def _fail_all(self, error: KvtierError) -> None:
-        for run in list(self._runs.values()):
+        for run in [*self._runs.values(), *self._awaiting.values()]:
             try:
                 self._abort(run)
             except Exception:  # the engine may be broken; consumers must still hear
@@ -576,6 +614,110 @@ class EngineLoop:
     def _admit(self, run: _Run) -> None:
         request = run.request
         digest = self.engine.digest_for(request.namespace)
+        tiers = self.engine.tiers
+        if tiers is not None and not tiers.config.simulate:
+            # Checked now, so a bad request fails before any token even when it waits.
+            request.sampling.validate()
+            self.engine.validate_prompt(list(request.prompt_token_ids))
+            keys = page_keys(digest, request.prompt_token_ids, self.engine.pool.page_size)
+            chain = self._cached_chain(keys)
+            if any(n.tier is not Tier.HBM for n in chain) or self._room_short(run, chain) > 0:
+                run.page_keys, run.waiting_since = keys, time.monotonic()
+                self._awaiting[run.run_id] = run
+                self._admit_awaiting()
+                return
+        self._add(run, digest)
+
+    def _cached_chain(self, keys: list[PageKey]) -> list[RadixNode]:
+        chain: list[RadixNode] = []
+        for key in keys:
+            node = self.engine.index.get(key)
+            if node is None:
+                break
+            chain.append(node)
+        return chain
+
+    def _pin_chain(self, run: _Run, chain: list[RadixNode]) -> None:
+        """Pin the deepest of the request's pages in HBM (the chain above it stays) while it waits."""
+        deepest = next((n for n in reversed(chain) if n.tier is Tier.HBM and not n.moving), None)
+        if run.pinned is None and deepest is not None:
+            self.engine.index.pin(deepest.key)
+            run.pinned = deepest
+
+    def _unpin_chain(self, run: _Run) -> None:
+        if run.pinned is not None:
+            if self.engine.index.get(run.pinned.key) is run.pinned:
+                self.engine.index.unpin(run.pinned.key)
+            run.pinned = None
+
+    def _room_short(self, run: _Run, chain: list[RadixNode]) -> int:
+        """HBM pages the request's admission would have to free by spilling on the engine
+        thread: the pages it allocates (promoted, new, its first output's) beyond the free ones."""
+        ps = self.engine.pool.page_size
+        num_tokens = len(run.request.prompt_token_ids) + min(run.request.sampling.max_tokens, ps)
+        in_hbm = next((i for i, n in enumerate(chain) if n.tier is not Tier.HBM), len(chain))
+        return -(-num_tokens // ps) - in_hbm - self.engine.pool.num_free
+
+    def _admit_awaiting(self) -> None:
+        """Add each waiting request that has its room and its pages in HBM (module doc); for
+        the first that lacks either, start a background demotion or bring its pages up (once)."""
+        tiers = self.engine.tiers
+        assert tiers is not None
+        now = time.monotonic()
+        # One request's room-making or promotion at a time, in arrival order: concurrent ones
+        # share the link and all finish late; one after the other, the first waits only for its own.
+        is_promoting = any(r.promotion is not None and not r.promotion.is_done for r in self._awaiting.values())
+        lower = next((t for t in (Tier.DRAM, Tier.NVME) if tiers.is_usable(t)), None)
+        for run in list(self._awaiting.values()):
+            assert run.page_keys is not None
+            chain = self._cached_chain(run.page_keys)
+            below = [n for n in chain if n.tier is not Tier.HBM]
+            for node in below:
+                run.below_hbm.setdefault(node.key, node.tier)
+            is_waiting = now - run.waiting_since < MAX_ADMISSION_WAIT_S
+            if is_waiting and run.promotion is None and lower is not None:
+                # Make room first, in the background: a spill on allocation waits on the link
+                # with the engine thread (module doc). One request at a time, as promotions.
+                short = self._room_short(run, chain)
+                if short > 0:
+                    if is_promoting:
+                        continue
+                    is_promoting = True
+                    more = short - tiers.num_leaving(Tier.HBM)  # pages on their way out free room too
+                    if more <= 0:
+                        continue
+                    self._pin_chain(run, chain)  # its own pages are not the room it makes
+                    if tiers.demote(Tier.HBM, lower, more, TransferReason.WATERMARK) is not None:
+                        continue
+                    is_promoting = False  # nothing can leave HBM now: admit, as before
+            if below and is_waiting:
+                if any(n.moving for n in below):
+                    continue  # on their way up (the controller's prefetch, or ours): wait
+                if run.promotion is None:
+                    if is_promoting:
+                        continue
+                    run.promotion = tiers.start_prefetch(chain, for_request=True)
+                    if not run.promotion.is_done:
+                        is_promoting = True
+                        continue
+                    # Done at once: nothing could move (no room in HBM); promote on admission.
+                elif not run.promotion.is_done:
+                    continue
+            del self._awaiting[run.run_id]
+            self._unpin_chain(run)
+            for node in chain:
+                tier = run.below_hbm.get(node.key)
+                if tier is not None and node.tier is Tier.HBM:
+                    run.promoted_tokens_by_tier[tier] = run.promoted_tokens_by_tier.get(tier, 0) + self.engine.pool.page_size
+            if run.promoted_tokens_by_tier:
+                run.promotion_wait_s = now - run.waiting_since
+            try:
+                self._add(run, self.engine.digest_for(run.request.namespace))
+            except KvtierError as exc:
+                self._emit(run, exc)
+
+    def _add(self, run: _Run, digest: NamespaceDigest) -> None:
+        request = run.request
         self.engine.add_request(
             list(request.prompt_token_ids),
             request.sampling,
@@ -599,6 +741,11 @@ class EngineLoop:
         )
 
     def _abort(self, run: _Run) -> None:
+        if self._awaiting.pop(run.run_id, None) is not None:  # never reached the engine
+            self._unpin_chain(run)
+            self.num_cancelled += 1
+            log.info("generation cancelled before admission", extra={"run_id": run.run_id})
+            return
         if self._runs.pop(run.run_id, None) is None:
             return
         self.engine.abort(run.run_id)
@@ -631,6 +778,11 @@ class EngineLoop:
 
     def _final(self, run: _Run) -> GenerateFinal:
         result = self.engine.pop_result(run.run_id)
+        # Pages brought up before admission count as the engine's own promotions (module doc).
+        for tier, num in run.promoted_tokens_by_tier.items():
+            result.promoted_tokens_by_tier[tier] = result.promoted_tokens_by_tier.get(tier, 0) + num
+            result.num_promoted_tokens += num
+        result.promotion_wait_s += run.promotion_wait_s
         num_prompt = len(result.prompt_token_ids)
         num_cached = result.num_cached_tokens
         num_generated = len(result.token_ids)
@@ -984,9 +1136,17 @@ class EngineLoop:
 
     def _prefetch(
         self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None, hold_s: float | None,
-        done: asyncio.Future[MoveOutcome],
+        done: asyncio.Future[MoveOutcome], since: float | None = None,
     ) -> None:
         chain = self._resolve(digest, keys, session)
+        # Room first, in the background (module doc): the pages coming up need free HBM pages,
+        # and taking them by spilling would hold the engine thread on the link.
+        now = time.monotonic()
+        since = now if since is None else since
+        if now - since < MAX_PREFETCH_ROOM_WAIT_S and self._needs_room(sum(n.tier is not Tier.HBM for n in chain)):
+            self._moves.add(done)
+            self._deferred.append((lambda: self._prefetch(digest, keys, session, hold_s, done, since), done))
+            return
         ticket = self._tiers().start_prefetch(chain)
         if session is None or not hold_s:
             self._track(ticket, done)
@@ -1000,6 +1160,29 @@ class EngineLoop:
                 self._hold_session(digest, session, chain, hold_s, is_paid=ticket.outcome.num_moved > 0)
 
         self._track(ticket, done, hold)
+
+    def _needs_room(self, num_pages: int) -> bool:
+        """Fewer than ``num_pages`` free HBM pages: start a background demotion for the rest
+        (unless pages already on their way out cover it) and say so."""
+        tiers = self._tiers()
+        short = num_pages - self.engine.pool.num_free
+        if short <= 0:
+            return False
+        lower = next((t for t in (Tier.DRAM, Tier.NVME) if tiers.is_usable(t)), None)
+        more = short - tiers.num_leaving(Tier.HBM)
+        if more <= 0:
+            return True
+        return lower is not None and tiers.demote(Tier.HBM, lower, more, TransferReason.WATERMARK) is not None
+
+    def _retry_deferred(self) -> None:
+        """Commanded prefetches waiting for room (``_prefetch``), in order."""
+        deferred, self._deferred = self._deferred, []
+        for retry, done in deferred:
+            try:
+                retry()
+            except KvtierError as exc:  # the session or its pages went meanwhile: the caller hears
+                self._moves.discard(done)
+                _deliver(done.get_loop(), _set_exception, done, exc)
 
     def _hold_session(
         self, digest: NamespaceDigest, session: SessionId, chain: list[RadixNode], hold_s: float,
