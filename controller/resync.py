@@ -270,8 +270,8 @@ class DirectoryAccess:
         self._is_reachable = False
         self._set_health(DIRECTORY_SERVICE, False)
         log.warning(
-            "directory (Redis) unreachable; routing degraded and page events dropped until it returns",
-            extra={"error": self.last_error},
+            "directory (Redis) unreachable (%s); routing degraded and page events dropped until it returns",
+            self.last_error, extra={"error": self.last_error},
         )
 
     async def _probe(self) -> None:

@@ -214,7 +214,10 @@ async def test_redis_restart_under_load_degrades_routing_then_the_directory_conv
         valkey.stop()
     assert route_codes and set(route_codes) == {grpc.StatusCode.OK}, "Route must never fail"
     assert any(degraded) and not degraded[-1]
-    assert health == [SERVING, NOT_SERVING, SERVING]
+    # Down while Redis was, up at the end. A call that times out on a loaded machine right after
+    # the restart may mark it unreachable once more until the next probe (0.1 s): a report, not a
+    # fault, so a flap in between is allowed; the log line names the error.
+    assert health[:2] == [SERVING, NOT_SERVING] and health[-1] == SERVING
 
 
 async def status_of(address: str):
