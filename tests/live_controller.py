@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import contextlib
 
+from kvtier.client import AsyncClient
 from kvtier.config import ControllerConfig
 from kvtier.controller.server import serve_controller
+from kvtier.tiers import Tier
 from kvtier.worker.link import WorkerLink
 
 from polling import wait_for
 
 
 @contextlib.asynccontextmanager
-async def controller_at(redis_url, tmp_path, **config):
+async def controller_at(redis_url, tmp_path, orchestrator_params=None, **config):
     config = ControllerConfig(port=0, state_dir=tmp_path, **{"lease_ttl_s": 1.0, "heartbeat_interval_s": 0.5,
                                                              **config})
-    server = await serve_controller(config, redis_url=redis_url)
+    server = await serve_controller(config, redis_url=redis_url, orchestrator_params=orchestrator_params)
     try:
         yield server
     finally:
@@ -42,3 +44,15 @@ async def linked(controller, *servers):
     finally:
         for link in links:
             await link.stop()
+
+
+@contextlib.asynccontextmanager
+async def orchestrated(worker, redis_url, tmp_path, params=None, **config):
+    """A controller whose orchestrator runs with ``params``, ``worker`` linked to it, and a
+    client: ready once a heartbeat has shown the worker's DRAM tier (sessions can park there)."""
+    async with controller_at(redis_url, tmp_path, params, **config) as controller, linked(controller, worker):
+        entry = lambda: controller.registry.get(worker.worker_id)  # noqa: E731
+        await wait_for(lambda: entry() is not None and any(t.tier is Tier.DRAM for t in entry().tiers),
+                       what="registration and a heartbeat with the DRAM tier")
+        async with AsyncClient(controller.address) as client:
+            yield controller, client

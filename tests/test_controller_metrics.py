@@ -7,7 +7,6 @@ on loopback, real valkey), real worker (tiny checkpoint, ``serve_worker`` + ``Wo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 import urllib.request
 
@@ -15,18 +14,15 @@ import pytest
 import pytest_asyncio
 
 from kvtier import errors
-from kvtier.client import AsyncClient
-from kvtier.config import ControllerConfig
 from kvtier.controller.orchestrator import OrchestratorParams
-from kvtier.controller.server import serve_controller
 from kvtier.engine import Engine, SamplingParams
 from kvtier.records import TokenPrefix
 from kvtier.tier_manager import TierConfig
 from kvtier.tiers import Tier
-from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import serve_worker
 
 from hf_checkpoints import build_checkpoint
+from live_controller import orchestrated
 from polling import eventually
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -64,27 +60,10 @@ async def worker(tmp_path_factory):
     await server.stop(0)
 
 
-@contextlib.asynccontextmanager
-async def cluster(worker, redis_url, tmp_path, **params):
-    config = ControllerConfig(port=0, metrics_port=0, state_dir=tmp_path, lease_ttl_s=1.0, heartbeat_interval_s=0.5)
+def cluster(worker, redis_url, tmp_path, **params):
     # The test waits until the directory shows a move before routing, so no settling time.
     params = OrchestratorParams(directory_lag_ms=0.0, **params)
-    controller = await serve_controller(config, redis_url=redis_url, orchestrator_params=params)
-    link = WorkerLink(worker.loop, controller_address=controller.address, worker_id=worker.worker_id,
-                      address=worker.address, boot_id=worker.boot_id, heartbeat_interval_s=0.1,
-                      batch_interval_s=0.02, max_backoff_s=0.2)
-    link.start()
-    try:
-        async def registered() -> bool:
-            entry = controller.registry.get(worker.worker_id)
-            return entry is not None and any(t.tier is Tier.DRAM for t in entry.tiers)
-
-        await eventually(registered, what="registration and a heartbeat with the DRAM tier")
-        async with AsyncClient(controller.address) as client:
-            yield controller, client
-    finally:
-        await link.stop()
-        await controller.stop(0)
+    return orchestrated(worker, redis_url, tmp_path, params, metrics_port=0)
 
 
 async def scrape(port: int) -> str:

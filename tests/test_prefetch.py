@@ -7,26 +7,22 @@ ends, and a session kept in HBM is held there the same way (a guard prefetch at 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import pytest
 import pytest_asyncio
 
-from kvtier.client import AsyncClient
-from kvtier.config import ControllerConfig
 from kvtier.controller.orchestrator import OrchestratorParams
 from kvtier.controller.prefetch import Outcome, PauseOutcome, PrefetchStats, PromoteLatency
-from kvtier.controller.server import serve_controller
 from kvtier.controller.sessions import PrefetchState
 from kvtier.engine import Engine, SamplingParams
 from kvtier.hashing import namespace_digest, page_keys
 from kvtier.records import SessionState
 from kvtier.tier_manager import TierConfig
 from kvtier.tiers import Tier
-from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import serve_worker
 
 from hf_checkpoints import build_checkpoint
+from live_controller import orchestrated
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 
@@ -80,25 +76,8 @@ async def worker(tmp_path_factory):
     await server.stop(0)
 
 
-@contextlib.asynccontextmanager
-async def cluster(worker, redis_url, tmp_path, **params):
-    config = ControllerConfig(port=0, state_dir=tmp_path, lease_ttl_s=1.0, heartbeat_interval_s=0.5)
-    controller = await serve_controller(config, redis_url=redis_url, orchestrator_params=OrchestratorParams(**params))
-    link = WorkerLink(worker.loop, controller_address=controller.address, worker_id=worker.worker_id,
-                      address=worker.address, boot_id=worker.boot_id, heartbeat_interval_s=0.1,
-                      batch_interval_s=0.02, max_backoff_s=0.2)
-    link.start()
-    try:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 10
-        while not ((e := controller.registry.get(worker.worker_id)) and any(t.tier is Tier.DRAM for t in e.tiers)):
-            assert loop.time() < deadline, "the worker did not register with its DRAM tier"
-            await asyncio.sleep(0.01)
-        async with AsyncClient(controller.address) as client:
-            yield controller, client
-    finally:
-        await link.stop()
-        await controller.stop(0)
+def cluster(worker, redis_url, tmp_path, **params):
+    return orchestrated(worker, redis_url, tmp_path, OrchestratorParams(**params))
 
 
 def history_keys(worker, history):

@@ -10,17 +10,13 @@ pure pieces (tier choice, token bucket, timer queue) with a clock of their own."
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import pytest
 import pytest_asyncio
 import torch
 
 from kvtier import errors
-from kvtier.client import AsyncClient
-from kvtier.config import ControllerConfig
 from kvtier.controller.orchestrator import OrchestratorParams, TimerQueue, TokenBucket, choose_tier
-from kvtier.controller.server import serve_controller
 from kvtier.controller.sessions import ENDED_TTL_S, KEY_PREFIX, SessionRecord, SessionStore
 from kvtier.engine import Engine, SamplingParams
 from kvtier.eviction import CostModel
@@ -28,11 +24,10 @@ from kvtier.hashing import namespace_digest, page_keys
 from kvtier.records import SessionId, SessionState, TierOccupancy
 from kvtier.tier_manager import TierConfig
 from kvtier.tiers import Tier
-from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import serve_worker
 
 from hf_checkpoints import build_checkpoint, hf_logits, load_hf
-from polling import wait_for
+from live_controller import orchestrated
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 
@@ -56,23 +51,8 @@ async def worker(checkpoint):
     await server.stop(0)
 
 
-@contextlib.asynccontextmanager
-async def cluster(worker, redis_url, tmp_path, **params):
-    config = ControllerConfig(port=0, state_dir=tmp_path, lease_ttl_s=1.0, heartbeat_interval_s=0.5)
-    controller = await serve_controller(config, redis_url=redis_url, orchestrator_params=OrchestratorParams(**params))
-    link = WorkerLink(worker.loop, controller_address=controller.address, worker_id=worker.worker_id,
-                      address=worker.address, boot_id=worker.boot_id, heartbeat_interval_s=0.1,
-                      batch_interval_s=0.02, max_backoff_s=0.2)
-    link.start()
-    try:
-        entry = lambda: controller.registry.get(worker.worker_id)  # noqa: E731
-        await wait_for(lambda: entry() is not None and any(t.tier is Tier.DRAM for t in entry().tiers),
-                       what="registration and a heartbeat with the DRAM tier")
-        async with AsyncClient(controller.address) as client:
-            yield controller, client
-    finally:
-        await link.stop()
-        await controller.stop(0)
+def cluster(worker, redis_url, tmp_path, **params):
+    return orchestrated(worker, redis_url, tmp_path, OrchestratorParams(**params))
 
 
 def tiers_of(worker, keys):
