@@ -167,7 +167,9 @@ def _as_dict(holders: Holders) -> dict[int, int]:
 
 def _with_mask(holders: Holders | None, wid: int, mask: int) -> Holders | None:
     """``holders`` with ``wid``'s mask set (0: removed); None when nobody holds the page."""
-    table = {} if holders is None else _as_dict(holders)
+    if holders is None or isinstance(holders, int) and holders >> _MASK_BITS == wid:
+        return wid << _MASK_BITS | mask if mask else None  # the usual single holder: no dict on ingest
+    table = _as_dict(holders)
     if mask:
         table[wid] = mask
     else:

@@ -215,20 +215,18 @@ class Router:
         entries = self.registry.candidates(namespace)
         matched: dict[WorkerId, TokensByTier] = {}
         degraded: str | None = None
-        if entries:
-            digest, keys = prefix_page_keys(namespace, request.prefix)
-            if keys:
-                result, degraded = await self._lookup(digest, keys)
-                if result is not None:
-                    page_size = namespace.page_size
-                    matched = {m.worker: matched_tokens(m, page_size) for m in result.matches}
+        digest, keys = prefix_page_keys(namespace, request.prefix)  # once: the session bookkeeping uses them too
+        if entries and keys:
+            result, degraded = await self._lookup(digest, keys)
+            if result is not None:
+                page_size = namespace.page_size
+                matched = {m.worker: matched_tokens(m, page_size) for m in result.matches}
         affinity = self.registry.affinity(request.session_id) if request.session_id else None
         candidates = [Candidate(e.worker_id, e.address, WorkerLoad.of(e)) for e in entries]
         ranked = rank_workers(candidates, matched, self.params, affinity)
         if request.session_id and ranked:
             self.registry.set_affinity(request.session_id, ranked[0].worker_id)
         if request.session_id and self.on_session_route is not None:
-            digest, keys = prefix_page_keys(namespace, request.prefix)
             try:
                 top = ranked[0].worker_id if ranked else None
                 await self.on_session_route(
