@@ -82,6 +82,7 @@ Pages they demote or drop leave as MOVE / DROP page events, like any other.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 import uuid
@@ -667,7 +668,7 @@ class EngineLoop:
         # One request's room-making or promotion at a time, in arrival order: concurrent ones
         # share the link and all finish late; one after the other, the first waits only for its own.
         is_promoting = any(r.promotion is not None and not r.promotion.is_done for r in self._awaiting.values())
-        lower = next((t for t in (Tier.DRAM, Tier.NVME) if tiers.is_usable(t)), None)
+        has_lower = self._lower_tier() is not None
         for run in list(self._awaiting.values()):
             assert run.page_keys is not None
             chain = self._cached_chain(run.page_keys)
@@ -675,21 +676,18 @@ class EngineLoop:
             for node in below:
                 run.below_hbm.setdefault(node.key, node.tier)
             is_waiting = now - run.waiting_since < MAX_ADMISSION_WAIT_S
-            if is_waiting and run.promotion is None and lower is not None:
+            if is_waiting and run.promotion is None and has_lower:
                 # Make room first, in the background: a spill on allocation waits on the link
                 # with the engine thread (module doc). One request at a time, as promotions.
                 short = self._room_short(run, chain)
                 if short > 0:
                     if is_promoting:
                         continue
-                    is_promoting = True
-                    more = short - tiers.num_leaving(Tier.HBM)  # pages on their way out free room too
-                    if more <= 0:
+                    # Its own pages are not the room it makes: pinned before anything is demoted.
+                    if self._make_room(short, protect=functools.partial(self._pin_chain, run, chain)):
+                        is_promoting = True
                         continue
-                    self._pin_chain(run, chain)  # its own pages are not the room it makes
-                    if tiers.demote(Tier.HBM, lower, more, TransferReason.WATERMARK) is not None:
-                        continue
-                    is_promoting = False  # nothing can leave HBM now: admit, as before
+                    # Nothing can leave HBM now: admit, as before.
             if below and is_waiting:
                 if any(n.moving for n in below):
                     continue  # on their way up (the controller's prefetch, or ours): wait
@@ -1162,17 +1160,28 @@ class EngineLoop:
         self._track(ticket, done, hold)
 
     def _needs_room(self, num_pages: int) -> bool:
-        """Fewer than ``num_pages`` free HBM pages: start a background demotion for the rest
-        (unless pages already on their way out cover it) and say so."""
-        tiers = self._tiers()
+        """Fewer than ``num_pages`` free HBM pages, and room for them on its way (``_make_room``)."""
         short = num_pages - self.engine.pool.num_free
-        if short <= 0:
-            return False
-        lower = next((t for t in (Tier.DRAM, Tier.NVME) if tiers.is_usable(t)), None)
-        more = short - tiers.num_leaving(Tier.HBM)
+        return short > 0 and self._make_room(short)
+
+    def _lower_tier(self) -> Tier | None:
+        tiers = self._tiers()
+        return next((t for t in (Tier.DRAM, Tier.NVME) if tiers.is_usable(t)), None)
+
+    def _make_room(self, short: int, *, protect: Callable[[], None] | None = None) -> bool:
+        """Free ``short`` HBM pages in the background: True when pages already leaving HBM
+        cover them or a demotion of the coldest idle ones started (``protect`` runs first);
+        False when nothing can leave HBM now."""
+        tiers = self._tiers()
+        more = short - tiers.num_leaving(Tier.HBM)  # pages on their way out free room too
         if more <= 0:
             return True
-        return lower is not None and tiers.demote(Tier.HBM, lower, more, TransferReason.WATERMARK) is not None
+        lower = self._lower_tier()
+        if lower is None:
+            return False
+        if protect is not None:
+            protect()
+        return tiers.demote(Tier.HBM, lower, more, TransferReason.WATERMARK) is not None
 
     def _retry_deferred(self) -> None:
         """Commanded prefetches waiting for room (``_prefetch``), in order."""
