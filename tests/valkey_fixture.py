@@ -9,13 +9,17 @@ holds data you want to keep.
 from __future__ import annotations
 
 import os
+import random
+import socket
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 import redis
 import redis.asyncio as aredis
 
 from kvtier.embedded_redis import EmbeddedRedis
+from kvtier.errors import Unavailable
 
 ENV_URL = "KVTIER_TEST_REDIS_URL"
 
@@ -57,3 +61,34 @@ async def redis_client(flushed_redis_url: str) -> AsyncIterator[aredis.Redis]:
 
 
 __all__ = ["flushed_redis_url", "redis_client", "redis_url"]
+
+
+# -- a server a test stops and restarts itself -----------------------------------------------
+
+
+def free_port() -> int:
+    """A free port below Linux's ephemeral range (32768-60999), so no outgoing connection and no
+    port-0 bind can take it while the test restarts a server on it (nor connect to itself there)."""
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port in 20000-32000")
+
+
+def start_valkey(state_dir: Path, port: int) -> EmbeddedRedis:
+    """Start valkey on ``port`` (again). EmbeddedRedis forks with a ``preexec_fn``, which now and
+    then crashes the child (SIGSEGV before exec) in a process with many threads: try thrice."""
+    for attempt in range(3):
+        server = EmbeddedRedis(state_dir, port=port)
+        try:
+            server.start()
+            return server
+        except Unavailable:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")

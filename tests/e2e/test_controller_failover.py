@@ -17,9 +17,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 
@@ -35,9 +33,7 @@ from kvtier.config import ControllerConfig
 from kvtier.controller.directory import Directory, Outcome, PageEvent
 from kvtier.controller.leader import LEADER_KEY, LeaderLease
 from kvtier.controller.server import serve_controller
-from kvtier.embedded_redis import EmbeddedRedis
 from kvtier.engine import Engine, SamplingParams
-from kvtier.errors import Unavailable
 from kvtier.hashing import namespace_digest, page_keys, root_key
 from kvtier.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
 from kvtier.records import (
@@ -66,25 +62,11 @@ from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import serve_worker
 
 from polling import wait_for
+from valkey_fixture import free_port, start_valkey
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 PAGE_SIZE = 4
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def free_port() -> int:
-    """A free port below Linux's ephemeral range (32768-60999), so no outgoing connection and no
-    port-0 bind can take it while the test restarts a server on it (nor connect to itself there)."""
-    for _ in range(100):
-        port = random.randrange(20000, 32000)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise AssertionError("no free port in 20000-32000")
-
 
 
 @pytest.fixture(scope="module")
@@ -99,20 +81,6 @@ async def worker(checkpoint):
     )
     yield server
     await server.stop(0)
-
-
-def start_valkey(state_dir, port) -> EmbeddedRedis:
-    """Start valkey on ``port`` (again). EmbeddedRedis forks with a ``preexec_fn``, which now and
-    then crashes the child (SIGSEGV before exec) in a process with many threads: try thrice."""
-    for attempt in range(3):
-        server = EmbeddedRedis(state_dir, port=port)
-        try:
-            server.start()
-            return server
-        except Unavailable:
-            if attempt == 2:
-                raise
-    raise AssertionError("unreachable")
 
 
 async def directory_matches_inventory(reader: Directory, worker) -> bool:

@@ -30,7 +30,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -45,14 +44,15 @@ import torch
 
 from kvtier.client import AsyncClient
 from kvtier.controller.directory import Directory
-from kvtier.embedded_redis import EmbeddedRedis
 from kvtier.engine import Engine, SamplingParams
-from kvtier.errors import Unavailable
 from kvtier.hashing import NamespaceIdentity
 from kvtier.records import GenerateFinal, NamespaceInventory
 from kvtier.tiers import Tier
 from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import WorkerServer, serve_worker
+
+from valkey_fixture import free_port as free_port  # re-exported: the fault tests import them from here
+from valkey_fixture import start_valkey as start_valkey
 
 T = TypeVar("T")
 
@@ -274,32 +274,6 @@ async def stats_pages(client: AsyncClient, address: str) -> int:
 
 
 # --------------------------------------------------------------------------- processes
-
-
-def free_port() -> int:
-    """A free port below Linux's ephemeral range, so nothing else takes it between restarts."""
-    for _ in range(200):
-        port = random.randrange(20000, 32000)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise AssertionError("no free port in 20000-32000")
-
-
-def start_valkey(state_dir: Path, port: int) -> EmbeddedRedis:
-    """valkey-server on ``port`` (again). Its fork now and then fails in a threaded process: try thrice."""
-    for attempt in range(3):
-        server = EmbeddedRedis(state_dir, port=port)
-        try:
-            server.start()
-            return server
-        except Unavailable:
-            if attempt == 2:
-                raise
-    raise AssertionError("unreachable")
 
 
 @dataclass
