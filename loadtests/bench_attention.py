@@ -1,6 +1,7 @@
 """Decode attention: paged backends against dense SDPA over contiguous K/V.
 
     python -m loadtests.bench_attention [--json] [--iterations N]
+    python -m loadtests.bench_attention --device cuda --backend triton [--dtype bfloat16]
 
 The dense baseline is ``scaled_dot_product_attention`` on ``q [B, H, 1, D]`` and contiguous
 ``k/v [B, kv_heads, ctx, D]`` holding the same values as the pool. Two forms are timed,
@@ -10,6 +11,13 @@ paged pool are a random sample of a pool ``pool_slack`` times larger than needed
 ``num_layers`` layers, as a busy pool leaves them. Each iteration runs every variant
 back to back, so noise from other processes on a shared machine lands on all of them;
 ``paged_over_dense_decode`` is the median of the per-iteration ratios.
+
+``--device cuda`` builds the same pool, K/V and queries on the GPU (``--dtype`` defaults
+to bfloat16 there, float32 on CPU) and adds two larger geometries, since 8 sequences leave
+an H200 mostly idle. One CUDA sample is the mean of ``CUDA_CALLS_PER_SAMPLE`` back-to-back
+calls between two synchronisations: per-call host overhead (Python, kernel launches) is
+counted, as a serving loop without CUDA graphs pays it, but it overlaps the GPU work of
+the previous call instead of adding a synchronisation per call.
 """
 
 from __future__ import annotations
@@ -34,12 +42,24 @@ GEOMETRIES = (
     (8, 512, 8, 8),
     (8, 512, 16, 8),
 )
+CUDA_GEOMETRIES = (
+    (64, 4096, 32, 8),
+    (256, 1024, 32, 8),
+)
+CUDA_CALLS_PER_SAMPLE = 10
 
 
-def _time_ms(fn: Callable[[], object]) -> float:
+def _time_ms(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    torch.cuda.synchronize(device)
     start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
+    for _ in range(CUDA_CALLS_PER_SAMPLE):
+        fn()
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1e3 / CUDA_CALLS_PER_SAMPLE
 
 
 def measure_decode(
@@ -57,6 +77,8 @@ def measure_decode(
     backend: AttentionBackend | None = None,
     include_reference: bool = True,
     seed: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> dict:
     """Time one decode step (``num_seqs`` rows, each over ``context_len`` keys) three ways.
 
@@ -65,25 +87,30 @@ def measure_decode(
     thread count used by every variant, and ``max_abs_diff`` between paged and dense
     outputs as a sanity check.
     """
-    backend = backend or get_backend("auto", "cpu")
-    gen = torch.Generator().manual_seed(seed)
+    device = torch.device(device)
+    backend = backend or get_backend("auto", device, page_size=page_size)
+    gen = torch.Generator(device).manual_seed(seed)
     rng = random.Random(seed)
     pages_per_seq = -(-context_len // page_size)
     num_used = num_seqs * pages_per_seq
     num_pages = max(num_used, int(num_used * pool_slack))
-    pool = torch.zeros(num_pages, num_layers, 2, page_size, num_kv_heads, head_dim)
+    pool = torch.zeros(
+        num_pages, num_layers, 2, page_size, num_kv_heads, head_dim, dtype=dtype, device=device
+    )
     kv_layer = pool[:, num_layers - 1]
     page_ids = rng.sample(range(num_pages), num_used)
     tables = [page_ids[i * pages_per_seq : (i + 1) * pages_per_seq] for i in range(num_seqs)]
-    used = torch.tensor(page_ids)
-    kv_layer[used] = torch.randn(num_used, 2, page_size, num_kv_heads, head_dim, generator=gen)
+    used = torch.tensor(page_ids, device=device)
+    kv_layer[used] = torch.randn(
+        num_used, 2, page_size, num_kv_heads, head_dim, generator=gen, device=device
+    ).to(dtype)
 
-    md = AttentionMetadata.build([1] * num_seqs, [context_len] * num_seqs, tables, page_size)
-    q = torch.randn(num_seqs, num_heads, head_dim, generator=gen)
+    md = AttentionMetadata.build([1] * num_seqs, [context_len] * num_seqs, tables, page_size, device=device)
+    q = torch.randn(num_seqs, num_heads, head_dim, generator=gen, device=device).to(dtype)
     scale = head_dim**-0.5
 
     # Dense K/V with the same values, [B, kv_heads, ctx, D] contiguous.
-    table_t = torch.tensor(tables)
+    table_t = torch.tensor(tables, device=device)
     k = kv_layer[table_t, 0].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :context_len]
     v = kv_layer[table_t, 1].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :context_len]
     k = k.transpose(1, 2).contiguous()
@@ -105,7 +132,7 @@ def measure_decode(
         variants["paged_reference"] = lambda: reference.forward(q, kv_layer, md, scale)
 
     dense_out = variants["dense_gqa"]()[:, :, 0]
-    max_abs_diff = (variants["paged"]() - dense_out).abs().max().item()
+    max_abs_diff = (variants["paged"]().float() - dense_out.float()).abs().max().item()
 
     for _ in range(warmup):
         for fn in variants.values():
@@ -113,7 +140,7 @@ def measure_decode(
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(iterations):
         for name, fn in variants.items():
-            times[name].append(_time_ms(fn))
+            times[name].append(_time_ms(fn, device))
     dense_best = min(("dense_gqa", "dense_expanded"), key=lambda name: statistics.median(times[name]))
     ratios = [p / d for p, d in zip(times["paged"], times[dense_best], strict=True)]
 
@@ -124,7 +151,8 @@ def measure_decode(
         "num_kv_heads": num_kv_heads,
         "head_dim": head_dim,
         "page_size": page_size,
-        "dtype": "float32",
+        "device": device.type,
+        "dtype": str(dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "iterations": iterations,
         "backend": backend.name,
@@ -148,11 +176,20 @@ def main(argv: list[str] | None = None) -> None:
         "--no-reference", action="store_true", help="skip the (slow) gather-then-SDPA reference"
     )
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads for every variant")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "float16", "bfloat16"),
+        help="pool and query dtype (default: float32 on cpu, bfloat16 on cuda)",
+    )
     args = parser.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    geometries = GEOMETRIES + (CUDA_GEOMETRIES if device.type == "cuda" else ())
 
-    backend = get_backend(args.backend, "cpu")
+    backend = get_backend(args.backend, device, page_size=16)
     results = [
         measure_decode(
             seqs,
@@ -162,15 +199,21 @@ def main(argv: list[str] | None = None) -> None:
             iterations=args.iterations,
             backend=backend,
             include_reference=not args.no_reference,
+            device=device,
+            dtype=dtype,
         )
-        for seqs, ctx, heads, kv_heads in GEOMETRIES
+        for seqs, ctx, heads, kv_heads in geometries
     ]
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    print(f"backend={backend.name} threads={torch.get_num_threads()} fp32 page_size=16 (median ms)")
+    print(
+        f"backend={backend.name} device={device.type} threads={torch.get_num_threads()} "
+        f"{str(dtype).removeprefix('torch.')} page_size=16 (median ms)"
+    )
     header = (
         f"{'seqs x ctx':>11} {'H/kv':>6} {'dense':>16} {'paged':>8} {'reference':>10} {'paged/dense':>12}"
+        f" {'max|diff|':>10}"
     )
     print(header)
     for r in results:
@@ -178,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         ref = f"{r['paged_reference_ms']:.2f}" if "paged_reference_ms" in r else "-"
         print(
             f"{r['num_seqs']:>4} x {r['context_len']:<4} {r['num_heads']:>3}/{r['num_kv_heads']:<2} {dense:>16} "
-            f"{r['paged_ms']:>8.2f} {ref:>10} {r['paged_over_dense_decode']:>12.2f}"
+            f"{r['paged_ms']:>8.2f} {ref:>10} {r['paged_over_dense_decode']:>12.2f} {r['max_abs_diff']:>10.2e}"
         )
 
 

@@ -123,12 +123,9 @@ def test_reference_matches_dense_oracle(page_size: int, shape: str, num_heads: i
     torch.testing.assert_close(got, dense_oracle(batch, scale), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("use_fused", [False, True])
-def test_attention_reads_only_the_context_slots_of_its_layer(use_fused: bool, request) -> None:
-    backend = request.getfixturevalue("fused") if use_fused else ReferenceBackend()
-    batch = make_batch([2, 1, 20], [6, 9, 37], page_size=4, num_heads=4, kv_heads=2, head_dim=16)
-    # Everything is NaN except the slots holding each sequence's context on LAYER: other
-    # layers, spare pages, padding of block tables and the tail of each last page.
+def poisoned_outside_context(batch: Batch) -> torch.Tensor:
+    """A copy of the pool that is NaN except the slots holding each sequence's context on
+    LAYER: other layers, spare pages, padding of block tables and the tail of each last page."""
     poisoned = torch.full_like(batch.pool, float("nan"))
     page_size = batch.md.page_size
     for b, (k, v) in enumerate(zip(batch.keys, batch.values, strict=True)):
@@ -136,6 +133,14 @@ def test_attention_reads_only_the_context_slots_of_its_layer(use_fused: bool, re
             page = int(batch.md.block_tables[b, pos // page_size])
             poisoned[page, LAYER, 0, pos % page_size] = k[pos]
             poisoned[page, LAYER, 1, pos % page_size] = v[pos]
+    return poisoned
+
+
+@pytest.mark.parametrize("use_fused", [False, True])
+def test_attention_reads_only_the_context_slots_of_its_layer(use_fused: bool, request) -> None:
+    backend = request.getfixturevalue("fused") if use_fused else ReferenceBackend()
+    batch = make_batch([2, 1, 20], [6, 9, 37], page_size=4, num_heads=4, kv_heads=2, head_dim=16)
+    poisoned = poisoned_outside_context(batch)
     got = backend.forward(batch.q, poisoned[:, LAYER], batch.md, 0.25)
     torch.testing.assert_close(got, dense_oracle(batch, 0.25), atol=1e-5, rtol=1e-5)
 

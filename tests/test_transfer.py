@@ -260,6 +260,7 @@ def test_cpu_copy_cancelled_in_progress_stops_between_parts(tiers):
     # sleeps in the pacer, where cancel finds it running.
     t = tiers(chunk_bytes=GEOMETRY.page_bytes, budget_bytes_per_s=GEOMETRY.page_bytes)
     original = t.fill_hbm(seed=8)
+    t.dram.tensor.zero_()  # a pinned pool (any host with CUDA) starts uninitialised
     pairs = [(i, 10 + i) for i in range(6)]
     tr = t.engine.submit(HBM, DRAM, pairs, TransferReason.WATERMARK)
     deadline = time.monotonic() + 30

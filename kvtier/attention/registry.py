@@ -4,9 +4,11 @@
     torch-reference    any     nothing (gather + SDPA; the oracle)
     cpu-fused          cpu     a C++ compiler and ninja (built on first use, cached)
     flash-attn         cuda    flash-attn >= 2.6, fp16/bf16 pool, page_size % 256 == 0
+    triton             cuda    triton (any page size; fp32/fp16/bf16 pool)
 
-``auto`` takes the fastest one that works here: flash-attn on CUDA when importable (and the
-page size fits, if given), cpu-fused on CPU when its kernel builds, else torch-reference.
+``auto`` takes the fastest one that works here: on CUDA, flash-attn when importable (and the
+page size fits, if given), else triton when importable, else torch-reference; on CPU,
+cpu-fused when its kernel builds, else torch-reference.
 ``KVTIER_ATTENTION_BACKEND`` replaces ``auto`` (an explicit name passed by the caller wins,
 since it already is a configured choice). The resolved choice is logged once per process.
 """
@@ -41,12 +43,19 @@ def _flash_attn() -> AttentionBackend:
     return FlashAttnBackend()
 
 
+def _triton() -> AttentionBackend:
+    from kvtier.attention.triton_paged import TritonPagedBackend
+
+    return TritonPagedBackend()
+
+
 BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
     "torch-reference": ReferenceBackend,
     "cpu-fused": _cpu_fused,
     "flash-attn": _flash_attn,
+    "triton": _triton,
 }
-_DEVICE_TYPES = {"cpu-fused": "cpu", "flash-attn": "cuda"}
+_DEVICE_TYPES = {"cpu-fused": "cpu", "flash-attn": "cuda", "triton": "cuda"}
 
 _logged: set[tuple[str, str, str]] = set()
 _log_lock = threading.Lock()
@@ -60,12 +69,19 @@ def _auto(device: torch.device, page_size: int | None) -> tuple[str, str]:
     """Return (backend name, why) for ``auto`` on ``device``."""
     if device.type == "cuda":
         from kvtier.attention.cuda import FlashAttnBackend, flash_attn_installed
+        from kvtier.attention.triton_paged import load_kernels
 
         if not flash_attn_installed():
-            return "torch-reference", "flash-attn is not installed"
-        if page_size is not None and not FlashAttnBackend.supports(page_size):
-            return "torch-reference", f"flash-attn needs page_size % 256 == 0, pool has {page_size}"
-        return "flash-attn", "CUDA device with flash-attn"
+            no_flash = "flash-attn is not installed"
+        elif page_size is not None and not FlashAttnBackend.supports(page_size):
+            no_flash = f"flash-attn needs page_size % 256 == 0, pool has {page_size}"
+        else:
+            return "flash-attn", "CUDA device with flash-attn"
+        try:
+            load_kernels()
+        except FailedPrecondition as exc:
+            return "torch-reference", f"{no_flash}; {exc}"
+        return "triton", f"{no_flash}; triton kernels importable"
     if device.type == "cpu":
         from kvtier.attention.cpu_fused import load_kernel
 
