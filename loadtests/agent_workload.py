@@ -66,8 +66,8 @@ numbers in ``docs/decisions/0008-prefetch-timing.md``):
   chunked prefill), kvtier's planner learns a 2.6 s overhead and keeps every session in HBM:
   the run measures CPU saturation, not tiering. A tighter HBM (``hbm_sessions`` 3, quick: live
   set 1.2x HBM at the median resume) puts reactive at 1.9x infinite HBM and kvtier at 2.5x: its
-  holds (at most half of HBM, ~1.8 sessions) no longer cover the sessions due back. The
-  defaults are unchanged.
+  holds (then at most half of HBM, ~1.8 sessions, and never yielding) no longer covered the
+  sessions due back. The defaults are unchanged.
 
 Policies, each on a fresh local stack (1 worker, same checkpoint, same HBM size):
 

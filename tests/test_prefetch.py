@@ -361,3 +361,98 @@ async def test_a_commanded_prefetch_makes_room_in_the_background(tmp_path):
     finally:
         await loop.close()
         engine.tiers.close()
+
+
+# --------------------------------------------------------------------------- holds yield
+
+
+async def _session_turn(loop, engine, session: str, prompt: tuple[int, ...], max_tokens: int = 2) -> list[int]:
+    from kvtier.records import GenerateRequest, TokenChunk
+
+    request = GenerateRequest(namespace=engine.namespace, prompt_token_ids=prompt, session_id=session,
+                              sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return [t async for event in loop.submit(request) if isinstance(event, TokenChunk) for t in event.token_ids]
+
+
+def _keys(engine, prompt: tuple[int, ...]) -> list:
+    return page_keys(namespace_digest(engine.namespace), prompt, PAGE_SIZE)
+
+
+def _tiers_in(engine, keys) -> list:
+    return [engine.index.get(k).tier if engine.index.get(k) is not None else None for k in keys]
+
+
+@pytest.mark.asyncio
+async def test_holds_yield_to_a_waiting_request_the_session_due_back_last_first(tmp_path, monkeypatch):
+    """A hold is a prediction (worker/engine_loop.py ``_make_room``): when a request waiting for
+    admission needs room that the idle pages cannot give, held sessions yield it, the one due
+    back last first, and the room is still made in the background (no spill on the engine
+    thread). The session due back soon keeps every page in HBM."""
+    import kvtier.worker.engine_loop as engine_loop
+
+    monkeypatch.setattr(engine_loop, "MAX_HELD_FRACTION", 1.0)  # both holds fit: only yielding frees them
+    engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0)
+    try:
+        digest = namespace_digest(engine.namespace)
+        soon, late = tuple(range(1, 1 + 4 * PAGE_SIZE)), tuple(range(101, 101 + 4 * PAGE_SIZE))
+        await _session_turn(loop, engine, "s-soon", soon)
+        await _session_turn(loop, engine, "s-late", late)
+        for session, hold_s in (("s-soon", 5.0), ("s-late", 30.0)):  # guards: every page in HBM
+            assert (await loop.prefetch(digest, (), session, hold_s=hold_s)).num_moved == 0
+        held = {engine_loop._hold_id("s-soon"), engine_loop._hold_id("s-late")}
+        assert held <= set(loop._pins)
+        # Everything else in HBM is free: a prompt needing two pages more than that must take
+        # them from a held session.
+        num_free = engine.pool.num_free
+        big = tuple((40 + 3 * i) % 256 for i in range((num_free + 1) * PAGE_SIZE))  # + its first output's page
+        assert await _session_turn(loop, engine, "s-big", big)
+        assert engine.scheduler.num_preemptions == 0
+        assert engine_loop._hold_id("s-late") not in loop._pins  # yielded
+        assert engine_loop._hold_id("s-soon") in loop._pins
+        assert _tiers_in(engine, _keys(engine, soon)) == [Tier.HBM] * 4
+        assert Tier.DRAM in _tiers_in(engine, _keys(engine, late))  # moved down, not dropped
+        assert engine.tiers.counters.spill_link_wait_s == 0.0
+        assert (await loop.check_integrity()).is_ok
+    finally:
+        await loop.close()
+        engine.tiers.close()
+
+
+@pytest.mark.asyncio
+async def test_a_running_sequence_takes_a_held_page_instead_of_being_preempted(tmp_path, monkeypatch):
+    """A sequence that outgrows the free pages while the rest of HBM is held (scheduler
+    ``release_pin``): the hold yields and the sequence runs on, instead of being preempted
+    and recomputed; its output is the one a run without holds gives."""
+    import kvtier.worker.engine_loop as engine_loop
+    from kvtier.worker.engine_loop import EngineLoop
+
+    monkeypatch.setattr(engine_loop, "MAX_HELD_FRACTION", 1.0)
+    ckpt = build_checkpoint(tmp_path / "llama", "llama", seed=6)
+    prompt = tuple(range(7, 7 + 2 * PAGE_SIZE))
+
+    async def long_turn(held: bool) -> tuple[list[int], int]:
+        engine = Engine.from_pretrained(ckpt, page_size=PAGE_SIZE, num_pages=24, tier_config=TierConfig(dram_pages=64))
+        loop = EngineLoop(engine)
+        loop.start()
+        try:
+            if held:
+                parked = tuple(range(200, 200 + 5 * PAGE_SIZE))
+                await _session_turn(loop, engine, "s-held", parked)
+                digest = namespace_digest(engine.namespace)
+                await loop.prefetch(digest, (), "s-held", hold_s=30.0)
+                assert engine_loop._hold_id("s-held") in loop._pins
+            # Admitted with room for its prompt; its output then needs more pages than are free.
+            grow_to = engine.pool.num_free + 2
+            out = await _session_turn(loop, engine, "s-long", prompt, max_tokens=grow_to * PAGE_SIZE - len(prompt))
+            if held:
+                assert engine_loop._hold_id("s-held") not in loop._pins
+            assert (await loop.check_integrity()).is_ok
+            return out, engine.scheduler.num_preemptions
+        finally:
+            await loop.close()
+            engine.tiers.close()
+
+    out_held, preemptions = await long_turn(held=True)
+    assert preemptions == 0
+    out_free, _ = await long_turn(held=False)
+    assert out_held[: len(out_free)] == out_free[: len(out_held)] and len(out_held) > 0

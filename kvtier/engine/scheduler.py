@@ -16,6 +16,7 @@ resume by recompute — mostly prefix-cache hits.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier.engine.sequence import Sequence, SequenceStatus
@@ -59,6 +60,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_admission_waits = 0  # requests that found no room when first considered
+        # Pins that yield under pressure (a worker's session holds): with no page free or
+        # evictable, ``release_pin`` lets one go (True) before a sequence is preempted.
+        self.release_pin: Callable[[], bool] | None = None
 
     @property
     def page_size(self) -> int:
@@ -97,6 +101,9 @@ class Scheduler:
         page = self.pool.allocate()
         if page is None and self.index.evict(1, namespace=seq.namespace, num_pending=num_pending) == 1:
             page = self.pool.allocate()
+        while page is None and self.release_pin is not None and self.release_pin():
+            if self.index.evict(1, namespace=seq.namespace, num_pending=num_pending) == 1:
+                page = self.pool.allocate()
         return page
 
     def _try_admit(self, seq: Sequence) -> bool:
