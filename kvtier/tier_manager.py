@@ -22,6 +22,17 @@ Three paths, all applied to the radix index only once the bytes are where it say
 Every page held by a transfer carries an extra reference (HBM/DRAM) or a reserved slot
 (NVMe) until its ``TransferDone`` is applied, so nothing it reads can be reused.
 
+**DRAM copies of promoted pages (shadows).** A full KV page never changes, so a page promoted
+from DRAM keeps its DRAM page as a *shadow* (decision 0012): when it leaves HBM again — a
+spill, a watermark or room-making demotion, a commanded park — it is pointed back at that copy
+and no bytes cross the link (``TierCounters.demotions_without_copy``). A shadow is used only
+while its node is still that key's node, in HBM; it is freed when the node is dropped or leaves
+HBM another way, and it is the first thing a DRAM allocation takes (``_num_free`` counts shadows
+as free). In a batch, pages going back onto their copy are applied with the copied ones,
+deepest first, once the copy lands (a page may leave HBM only once nothing below it is faster).
+The directory never sees shadows: it learns of the move when it is applied, as for a copy.
+Simulated managers (trace replay) keep none, so replay's capacities mean what they did.
+
 ``TierConfig.simulate`` (trace replay, ``loadtests/replay.py``) keeps every decision and
 all page accounting but copies no bytes: NVMe is a slot counter without files, spills
 and promotions complete at once, and background demotion is off.
@@ -32,6 +43,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,6 +107,8 @@ class TierCounters:
     promotion_wait_s: float = 0.0
     promoted_pages: int = 0
     spill_link_wait_s: float = 0.0  # synchronous moves waiting on an emulated link (engine thread)
+    # HBM pages demoted onto the DRAM copy they were promoted from (no bytes moved; module doc)
+    demotions_without_copy: int = 0
 
     def moved(self, src: Tier, dst: Tier, num_pages: int, page_bytes: int) -> None:
         pair = (src, dst)
@@ -180,6 +194,9 @@ class _Pending:
     dst: Tier
     ticket: MoveTicket | None = None  # a commanded move's part: applied with the whole ticket
     done: TransferDone | None = None  # completed, waiting for the ticket's other parts
+    # HBM -> DRAM only: pages that go back onto their DRAM copy, no bytes copied; applied with
+    # the copied ones, deepest first (node, its HBM page held meanwhile, its DRAM copy).
+    shadowed: list[tuple[RadixNode, PageId, PageId]] = field(default_factory=list)
 
 
 class TierManager:
@@ -215,8 +232,14 @@ class TierManager:
         # A tier whose writes fail (disk full, I/O errors) gets no new pages for a while,
         # so the engine drops instead of retrying the same failing copy every step.
         self._failing_until: dict[Tier, float] = {}
+        # DRAM copies of HBM pages promoted from DRAM (module doc), oldest first; the node they
+        # belong to must still be that key's node, in HBM, for one to be used.
+        self._shadows: OrderedDict[PageKey, tuple[RadixNode, PageId]] = OrderedDict()
+        self._keep_shadow: RadixNode | None = None  # a promotion in progress keeps its DRAM page
         index.release_lower = self._release_lower
         index.spill = self.spill
+        index.on_remove.append(self._free_shadow)
+        index.on_move.append(self._on_moved)
         if self.nvme is not None:
             self._restore_nvme()
 
@@ -234,6 +257,10 @@ class TierManager:
     def _release_lower(self, node: RadixNode) -> None:
         if node.tier is Tier.DRAM:
             assert self.dram is not None
+            if node is self._keep_shadow:  # promoted: the DRAM copy stays, identical (module doc)
+                self._keep_shadow = None
+                self._shadows[node.key] = (node, PageId(node.page))
+                return
             self.dram.unmark_cached(PageId(node.page))
         elif node.tier is Tier.NVME:
             assert self.nvme is not None
@@ -241,7 +268,70 @@ class TierManager:
 
     def _num_free(self, tier: Tier) -> int:
         pool = {Tier.HBM: self.hbm, Tier.DRAM: self.dram, Tier.NVME: self.nvme}[tier]
-        return 0 if pool is None else pool.num_free
+        if pool is None:
+            return 0
+        return pool.num_free + (len(self._shadows) if tier is Tier.DRAM else 0)  # shadows give way
+
+    # ---- DRAM copies of promoted pages (shadows) ----------------------------------------
+    def _promoting(self, node: RadixNode) -> None:
+        """``node`` is about to move up into HBM: a DRAM page it leaves stays as its shadow."""
+        self._keep_shadow = node if node.tier is Tier.DRAM and not self.config.simulate else None
+
+    def _on_moved(self, node: RadixNode, old: Tier) -> None:
+        self._keep_shadow = None
+        if old is Tier.HBM:  # left HBM other than onto its shadow: the copy is of no more use
+            self._free_shadow(node)
+
+    def _free_shadow(self, node: RadixNode) -> None:
+        entry = self._shadows.get(node.key)
+        if entry is not None and entry[0] is node:
+            del self._shadows[node.key]
+            assert self.dram is not None
+            self.dram.unmark_cached(entry[1])
+
+    def _drop_oldest_shadow(self) -> bool:
+        if not self._shadows:
+            return False
+        _, (_, page) = self._shadows.popitem(last=False)
+        assert self.dram is not None
+        self.dram.unmark_cached(page)
+        return True
+
+    def _take_shadow(self, node: RadixNode) -> PageId | None:
+        """The DRAM copy ``node`` (an idle HBM page) can be demoted onto, removed from the
+        shadows (the caller applies or frees it); None when it has none."""
+        entry = self._shadows.get(node.key)
+        if entry is None or entry[0] is not node or self.index.get(node.key) is not node or node.tier is not Tier.HBM:
+            return None
+        del self._shadows[node.key]
+        return entry[1]
+
+    def _defer_shadowed(self, node: RadixNode) -> tuple[RadixNode, PageId, PageId] | None:
+        """Reserve ``node``'s demotion onto its shadow, applied later with a transfer's pages:
+        marked moving and its HBM page held meanwhile, as a copied page is."""
+        page = self._take_shadow(node)
+        if page is None:
+            return None
+        node.moving = True
+        self.hbm.acquire(PageId(node.page))
+        return node, PageId(node.page), page
+
+    def _apply_shadowed(self, node: RadixNode, hbm_page: PageId, dram_page: PageId) -> bool:
+        """Demote a reserved node onto its shadow if it is still idle in HBM with nothing
+        faster below it; otherwise free the copy. True when it moved."""
+        assert self.dram is not None
+        node.moving = False
+        still_here = self.index.get(node.key) is node and node.tier is Tier.HBM and node.page == hbm_page
+        idle = still_here and self.hbm.ref_count(hbm_page) == 1
+        self.hbm.release(hbm_page)
+        if idle and all(c.tier >= Tier.DRAM for c in node.children.values()):
+            self.index.move(node, Tier.DRAM, dram_page, self.dram.checksum(dram_page))
+            self.counters.demotions_without_copy += 1
+            return True
+        self.dram.unmark_cached(dram_page)
+        if still_here:
+            self.index.requeue(node)
+        return False
 
     def capacity(self, tier: Tier) -> int:
         """Pages (slots on NVMe) this tier has; 0 when it is not configured."""
@@ -256,6 +346,8 @@ class TierManager:
         for _ in range(2):
             if tier is Tier.DRAM and self.dram is not None:
                 page = self.dram.allocate()
+                if page is None and self._drop_oldest_shadow():
+                    page = self.dram.allocate()
                 if page is not None:
                     return page
             elif tier is Tier.NVME and self.nvme is not None:
@@ -314,6 +406,11 @@ class TierManager:
         # or moving pages, an HBM page with a DRAM child cannot skip to NVMe.
         if not self.is_usable(dst) or any(c.tier < dst for c in node.children.values()):
             return False
+        if dst is Tier.DRAM and (shadow := self._take_shadow(node)) is not None:
+            assert self.dram is not None
+            self.index.move(node, Tier.DRAM, shadow, self.dram.checksum(shadow))
+            self.counters.demotions_without_copy += 1
+            return True
         node.moving = True  # not a victim while we make room below
         try:
             target = self._allocate(dst, make_room=allow_room)
@@ -392,11 +489,16 @@ class TierManager:
         if want > 0:
             self.demote(tier, dst, min(want, self.config.max_batch_pages), TransferReason.WATERMARK)
 
-    def demote(self, src: Tier, dst: Tier, num_pages: int, reason: TransferReason) -> TransferId | None:
-        """Start copying up to ``num_pages`` of ``src``'s coldest idle pages to ``dst``."""
+    def demote(self, src: Tier, dst: Tier, num_pages: int, reason: TransferReason) -> int:
+        """Start moving up to ``num_pages`` of ``src``'s coldest idle pages to ``dst``; returns
+        how many are leaving (or, demoted onto their DRAM copy, already left)."""
         victims = self._with_ancestors(self.index.pop_victims(src, num_pages), src, num_pages)
         nodes, dsts = [], []
+        shadowed: list[tuple[RadixNode, PageId, PageId]] = []
         for node in victims:
+            if src is Tier.HBM and dst is Tier.DRAM and (entry := self._defer_shadowed(node)) is not None:
+                shadowed.append(entry)
+                continue
             node.moving = True
             target = self._allocate(dst)
             if target is None:
@@ -405,15 +507,16 @@ class TierManager:
                 break
             nodes.append(node)
             dsts.append(target)
-        for node in victims[len(nodes) :]:
+        for node in victims[len(nodes) + len(shadowed) :]:
             self.index.requeue(node)
-        if not nodes:
-            return None
-        return self._submit_demotion(nodes, dsts, src, dst, reason)
+        if not nodes:  # nothing to copy: what has a copy below goes at once
+            return sum(self._apply_shadowed(*entry) for entry in shadowed)
+        self._submit_demotion(nodes, dsts, src, dst, reason, shadowed=shadowed)
+        return len(nodes) + len(shadowed)
 
     def _submit_demotion(
         self, nodes: list[RadixNode], dsts: list[int], src: Tier, dst: Tier, reason: TransferReason,
-        ticket: MoveTicket | None = None,
+        ticket: MoveTicket | None = None, *, shadowed: list[tuple[RadixNode, PageId, PageId]] | None = None,
     ) -> TransferId:
         """Copy ``nodes`` (marked moving, deepest first) into the allocated ``dsts``."""
         src_pool = self.hbm if src is Tier.HBM else self.dram
@@ -432,7 +535,7 @@ class TierManager:
             assert self.dram is not None
             self.dram.set_checksums([PageId(n.page) for n in nodes], [n.checksum or 0 for n in nodes])
         transfer = self.transfers.submit(src, dst, list(zip([n.page for n in nodes], dsts, strict=True)), reason, **kwargs)
-        self._pending[transfer.transfer_id] = _Pending(nodes, dsts, src, dst, ticket)
+        self._pending[transfer.transfer_id] = _Pending(nodes, dsts, src, dst, ticket, shadowed=shadowed or [])
         if ticket is not None:
             ticket.transfer_ids.append(transfer.transfer_id)
             ticket.num_open += 1
@@ -461,7 +564,7 @@ class TierManager:
 
     def num_leaving(self, tier: Tier) -> int:
         """Pages of ``tier`` in background transfers to a slower tier: freed there once applied."""
-        return sum(len(p.nodes) for p in self._pending.values() if p.src is tier and p.dst > tier)
+        return sum(len(p.nodes) + len(p.shadowed) for p in self._pending.values() if p.src is tier and p.dst > tier)
 
     def has_pending(self) -> bool:
         """Transfers started and not yet applied (finished ones wait for ``poll``)."""
@@ -474,6 +577,8 @@ class TierManager:
             if p.src is Tier.HBM:
                 for node in p.nodes:
                     holds[PageId(node.page)] = holds.get(PageId(node.page), 0) + 1
+                for _, page, _ in p.shadowed:  # going back onto their DRAM copy with the others
+                    holds[page] = holds.get(page, 0) + 1
             elif p.dst is Tier.HBM:  # a prefetch's destinations, allocated with one reference
                 for page in p.dsts:
                     holds[PageId(page)] = holds.get(PageId(page), 0) + 1
@@ -509,7 +614,7 @@ class TierManager:
                 assert part.done is not None
                 moved = self._apply_demotion(part, part.done)
                 ticket.num_moved += moved
-                ticket.num_skipped += len(part.nodes) - moved
+                ticket.num_skipped += len(part.nodes) + len(part.shadowed) - moved
         self._finish(ticket)
 
     @staticmethod
@@ -522,8 +627,19 @@ class TierManager:
         """Point the index at the pages that arrived and are still idle; returns how many."""
         src_pool = self.hbm if pending.src is Tier.HBM else self.dram
         assert src_pool is not None
-        moved = 0
-        for i, (node, target) in enumerate(zip(pending.nodes, pending.dsts, strict=True)):
+        moved = copied = 0
+        # Deepest first across the copied pages and those going back onto their DRAM copy: a
+        # page may leave its tier only once nothing below it is faster than its target.
+        order: list[tuple[int, int | None, tuple[RadixNode, PageId, PageId] | None]] = [
+            (-n.depth, i, None) for i, n in enumerate(pending.nodes)]
+        order += [(-entry[0].depth, None, entry) for entry in pending.shadowed]
+        order.sort(key=lambda o: o[0])
+        for _, index, entry in order:
+            if entry is not None:
+                moved += self._apply_shadowed(*entry)
+                continue
+            assert index is not None
+            i, node, target = index, pending.nodes[index], pending.dsts[index]
             node.moving = False
             still_here = self.index.get(node.key) is node and node.tier is pending.src
             # Our own hold is the only reference: no sequence picked the page up meanwhile.
@@ -539,6 +655,7 @@ class TierManager:
                     self._adopt_dram(PageId(target))
                 self.index.move(node, pending.dst, target, checksum)
                 moved += 1
+                copied += 1
                 continue
             if not (done.dst_released and pending.dst is Tier.NVME):
                 self._free_target(pending.dst, target)
@@ -546,8 +663,8 @@ class TierManager:
                 if done.is_ok:
                     self.counters.demotions_abandoned += 1
                 self.index.requeue(node)
-        if moved:
-            self.counters.moved(pending.src, pending.dst, moved, self.page_bytes)
+        if copied:
+            self.counters.moved(pending.src, pending.dst, copied, self.page_bytes)
         if done.error is not None:
             self.counters.disk_full_events += 1
             self._mark_failing(pending.dst)
@@ -616,8 +733,13 @@ class TierManager:
         ticket = MoveTicket(is_promotion=False)
         chosen: set[PageKey] = set()
         groups: dict[Tier, tuple[list[RadixNode], list[int]]] = {}
+        shadowed: list[tuple[RadixNode, PageId, PageId]] = []
         for node in sorted(nodes, key=lambda n: -n.depth):
             if node.tier >= dst:
+                continue
+            if dst is Tier.DRAM and self._may_leave(node, dst, chosen) and (entry := self._defer_shadowed(node)):
+                chosen.add(node.key)
+                shadowed.append(entry)
                 continue
             target = self._reserve_below(node, dst, chosen)
             if target is None:
@@ -627,22 +749,33 @@ class TierManager:
             group = groups.setdefault(node.tier, ([], []))
             group[0].append(node)
             group[1].append(target)
+        if shadowed and Tier.HBM not in groups:  # nothing to copy: onto their DRAM copies at once
+            moved = sum(self._apply_shadowed(*entry) for entry in shadowed)
+            ticket.num_moved += moved
+            ticket.num_skipped += len(shadowed) - moved
+            shadowed = []
         for src, (group_nodes, dsts) in groups.items():
-            self._submit_demotion(group_nodes, dsts, src, dst, TransferReason.PARK, ticket)
+            self._submit_demotion(group_nodes, dsts, src, dst, TransferReason.PARK, ticket,
+                                  shadowed=shadowed if src is Tier.HBM else None)
         if not ticket.num_open:
             self._finish(ticket)
         return ticket
 
-    def _reserve_below(self, node: RadixNode, dst: Tier, chosen: set[PageKey]) -> int | None:
-        """A destination in ``dst`` for ``node`` (then marked moving), or None: it stays."""
-        if (
+    def _may_leave(self, node: RadixNode, dst: Tier, chosen: set[PageKey]) -> bool:
+        """Whether a commanded demotion may take ``node`` down to ``dst`` (``chosen``: the
+        pages below it already going in the same ticket)."""
+        return not (
             self.index.get(node.key) is not node
             or node.pins
             or node.moving
             or (node.tier is Tier.HBM and self.hbm.ref_count(PageId(node.page)) > 0)
             or not self.is_usable(dst)
             or any(c.tier < dst and c.key not in chosen for c in node.children.values())
-        ):
+        )
+
+    def _reserve_below(self, node: RadixNode, dst: Tier, chosen: set[PageKey]) -> int | None:
+        """A destination in ``dst`` for ``node`` (then marked moving), or None: it stays."""
+        if not self._may_leave(node, dst, chosen):
             return None
         node.moving = True  # not a victim while we make room below
         target = self._allocate(dst)
@@ -752,6 +885,7 @@ class TierManager:
                 num_ok += arrived
                 parent_in_hbm = node.parent is None or node.parent.tier is Tier.HBM
                 if not is_stopped and in_place and arrived and parent_in_hbm:
+                    self._promoting(node)
                     self.index.move(node, Tier.HBM, page)
                     promoted.append(node)
                     continue
@@ -865,6 +999,7 @@ class TierManager:
             self.counters.moved(tier, Tier.HBM, sum(ok[i] for i in idx), self.page_bytes)
         for i, node in enumerate(nodes):
             if ok[i] and failed_at is None:
+                self._promoting(node)
                 self.index.move(node, Tier.HBM, pages[i])
                 promoted.append(node)
             else:
@@ -925,9 +1060,17 @@ class TierManager:
         if self.dram is not None:
             self.dram.check_integrity()
             held = sum(1 for n in self.index.nodes() if n.tier is Tier.DRAM)
+            shadows = [page for _, page in self._shadows.values()]
+            shadows += [entry[2] for p in self._pending.values() for entry in p.shadowed]
             cached = sum(1 for p in range(self.dram.num_pages) if self.dram.is_cached(PageId(p)))
-            if held != cached:
-                raise IntegrityError(f"DRAM caches {cached} pages but the index places {held} there")
+            if held + len(shadows) != cached:
+                raise IntegrityError(
+                    f"DRAM caches {cached} pages but the index places {held} there and {len(shadows)} are shadows")
+            if len(set(shadows)) != len(shadows) or not all(self.dram.is_cached(p) for p in shadows):
+                raise IntegrityError("a DRAM shadow page is shared or not cached")
+            for key, (node, _) in self._shadows.items():
+                if self.index.get(key) is not node or node.tier is not Tier.HBM:
+                    raise IntegrityError(f"shadow of page {short(key)} outlived its HBM page")
         if self.nvme is not None:
             self.nvme.check_integrity()
         self.transfers.check_integrity()

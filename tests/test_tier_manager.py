@@ -119,10 +119,8 @@ def test_decode_keeps_stepping_while_a_large_demotion_is_in_flight(ckpt, tmp_pat
     engine.generate(fill, SamplingParams(max_tokens=1))
     rid = engine.add_request(prompt(20, seed=3), SamplingParams(max_tokens=300, ignore_eos=True))
     engine.step()
-    tid = engine.tiers.demote(Tier.HBM, Tier.NVME, 10_000, TransferReason.WATERMARK)
-    assert tid is not None
-    in_flight = len(engine.tiers._pending[tid].nodes)
-    assert in_flight > 500
+    leaving = engine.tiers.demote(Tier.HBM, Tier.NVME, 10_000, TransferReason.WATERMARK)
+    assert leaving > 500 and engine.tiers.num_leaving(Tier.HBM) == leaving
     steps_during = 0
     while engine.tiers.transfers.num_pending and engine.has_unfinished():
         engine.step()
@@ -130,7 +128,7 @@ def test_decode_keeps_stepping_while_a_large_demotion_is_in_flight(ckpt, tmp_pat
     assert steps_during >= 1, "decode must not wait for the demotion"
     engine.tiers.wait_idle()
     counts = engine.index.count_by_tier()
-    assert counts[Tier.NVME] == in_flight
+    assert counts[Tier.NVME] == leaving
     while engine.has_unfinished():
         engine.step()
     assert len(engine.pop_result(rid).token_ids) == 300
@@ -281,7 +279,7 @@ def test_a_prefetch_leaves_a_page_already_on_its_way_down_to_its_transfer(ckpt, 
     assert engine.tiers.demote_pages(chain[2:], Tier.DRAM).num_moved == 2
     engine.tiers.wait_idle()
     engine.tiers.poll()
-    assert engine.tiers.demote(Tier.HBM, Tier.DRAM, 1, TransferReason.WATERMARK) is not None
+    assert engine.tiers.demote(Tier.HBM, Tier.DRAM, 1, TransferReason.WATERMARK) == 1
     assert chain[1].moving  # the only idle HBM leaf is on its way down
     outcome = engine.tiers.prefetch(chain)
     assert (outcome.num_moved, outcome.num_skipped) == (0, 2) and chain[1].moving
@@ -346,5 +344,95 @@ def test_a_cancelled_prefetch_leaves_every_page_in_one_place(ckpt, tmp_path):
     assert [n.tier for n in chain] == [Tier.HBM] * moved + [Tier.NVME] * (len(chain) - moved)
     assert not any(n.moving for n in chain)
     assert engine.pool.num_free == free_before - moved
+    engine.check_integrity()
+    engine.close()
+
+
+# --------------------------------------------------------------------------- DRAM copies (shadows)
+
+
+def _bytes_down(engine) -> int:
+    return engine.tiers.counters.bytes_moved.get((Tier.HBM, Tier.DRAM), 0)
+
+
+def test_a_page_promoted_from_dram_goes_back_onto_its_copy_without_moving_bytes(ckpt, hf, tmp_path):
+    """KV pages never change once full, so a page promoted from DRAM keeps its DRAM copy; when
+    it leaves HBM again (a spill, a watermark or commanded demotion) it is pointed back at that
+    copy, no bytes cross the link. The next promotion reads it and the output is the oracle's."""
+    engine = tiered(ckpt, tmp_path, nvme=0, record_logits=True)
+    base = prompt(14, seed=21)  # 3 full pages + 2 tokens
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    engine.generate([base], params)
+    assert engine.tiers.demote_all(Tier.DRAM) >= 4
+    copied = _bytes_down(engine)
+    follow = base[:12] + [3, 1, 4]
+    first = engine.generate([follow], params)[0]
+    assert first.num_promoted_tokens == 12
+    engine.check_integrity()  # three shadows: DRAM pages kept beside the HBM ones
+    assert len(engine.tiers._shadows) == 3
+
+    # Synchronously (demote_all: every idle page, the new ones copied, the promoted ones not).
+    moved = engine.tiers.demote_all(Tier.DRAM)
+    assert engine.tiers.counters.demotions_without_copy == 3
+    assert _bytes_down(engine) - copied == (moved - 3) * engine.geometry.page_bytes  # only the new ones
+    again = engine.generate([follow], params)[0]
+    assert again.num_promoted_tokens == 12 and again.token_ids == first.token_ids
+    assert again.token_ids == plain(ckpt).generate([follow], params)[0].token_ids
+    assert_oracle(hf, again)
+    engine.check_integrity()
+
+    # In the background (a commanded demotion of the chain: its deepest page is copied, the
+    # ones above it go back onto their copies once it has landed, deepest first).
+    extended = follow + again.token_ids + [7, 7, 7, 7]  # a page that was never below
+    engine.generate([extended], SamplingParams(max_tokens=1, ignore_eos=True))
+    chain = [engine.index.get(k) for k in page_keys(engine.digest_for(None), extended, PS)]
+    chain = [n for n in chain if n is not None]
+    assert len(chain) >= 4 and all(n.tier is Tier.HBM for n in chain)
+    shadowed = sum(n.key in engine.tiers._shadows for n in chain)
+    assert 3 <= shadowed < len(chain)  # the newest page was computed here: it has no copy below
+    before, shadows_used = _bytes_down(engine), engine.tiers.counters.demotions_without_copy
+    outcome = engine.tiers.demote_pages(chain, Tier.DRAM)
+    assert outcome.num_moved == len(chain) and outcome.num_skipped == 0
+    assert engine.tiers.counters.demotions_without_copy - shadows_used == shadowed
+    assert _bytes_down(engine) - before == (len(chain) - shadowed) * engine.geometry.page_bytes
+    engine.check_integrity()
+    last = engine.generate([extended], params)[0]
+    assert last.num_promoted_tokens == len(chain) * PS
+    assert last.token_ids == plain(ckpt).generate([extended], params)[0].token_ids
+    engine.check_integrity()
+    engine.close()
+
+
+def test_a_shadow_goes_with_its_page_and_gives_way_to_dram_pages(ckpt, tmp_path):
+    """A shadow is freed when its HBM page is dropped, and a DRAM allocation that finds no free
+    page takes the oldest shadow before it moves or drops a page the index keeps in DRAM."""
+    engine = tiered(ckpt, tmp_path, nvme=0, dram=8)
+    base = prompt(14, seed=22)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    engine.generate([base], params)
+    engine.tiers.demote_all(Tier.DRAM)
+    engine.generate([base[:12] + [9]], params)  # three pages promoted: three shadows
+    assert len(engine.tiers._shadows) == 3
+    dram = engine.tiers.dram
+    cached_before = sum(dram.is_cached(p) for p in range(dram.num_pages))
+    first = engine.index.get(page_keys(engine.digest_for(None), base, PS)[0])
+    dropped = engine.index.drop_subtree(first)
+    assert dropped >= 3 and not engine.tiers._shadows
+    assert sum(dram.is_cached(p) for p in range(dram.num_pages)) == cached_before - 3 - (dropped - 3)
+    engine.check_integrity()
+
+    other = prompt(14, seed=23)
+    engine.generate([other], params)
+    engine.tiers.demote_all(Tier.DRAM)
+    engine.generate([other[:12] + [5]], params)
+    assert len(engine.tiers._shadows) == 3
+    in_dram = engine.index.count_by_tier()[Tier.DRAM]
+    # Fill DRAM with pages the index keeps there: the shadows give way first, oldest first.
+    for seed in (24, 25, 26):
+        engine.generate([prompt(9, seed=seed)], params)
+    engine.tiers.demote_all(Tier.DRAM)
+    assert engine.index.count_by_tier()[Tier.DRAM] > in_dram
+    assert len(engine.tiers._shadows) < 3
+    assert engine.tiers.counters.pages_dropped == 0 or engine.index.count_by_tier()[Tier.DRAM] == dram.num_pages
     engine.check_integrity()
     engine.close()

@@ -650,6 +650,14 @@ class EngineLoop:
             self.engine.index.pin(deepest.key)
             run.pinned = deepest
 
+    def _promotion_landed(self, run: _Run, _outcome: MoveOutcome) -> None:
+        """Pages brought up for a waiting request are pinned as they land (from the transfer's
+        application, before the step's watermark demotion can take them back down) until the
+        engine has taken them."""
+        if run.run_id in self._awaiting and run.page_keys is not None:
+            self._unpin_chain(run)
+            self._pin_chain(run, self._cached_chain(run.page_keys))
+
     def _unpin_chain(self, run: _Run) -> None:
         if run.pinned is not None:
             if self.engine.index.get(run.pinned.key) is run.pinned:
@@ -701,13 +709,17 @@ class EngineLoop:
                         continue
                     run.promotion = tiers.start_prefetch(chain, for_request=True)
                     if not run.promotion.is_done:
+                        run.promotion.on_done = functools.partial(self._promotion_landed, run)
                         is_promoting = True
                         continue
                     # Done at once: nothing could move (no room in HBM); promote on admission.
                 elif not run.promotion.is_done:
                     continue
             del self._awaiting[run.run_id]
+            # Its pages stay pinned until the engine has taken them (its first step): room made
+            # for the next request in this pass must not take the pages just brought up for it.
             self._unpin_chain(run)
+            self._pin_chain(run, chain)
             for node in chain:
                 tier = run.below_hbm.get(node.key)
                 if tier is not None and node.tier is Tier.HBM:
@@ -752,6 +764,7 @@ class EngineLoop:
             return
         if self._runs.pop(run.run_id, None) is None:
             return
+        self._unpin_chain(run)
         self.engine.abort(run.run_id)
         result = self.engine.pop_result(run.run_id)
         self.num_cancelled += 1
@@ -769,6 +782,7 @@ class EngineLoop:
             run = self._runs.get(out.request_id)
             if run is None:
                 raise IntegrityError(f"the engine stepped request {out.request_id} that no run owns")
+            self._unpin_chain(run)  # stepped: its sequence holds its pages now
             if out.new_token_ids:
                 if run.first_token_at is None:
                     run.first_token_at = now
@@ -1200,18 +1214,18 @@ class EngineLoop:
             return False
         if protect is not None:
             protect()
-        started = tiers.demote(Tier.HBM, lower, more, TransferReason.WATERMARK) is not None
-        more = short - tiers.num_leaving(Tier.HBM)
+        freed = tiers.demote(Tier.HBM, lower, more, TransferReason.WATERMARK)
+        started, more = freed > 0, more - freed
         while more > 0:
             pin_id = self._weakest_hold(yield_after_ms)
             if pin_id is None:
                 break
             self._release_pin(pin_id)
             log.info("session hold yielded", extra={"pin_id": pin_id, "num_short": more})
-            if tiers.demote(Tier.HBM, lower, more, TransferReason.WATERMARK) is None:
+            freed = tiers.demote(Tier.HBM, lower, more, TransferReason.WATERMARK)
+            if freed == 0:
                 break  # the tier below is full, or the pages are on a move already
-            started = True
-            more = short - tiers.num_leaving(Tier.HBM)
+            started, more = True, more - freed
         return started
 
     def _yield_hold(self) -> bool:
