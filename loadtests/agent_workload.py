@@ -41,7 +41,8 @@ resume, as a several-GiB context over PCIe or NVMe is several times a resume's p
 ``--json`` output carries ``emulated_link`` (null when off) so no emulated number passes for an
 unemulated one. Per turn, ``--records`` has the TTFTs; per policy, ``engine_waits`` says how long
 the worker's engine thread waited on tier moves (``spill_link_wait_s``: synchronous spills'
-emulated link time, every running sequence stalled meanwhile). Under emulation a round trip
+emulated link time, every running sequence stalled meanwhile) and how many pages went back onto
+their DRAM copy with no bytes moved (``demotions_without_copy``, decision 0012). Under emulation a round trip
 through NVMe (a 21 MiB private context: ~0.7 s) is longer than most of these tools' pauses, so kvtier
 keeps nearly every session in HBM, where they do not all fit: the NVMe-only configuration
 shows what a slow tier cannot hide. ``--lower-tier dram`` (PCIe, ~0.2 s) is the one where
@@ -419,7 +420,7 @@ def targets(head: dict[str, Any]) -> dict[str, bool | None]:
 class PolicyRun:
     records: list[TurnRecord] = field(default_factory=list)
     bytes_moved: dict[str, int] = field(default_factory=dict)
-    engine_waits: dict[str, float] = field(default_factory=dict)  # _tier_counters
+    engine_waits: dict[str, float] = field(default_factory=dict)  # _tier_counters (waits, and a page count)
     prefetch: dict[str, Any] = field(default_factory=dict)
     outcomes: list[Any] = field(default_factory=list)  # PauseOutcome per closed pause (hint policies)
     wall_s: float = 0.0
@@ -433,7 +434,8 @@ def _page_bytes(config: dict[str, Any], page_size: int) -> int:
 def _tier_counters(actor: Any) -> tuple[dict[str, int], dict[str, float]]:
     """Bytes per tier pair from the worker's TierManager (empty without lower tiers), and the
     seconds its engine thread waited on tier moves: promotions on hit and synchronous spills'
-    emulated link time (every running sequence stalls meanwhile)."""
+    emulated link time (every running sequence stalls meanwhile), with the demotions that moved
+    no bytes (onto a DRAM copy)."""
     import ray
 
     def read(worker: Any) -> tuple[dict[str, int], dict[str, float]]:
@@ -441,7 +443,9 @@ def _tier_counters(actor: Any) -> tuple[dict[str, int], dict[str, float]]:
         if tiers is None:
             return {}, {}
         c = tiers.counters
-        waits = {"promotion_wait_s": round(c.promotion_wait_s, 3), "spill_link_wait_s": round(c.spill_link_wait_s, 3)}
+        waits = {"promotion_wait_s": round(c.promotion_wait_s, 3), "spill_link_wait_s": round(c.spill_link_wait_s, 3),
+                 # pages that went back onto their DRAM copy, no bytes moved (decision 0012)
+                 "demotions_without_copy": c.demotions_without_copy}
         for _ in range(5):
             try:
                 return {f"{a.label}->{b.label}": n for (a, b), n in dict(c.bytes_moved).items()}, waits
