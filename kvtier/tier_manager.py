@@ -273,12 +273,15 @@ class TierManager:
         return pool.num_free + (len(self._shadows) if tier is Tier.DRAM else 0)  # shadows give way
 
     # ---- DRAM copies of promoted pages (shadows) ----------------------------------------
-    def _promoting(self, node: RadixNode) -> None:
-        """``node`` is about to move up into HBM: a DRAM page it leaves stays as its shadow."""
+    def _move_up(self, node: RadixNode, page: int) -> None:
+        """Point ``node`` at its new HBM page; a DRAM page it leaves stays as its shadow."""
         self._keep_shadow = node if node.tier is Tier.DRAM and not self.config.simulate else None
+        try:
+            self.index.move(node, Tier.HBM, page)
+        finally:
+            self._keep_shadow = None
 
     def _on_moved(self, node: RadixNode, old: Tier) -> None:
-        self._keep_shadow = None
         if old is Tier.HBM:  # left HBM other than onto its shadow: the copy is of no more use
             self._free_shadow(node)
 
@@ -318,7 +321,8 @@ class TierManager:
 
     def _apply_shadowed(self, node: RadixNode, hbm_page: PageId, dram_page: PageId) -> bool:
         """Demote a reserved node onto its shadow if it is still idle in HBM with nothing
-        faster below it; otherwise free the copy. True when it moved."""
+        faster below it; otherwise it stays (its shadow with it) or, gone, the copy is freed.
+        True when it moved."""
         assert self.dram is not None
         node.moving = False
         still_here = self.index.get(node.key) is node and node.tier is Tier.HBM and node.page == hbm_page
@@ -328,9 +332,11 @@ class TierManager:
             self.index.move(node, Tier.DRAM, dram_page, self.dram.checksum(dram_page))
             self.counters.demotions_without_copy += 1
             return True
-        self.dram.unmark_cached(dram_page)
-        if still_here:
+        if still_here:  # picked up meanwhile, or a child stayed: still identical to its copy
+            self._shadows[node.key] = (node, dram_page)
             self.index.requeue(node)
+        else:
+            self.dram.unmark_cached(dram_page)
         return False
 
     def capacity(self, tier: Tier) -> int:
@@ -885,8 +891,7 @@ class TierManager:
                 num_ok += arrived
                 parent_in_hbm = node.parent is None or node.parent.tier is Tier.HBM
                 if not is_stopped and in_place and arrived and parent_in_hbm:
-                    self._promoting(node)
-                    self.index.move(node, Tier.HBM, page)
+                    self._move_up(node, page)
                     promoted.append(node)
                     continue
                 self.hbm.release(PageId(page))
@@ -999,8 +1004,7 @@ class TierManager:
             self.counters.moved(tier, Tier.HBM, sum(ok[i] for i in idx), self.page_bytes)
         for i, node in enumerate(nodes):
             if ok[i] and failed_at is None:
-                self._promoting(node)
-                self.index.move(node, Tier.HBM, pages[i])
+                self._move_up(node, pages[i])
                 promoted.append(node)
             else:
                 self.hbm.release(pages[i])

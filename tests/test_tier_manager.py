@@ -436,3 +436,27 @@ def test_a_shadow_goes_with_its_page_and_gives_way_to_dram_pages(ckpt, tmp_path)
     assert engine.tiers.counters.pages_dropped == 0 or engine.index.count_by_tier()[Tier.DRAM] == dram.num_pages
     engine.check_integrity()
     engine.close()
+
+
+def test_a_page_picked_up_before_its_demotion_lands_keeps_its_shadow(ckpt, tmp_path):
+    """A page reserved to go back onto its DRAM copy but picked up by a sequence meanwhile stays
+    in HBM, and its copy stays its shadow (still identical); the accounting holds throughout."""
+    engine = tiered(ckpt, tmp_path, nvme=0)
+    base = prompt(14, seed=27)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    engine.generate([base], params)
+    engine.tiers.demote_all(Tier.DRAM)
+    engine.generate([base[:12] + [8]], params)
+    node = engine.index.get(page_keys(engine.digest_for(None), base, PS)[2])
+    assert node.tier is Tier.HBM and node.key in engine.tiers._shadows
+    entry = engine.tiers._defer_shadowed(node)
+    assert entry is not None and node.moving and node.key not in engine.tiers._shadows
+    engine.index.pool.acquire(node.page)  # a sequence takes the page before the demotion applies
+    assert not engine.tiers._apply_shadowed(*entry)
+    assert node.tier is Tier.HBM and not node.moving and node.key in engine.tiers._shadows
+    engine.index.pool.release(node.page)
+    engine.tiers.check_integrity()
+    assert engine.tiers.demote_all(Tier.DRAM) > 0 and node.tier is Tier.DRAM  # onto the kept copy
+    assert engine.tiers.counters.demotions_without_copy >= 1
+    engine.tiers.check_integrity()
+    engine.close()
