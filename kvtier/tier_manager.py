@@ -22,16 +22,19 @@ Three paths, all applied to the radix index only once the bytes are where it say
 Every page held by a transfer carries an extra reference (HBM/DRAM) or a reserved slot
 (NVMe) until its ``TransferDone`` is applied, so nothing it reads can be reused.
 
-**DRAM copies of promoted pages (shadows).** A full KV page never changes, so a page promoted
-from DRAM keeps its DRAM page as a *shadow* (decision 0012): when it leaves HBM again — a
-spill, a watermark or room-making demotion, a commanded park — it is pointed back at that copy
-and no bytes cross the link (``TierCounters.demotions_without_copy``). A shadow is used only
-while its node is still that key's node, in HBM; it is freed when the node is dropped or leaves
-HBM another way, and it is the first thing a DRAM allocation takes (``_num_free`` counts shadows
-as free). In a batch, pages going back onto their copy are applied with the copied ones,
-deepest first, once the copy lands (a page may leave HBM only once nothing below it is faster).
-The directory never sees shadows: it learns of the move when it is applied, as for a copy.
-Simulated managers (trace replay) keep none, so replay's capacities mean what they did.
+**Copies below of promoted pages (shadows).** A full KV page never changes, so a page promoted
+from DRAM or NVMe keeps the DRAM page or NVMe slot it came from as a *shadow* (decision 0012):
+when it leaves HBM again for that tier — a spill, a watermark or room-making demotion, a
+commanded park — it is pointed back at that copy and no bytes are copied or written
+(``TierCounters.demotions_without_copy``). A shadow is used only while its node is still that
+key's node, in HBM; it is freed when the node is dropped or leaves HBM another way, and it is
+the first thing an allocation in its tier takes (``_num_free`` and the worker's occupancy count
+shadows as free). In a batch, pages going back onto their copy are applied with the copied
+ones, deepest first, once the copy lands (a page may leave HBM only once nothing below it is
+faster). The directory never sees shadows: it learns of the move when it is applied, as for a
+copy. An NVMe shadow slot keeps its header, so a restart restores the page from it (its bytes
+are the page's). Simulated managers (trace replay) keep none, so replay's capacities mean what
+they did.
 
 ``TierConfig.simulate`` (trace replay, ``loadtests/replay.py``) keeps every decision and
 all page accounting but copies no bytes: NVMe is a slot counter without files, spills
@@ -186,6 +189,24 @@ class MoveTicket:
         return MoveOutcome(num_moved=self.num_moved, num_skipped=self.num_skipped)
 
 
+@dataclass(frozen=True, slots=True)
+class _Shadow:
+    """An HBM page's identical copy below: the DRAM page or NVMe slot it was promoted from."""
+
+    node: RadixNode
+    tier: Tier
+    page: int
+    checksum: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Shadowed:
+    """A demotion onto a shadow, reserved until applied (the node's HBM page is held)."""
+
+    shadow: _Shadow
+    hbm_page: PageId
+
+
 @dataclass(slots=True)
 class _Pending:
     nodes: list[RadixNode]
@@ -194,9 +215,9 @@ class _Pending:
     dst: Tier
     ticket: MoveTicket | None = None  # a commanded move's part: applied with the whole ticket
     done: TransferDone | None = None  # completed, waiting for the ticket's other parts
-    # HBM -> DRAM only: pages that go back onto their DRAM copy, no bytes copied; applied with
-    # the copied ones, deepest first (node, its HBM page held meanwhile, its DRAM copy).
-    shadowed: list[tuple[RadixNode, PageId, PageId]] = field(default_factory=list)
+    # HBM pages that go back onto their copy below, no bytes copied; applied with the copied
+    # ones, deepest first (their HBM pages held meanwhile).
+    shadowed: list[_Shadowed] = field(default_factory=list)
 
 
 class TierManager:
@@ -232,10 +253,11 @@ class TierManager:
         # A tier whose writes fail (disk full, I/O errors) gets no new pages for a while,
         # so the engine drops instead of retrying the same failing copy every step.
         self._failing_until: dict[Tier, float] = {}
-        # DRAM copies of HBM pages promoted from DRAM (module doc), oldest first; the node they
-        # belong to must still be that key's node, in HBM, for one to be used.
-        self._shadows: OrderedDict[PageKey, tuple[RadixNode, PageId]] = OrderedDict()
-        self._keep_shadow: RadixNode | None = None  # a promotion in progress keeps its DRAM page
+        # Copies below of HBM pages promoted from DRAM or NVMe (module doc), oldest first; the
+        # node one belongs to must still be that key's node, in HBM, for it to be used.
+        self._shadows: OrderedDict[PageKey, _Shadow] = OrderedDict()
+        self._num_shadows: dict[Tier, int] = {Tier.DRAM: 0, Tier.NVME: 0}
+        self._keep_shadow: RadixNode | None = None  # a promotion in progress keeps its page below
         index.release_lower = self._release_lower
         index.spill = self.spill
         index.on_remove.append(self._free_shadow)
@@ -255,88 +277,107 @@ class TierManager:
 
     # ---- locations ------------------------------------------------------------------
     def _release_lower(self, node: RadixNode) -> None:
-        if node.tier is Tier.DRAM:
+        if node is self._keep_shadow:  # promoted: the copy below stays, identical (module doc)
+            self._keep_shadow = None
+            self._add_shadow(_Shadow(node, node.tier, node.page, node.checksum))
+            return
+        self._release_copy(node.tier, node.page)
+
+    def _release_copy(self, tier: Tier, page: int) -> None:
+        if tier is Tier.DRAM:
             assert self.dram is not None
-            if node is self._keep_shadow:  # promoted: the DRAM copy stays, identical (module doc)
-                self._keep_shadow = None
-                self._shadows[node.key] = (node, PageId(node.page))
-                return
-            self.dram.unmark_cached(PageId(node.page))
-        elif node.tier is Tier.NVME:
+            self.dram.unmark_cached(PageId(page))
+        elif tier is Tier.NVME:
             assert self.nvme is not None
-            self.nvme.free(SlotId(node.page))
+            self.nvme.free(SlotId(page))
 
     def _num_free(self, tier: Tier) -> int:
         pool = {Tier.HBM: self.hbm, Tier.DRAM: self.dram, Tier.NVME: self.nvme}[tier]
         if pool is None:
             return 0
-        return pool.num_free + (len(self._shadows) if tier is Tier.DRAM else 0)  # shadows give way
+        return pool.num_free + self._num_shadows.get(tier, 0)  # shadows give way
 
-    # ---- DRAM copies of promoted pages (shadows) ----------------------------------------
+    # ---- copies below of promoted pages (shadows) --------------------------------------
     def _move_up(self, node: RadixNode, page: int) -> None:
-        """Point ``node`` at its new HBM page; a DRAM page it leaves stays as its shadow."""
-        self._keep_shadow = node if node.tier is Tier.DRAM and not self.config.simulate else None
+        """Point ``node`` at its new HBM page; the page it leaves below stays as its shadow."""
+        self._keep_shadow = node if node.tier is not Tier.HBM and not self.config.simulate else None
         try:
             self.index.move(node, Tier.HBM, page)
         finally:
             self._keep_shadow = None
+
+    def num_shadows(self, tier: Tier) -> int:
+        """Pages of ``tier`` that are copies of HBM pages (module doc): cached, and free to take."""
+        return self._num_shadows.get(tier, 0)
+
+    def _add_shadow(self, shadow: _Shadow) -> None:
+        self._shadows[shadow.node.key] = shadow
+        self._num_shadows[shadow.tier] += 1
+
+    def _pop_shadow(self, key: PageKey) -> _Shadow:
+        shadow = self._shadows.pop(key)
+        self._num_shadows[shadow.tier] -= 1
+        return shadow
 
     def _on_moved(self, node: RadixNode, old: Tier) -> None:
         if old is Tier.HBM:  # left HBM other than onto its shadow: the copy is of no more use
             self._free_shadow(node)
 
     def _free_shadow(self, node: RadixNode) -> None:
-        entry = self._shadows.get(node.key)
-        if entry is not None and entry[0] is node:
-            del self._shadows[node.key]
-            assert self.dram is not None
-            self.dram.unmark_cached(entry[1])
+        shadow = self._shadows.get(node.key)
+        if shadow is not None and shadow.node is node:
+            self._pop_shadow(node.key)
+            self._release_copy(shadow.tier, shadow.page)
 
-    def _drop_oldest_shadow(self) -> bool:
-        if not self._shadows:
+    def _drop_oldest_shadow(self, tier: Tier) -> bool:
+        """Free the oldest shadow in ``tier`` (an allocation there found no free page)."""
+        if not self._num_shadows[tier]:
             return False
-        _, (_, page) = self._shadows.popitem(last=False)
-        assert self.dram is not None
-        self.dram.unmark_cached(page)
+        key = next(k for k, sh in self._shadows.items() if sh.tier is tier)
+        shadow = self._pop_shadow(key)
+        self._release_copy(shadow.tier, shadow.page)
         return True
 
-    def _take_shadow(self, node: RadixNode) -> PageId | None:
-        """The DRAM copy ``node`` (an idle HBM page) can be demoted onto, removed from the
-        shadows (the caller applies or frees it); None when it has none."""
-        entry = self._shadows.get(node.key)
-        if entry is None or entry[0] is not node or self.index.get(node.key) is not node or node.tier is not Tier.HBM:
+    def _take_shadow(self, node: RadixNode, tier: Tier) -> _Shadow | None:
+        """``node``'s copy in ``tier`` (it must be that key's node, in HBM), removed from the
+        shadows (the caller applies or frees it); None when it has none there."""
+        shadow = self._shadows.get(node.key)
+        if (shadow is None or shadow.node is not node or shadow.tier is not tier
+                or self.index.get(node.key) is not node or node.tier is not Tier.HBM):
             return None
-        del self._shadows[node.key]
-        return entry[1]
+        return self._pop_shadow(node.key)
 
-    def _defer_shadowed(self, node: RadixNode) -> tuple[RadixNode, PageId, PageId] | None:
-        """Reserve ``node``'s demotion onto its shadow, applied later with a transfer's pages:
-        marked moving and its HBM page held meanwhile, as a copied page is."""
-        page = self._take_shadow(node)
-        if page is None:
+    def _onto_shadow(self, shadow: _Shadow) -> None:
+        self.index.move(shadow.node, shadow.tier, shadow.page, shadow.checksum)
+        self.counters.demotions_without_copy += 1
+
+    def _defer_shadowed(self, node: RadixNode, tier: Tier) -> _Shadowed | None:
+        """Reserve ``node``'s demotion onto its shadow in ``tier``, applied later with a
+        transfer's pages: marked moving and its HBM page held meanwhile, as a copied page is."""
+        shadow = self._take_shadow(node, tier)
+        if shadow is None:
             return None
         node.moving = True
         self.hbm.acquire(PageId(node.page))
-        return node, PageId(node.page), page
+        return _Shadowed(shadow, PageId(node.page))
 
-    def _apply_shadowed(self, node: RadixNode, hbm_page: PageId, dram_page: PageId) -> bool:
+    def _apply_shadowed(self, entry: _Shadowed) -> bool:
         """Demote a reserved node onto its shadow if it is still idle in HBM with nothing
         faster below it; otherwise it stays (its shadow with it) or, gone, the copy is freed.
         True when it moved."""
-        assert self.dram is not None
+        shadow, node = entry.shadow, entry.shadow.node
         node.moving = False
-        still_here = self.index.get(node.key) is node and node.tier is Tier.HBM and node.page == hbm_page
-        idle = still_here and self.hbm.ref_count(hbm_page) == 1
-        self.hbm.release(hbm_page)
-        if idle and all(c.tier >= Tier.DRAM for c in node.children.values()):
-            self.index.move(node, Tier.DRAM, dram_page, self.dram.checksum(dram_page))
-            self.counters.demotions_without_copy += 1
+        still_here = self.index.get(node.key) is node and node.tier is Tier.HBM and node.page == entry.hbm_page
+        idle = still_here and self.hbm.ref_count(entry.hbm_page) == 1
+        self.hbm.release(entry.hbm_page)
+        if idle and all(c.tier >= shadow.tier for c in node.children.values()):
+            self._onto_shadow(shadow)
             return True
         if still_here:  # picked up meanwhile, or a child stayed: still identical to its copy
-            self._shadows[node.key] = (node, dram_page)
+            self._add_shadow(shadow)
             self.index.requeue(node)
         else:
-            self.dram.unmark_cached(dram_page)
+            self._release_copy(shadow.tier, shadow.page)
         return False
 
     def capacity(self, tier: Tier) -> int:
@@ -352,12 +393,14 @@ class TierManager:
         for _ in range(2):
             if tier is Tier.DRAM and self.dram is not None:
                 page = self.dram.allocate()
-                if page is None and self._drop_oldest_shadow():
+                if page is None and self._drop_oldest_shadow(Tier.DRAM):
                     page = self.dram.allocate()
                 if page is not None:
                     return page
             elif tier is Tier.NVME and self.nvme is not None:
                 slot = self.nvme.allocate()
+                if slot is None and self._drop_oldest_shadow(Tier.NVME):
+                    slot = self.nvme.allocate()
                 if slot is not None:
                     return slot
             elif tier is Tier.HBM:
@@ -412,10 +455,8 @@ class TierManager:
         # or moving pages, an HBM page with a DRAM child cannot skip to NVMe.
         if not self.is_usable(dst) or any(c.tier < dst for c in node.children.values()):
             return False
-        if dst is Tier.DRAM and (shadow := self._take_shadow(node)) is not None:
-            assert self.dram is not None
-            self.index.move(node, Tier.DRAM, shadow, self.dram.checksum(shadow))
-            self.counters.demotions_without_copy += 1
+        if (shadow := self._take_shadow(node, dst)) is not None:
+            self._onto_shadow(shadow)
             return True
         node.moving = True  # not a victim while we make room below
         try:
@@ -500,9 +541,9 @@ class TierManager:
         how many are leaving (or, demoted onto their DRAM copy, already left)."""
         victims = self._with_ancestors(self.index.pop_victims(src, num_pages), src, num_pages)
         nodes, dsts = [], []
-        shadowed: list[tuple[RadixNode, PageId, PageId]] = []
+        shadowed: list[_Shadowed] = []
         for node in victims:
-            if src is Tier.HBM and dst is Tier.DRAM and (entry := self._defer_shadowed(node)) is not None:
+            if src is Tier.HBM and (entry := self._defer_shadowed(node, dst)) is not None:
                 shadowed.append(entry)
                 continue
             node.moving = True
@@ -516,13 +557,13 @@ class TierManager:
         for node in victims[len(nodes) + len(shadowed) :]:
             self.index.requeue(node)
         if not nodes:  # nothing to copy: what has a copy below goes at once
-            return sum(self._apply_shadowed(*entry) for entry in shadowed)
+            return sum(self._apply_shadowed(entry) for entry in shadowed)
         self._submit_demotion(nodes, dsts, src, dst, reason, shadowed=shadowed)
         return len(nodes) + len(shadowed)
 
     def _submit_demotion(
         self, nodes: list[RadixNode], dsts: list[int], src: Tier, dst: Tier, reason: TransferReason,
-        ticket: MoveTicket | None = None, *, shadowed: list[tuple[RadixNode, PageId, PageId]] | None = None,
+        ticket: MoveTicket | None = None, *, shadowed: list[_Shadowed] | None = None,
     ) -> TransferId:
         """Copy ``nodes`` (marked moving, deepest first) into the allocated ``dsts``."""
         src_pool = self.hbm if src is Tier.HBM else self.dram
@@ -580,11 +621,11 @@ class TierManager:
         """HBM pages this manager holds a reference on (sources of demotions in flight)."""
         holds: dict[PageId, int] = {}
         for p in self._pending.values():
+            for entry in p.shadowed:  # going back onto their copy with the others
+                holds[entry.hbm_page] = holds.get(entry.hbm_page, 0) + 1
             if p.src is Tier.HBM:
                 for node in p.nodes:
                     holds[PageId(node.page)] = holds.get(PageId(node.page), 0) + 1
-                for _, page, _ in p.shadowed:  # going back onto their DRAM copy with the others
-                    holds[page] = holds.get(page, 0) + 1
             elif p.dst is Tier.HBM:  # a prefetch's destinations, allocated with one reference
                 for page in p.dsts:
                     holds[PageId(page)] = holds.get(PageId(page), 0) + 1
@@ -636,13 +677,13 @@ class TierManager:
         moved = copied = 0
         # Deepest first across the copied pages and those going back onto their DRAM copy: a
         # page may leave its tier only once nothing below it is faster than its target.
-        order: list[tuple[int, int | None, tuple[RadixNode, PageId, PageId] | None]] = [
+        order: list[tuple[int, int | None, _Shadowed | None]] = [
             (-n.depth, i, None) for i, n in enumerate(pending.nodes)]
-        order += [(-entry[0].depth, None, entry) for entry in pending.shadowed]
+        order += [(-entry.shadow.node.depth, None, entry) for entry in pending.shadowed]
         order.sort(key=lambda o: o[0])
         for _, index, entry in order:
             if entry is not None:
-                moved += self._apply_shadowed(*entry)
+                moved += self._apply_shadowed(entry)
                 continue
             assert index is not None
             i, node, target = index, pending.nodes[index], pending.dsts[index]
@@ -739,11 +780,11 @@ class TierManager:
         ticket = MoveTicket(is_promotion=False)
         chosen: set[PageKey] = set()
         groups: dict[Tier, tuple[list[RadixNode], list[int]]] = {}
-        shadowed: list[tuple[RadixNode, PageId, PageId]] = []
+        shadowed: list[_Shadowed] = []
         for node in sorted(nodes, key=lambda n: -n.depth):
             if node.tier >= dst:
                 continue
-            if dst is Tier.DRAM and self._may_leave(node, dst, chosen) and (entry := self._defer_shadowed(node)):
+            if self._may_leave(node, dst, chosen) and (entry := self._defer_shadowed(node, dst)):
                 chosen.add(node.key)
                 shadowed.append(entry)
                 continue
@@ -755,14 +796,17 @@ class TierManager:
             group = groups.setdefault(node.tier, ([], []))
             group[0].append(node)
             group[1].append(target)
-        if shadowed and Tier.HBM not in groups:  # nothing to copy: onto their DRAM copies at once
-            moved = sum(self._apply_shadowed(*entry) for entry in shadowed)
+        if shadowed and not groups:  # nothing to copy: onto their copies at once
+            moved = sum(self._apply_shadowed(entry) for entry in shadowed)
             ticket.num_moved += moved
             ticket.num_skipped += len(shadowed) - moved
             shadowed = []
+        # Shadowed pages go with the part applied last (the HBM one, else the DRAM one: parts
+        # apply slower sources first), after every page below them has landed.
+        last = Tier.HBM if Tier.HBM in groups else Tier.DRAM
         for src, (group_nodes, dsts) in groups.items():
             self._submit_demotion(group_nodes, dsts, src, dst, TransferReason.PARK, ticket,
-                                  shadowed=shadowed if src is Tier.HBM else None)
+                                  shadowed=shadowed if src is last else None)
         if not ticket.num_open:
             self._finish(ticket)
         return ticket
@@ -1064,17 +1108,24 @@ class TierManager:
         if self.dram is not None:
             self.dram.check_integrity()
             held = sum(1 for n in self.index.nodes() if n.tier is Tier.DRAM)
-            shadows = [page for _, page in self._shadows.values()]
-            shadows += [entry[2] for p in self._pending.values() for entry in p.shadowed]
+            all_shadows = [*self._shadows.values(), *(e.shadow for p in self._pending.values() for e in p.shadowed)]
+            shadows = [sh.page for sh in all_shadows if sh.tier is Tier.DRAM]
             cached = sum(1 for p in range(self.dram.num_pages) if self.dram.is_cached(PageId(p)))
             if held + len(shadows) != cached:
                 raise IntegrityError(
                     f"DRAM caches {cached} pages but the index places {held} there and {len(shadows)} are shadows")
             if len(set(shadows)) != len(shadows) or not all(self.dram.is_cached(p) for p in shadows):
                 raise IntegrityError("a DRAM shadow page is shared or not cached")
-            for key, (node, _) in self._shadows.items():
-                if self.index.get(key) is not node or node.tier is not Tier.HBM:
-                    raise IntegrityError(f"shadow of page {short(key)} outlived its HBM page")
+        for key, shadow in self._shadows.items():
+            if self.index.get(key) is not shadow.node or shadow.node.tier is not Tier.HBM:
+                raise IntegrityError(f"shadow of page {short(key)} outlived its HBM page")
+            if shadow.tier is Tier.NVME:
+                assert self.nvme is not None
+                stored = self.nvme.entry(SlotId(shadow.page))
+                if stored is None or stored[0] != key:
+                    raise IntegrityError(f"nvme shadow slot {shadow.page} does not hold page {short(key)}")
+        if self._num_shadows != {t: sum(sh.tier is t for sh in self._shadows.values()) for t in self._num_shadows}:
+            raise IntegrityError("shadow counts disagree with the shadows")
         if self.nvme is not None:
             self.nvme.check_integrity()
         self.transfers.check_integrity()

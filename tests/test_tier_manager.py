@@ -449,14 +449,38 @@ def test_a_page_picked_up_before_its_demotion_lands_keeps_its_shadow(ckpt, tmp_p
     engine.generate([base[:12] + [8]], params)
     node = engine.index.get(page_keys(engine.digest_for(None), base, PS)[2])
     assert node.tier is Tier.HBM and node.key in engine.tiers._shadows
-    entry = engine.tiers._defer_shadowed(node)
+    entry = engine.tiers._defer_shadowed(node, Tier.DRAM)
     assert entry is not None and node.moving and node.key not in engine.tiers._shadows
     engine.index.pool.acquire(node.page)  # a sequence takes the page before the demotion applies
-    assert not engine.tiers._apply_shadowed(*entry)
+    assert not engine.tiers._apply_shadowed(entry)
     assert node.tier is Tier.HBM and not node.moving and node.key in engine.tiers._shadows
     engine.index.pool.release(node.page)
     engine.tiers.check_integrity()
     assert engine.tiers.demote_all(Tier.DRAM) > 0 and node.tier is Tier.DRAM  # onto the kept copy
     assert engine.tiers.counters.demotions_without_copy >= 1
     engine.tiers.check_integrity()
+    engine.close()
+
+
+def test_a_page_promoted_from_nvme_goes_back_onto_its_slot_without_a_write(ckpt, hf, tmp_path):
+    """The same for NVMe: a slot a page was read from stays its copy (its header and payload are
+    unchanged), so the page goes back without a write; the next read verifies it as ever."""
+    engine = tiered(ckpt, tmp_path, dram=0, record_logits=True)
+    base = prompt(14, seed=28)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    engine.generate([base], params)
+    engine.tiers.demote_all(Tier.NVME)
+    written = engine.tiers.counters.bytes_moved[(Tier.HBM, Tier.NVME)]
+    follow = base[:12] + [2, 7]
+    first = engine.generate([follow], params)[0]
+    assert first.num_promoted_tokens == 12 and engine.tiers.num_shadows(Tier.NVME) == 3
+    engine.check_integrity()
+    moved = engine.tiers.demote_all(Tier.NVME)
+    assert engine.tiers.counters.demotions_without_copy == 3
+    assert engine.tiers.counters.bytes_moved[(Tier.HBM, Tier.NVME)] - written == (moved - 3) * engine.geometry.page_bytes
+    again = engine.generate([follow], params)[0]
+    assert again.num_promoted_tokens == 12 and again.token_ids == first.token_ids
+    assert engine.tiers.counters.checksum_failures == 0
+    assert_oracle(hf, again)
+    engine.check_integrity()
     engine.close()

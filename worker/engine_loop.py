@@ -904,13 +904,16 @@ class EngineLoop:
         manager = self.engine.tiers
         if manager is not None:
             by_tier = self.engine.index.count_by_tier()
+            # Copies of HBM pages kept below (shadows) count as free: not the directory's pages,
+            # and any allocation takes them.
             if manager.dram is not None:
                 d = manager.dram.counts()
-                tiers.append(TierOccupancy(Tier.DRAM, d.total, d.free, d.cached, d.in_use, d.pinned))
+                shadows = manager.num_shadows(Tier.DRAM)
+                tiers.append(TierOccupancy(Tier.DRAM, d.total, d.free + shadows, d.cached - shadows, d.in_use, d.pinned))
             if manager.nvme is not None:
                 n = manager.nvme
                 cached = by_tier[Tier.NVME]
-                free = min(n.num_free, n.num_slots - cached)
+                free = min(n.num_free + manager.num_shadows(Tier.NVME), n.num_slots - cached)
                 tiers.append(TierOccupancy(Tier.NVME, n.num_slots, free, cached, n.num_slots - free - cached, 0))
         scheduler = self.engine.scheduler
         return EngineLoad(
