@@ -193,20 +193,19 @@ def test_fused_write_kv_rejects_a_slot_outside_the_pool(fused: CpuFusedBackend) 
 DECODE_CONTEXTS = [1, 15, 16, 17, 300, 33, 2, 64]
 
 
+def decode_batch(contexts: list[int], page_size: int, num_heads: int, kv_heads: int) -> Batch:
+    """One new token for each of ``contexts`` (head_dim 32)."""
+    return make_batch([1] * len(contexts), contexts, page_size=page_size, num_heads=num_heads,
+                      kv_heads=kv_heads, head_dim=32)
+
+
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize(("num_heads", "kv_heads"), [(8, 8), (16, 8), (8, 2), (4, 1)])
 @pytest.mark.parametrize("partition_size", [0, -1, 256])
 def test_fused_decode_matches_reference(
     fused: CpuFusedBackend, page_size: int, num_heads: int, kv_heads: int, partition_size: int
 ) -> None:
-    batch = make_batch(
-        [1] * len(DECODE_CONTEXTS),
-        DECODE_CONTEXTS,
-        page_size=page_size,
-        num_heads=num_heads,
-        kv_heads=kv_heads,
-        head_dim=32,
-    )
+    batch = decode_batch(DECODE_CONTEXTS, page_size, num_heads, kv_heads)
     backend = CpuFusedBackend(partition_size=partition_size)
     got = backend.forward(batch.q, batch.kv_layer, batch.md, 0.2)
     expected = attention_reference(batch.q, batch.kv_layer, batch.md, 0.2)

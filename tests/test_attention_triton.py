@@ -34,7 +34,14 @@ if DEVICE == "cpu" and type(triton.language.cdiv).__name__ != "InterpretedFuncti
     pytest.skip("triton was imported compiled before this module; run it alone", allow_module_level=True)
 assert triton_kernels.INTERPRETED == (DEVICE == "cpu")
 
-from test_attention import LAYER, Batch, dense_oracle, make_batch, poisoned_outside_context  # noqa: E402
+from test_attention import (  # noqa: E402
+    LAYER,
+    Batch,
+    decode_batch,
+    dense_oracle,
+    make_batch,
+    poisoned_outside_context,
+)
 
 from kvtier.attention import get_backend  # noqa: E402
 from kvtier.attention.base import AttentionMetadata, attention_reference, write_kv_reference  # noqa: E402
@@ -74,14 +81,7 @@ DECODE_CONTEXTS = [1, 4, 5, 16, 17, 33, 70]
 @pytest.mark.parametrize(("num_heads", "kv_heads"), [(4, 4), (8, 2), (4, 1)])
 @pytest.mark.parametrize("num_splits", [0, 4])
 def test_decode_matches_reference(page_size: int, num_heads: int, kv_heads: int, num_splits: int) -> None:
-    batch = make_batch(
-        [1] * len(DECODE_CONTEXTS),
-        DECODE_CONTEXTS,
-        page_size=page_size,
-        num_heads=num_heads,
-        kv_heads=kv_heads,
-        head_dim=32,
-    )
+    batch = decode_batch(DECODE_CONTEXTS, page_size, num_heads, kv_heads)
     q, kv_layer, md = on_device(batch)
     got = backend(num_splits).forward(q, kv_layer, md, 0.2)
     expected = attention_reference(q, kv_layer, md, 0.2)

@@ -1219,34 +1219,26 @@ class EngineLoop:
             protect()
         freed = tiers.demote(Tier.HBM, lower, more, TransferReason.WATERMARK)
         started, more = freed > 0, more - freed
-        while more > 0:
-            pin_id = self._weakest_hold(yield_after_ms)
-            if pin_id is None:
-                break
-            self._release_pin(pin_id)
-            log.info("session hold yielded", extra={"pin_id": pin_id, "num_short": more})
+        while more > 0 and self._yield_hold(yield_after_ms):
             freed = tiers.demote(Tier.HBM, lower, more, TransferReason.WATERMARK)
             if freed == 0:
                 break  # the tier below is full, or the pages are on a move already
             started, more = True, more - freed
         return started
 
-    def _yield_hold(self) -> bool:
-        """Release the weakest session hold (the scheduler found no page for a running
-        sequence: a hold is a prediction, a preemption recomputes for certain)."""
-        pin_id = self._weakest_hold(None)
-        if pin_id is None:
-            return False
-        self._release_pin(pin_id)
-        log.info("session hold yielded to a running sequence", extra={"pin_id": pin_id})
-        return True
-
-    def _weakest_hold(self, lapsing_after_ms: float | None) -> PinId | None:
-        """The session hold that yields room first (None: none may yield)."""
+    def _yield_hold(self, lapsing_after_ms: float | None = None) -> bool:
+        """Release the weakest session hold (``_Pin.hold_rank``; only one lapsing after
+        ``lapsing_after_ms`` when given); False when none may yield. Also the scheduler's
+        ``release_pin``: a hold is a prediction, a preemption recomputes for certain."""
         holds = [(pin.hold_rank(), pin_id) for pin_id, pin in self._pins.items()
                  if pin_id.startswith(HOLD_PREFIX) and pin.nodes
                  and (lapsing_after_ms is None or pin.expires_at_ms is None or pin.expires_at_ms > lapsing_after_ms)]
-        return max(holds)[1] if holds else None
+        if not holds:
+            return False
+        pin_id = max(holds)[1]
+        self._release_pin(pin_id)
+        log.info("session hold yielded", extra={"pin_id": pin_id})
+        return True
 
     def _retry_deferred(self) -> None:
         """Commanded prefetches waiting for room (``_prefetch``), in order."""
