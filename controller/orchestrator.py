@@ -686,12 +686,19 @@ class Orchestrator:
         # The deadline tells the worker how long to hold the pages in HBM (until the session is
         # expected back at the latest: see _hold_until_ms); without it an eviction in the
         # meantime takes them first, and the prefetch is wasted.
+        # When it is expected back (the prediction's median) ranks the hold against others on
+        # the worker: the session due back last yields first when room is needed.
+        now = self._now()
         hold_until = self._hold_until_ms.get(record.session_id, record.predicted_return_at_ms)
-        deadline_ms = None
+        deadline_ms = return_in_ms = None
         if hold_until is not None:
-            deadline_ms = round(min(max(0.0, hold_until - self._now()), self.params.max_hold_ms))
-        command = PrefetchCommand(
-            record.namespace_digest, (), Tier.HBM, deadline_ms=deadline_ms, session_id=record.session_id)
+            deadline_ms = round(min(max(0.0, hold_until - now), self.params.max_hold_ms))
+        if record.predicted_return_at_ms is not None:
+            return_in_ms = round(max(0.0, record.predicted_return_at_ms - now))
+            if deadline_ms is not None:
+                return_in_ms = min(return_in_ms, deadline_ms)
+        command = PrefetchCommand(record.namespace_digest, (), Tier.HBM, deadline_ms=deadline_ms,
+                                  session_id=record.session_id, return_in_ms=return_in_ms)
         return _SentPrefetch(record.worker_id, command, reason, source, page_bytes, self.clock_ms(),
                              record.paused_at_ms, attempt)
 

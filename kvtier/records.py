@@ -473,6 +473,7 @@ class PrefetchCommand:
     target_tier: Tier
     deadline_ms: int | None = None  # after receipt; None for best effort
     session_id: SessionId | None = None
+    return_in_ms: int | None = None  # after receipt: when the session is expected back (ranks holds)
 
 
 @dataclass(frozen=True, slots=True)

@@ -166,12 +166,14 @@ async def test_a_session_kept_in_hbm_is_held_there_until_its_turn(worker, flushe
 
 
 @in_module_loop
-async def test_holds_share_a_capped_room_where_prefetched_pages_outrank_kept_ones(
+async def test_holds_share_a_capped_room_where_the_session_due_back_first_wins(
     worker, flushed_redis_url, tmp_path, monkeypatch
 ):
-    """Holds keep at most MAX_HELD_FRACTION of HBM. At the cap, a hold on pages a prefetch copied
-    up displaces a guard's (pages that never left): dropping the latter costs at most what the
-    worker demotes meanwhile, dropping the former wastes the copy. A guard never displaces it."""
+    """Holds keep at most MAX_HELD_FRACTION of HBM. At the cap, the hold of the session due back
+    first (its hold lapses first) displaces the others, whether its prefetch copied pages up or
+    was a guard's (pages that never left): a page that leaves HBM goes back onto its copy below
+    without a write, so either costs one promotion if it goes. A later one is not taken. When
+    the controller says when the session is expected back, that ranks the hold."""
     import kvtier.worker.engine_loop as engine_loop
 
     namespace = worker.engine.namespace
@@ -186,17 +188,33 @@ async def test_holds_share_a_capped_room_where_prefetched_pages_outrank_kept_one
         monkeypatch.setattr(engine_loop, "MAX_HELD_FRACTION", 6 / worker.engine.pool.num_pages)
         loop = worker.loop
         kept_id, paid_id = engine_loop._hold_id("s-kept"), engine_loop._hold_id("s-paid")
-        guard = await loop.prefetch(digest, (), "s-kept", hold_s=30.0)  # all in HBM: a guard
+        guard = await loop.prefetch(digest, (), "s-kept", hold_s=60.0)  # all in HBM: a guard
         assert guard.num_moved == 0 and kept_id in loop._pins
         await demote_all(worker)
         assert tiers_of(worker, histories["s-kept"]) == [Tier.HBM] * 4  # held
         assert Tier.DRAM in tiers_of(worker, histories["s-paid"])
+        # Due back sooner than the guard's session: it displaces the guard.
         paid = await loop.prefetch(digest, (), "s-paid", hold_s=30.0)
         assert paid.num_moved > 0
         assert paid_id in loop._pins and kept_id not in loop._pins  # displaced
         assert tiers_of(worker, histories["s-paid"]) == [Tier.HBM] * 4
-        # A guard does not displace a paid hold: it is simply not taken.
-        await loop.prefetch(digest, (), "s-kept", hold_s=30.0)
+        # A hold due back later does not displace it: it is simply not taken.
+        await loop.prefetch(digest, (), "s-kept", hold_s=60.0)
+        assert paid_id in loop._pins and kept_id not in loop._pins
+        await demote_all(worker)
+        assert tiers_of(worker, histories["s-paid"]) == [Tier.HBM] * 4
+        # A guard due back sooner displaces the paid hold: copying up earns no rank.
+        await loop.prefetch(digest, tuple(histories["s-kept"]), None)  # back in HBM, not held
+        assert tiers_of(worker, histories["s-kept"]) == [Tier.HBM] * 4
+        guard = await loop.prefetch(digest, (), "s-kept", hold_s=10.0)
+        assert guard.num_moved == 0
+        assert kept_id in loop._pins and paid_id not in loop._pins
+        await demote_all(worker)
+        assert tiers_of(worker, histories["s-kept"]) == [Tier.HBM] * 4
+        assert Tier.DRAM in tiers_of(worker, histories["s-paid"])
+        # The controller's expected return ranks before the hold's lapse: held for up to a
+        # minute but expected back in a second, s-paid is due before s-kept (lapsing in 10 s).
+        await loop.prefetch(digest, (), "s-paid", hold_s=60.0, due_s=1.0)
         assert paid_id in loop._pins and kept_id not in loop._pins
         await demote_all(worker)
         assert tiers_of(worker, histories["s-paid"]) == [Tier.HBM] * 4

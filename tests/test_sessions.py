@@ -10,6 +10,7 @@ pure pieces (tier choice, token bucket, timer queue) with a clock of their own."
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import pytest_asyncio
@@ -24,6 +25,7 @@ from kvtier.hashing import namespace_digest, page_keys
 from kvtier.records import SessionId, SessionState, TierOccupancy
 from kvtier.tier_manager import TierConfig
 from kvtier.tiers import Tier
+from kvtier.worker.engine_loop import HOLD_PREFIX
 from kvtier.worker.servicer import serve_worker
 
 from hf_checkpoints import build_checkpoint, hf_logits, load_hf
@@ -85,6 +87,7 @@ async def test_paused_session_is_parked_and_back_before_its_next_turn(worker, ch
         assert len(keys) == 4 and tiers_of(worker, keys) == [Tier.HBM] * 4
         moved_before = worker.engine.tiers.counters.pages_moved.get((Tier.HBM, Tier.DRAM), 0)
 
+        paused_at_ms = time.time() * 1000.0
         info = await client.pause("s-park", tool="search", expected_ms=500)
         assert info.state is SessionState.PAUSED and info.parked_tier is Tier.DRAM
         assert info.worker_id == "w-s" and info.prefetch_at_ms is not None
@@ -92,6 +95,11 @@ async def test_paused_session_is_parked_and_back_before_its_next_turn(worker, ch
         # The prefetch fires ~400 ms after the pause; the pages are back before the turn at 1 s.
         await asyncio.sleep(1.0)
         assert tiers_of(worker, keys) == [Tier.HBM] * 4
+        # Held until the prediction's high quantile, ranked by when the session is expected back
+        # (the caller's 500 ms): the Prefetch carried both.
+        hold = worker.loop._pins[HOLD_PREFIX + "s-park"]
+        assert abs(hold.due_at_ms - (paused_at_ms + 500)) < 250
+        assert hold.expires_at_ms > hold.due_at_ms + 250
 
         turn2 = history + [200, 201, 202]  # the tool's result
         out2, final2 = await client.complete(namespace, turn2, GREEDY, session_id="s-park")

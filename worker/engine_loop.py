@@ -205,13 +205,18 @@ class _Pin:
     digest: NamespaceDigest
     nodes: list[RadixNode]  # the pinned nodes, one radix pin each
     expires_at_ms: int | None
-    # Session holds only: whether the prefetch behind it copied pages up (a guard's did not).
-    is_paid: bool = False
+    # Session holds: when the session is expected back (the Prefetch's ``return_in_ms``).
+    due_at_ms: float | None = None
 
-    def hold_rank(self) -> tuple[bool, float]:
-        """A session hold's claim on the capped room for holds, strongest first: pages a prefetch
-        paid to copy up before those of a guard, then the session due back first."""
-        return (not self.is_paid, float("inf") if self.expires_at_ms is None else self.expires_at_ms)
+    def hold_rank(self) -> float:
+        """A session hold's claim on HBM, strongest (lowest) first: the session expected back
+        first (without an expected return, the hold lapsing first). Whether the prefetch behind
+        it copied pages up does not count: a page that leaves HBM goes back onto its copy below
+        without a write (decision 0012), so a yielded hold costs one promotion whoever paid for
+        the last one."""
+        if self.due_at_ms is not None:
+            return self.due_at_ms
+        return float("inf") if self.expires_at_ms is None else float(self.expires_at_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -451,21 +456,23 @@ class EngineLoop:
 
     async def prefetch(
         self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None,
-        *, hold_s: float | None = None,
+        *, hold_s: float | None = None, due_s: float | None = None,
     ) -> MoveOutcome:
         """Promote the listed (or the session's) lower-tier pages into HBM, cached and idle;
-        a session's are held there up to ``hold_s`` seconds (``_hold_session``). Returns once
-        they are there (``start_prefetch`` returns once the transfers are submitted)."""
-        return await (await self.start_prefetch(digest, keys, session, hold_s=hold_s))
+        a session's are held there up to ``hold_s`` seconds (``_hold_session``), ranked by
+        ``due_s``, when the session is expected back. Returns once they are there
+        (``start_prefetch`` returns once the transfers are submitted)."""
+        return await (await self.start_prefetch(digest, keys, session, hold_s=hold_s, due_s=due_s))
 
     async def start_prefetch(
         self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None,
-        *, hold_s: float | None = None,
+        *, hold_s: float | None = None, due_s: float | None = None,
     ) -> asyncio.Future[MoveOutcome]:
         """Submit ``prefetch``'s transfers; the engine keeps stepping while they run. The
         returned future resolves with the outcome once they are applied (and the hold taken)."""
         done: asyncio.Future[MoveOutcome] = asyncio.get_running_loop().create_future()
-        await self._call(lambda: self._prefetch(digest, keys, session, hold_s, done))
+        due_at_ms = time.time() * 1000.0 + due_s * 1000.0 if due_s is not None else None
+        await self._call(lambda: self._prefetch(digest, keys, session, hold_s, done, due_at_ms=due_at_ms))
         return done
 
     async def drop_session(self, digest: NamespaceDigest, session: SessionId) -> DropOutcome:
@@ -1158,19 +1165,22 @@ class EngineLoop:
 
     def _prefetch(
         self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None, hold_s: float | None,
-        done: asyncio.Future[MoveOutcome], since: float | None = None,
+        done: asyncio.Future[MoveOutcome], since: float | None = None, *, due_at_ms: float | None = None,
     ) -> None:
         chain = self._resolve(digest, keys, session)
         # Room first, in the background (module doc): the pages coming up need free HBM pages,
         # and taking them by spilling would hold the engine thread on the link.
         now = time.monotonic()
         since = now if since is None else since
-        due_ms = time.time() * 1000.0 + hold_s * 1000.0 if session is not None and hold_s else None
+        rank = None  # the hold the pages will have (_Pin.hold_rank): only weaker holds yield to them
+        if session is not None and hold_s:
+            rank = due_at_ms if due_at_ms is not None else time.time() * 1000.0 + hold_s * 1000.0
         if now - since < MAX_PREFETCH_ROOM_WAIT_S and self._needs_room(
-            sum(n.tier is not Tier.HBM for n in chain), due_ms=due_ms
+            sum(n.tier is not Tier.HBM for n in chain), rank=rank
         ):
             self._moves.add(done)
-            self._deferred.append((lambda: self._prefetch(digest, keys, session, hold_s, done, since), done))
+            self._deferred.append(
+                (lambda: self._prefetch(digest, keys, session, hold_s, done, since, due_at_ms=due_at_ms), done))
             return
         ticket = self._tiers().start_prefetch(chain)
         if session is None or not hold_s:
@@ -1182,32 +1192,33 @@ class EngineLoop:
             # Not once the session's next generation has finished (it released the hold and
             # cached its pages as usual) or the session ended meanwhile.
             if self._sessions.get(session) is pages:
-                self._hold_session(digest, session, chain, hold_s, is_paid=ticket.outcome.num_moved > 0)
+                self._hold_session(digest, session, chain, hold_s, num_moved=ticket.outcome.num_moved,
+                                   due_at_ms=due_at_ms)
 
         self._track(ticket, done, hold)
 
-    def _needs_room(self, num_pages: int, *, due_ms: float | None = None) -> bool:
+    def _needs_room(self, num_pages: int, *, rank: float | None = None) -> bool:
         """Fewer than ``num_pages`` free HBM pages, and room for them on its way (``_make_room``;
-        ``due_ms``: the hold the pages will have, so only holds due later yield to them)."""
+        ``rank``: that of the hold the pages will have, so only weaker holds yield to them)."""
         short = num_pages - self.engine.pool.num_free
-        return short > 0 and self._make_room(short, yield_after_ms=due_ms)
+        return short > 0 and self._make_room(short, weaker_than=rank)
 
     def _lower_tier(self) -> Tier | None:
         tiers = self._tiers()
         return next((t for t in (Tier.DRAM, Tier.NVME) if tiers.is_usable(t)), None)
 
     def _make_room(
-        self, short: int, *, protect: Callable[[], None] | None = None, yield_after_ms: float | None = None,
+        self, short: int, *, protect: Callable[[], None] | None = None, weaker_than: float | None = None,
     ) -> bool:
         """Free ``short`` HBM pages in the background: True when pages already leaving HBM
         cover them or a demotion started (``protect`` runs first); False when nothing can
         leave HBM now.
 
         The coldest idle pages go first. When they are not enough, session holds yield, the
-        weakest first (``_Pin.hold_rank``: a guard's before a paid one, then the session due
-        back last): a hold is a prediction, the pages asked for are needed now (a request
-        waiting for admission) or sooner (a prefetch due before the hold lapses: only holds
-        lapsing after ``yield_after_ms`` yield to it)."""
+        weakest first (``_Pin.hold_rank``: the session due back last): a hold is a prediction,
+        the pages asked for are needed now (a request waiting for admission) or sooner (a
+        prefetch for a session due back first: only holds weaker than ``weaker_than``, a
+        ``_Pin.hold_rank``, yield to it)."""
         tiers = self._tiers()
         more = short - tiers.num_leaving(Tier.HBM)  # pages on their way out free room too
         if more <= 0:
@@ -1219,20 +1230,20 @@ class EngineLoop:
             protect()
         freed = tiers.demote(Tier.HBM, lower, more, TransferReason.WATERMARK)
         started, more = freed > 0, more - freed
-        while more > 0 and self._yield_hold(yield_after_ms):
+        while more > 0 and self._yield_hold(weaker_than):
             freed = tiers.demote(Tier.HBM, lower, more, TransferReason.WATERMARK)
             if freed == 0:
                 break  # the tier below is full, or the pages are on a move already
             started, more = True, more - freed
         return started
 
-    def _yield_hold(self, lapsing_after_ms: float | None = None) -> bool:
-        """Release the weakest session hold (``_Pin.hold_rank``; only one lapsing after
-        ``lapsing_after_ms`` when given); False when none may yield. Also the scheduler's
+    def _yield_hold(self, weaker_than: float | None = None) -> bool:
+        """Release the weakest session hold (``_Pin.hold_rank``; only one weaker than
+        ``weaker_than`` when given); False when none may yield. Also the scheduler's
         ``release_pin``: a hold is a prediction, a preemption recomputes for certain."""
         holds = [(pin.hold_rank(), pin_id) for pin_id, pin in self._pins.items()
                  if pin_id.startswith(HOLD_PREFIX) and pin.nodes
-                 and (lapsing_after_ms is None or pin.expires_at_ms is None or pin.expires_at_ms > lapsing_after_ms)]
+                 and (weaker_than is None or pin.hold_rank() > weaker_than)]
         if not holds:
             return False
         pin_id = max(holds)[1]
@@ -1252,9 +1263,10 @@ class EngineLoop:
 
     def _hold_session(
         self, digest: NamespaceDigest, session: SessionId, chain: list[RadixNode], hold_s: float,
-        *, is_paid: bool = False,
+        *, num_moved: int = 0, due_at_ms: float | None = None,
     ) -> None:
-        """Keep a prefetched session's pages in HBM until it is back (at most ``hold_s``).
+        """Keep a prefetched session's pages in HBM until it is back (at most ``hold_s``;
+        ``due_at_ms``: when it is expected back, which ranks the hold).
 
         A prefetch lands ahead of the session's return; idle, and last touched before
         everything that ran since, its pages would be the first an eviction takes: brought
@@ -1265,16 +1277,16 @@ class EngineLoop:
         Holds together keep at most ``MAX_HELD_FRACTION`` of HBM: an HBM full of them leaves
         every other page (the turns just finished, the prefetches still to come) to eviction.
         A hold is a prediction, so it yields when the room is needed for certain: a request
-        waiting for admission, a prefetch due before the hold lapses (``_make_room``), a
+        waiting for admission, a prefetch for a session due back sooner (``_make_room``), a
         running sequence that would otherwise be preempted (``_yield_hold``), the weakest
         hold first (the session due back last: Belady's order, by prediction; with
         ``MAX_HELD_FRACTION`` 0.5 and no yielding, the full emulated-DRAM agent run's resume
         p50 was 154-231 ms over 3 seeds, with 0.7 and yielding 39-109 ms over 6, median ~52;
-        decision 0008). Within the capped room a hold whose prefetch copied
-        pages up (``is_paid``) outranks a guard's (its pages never left: losing the hold costs
-        at most what the worker demotes meanwhile, where a paid hold's pages would have been
-        copied up for nothing), and among equals the session due back first wins
-        (``_Pin.hold_rank``); a new hold displaces weaker ones until it fits, or is not taken.
+        decision 0008). Within the capped room the same order holds (``_Pin.hold_rank``): a new
+        hold displaces those of sessions due back later until it fits, or is not taken; a
+        guard's hold (``num_moved`` 0: its pages never left) ranks like a prefetch's, since a
+        page that leaves HBM goes back onto its copy below without a write (decision 0012;
+        revision 3 of decision 0008 has the numbers).
         """
         self._release_pin(_hold_id(session))
         index = self.engine.index
@@ -1283,7 +1295,7 @@ class EngineLoop:
         if held is None:
             log.info("session not held: none of its pages is in HBM", extra={"session_id": session})
             return
-        pin = _Pin(digest, [held], round(time.time() * 1000.0 + hold_s * 1000.0), is_paid=is_paid)
+        pin = _Pin(digest, [held], round(time.time() * 1000.0 + hold_s * 1000.0), due_at_ms=due_at_ms)
         room = MAX_HELD_FRACTION * self.engine.pool.num_pages
         weaker = sorted(
             (p for p, h in self._pins.items() if p.startswith(HOLD_PREFIX) and h.hold_rank() > pin.hold_rank()),
@@ -1295,7 +1307,7 @@ class EngineLoop:
             held_keys = self._held_keys(excluding=set(displaced))
         if self._num_new_held(held, held_keys) + len(held_keys) > room:
             log.info("session not held: holds are at their cap", extra={
-                "session_id": session, "num_pages": held.depth, "num_held": len(held_keys), "is_paid": is_paid})
+                "session_id": session, "num_pages": held.depth, "num_held": len(held_keys), "num_moved": num_moved})
             return
         for pin_id in displaced:
             self._release_pin(pin_id)
@@ -1303,7 +1315,7 @@ class EngineLoop:
         index.pin(held.key)
         self._pins[_hold_id(session)] = pin
         log.info("session held", extra={"session_id": session, "num_pages": held.depth, "num_held": len(held_keys),
-                                        "hold_ms": round(hold_s * 1000.0), "is_paid": is_paid})
+                                        "hold_ms": round(hold_s * 1000.0), "num_moved": num_moved})
 
     def _held_keys(self, excluding: set[PinId] | None = None) -> set[PageKey]:
         """Pages the session holds keep in HBM: each held page and its ancestors, shared ones once."""

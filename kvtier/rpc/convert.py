@@ -1120,6 +1120,7 @@ def to_proto_prefetch_command(command: PrefetchCommand) -> worker_link_pb2.Prefe
         target_tier=int(command.target_tier),
         deadline_ms=command.deadline_ms,
         session_id=command.session_id or "",
+        return_in_ms=command.return_in_ms,
     )
 
 
@@ -1136,6 +1137,7 @@ def from_proto_prefetch_command(
         target_tier=_tier(msg.target_tier, _join(path, "target_tier")),
         deadline_ms=_optional(msg, "deadline_ms"),
         session_id=SessionId(session_id) if session_id else None,
+        return_in_ms=_optional_duration(msg, "return_in_ms", path),
     )
 
 
