@@ -722,8 +722,8 @@ class Orchestrator:
             self.stats.count_move(sent.reason, sent.source.label, Tier.HBM.label, ack.num_pages, moved_bytes)
         session = sent.command.session_id
         log.info("session prefetched", extra={
-            "session_id": session, "num_pages": ack.num_pages, "num_skipped": ack.num_skipped_pages,
-            "latency_ms": round(latency_ms), "in_time": record is not None})
+            "session_id": session, "reason": sent.reason, "num_pages": ack.num_pages,
+            "num_skipped": ack.num_skipped_pages, "latency_ms": round(latency_ms), "in_time": record is not None})
         if record is None:
             return
         record.prefetch_state = PrefetchState.DONE

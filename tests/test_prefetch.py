@@ -415,8 +415,10 @@ async def test_holds_yield_to_a_waiting_request_the_session_due_back_last_first(
         soon, late = tuple(range(1, 1 + 4 * PAGE_SIZE)), tuple(range(101, 101 + 4 * PAGE_SIZE))
         await _session_turn(loop, engine, "s-soon", soon)
         await _session_turn(loop, engine, "s-late", late)
-        for session, hold_s in (("s-soon", 5.0), ("s-late", 30.0)):  # guards: every page in HBM
-            assert (await loop.prefetch(digest, (), session, hold_s=hold_s)).num_moved == 0
+        # Guards (every page in HBM). When each is expected back ranks them, not when its hold
+        # lapses: s-soon may be held longer, but it is due back first.
+        for session, hold_s, due_s in (("s-soon", 30.0, 1.0), ("s-late", 5.0, 4.0)):
+            assert (await loop.prefetch(digest, (), session, hold_s=hold_s, due_s=due_s)).num_moved == 0
         held = {engine_loop._hold_id("s-soon"), engine_loop._hold_id("s-late")}
         assert held <= set(loop._pins)
         # Everything else in HBM is free: a prompt needing two pages more than that must take
