@@ -2,6 +2,7 @@
 
     python -m loadtests.agent_workload [--json] [--plot PATH] [--quick] [--lower-tier nvme|dram]
                                        [--records PATH] [--emulate-link | --link-gbps DRAM,NVME]
+                                       [--seed N | --seeds N,M,...]
 
 Workload (``make_workload``, deterministic in ``seed``): ``num_tenants`` tenants, each with a
 shared system prompt; ``sessions_per_tenant`` sessions per tenant, staggered starts; each
@@ -69,6 +70,13 @@ numbers in ``docs/decisions/0008-prefetch-timing.md``):
   set 1.2x HBM at the median resume) puts reactive at 1.9x infinite HBM and kvtier at 2.5x: its
   holds (then at most half of HBM, ~1.8 sessions, and never yielding) no longer covered the
   sessions due back. The defaults are unchanged.
+
+Seeds (``--seeds 0,1,2``): the same run for each seed in turn (each its own workload draw, its
+own stacks), each seed's table, then every headline ratio per seed and its median
+(``across_seeds``; ``--json`` gives ``seeds``, the headline keys as ``per_seed`` and
+``median``, ``targets_met`` per seed, and every seed's full result under ``runs``). On a shared
+2-core machine the same code and seed moves by a factor of two between runs, so a claim rests
+on several seeds, not one.
 
 Policies, each on a fresh local stack (1 worker, same checkpoint, same HBM size):
 
@@ -413,6 +421,28 @@ def targets(head: dict[str, Any]) -> dict[str, bool | None]:
     }
 
 
+HEADLINE_KEYS = ("kvtier_over_infinite_hbm", "kvtier_over_reactive", "prefetch_on_time", "wasted_prefetch_fraction")
+
+
+def across_seeds(results: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Headline numbers of runs of the same workload under several seeds: each one per seed (in
+    seed order), and their median over the seeds that measured it (None where none did). These
+    runs swing by a factor of two on a shared 2-core machine, so one seed is not a result."""
+    seeds = sorted(results)
+    out: dict[str, Any] = {"seeds": seeds}
+    for key in HEADLINE_KEYS:
+        values = [results[seed].get(key) for seed in seeds]
+        measured = sorted(v for v in values if v is not None)
+        median = None
+        if measured:
+            mid = len(measured) // 2
+            median = measured[mid] if len(measured) % 2 else (measured[mid - 1] + measured[mid]) / 2
+        out[key] = {"per_seed": values, "median": median}
+    out["targets_met"] = {target: [results[seed]["targets_met"][target] for seed in seeds]
+                          for target in results[seeds[0]]["targets_met"]} if seeds else {}
+    return out
+
+
 # --------------------------------------------------------------------------- running
 
 
@@ -705,6 +735,29 @@ def parse_link_gbps(text: str) -> dict[str, float]:
     return {"dram": dram * 1e9, "nvme": nvme * 1e9}
 
 
+def parse_seeds(text: str) -> list[int]:
+    """``--seeds N,M,...``: distinct non-negative integers, at least one."""
+    try:
+        seeds = [int(p) for p in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seeds takes comma-separated integers (e.g. 0,1,2), got {text!r}") from None
+    if any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"--seeds must be distinct non-negative integers, got {text!r}")
+    return seeds
+
+
+def seeds_table(summary: dict[str, Any]) -> str:
+    """``across_seeds`` as text: each headline number per seed and its median."""
+    lines = [f"across seeds {', '.join(map(str, summary['seeds']))}:"]
+    for key in HEADLINE_KEYS:
+        per_seed = " / ".join(_fmt(v, ".2f") for v in summary[key]["per_seed"])
+        lines.append(f"  {key}: {per_seed}   median {_fmt(summary[key]['median'], '.2f')}")
+    for target, met in summary["targets_met"].items():
+        lines.append(f"  {target}: met in {sum(1 for m in met if m)} of {len(met)}"
+                     f" ({sum(1 for m in met if m is None)} not measurable)")
+    return "\n".join(lines)
+
+
 def table(result: dict[str, Any]) -> str:
     lower = result["workload"]["lower_tier"]
     down, up = f"hbm->{lower}", f"{lower}->hbm"
@@ -786,7 +839,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--margin-ms", type=float, help="orchestrator prefetch margin")
     parser.add_argument("--lower-tier", choices=LOWER_TIERS, default="nvme",
                         help="the tiered policies' tier below HBM (default nvme: see the module doc)")
-    parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    seeds = parser.add_mutually_exclusive_group()
+    seeds.add_argument("--seed", type=int, default=0, help="workload seed")
+    seeds.add_argument("--seeds", type=parse_seeds, metavar="N,M,...",
+                       help="run each of these seeds in turn and report each and the median (module doc)")
     link = parser.add_mutually_exclusive_group()
     link.add_argument("--emulate-link", action="store_true",
                       help="emulate a GPU's PCIe and NVMe links at this machine's scale (module doc)")
@@ -796,7 +852,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="write every turn's record and every closed pause, per policy, to this JSON file")
     args = parser.parse_args(argv)
     spec = WorkloadSpec.quick() if args.quick else WorkloadSpec()
-    spec.lower_tier, spec.seed = args.lower_tier, args.seed
+    spec.lower_tier = args.lower_tier
     if args.margin_ms is not None:
         spec.margin_ms = args.margin_ms
     if args.emulate_link:
@@ -809,17 +865,33 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown policies {sorted(unknown)}; choose from {', '.join(POLICIES)}")
     import sys
 
-    result = asyncio.run(run_all(spec, policies, log=lambda m: print(m, file=sys.stderr, flush=True),
-                                 keep_turns=args.records is not None))
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    results: dict[int, dict[str, Any]] = {}
+    for seed in args.seeds or [args.seed]:
+        spec.seed = seed
+        if args.seeds:
+            log(f"seed {seed}")
+        results[seed] = asyncio.run(run_all(spec, policies, log=log, keep_turns=args.records is not None))
     if args.records:
+        turns = {seed: r.pop("turns", {}) for seed, r in results.items()}
         args.records.parent.mkdir(parents=True, exist_ok=True)
-        args.records.write_text(json.dumps(result.pop("turns", {}), indent=1, default=str))
+        args.records.write_text(json.dumps(turns if args.seeds else turns[args.seed], indent=1, default=str))
     if args.plot:
-        write_plot(result, args.plot)
+        for seed, r in results.items():
+            write_plot(r, args.plot.with_name(f"{args.plot.stem}-seed{seed}{args.plot.suffix}") if args.seeds else args.plot)
+    if not args.seeds:
+        result = results[args.seed]
+        print(json.dumps(result, indent=2, default=str) if args.json else table(result))
+        return 0
+    summary = across_seeds(results)
     if args.json:
-        print(json.dumps(result, indent=2, default=str))
+        print(json.dumps({**summary, "runs": [results[seed] for seed in summary["seeds"]]}, indent=2, default=str))
     else:
-        print(table(result))
+        for seed in summary["seeds"]:
+            print(f"--- seed {seed}\n{table(results[seed])}")
+        print(seeds_table(summary))
     return 0
 
 

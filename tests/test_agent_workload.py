@@ -17,6 +17,7 @@ from loadtests.agent_workload import (
     WorkloadSpec,
     _page_bytes,
     _policy_options,
+    across_seeds,
     emulated_link_summary,
     hbm_pages_for,
     headline,
@@ -24,7 +25,9 @@ from loadtests.agent_workload import (
     make_workload,
     orchestrator_params,
     parse_link_gbps,
+    parse_seeds,
     prefetch_summary,
+    seeds_table,
     summarize,
     targets,
 )
@@ -90,6 +93,32 @@ def test_summarize_and_headline() -> None:
     assert met["prefetch_on_time>=0.95"] is False and met["wasted_prefetch<=0.10"] is True
     # Nothing parked, nothing to score: not a met target.
     assert targets(headline({"kvtier": {"prefetch": prefetch_summary(PrefetchStats())}}))["wasted_prefetch<=0.10"] is None
+
+
+def test_across_seeds_reports_each_seed_and_the_median_of_those_measured() -> None:
+    def run(over_inf: float, over_reactive: float | None, on_time: float | None) -> dict:
+        head = {"kvtier_over_infinite_hbm": over_inf, "kvtier_over_reactive": over_reactive,
+                "prefetch_on_time": on_time, "wasted_prefetch_fraction": None}
+        return {**head, "targets_met": targets(head)}
+
+    summary = across_seeds({2: run(1.5, 0.4, 0.9), 0: run(1.0, 0.6, None), 1: run(1.2, None, 1.0)})
+    assert summary["seeds"] == [0, 1, 2]
+    assert summary["kvtier_over_infinite_hbm"] == {"per_seed": [1.0, 1.2, 1.5], "median": 1.2}
+    assert summary["kvtier_over_reactive"] == {"per_seed": [0.6, None, 0.4], "median": 0.5}  # of the two measured
+    assert summary["prefetch_on_time"]["median"] == pytest.approx(0.95)
+    assert summary["wasted_prefetch_fraction"] == {"per_seed": [None, None, None], "median": None}
+    assert summary["targets_met"]["kvtier_over_infinite_hbm<=1.1"] == [True, False, False]
+    assert summary["targets_met"]["prefetch_on_time>=0.95"] == [None, True, False]
+    text = seeds_table(summary)
+    assert "1.00 / 1.20 / 1.50   median 1.20" in text
+    assert "prefetch_on_time>=0.95: met in 1 of 3 (1 not measurable)" in text
+
+
+def test_seeds_flag_takes_distinct_non_negative_integers() -> None:
+    assert parse_seeds("0,1,2") == [0, 1, 2] and parse_seeds("7") == [7]
+    for bad in ("0,x", "1,1", "-1", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="--seeds"):
+            parse_seeds(bad)
 
 
 def test_pauses_join_the_turns_they_preceded() -> None:
