@@ -214,9 +214,14 @@ class _Pin:
         it copied pages up does not count: a page that leaves HBM goes back onto its copy below
         without a write (decision 0012), so a yielded hold costs one promotion whoever paid for
         the last one."""
-        if self.due_at_ms is not None:
-            return self.due_at_ms
-        return float("inf") if self.expires_at_ms is None else float(self.expires_at_ms)
+        return _hold_rank(self.due_at_ms, self.expires_at_ms)
+
+
+def _hold_rank(due_at_ms: float | None, expires_at_ms: float | None) -> float:
+    """``_Pin.hold_rank`` of a hold due back at ``due_at_ms`` and lapsing at ``expires_at_ms``."""
+    if due_at_ms is not None:
+        return due_at_ms
+    return float("inf") if expires_at_ms is None else float(expires_at_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1172,9 +1177,9 @@ class EngineLoop:
         # and taking them by spilling would hold the engine thread on the link.
         now = time.monotonic()
         since = now if since is None else since
-        rank = None  # the hold the pages will have (_Pin.hold_rank): only weaker holds yield to them
+        rank = None  # the hold the pages will have: only weaker holds yield to them
         if session is not None and hold_s:
-            rank = due_at_ms if due_at_ms is not None else time.time() * 1000.0 + hold_s * 1000.0
+            rank = _hold_rank(due_at_ms, time.time() * 1000.0 + hold_s * 1000.0)
         if now - since < MAX_PREFETCH_ROOM_WAIT_S and self._needs_room(
             sum(n.tier is not Tier.HBM for n in chain), rank=rank
         ):
