@@ -43,7 +43,8 @@ resume, as a several-GiB context over PCIe or NVMe is several times a resume's p
 unemulated one. Per turn, ``--records`` has the TTFTs; per policy, ``engine_waits`` says how long
 the worker's engine thread waited on tier moves (``spill_link_wait_s``: synchronous spills'
 emulated link time, every running sequence stalled meanwhile) and how many pages went back onto
-their DRAM copy with no bytes moved (``demotions_without_copy``, decision 0012). Under emulation a round trip
+their DRAM copy with no bytes moved (``demotions_without_copy``, decision 0012), and what became of
+session holds (``session_holds``: taken, refused at the cap, displaced, yielded). Under emulation a round trip
 through NVMe (a 21 MiB private context: ~0.7 s) is longer than most of these tools' pauses, so kvtier
 keeps nearly every session in HBM, where they do not all fit: the NVMe-only configuration
 shows what a slow tier cannot hide. ``--lower-tier dram`` (PCIe, ~0.2 s) is the one where
@@ -476,6 +477,9 @@ def _tier_counters(actor: Any) -> tuple[dict[str, int], dict[str, float]]:
         waits = {"promotion_wait_s": round(c.promotion_wait_s, 3), "spill_link_wait_s": round(c.spill_link_wait_s, 3),
                  # pages that went back onto their DRAM copy, no bytes moved (decision 0012)
                  "demotions_without_copy": c.demotions_without_copy}
+        server = getattr(worker, "_server", None)
+        if server is not None:  # what became of session holds (taken, refused at the cap, yielded, ...)
+            waits["session_holds"] = dict(server.loop.hold_outcomes)
         for _ in range(5):
             try:
                 return {f"{a.label}->{b.label}": n for (a, b), n in dict(c.bytes_moved).items()}, waits

@@ -18,6 +18,7 @@ import pytest_asyncio
 
 from kvtier.client import AsyncClient
 from kvtier.engine import Engine, SamplingParams
+from kvtier.hashing import namespace_digest
 from kvtier.quotas import QuotaTable
 from kvtier.telemetry import Telemetry
 from kvtier.tier_manager import TierConfig
@@ -43,6 +44,7 @@ FAMILIES = [
     "kvtier_time_per_output_token_seconds_bucket",
     "kvtier_allocation_waits_total",
     "kvtier_preemptions_total",
+    "kvtier_session_holds_total",
     "kvtier_tier_bytes_moved_bytes_total",
     "kvtier_checksum_failures_total",
     "kvtier_pages_dropped_total",
@@ -103,6 +105,38 @@ async def test_metrics_exist_with_units_and_move_after_requests(served):
     assert re.search(r'^kvtier_pages\{[^}]*state="cached"[^}]*tier="dram"', after, re.M), "DRAM occupancy not exported"
     # No raw content: the scrape names no prompt tokens, only counts and ids.
     assert "prompt=" not in after and "token_ids" not in after
+
+
+@in_module_loop
+async def test_session_holds_are_counted_by_outcome(served, monkeypatch):
+    """Holds of prefetched sessions: taken, displaced by one due back sooner, refused at the cap,
+    yielded when room is needed now; the scrape counts each by outcome."""
+    import kvtier.worker.engine_loop as engine_loop
+
+    server, engine, telemetry = served
+    ns = engine.namespace
+    digest = namespace_digest(ns)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    async with AsyncClient() as client:
+        for session, step in (("s-soon", 11), ("s-late", 13)):  # 4 private pages each, in HBM
+            await client.complete(ns, [(step * i + 5) % 256 for i in range(17)], params,
+                                  worker=server.address, session_id=session)
+    loop = server.loop
+    monkeypatch.setattr(engine_loop, "MAX_HELD_FRACTION", 6 / engine.pool.num_pages)  # one session's pages
+    before = scrape(telemetry.port)
+    await loop.prefetch(digest, (), "s-late", hold_s=30.0, due_s=20.0)  # taken
+    await loop.prefetch(digest, (), "s-soon", hold_s=30.0, due_s=1.0)  # taken: s-late displaced
+    await loop.prefetch(digest, (), "s-late", hold_s=30.0, due_s=20.0)  # refused: s-soon is due first
+    assert await loop._call(loop._yield_hold)  # room needed now: s-soon yields
+    after = scrape(telemetry.port)
+
+    def delta(outcome: str) -> float:
+        family = "kvtier_session_holds_total"
+        return value(after, family, outcome=outcome) - value(before, family, outcome=outcome)
+
+    assert {o: delta(o) for o in engine_loop.HOLD_OUTCOMES} == {
+        "taken": 2, "unheld": 0, "refused": 1, "displaced": 1, "yielded": 1}
+    assert not [p for p in loop._pins if p.startswith(engine_loop.HOLD_PREFIX)]
 
 
 # ---- tenant quotas and namespace TTLs --------------------------------------------------------

@@ -138,6 +138,11 @@ T = TypeVar("T")
 MAX_BUFFERED_PAGE_EVENTS = 1 << 16
 # Session holds (_hold_session): their pin ids, and the share of HBM they may keep together.
 HOLD_PREFIX = "session-hold/"
+# What became of session holds (``EngineLoop.hold_outcomes``, the ``kvtier.session_holds``
+# metric): taken; not taken because none of the session's pages was in HBM (``unheld``) or
+# holds were at their cap and all were due back sooner (``refused``); released early for a
+# hold due back sooner (``displaced``) or for room needed now (``yielded``).
+HOLD_OUTCOMES = ("taken", "unheld", "refused", "displaced", "yielded")
 MAX_HELD_FRACTION = 0.7
 # When step() makes no progress (nothing admissible, e.g. the pool is full of pinned
 # pages) the thread waits this long for news instead of spinning.
@@ -305,6 +310,9 @@ class EngineLoop:
         self._reclaim_due = False  # a stale namespace's sequence ended, or pages were in transit
         self._reclaimed_at = 0.0
         self._pins: dict[PinId, _Pin] = {}
+        # Counts per HOLD_OUTCOMES (engine thread writes; the keys never change, so a scrape
+        # may read them from another thread).
+        self.hold_outcomes: dict[str, int] = dict.fromkeys(HOLD_OUTCOMES, 0)
         # Session holds yield before a running sequence is preempted (``_yield_hold``).
         self.engine.scheduler.release_pin = self._yield_hold
         # Commanded moves in flight (Demote / Prefetch): their futures resolve when applied.
@@ -1253,6 +1261,7 @@ class EngineLoop:
             return False
         pin_id = max(holds)[1]
         self._release_pin(pin_id)
+        self.hold_outcomes["yielded"] += 1
         log.info("session hold yielded", extra={"pin_id": pin_id})
         return True
 
@@ -1298,6 +1307,7 @@ class EngineLoop:
         held = next((n for n in reversed(chain) if index.get(n.key) is n and n.tier is Tier.HBM and not n.moving),
                     None)
         if held is None:
+            self.hold_outcomes["unheld"] += 1
             log.info("session not held: none of its pages is in HBM", extra={"session_id": session})
             return
         pin = _Pin(digest, [held], round(time.time() * 1000.0 + hold_s * 1000.0), due_at_ms=due_at_ms)
@@ -1311,12 +1321,15 @@ class EngineLoop:
             displaced.append(weaker[len(displaced)])
             held_keys = self._held_keys(excluding=set(displaced))
         if self._num_new_held(held, held_keys) + len(held_keys) > room:
+            self.hold_outcomes["refused"] += 1
             log.info("session not held: holds are at their cap", extra={
                 "session_id": session, "num_pages": held.depth, "num_held": len(held_keys), "num_moved": num_moved})
             return
         for pin_id in displaced:
             self._release_pin(pin_id)
             log.debug("session hold displaced", extra={"pin_id": pin_id, "by_session_id": session})
+        self.hold_outcomes["displaced"] += len(displaced)
+        self.hold_outcomes["taken"] += 1
         index.pin(held.key)
         self._pins[_hold_id(session)] = pin
         log.info("session held", extra={"session_id": session, "num_pages": held.depth, "num_held": len(held_keys),

@@ -95,6 +95,11 @@ class WorkerMetrics:
             "kvtier.preemptions", callbacks=[self._preemptions], unit="{event}", description="sequences preempted"
         )
         m.create_observable_counter(
+            "kvtier.session_holds", callbacks=[self._session_holds], unit="{hold}",
+            description="prefetched sessions' HBM holds by outcome: taken, unheld (no page in HBM), "
+            "refused (at the cap), displaced (by a session due back sooner), yielded (room needed now)",
+        )
+        m.create_observable_counter(
             "kvtier.tier_bytes_moved", callbacks=[self._bytes_moved], unit="By",
             description="bytes moved between tiers, by source and destination",
         )
@@ -156,6 +161,10 @@ class WorkerMetrics:
 
     def _preemptions(self, _: CallbackOptions) -> Iterable[Observation]:
         yield Observation(self.engine.scheduler.num_preemptions, self.attrs)
+
+    def _session_holds(self, _: CallbackOptions) -> Iterable[Observation]:
+        for outcome, n in list(self.loop.hold_outcomes.items()):
+            yield Observation(n, {**self.attrs, "outcome": outcome})
 
     def _bytes_moved(self, _: CallbackOptions) -> Iterable[Observation]:
         tiers = self.engine.tiers
