@@ -21,7 +21,7 @@ appends ``_seconds`` / ``_bytes`` for real units and ``_total`` to counters)::
     kvtier.controller.bytes_moved           By           by reason (park/prefetch/returning/end), src, dst
 
 Resume TTFT is not here: the controller is never on the token path, so first-token latency
-(``kvtier.ttft``, ``kvtier.eviction_induced_ttft``) is the worker's. Attributes are method
+(``kvtier.ttft``, ``kvtier.resume_ttft``, ``kvtier.eviction_induced_ttft``) is the worker's. Attributes are method
 names, states, tiers and outcomes — never session ids, tenants, tool names or token ids.
 
 Gauges and counters read controller state at scrape time. The scrape runs on the HTTP

@@ -108,6 +108,36 @@ async def test_metrics_exist_with_units_and_move_after_requests(served):
 
 
 @in_module_loop
+async def test_resume_ttft_counts_a_sessions_next_turns_by_whether_they_promoted(served):
+    """kvtier.resume_ttft: a turn of a session whose last turn ran here, split by whether it
+    waited for pages from a lower tier; a session's first turn and a request without a
+    session are not resumes."""
+    server, engine, telemetry = served
+    ns = engine.namespace
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    family = "kvtier_resume_ttft_seconds_count"
+    before = scrape(telemetry.port)
+    async with AsyncClient() as client:
+        history = [(17 * i + 3) % 256 for i in range(18)]
+        out, _ = await client.complete(ns, history, params, worker=server.address, session_id="s-resume")
+        await client.complete(ns, [9, 8, 7, 6, 5], params, worker=server.address)  # no session
+        history += out + [40, 41]
+        out, final = await client.complete(ns, history, params, worker=server.address, session_id="s-resume")
+        assert final.usage.promoted_tokens == 0
+        mid = scrape(telemetry.port)
+        await server.loop._call(lambda: engine.tiers.demote_all(Tier.DRAM))
+        history += out + [42]
+        _, final = await client.complete(ns, history, params, worker=server.address, session_id="s-resume")
+        assert final.usage.promoted_tokens > 0
+    after = scrape(telemetry.port)
+    assert "# HELP kvtier_resume_ttft_seconds time to first token of a session's next turn" in after
+    assert value(mid, family, promoted="false") - value(before, family, promoted="false") == 1
+    assert value(mid, family, promoted="true") == value(before, family, promoted="true")
+    assert value(after, family, promoted="true") - value(mid, family, promoted="true") == 1
+    assert value(after, family, promoted="false") == value(mid, family, promoted="false")
+
+
+@in_module_loop
 async def test_session_holds_are_counted_by_outcome(served, monkeypatch):
     """Holds of prefetched sessions: taken, displaced by one due back sooner, refused at the cap,
     yielded when room is needed now; the scrape counts each by outcome."""

@@ -837,13 +837,15 @@ class EngineLoop:
             generated_tokens=num_generated,
             cached_tokens_by_tier=TokensByTier(hbm_tokens=num_cached - dram - nvme, dram_tokens=dram, nvme_tokens=nvme),
         )
+        # A session's next turn here: its last turn's pages are the history this one resumes.
+        resumed = run.request.session_id is not None and run.request.session_id in self._sessions
         if run.request.session_id is not None:
             self._remember_session(run, result.prompt_token_ids, result.token_ids)
         now = time.perf_counter()
         first = run.first_token_at if run.first_token_at is not None else now
         ttft_ms = (first - run.submitted_at) * 1000.0
         if self.metrics is not None:
-            self.metrics.record_request(result, ttft_ms / 1000.0, now - first)
+            self.metrics.record_request(result, ttft_ms / 1000.0, now - first, resumed=resumed)
         if tracing.is_enabled():
             self._record_spans(run, result, now, usage)
         log.info(

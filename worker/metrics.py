@@ -69,6 +69,12 @@ class WorkerMetrics:
             "kvtier.time_per_output_token", unit="s", description="mean time per output token after the first",
             explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
         )
+        self.resume_ttft = m.create_histogram(
+            "kvtier.resume_ttft", unit="s",
+            description="time to first token of a session's next turn (its last turn ran on this worker), "
+            "by whether it waited for pages from a lower tier (promoted: true/false)",
+            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
+        )
         self.eviction_wait = m.create_histogram(
             "kvtier.eviction_induced_ttft",
             unit="s",
@@ -116,7 +122,7 @@ class WorkerMetrics:
         self.gpus = GpuMetrics.start(m, self.attrs, nvml)
 
     # ---- recorded per request ---------------------------------------------------------
-    def record_request(self, result: GenerationResult, ttft_s: float, decode_s: float) -> None:
+    def record_request(self, result: GenerationResult, ttft_s: float, decode_s: float, *, resumed: bool = False) -> None:
         a = self.attrs
         self.prompt_tokens.add(len(result.prompt_token_ids), a)
         self.prefix_hit_tokens.add(result.num_cached_tokens, a)
@@ -128,6 +134,8 @@ class WorkerMetrics:
         self.requests.add(1, {**a, "finish_reason": result.finish_reason.value})
         self.reuse_depth.record(result.num_cached_tokens // self.engine.pool.page_size, a)
         self.ttft.record(ttft_s, a)
+        if resumed:  # the agent-session number issue #7 is judged by: prefetched in time, or not
+            self.resume_ttft.record(ttft_s, {**a, "promoted": "true" if result.num_promoted_tokens else "false"})
         if len(result.token_ids) > 1:
             self.tpot.record(decode_s / (len(result.token_ids) - 1), a)
         if result.promotion_wait_s:
