@@ -89,7 +89,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -654,7 +654,8 @@ class EngineLoop:
                 return
         self._add(run, digest)
 
-    def _cached_chain(self, keys: list[PageKey]) -> list[RadixNode]:
+    def _cached_chain(self, keys: Sequence[PageKey]) -> list[RadixNode]:
+        """Cached nodes of the longest cached prefix of ``keys`` (root first)."""
         chain: list[RadixNode] = []
         for key in keys:
             node = self.engine.index.get(key)
@@ -1257,8 +1258,8 @@ class EngineLoop:
         ``weaker_than`` when given); False when none may yield. Also the scheduler's
         ``release_pin``: a hold is a prediction, a preemption recomputes for certain."""
         holds = [(pin.hold_rank(), pin_id) for pin_id, pin in self._pins.items()
-                 if pin_id.startswith(HOLD_PREFIX) and pin.nodes
-                 and (weaker_than is None or pin.hold_rank() > weaker_than)]
+                 if pin_id.startswith(HOLD_PREFIX) and pin.nodes]
+        holds = [h for h in holds if weaker_than is None or h[0] > weaker_than]
         if not holds:
             return False
         pin_id = max(holds)[1]
@@ -1388,13 +1389,7 @@ class EngineLoop:
         if pages is None or pages.namespace_digest != digest:
             raise NotFound(f"this worker finished no generation for session {session!r} in that namespace",
                            field="session_id")
-        chain: list[RadixNode] = []
-        for key in pages.page_keys:
-            node = index.get(key)
-            if node is None:
-                break
-            chain.append(node)
-        return chain
+        return self._cached_chain(pages.page_keys)
 
     def _demote_targets(
         self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None, whole_namespace: bool
