@@ -44,7 +44,9 @@ unemulated one. Per turn, ``--records`` has the TTFTs; per policy, ``engine_wait
 the worker's engine thread waited on tier moves (``spill_link_wait_s``: synchronous spills'
 emulated link time, every running sequence stalled meanwhile) and how many pages went back onto
 their DRAM copy with no bytes moved (``demotions_without_copy``, decision 0012), and what became of
-session holds (``session_holds``: taken, refused at the cap, displaced, yielded). Under emulation a round trip
+session holds (``session_holds``: taken, refused at the cap, displaced, yielded, retaken once room
+was back; ``retaken_pages`` and ``retaken_waste_pages``, counted into kvtier's prefetched and wasted
+bytes: ``with_retaken``). Under emulation a round trip
 through NVMe (a 21 MiB private context: ~0.7 s) is longer than most of these tools' pauses, so kvtier
 keeps nearly every session in HBM, where they do not all fit: the NVMe-only configuration
 shows what a slow tier cannot hide. ``--lower-tier dram`` (PCIe, ~0.2 s) is the one where
@@ -345,6 +347,23 @@ def prefetch_summary(stats: Any) -> dict[str, Any]:
     }
 
 
+def with_retaken(prefetch: dict[str, Any], retaken_bytes: int, wasted_bytes: int) -> dict[str, Any]:
+    """``prefetch_summary`` with the worker's retaken holds counted in (``EngineLoop._retake``):
+    ``retaken_bytes`` moved up again, prefetched bytes like any other; ``wasted_bytes`` of them
+    had been brought up by a prefetch before and went down unused. The controller scores a
+    pause's waste by where its pages are at the Route, so a hold that yielded and was retaken
+    before it looks unwasted there."""
+    if not prefetch:
+        return prefetch
+    out = {**prefetch, "retaken_bytes": retaken_bytes}
+    out["prefetched_bytes"] = prefetch["prefetched_bytes"] + retaken_bytes
+    out["wasted_bytes"] = prefetch["wasted_bytes"] + wasted_bytes
+    if wasted_bytes:
+        out["wasted_bytes_by_reason"] = {**prefetch["wasted_bytes_by_reason"], "retaken": wasted_bytes}
+    out["wasted_fraction"] = out["wasted_bytes"] / out["prefetched_bytes"] if out["prefetched_bytes"] else None
+    return out
+
+
 def join_outcomes(records: list[TurnRecord], outcomes: list[Any], page_size: int, page_bytes: int) -> dict[str, Any]:
     """Each closed pause (``PauseOutcome``, in closing order) with the resume it preceded: the
     k-th pause of a session is followed by its turn k + 1. Resume TTFT by prefetch outcome, and
@@ -480,6 +499,8 @@ def _tier_counters(actor: Any) -> tuple[dict[str, int], dict[str, float]]:
         server = getattr(worker, "_server", None)
         if server is not None:  # what became of session holds (taken, refused at the cap, yielded, ...)
             waits["session_holds"] = dict(server.loop.hold_outcomes)
+            waits["retaken_pages"] = server.loop.retaken_pages
+            waits["retaken_waste_pages"] = server.loop.retaken_waste_pages
         for _ in range(5):
             try:
                 return {f"{a.label}->{b.label}": n for (a, b), n in dict(c.bytes_moved).items()}, waits
@@ -637,7 +658,10 @@ async def run_policy(policy: str, workload: Workload, model: Path, state_dir: Pa
         run.bytes_moved, run.engine_waits = await asyncio.get_running_loop().run_in_executor(
             None, _tier_counters, stack.workers[0].actor)
         if policy in HINT_POLICIES and orchestrator is not None:
-            run.prefetch = prefetch_summary(orchestrator.stats)
+            page_bytes = _page_bytes(WORKLOAD_MODEL_CONFIG, workload.spec.page_size)
+            run.prefetch = with_retaken(prefetch_summary(orchestrator.stats),
+                                        int(run.engine_waits.get("retaken_pages", 0)) * page_bytes,
+                                        int(run.engine_waits.get("retaken_waste_pages", 0)) * page_bytes)
             run.prefetch["planned_overhead_ms"] = {w: {"num_acks": n, "overhead_ms": round(ms, 1)}
                                                    for w, (n, ms) in orchestrator.prefetch_overheads().items()}
             run.outcomes = list(orchestrator.outcomes)

@@ -30,6 +30,7 @@ from loadtests.agent_workload import (
     seeds_table,
     summarize,
     targets,
+    with_retaken,
 )
 
 
@@ -93,6 +94,22 @@ def test_summarize_and_headline() -> None:
     assert met["prefetch_on_time>=0.95"] is False and met["wasted_prefetch<=0.10"] is True
     # Nothing parked, nothing to score: not a met target.
     assert targets(headline({"kvtier": {"prefetch": prefetch_summary(PrefetchStats())}}))["wasted_prefetch<=0.10"] is None
+
+
+def test_retaken_holds_count_as_prefetched_and_wasted_bytes() -> None:
+    """A hold the worker retook looks unwasted to the controller: the benchmark adds the bytes
+    moved up again to the prefetched ones, and those a prefetch had moved up before (they went
+    down unused) to the wasted ones."""
+    stats = PrefetchStats(num_prefetched=4, prefetched_bytes=100)
+    stats.count_waste("evicted", 10)
+    pf = with_retaken(prefetch_summary(stats), 25, 20)
+    assert pf["prefetched_bytes"] == 125 and pf["wasted_bytes"] == 30 and pf["retaken_bytes"] == 25
+    assert pf["wasted_fraction"] == pytest.approx(30 / 125)
+    assert pf["wasted_bytes_by_reason"] == {"evicted": 10, "retaken": 20}
+    assert targets(headline({"kvtier": {"prefetch": pf}}))["wasted_prefetch<=0.10"] is False
+    guards = with_retaken(prefetch_summary(stats), 25, 0)  # guards' pages: moved up once, used
+    assert guards["wasted_fraction"] == pytest.approx(10 / 125) and "retaken" not in guards["wasted_bytes_by_reason"]
+    assert with_retaken({}, 25, 20) == {}  # a policy without hints has no prefetch numbers
 
 
 def test_across_seeds_reports_each_seed_and_the_median_of_those_measured() -> None:

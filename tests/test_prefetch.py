@@ -476,3 +476,106 @@ async def test_a_running_sequence_takes_a_held_page_instead_of_being_preempted(t
     assert preemptions == 0
     out_free, _ = await long_turn(held=False)
     assert out_held[: len(out_free)] == out_free[: len(out_held)] and len(out_held) > 0
+
+
+async def _session_final(loop, engine, session: str, prompt: tuple[int, ...]):
+    from kvtier.records import GenerateFinal, GenerateRequest
+
+    request = GenerateRequest(namespace=engine.namespace, prompt_token_ids=prompt, session_id=session,
+                              sampling=SamplingParams(max_tokens=2, ignore_eos=True))
+    return [event async for event in loop.submit(request) if isinstance(event, GenerateFinal)][0]
+
+
+async def _yield_the_later_hold(loop, engine, late_hold_s: float) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Two guarded sessions, then a request that takes room from them: the one due back later
+    (``s-late``, held ``late_hold_s``) yields. Returns both sessions' histories."""
+    import kvtier.worker.engine_loop as engine_loop
+
+    digest = namespace_digest(engine.namespace)
+    soon, late = tuple(range(1, 1 + 4 * PAGE_SIZE)), tuple(range(101, 101 + 4 * PAGE_SIZE))
+    soon += tuple(await _session_turn(loop, engine, "s-soon", soon))
+    late += tuple(await _session_turn(loop, engine, "s-late", late))
+    for session, hold_s, due_s in (("s-soon", 30.0, 1.0), ("s-late", late_hold_s, 4.0)):
+        await loop.prefetch(digest, (), session, hold_s=hold_s, due_s=due_s)
+    big = tuple((40 + 3 * i) % 256 for i in range((engine.pool.num_free + 1) * PAGE_SIZE))
+    await _session_turn(loop, engine, "s-big", big)
+    assert engine_loop._hold_id("s-late") not in loop._pins and loop.hold_outcomes["yielded"] == 1
+    # The watermark's background demotion the turn left running (it takes s-big's leaf) lands.
+    while await loop._call(lambda: any(n.moving for n in engine.index.nodes())):
+        await asyncio.sleep(0.01)
+    assert Tier.DRAM in _tiers_in(engine, _keys(engine, late[:-1]))
+    return soon, late
+
+
+async def _until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.asyncio
+async def test_a_yielded_hold_is_retaken_once_room_comes_back(tmp_path, monkeypatch):
+    """A hold that yielded is a prediction that still stands (worker/engine_loop.py
+    ``_retake``): once HBM has free room again, without a request waiting for it, the
+    session's pages come back up and are held again, so its next turn promotes nothing; the
+    pages moved are counted (``retaken_pages``), as waste only if a prefetch had moved them up."""
+    import kvtier.worker.engine_loop as engine_loop
+
+    monkeypatch.setattr(engine_loop, "MAX_HELD_FRACTION", 1.0)
+    engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0)
+    try:
+        _, late = await _yield_the_later_hold(loop, engine, late_hold_s=30.0)
+        # s-big's pages fill HBM: too little is free for s-late's 4 pages and the watermark's
+        # free share, so nothing comes back yet.
+        reserve = (1.0 - engine.tiers.config.hbm_watermark.low) * engine.pool.num_pages
+        assert engine.pool.num_free - 4 < reserve and loop.hold_outcomes["retaken"] == 0
+        # Its session pauses and the controller parks it: room comes back.
+        await loop.demote(namespace_digest(engine.namespace), (), "s-big", Tier.DRAM)
+        await _until(lambda: engine_loop._hold_id("s-late") in loop._pins)
+        keys = _keys(engine, late[:-1])
+        assert _tiers_in(engine, keys) == [Tier.HBM] * 4
+        assert loop.hold_outcomes["retaken"] == 1 and loop.retaken_pages > 0
+        assert loop.retaken_waste_pages == 0  # a guard's: no prefetch had brought them up before
+        final = await _session_final(loop, engine, "s-late", late + (7, 8))
+        assert final.usage.promoted_tokens == 0 and final.usage.cached_tokens == 4 * PAGE_SIZE
+        assert "s-late" not in loop._lapsed
+        assert (await loop.check_integrity()).is_ok
+    finally:
+        await loop.close()
+        engine.tiers.close()
+
+
+@pytest.mark.asyncio
+async def test_a_yielded_hold_is_not_retaken_after_it_would_have_lapsed_or_once_its_session_ends(
+    tmp_path, monkeypatch
+):
+    """Retaking is bounded by the hold it replaces: past the hold's lapse time (the session is
+    overdue: a prediction no longer), or once the session ends, the pages stay where they are."""
+    import kvtier.worker.engine_loop as engine_loop
+
+    monkeypatch.setattr(engine_loop, "MAX_HELD_FRACTION", 1.0)
+    engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0)
+    digest = namespace_digest(engine.namespace)
+    try:
+        _, late = await _yield_the_later_hold(loop, engine, late_hold_s=0.5)
+        assert "s-late" in loop._lapsed
+        await asyncio.sleep(0.6)  # s-late's hold would have lapsed by now
+        await loop.demote(digest, (), "s-big", Tier.DRAM)
+        await _until(lambda: "s-late" not in loop._lapsed)
+        assert loop.hold_outcomes["retaken"] == 0 and loop.retaken_pages == 0
+        assert Tier.DRAM in _tiers_in(engine, _keys(engine, late[:-1]))
+        assert engine.pool.num_free >= 8  # there was room: the lapse kept it out
+
+        # Yielded again, then the session ends before room comes back: forgotten with it.
+        await loop.prefetch(digest, (), "s-late", hold_s=30.0, due_s=4.0)
+        assert engine_loop._hold_id("s-late") in loop._pins
+        await _session_turn(loop, engine, "s-big", tuple((41 + 3 * i) % 256 for i in range(
+            (engine.pool.num_free + 1) * PAGE_SIZE)))
+        assert "s-late" in loop._lapsed
+        await loop.drop_session(digest, "s-late")
+        assert "s-late" not in loop._lapsed
+        assert (await loop.check_integrity()).is_ok
+    finally:
+        await loop.close()
+        engine.tiers.close()

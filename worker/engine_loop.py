@@ -74,7 +74,9 @@ Its pages are reported as promoted tokens (and its wait as promotion wait), as a
 admission would be. A commanded Prefetch likewise waits for room made in the background before
 its pages come up (at most ``MAX_PREFETCH_ROOM_WAIT_S``); its ack comes once they are applied.
 When the coldest idle pages cannot make the room, session holds yield it, the weakest first
-(``_hold_session``); the wait is logged with the generation (``admission_wait_ms``).
+(``_hold_session``); the wait is logged with the generation (``admission_wait_ms``). A hold that
+yielded (or was displaced, or refused at the cap) is retaken once HBM has free room again and
+nothing waits for it, before its session is back (``_retake``).
 
 Quotas and TTLs (``kvtier.quotas``, ``kvtier.ttls``): the engine enforces them before each
 step; while idle the loop runs the same bounded pass and wakes for the next TTL deadline.
@@ -141,8 +143,9 @@ HOLD_PREFIX = "session-hold/"
 # What became of session holds (``EngineLoop.hold_outcomes``, the ``kvtier.session_holds``
 # metric): taken; not taken because none of the session's pages was in HBM (``unheld``) or
 # holds were at their cap and all were due back sooner (``refused``); released early for a
-# hold due back sooner (``displaced``) or for room needed now (``yielded``).
-HOLD_OUTCOMES = ("taken", "unheld", "refused", "displaced", "yielded")
+# hold due back sooner (``displaced``) or for room needed now (``yielded``); taken again, its
+# pages brought back up if they had left, once HBM had room (``retaken``: ``_retake``).
+HOLD_OUTCOMES = ("taken", "unheld", "refused", "displaced", "yielded", "retaken")
 MAX_HELD_FRACTION = 0.7
 # When step() makes no progress (nothing admissible, e.g. the pool is full of pinned
 # pages) the thread waits this long for news instead of spinning.
@@ -210,8 +213,10 @@ class _Pin:
     digest: NamespaceDigest
     nodes: list[RadixNode]  # the pinned nodes, one radix pin each
     expires_at_ms: int | None
-    # Session holds: when the session is expected back (the Prefetch's ``return_in_ms``).
+    # Session holds: when the session is expected back (the Prefetch's ``return_in_ms``), and
+    # how many of its pages the prefetch behind it brought up.
     due_at_ms: float | None = None
+    num_moved: int = 0
 
     def hold_rank(self) -> float:
         """A session hold's claim on HBM, strongest (lowest) first: the session expected back
@@ -310,9 +315,15 @@ class EngineLoop:
         self._reclaim_due = False  # a stale namespace's sequence ended, or pages were in transit
         self._reclaimed_at = 0.0
         self._pins: dict[PinId, _Pin] = {}
+        # Session holds released or refused before their session came back, by session: taken
+        # again when HBM has room (``_retake``).
+        self._lapsed: dict[SessionId, _Pin] = {}
         # Counts per HOLD_OUTCOMES (engine thread writes; the keys never change, so a scrape
         # may read them from another thread).
         self.hold_outcomes: dict[str, int] = dict.fromkeys(HOLD_OUTCOMES, 0)
+        # Brought back up by ``_retake``, and of those, pages a prefetch had brought up before
+        # (they went down unused: prefetched bytes wasted once).
+        self.retaken_pages = self.retaken_waste_pages = 0
         # Session holds yield before a running sequence is preempted (``_yield_hold``).
         self.engine.scheduler.release_pin = self._yield_hold
         # Commanded moves in flight (Demote / Prefetch): their futures resolve when applied.
@@ -592,6 +603,8 @@ class EngineLoop:
                         with self._cond:
                             if not self._inbox.ops and not self._inbox.is_stopping:
                                 self._cond.wait(STALLED_WAIT_S)
+                if self._lapsed and not (self._awaiting or self._deferred or self.engine.scheduler.waiting):
+                    self._retake()  # after the step and the transfers it applied: room may be back
                 now = time.monotonic()
                 if self._stale and (not self.engine.has_unfinished() or (
                         self._reclaim_due and now - self._reclaimed_at >= RECLAIM_INTERVAL_S)):
@@ -639,6 +652,8 @@ class EngineLoop:
 
     def _admit(self, run: _Run) -> None:
         request = run.request
+        if request.session_id is not None:
+            self._lapsed.pop(request.session_id, None)  # back: its own admission brings its pages up
         digest = self.engine.digest_for(request.namespace)
         tiers = self.engine.tiers
         if tiers is not None and not tiers.config.simulate:
@@ -1075,6 +1090,8 @@ class EngineLoop:
                 self._stale.add(digest)
         for pin_id in [p for p, pin in self._pins.items() if pin.digest in self._stale]:
             self._release_pin(pin_id)  # a stale page is worth nothing: nothing may keep it
+        for session in [s for s, pin in self._lapsed.items() if pin.digest in self._stale]:
+            del self._lapsed[session]
         num_dropped, num_kept = self._reclaim_stale()
         log.info("namespaces invalidated", extra={
             "policy_epoch": epoch, "num_stale_namespaces": len(self._stale),
@@ -1263,10 +1280,76 @@ class EngineLoop:
         if not holds:
             return False
         pin_id = max(holds)[1]
-        self._release_pin(pin_id)
+        self._lapse(pin_id)
         self.hold_outcomes["yielded"] += 1
         log.info("session hold yielded", extra={"pin_id": pin_id})
         return True
+
+    def _lapse(self, pin_id: PinId) -> None:
+        """Release a session hold before its session is back (yielded or displaced), remembering
+        it for ``_retake``."""
+        pin = self._pins.get(pin_id)
+        if pin is not None:
+            self._lapsed[SessionId(pin_id.removeprefix(HOLD_PREFIX))] = pin
+            self._release_pin(pin_id)
+
+    def _retake(self) -> None:
+        """Hold again the sessions whose holds went before they were back (``_lapsed``), the one
+        due back first first, bringing their pages back up if they left, while HBM has free room.
+
+        A hold yields or is displaced for room needed then (a request being admitted, a session
+        due back sooner); the prediction behind it still stands. Without this, the session's
+        next turn promotes its pages on arrival, as if nothing had been prefetched, though the
+        room usually comes back within a turn or two: the turns that took it finish and are
+        parked. Bounded on every side, so it cannot thrash: it runs only while no request waits
+        for room, no admitted one waits for its first pages and no commanded prefetch is deferred
+        (all come first); it uses free pages
+        only, and leaves the HBM watermark's low mark free (so no idle page is pushed out, and
+        the next admission finds room); it stays within the holds' cap; and it stops at the time
+        the hold would have lapsed (the session is overdue then: no longer a prediction). The
+        pages it moves are counted (``retaken_pages``), and apart those a prefetch had brought
+        up before (``retaken_waste_pages``): the controller, which sees the pages in HBM at the
+        session's next Route, cannot tell that they went down unused in between. Decision
+        0008, revision 4."""
+        tiers = self._tiers()
+        pool = self.engine.pool
+        reserve = (1.0 - tiers.config.hbm_watermark.low) * pool.num_pages
+        if pool.num_free < reserve:
+            return  # the common case while HBM is crowded: nothing to look at
+        room = MAX_HELD_FRACTION * pool.num_pages
+        held = self._held_keys()
+        now_ms = time.time() * 1000.0
+        for session, pin in sorted(self._lapsed.items(), key=lambda item: item[1].hold_rank()):
+            pages = self._sessions.get(session)
+            if pages is None or pages.namespace_digest != pin.digest or (pin.expires_at_ms or 0) <= now_ms:
+                del self._lapsed[session]
+                continue
+            chain = self._cached_chain(pages.page_keys)
+            if any(n.moving for n in chain):
+                continue  # on a move already: looked at again once it lands
+            new = {n.key for n in chain} - held
+            if len(held) + len(new) > room:
+                continue  # a smaller one may fit
+            if pool.num_free - sum(n.tier is not Tier.HBM for n in chain) < reserve:
+                return  # no later session takes the room before this one
+            del self._lapsed[session]
+            held |= new  # its hold comes once the pages land
+            ticket = tiers.start_prefetch(chain)
+            self.hold_outcomes["retaken"] += 1
+            log.info("session hold retaken", extra={"session_id": session, "num_pages": len(chain)})
+            if ticket.is_done:
+                self._hold_retaken(session, pages, pin, ticket.outcome)
+            else:
+                ticket.on_done = functools.partial(self._hold_retaken, session, pages, pin)
+
+    def _hold_retaken(self, session: SessionId, pages: SessionPages, pin: _Pin, outcome: MoveOutcome) -> None:
+        self.retaken_pages += outcome.num_moved
+        self.retaken_waste_pages += min(outcome.num_moved, pin.num_moved)
+        hold_s = ((pin.expires_at_ms or 0) - time.time() * 1000.0) / 1000.0
+        # Not once its next generation has finished or the session ended meanwhile (``_prefetch``).
+        if self._sessions.get(session) is pages and hold_s > 0:
+            self._hold_session(pin.digest, session, self._cached_chain(pages.page_keys), hold_s,
+                               num_moved=outcome.num_moved, due_at_ms=pin.due_at_ms)
 
     def _retry_deferred(self) -> None:
         """Commanded prefetches waiting for room (``_prefetch``), in order."""
@@ -1313,7 +1396,8 @@ class EngineLoop:
             self.hold_outcomes["unheld"] += 1
             log.info("session not held: none of its pages is in HBM", extra={"session_id": session})
             return
-        pin = _Pin(digest, [held], round(time.time() * 1000.0 + hold_s * 1000.0), due_at_ms=due_at_ms)
+        pin = _Pin(digest, [held], round(time.time() * 1000.0 + hold_s * 1000.0), due_at_ms=due_at_ms,
+                   num_moved=num_moved)
         room = MAX_HELD_FRACTION * self.engine.pool.num_pages
         weaker = sorted(
             (p for p, h in self._pins.items() if p.startswith(HOLD_PREFIX) and h.hold_rank() > pin.hold_rank()),
@@ -1325,11 +1409,12 @@ class EngineLoop:
             held_keys = self._held_keys(excluding=set(displaced))
         if self._num_new_held(held, held_keys) + len(held_keys) > room:
             self.hold_outcomes["refused"] += 1
+            self._lapsed[session] = pin
             log.info("session not held: holds are at their cap", extra={
                 "session_id": session, "num_pages": held.depth, "num_held": len(held_keys), "num_moved": num_moved})
             return
         for pin_id in displaced:
-            self._release_pin(pin_id)
+            self._lapse(pin_id)
             log.debug("session hold displaced", extra={"pin_id": pin_id, "by_session_id": session})
         self.hold_outcomes["displaced"] += len(displaced)
         self.hold_outcomes["taken"] += 1
@@ -1362,6 +1447,7 @@ class EngineLoop:
 
     def _remember_session(self, run: _Run, prompt: list[int], output: list[int]) -> None:
         assert run.request.session_id is not None
+        self._lapsed.pop(run.request.session_id, None)
         self._release_pin(_hold_id(run.request.session_id))  # back and done: its pages cache as usual
         digest = self.engine.digest_for(run.request.namespace)
         fed = [*prompt, *output[:-1]]  # the last sampled token is never fed back: no K/V
@@ -1411,6 +1497,7 @@ class EngineLoop:
         return nodes
 
     def _drop_session(self, digest: NamespaceDigest, session: SessionId) -> DropOutcome:
+        self._lapsed.pop(session, None)
         self._release_pin(_hold_id(session))
         chain = self._resolve(digest, (), session)
         # A prefetch in flight owns its pages (moving: kept); cancelled and applied now, what
