@@ -486,17 +486,23 @@ async def _session_final(loop, engine, session: str, prompt: tuple[int, ...]):
     return [event async for event in loop.submit(request) if isinstance(event, GenerateFinal)][0]
 
 
-async def _yield_the_later_hold(loop, engine, late_hold_s: float) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Two guarded sessions, then a request that takes room from them: the one due back later
-    (``s-late``, held ``late_hold_s``) yields. Returns both sessions' histories."""
+async def _yield_the_later_hold(
+    loop, engine, late_hold_s: float, *, paid: bool = False
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Two held sessions (guards; ``s-late`` parked and prefetched when ``paid``), then a
+    request that takes room from them: the one due back later (``s-late``, held
+    ``late_hold_s``) yields. Returns both sessions' histories."""
     import kvtier.worker.engine_loop as engine_loop
 
     digest = namespace_digest(engine.namespace)
     soon, late = tuple(range(1, 1 + 4 * PAGE_SIZE)), tuple(range(101, 101 + 4 * PAGE_SIZE))
     soon += tuple(await _session_turn(loop, engine, "s-soon", soon))
     late += tuple(await _session_turn(loop, engine, "s-late", late))
+    if paid:
+        assert (await loop.demote(digest, (), "s-late", Tier.DRAM)).num_moved == 4
     for session, hold_s, due_s in (("s-soon", 30.0, 1.0), ("s-late", late_hold_s, 4.0)):
-        await loop.prefetch(digest, (), session, hold_s=hold_s, due_s=due_s)
+        moved = (await loop.prefetch(digest, (), session, hold_s=hold_s, due_s=due_s)).num_moved
+        assert moved == (4 if paid and session == "s-late" else 0)
     big = tuple((40 + 3 * i) % 256 for i in range((engine.pool.num_free + 1) * PAGE_SIZE))
     await _session_turn(loop, engine, "s-big", big)
     assert engine_loop._hold_id("s-late") not in loop._pins and loop.hold_outcomes["yielded"] == 1
@@ -515,17 +521,19 @@ async def _until(predicate, timeout_s: float = 10.0) -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_yielded_hold_is_retaken_once_room_comes_back(tmp_path, monkeypatch):
+@pytest.mark.parametrize("paid", [False, True], ids=["guard", "prefetched"])
+async def test_a_yielded_hold_is_retaken_once_room_comes_back(tmp_path, monkeypatch, paid):
     """A hold that yielded is a prediction that still stands (worker/engine_loop.py
     ``_retake``): once HBM has free room again, without a request waiting for it, the
     session's pages come back up and are held again, so its next turn promotes nothing; the
-    pages moved are counted (``retaken_pages``), as waste only if a prefetch had moved them up."""
+    pages moved are counted (``retaken_pages``), as waste only if a prefetch had moved them up
+    (``retaken_waste_pages``: a guard's had not)."""
     import kvtier.worker.engine_loop as engine_loop
 
     monkeypatch.setattr(engine_loop, "MAX_HELD_FRACTION", 1.0)
     engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0)
     try:
-        _, late = await _yield_the_later_hold(loop, engine, late_hold_s=30.0)
+        _, late = await _yield_the_later_hold(loop, engine, late_hold_s=30.0, paid=paid)
         # s-big's pages fill HBM: too little is free for s-late's 4 pages and the watermark's
         # free share, so nothing comes back yet.
         reserve = (1.0 - engine.tiers.config.hbm_watermark.low) * engine.pool.num_pages
@@ -536,7 +544,7 @@ async def test_a_yielded_hold_is_retaken_once_room_comes_back(tmp_path, monkeypa
         keys = _keys(engine, late[:-1])
         assert _tiers_in(engine, keys) == [Tier.HBM] * 4
         assert loop.hold_outcomes["retaken"] == 1 and loop.retaken_pages > 0
-        assert loop.retaken_waste_pages == 0  # a guard's: no prefetch had brought them up before
+        assert loop.retaken_waste_pages == (loop.retaken_pages if paid else 0)
         final = await _session_final(loop, engine, "s-late", late + (7, 8))
         assert final.usage.promoted_tokens == 0 and final.usage.cached_tokens == 4 * PAGE_SIZE
         assert "s-late" not in loop._lapsed

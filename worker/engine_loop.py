@@ -1302,16 +1302,19 @@ class EngineLoop:
         next turn promotes its pages on arrival, as if nothing had been prefetched, though the
         room usually comes back within a turn or two: the turns that took it finish and are
         parked. Bounded on every side, so it cannot thrash: it runs only while no request waits
-        for room, no admitted one waits for its first pages and no commanded prefetch is deferred
-        (all come first); it uses free pages
-        only, and leaves the HBM watermark's low mark free (so no idle page is pushed out, and
-        the next admission finds room); it stays within the holds' cap; and it stops at the time
-        the hold would have lapsed (the session is overdue then: no longer a prediction). The
+        for room, no admitted one waits for its first pages and no commanded prefetch is
+        deferred (all come first); it uses free pages only, and leaves the HBM watermark's low
+        mark free (so no idle page is pushed out, and the next admission finds room); it stays
+        within the holds' cap; and it stops at the time the hold would have lapsed (the session
+        is overdue then: no longer a prediction). The
         pages it moves are counted (``retaken_pages``), and apart those a prefetch had brought
         up before (``retaken_waste_pages``): the controller, which sees the pages in HBM at the
         session's next Route, cannot tell that they went down unused in between. Decision
         0008, revision 4."""
-        tiers = self._tiers()
+        tiers = self.engine.tiers
+        if tiers is None:  # no tier to bring pages back from (holds need one: none can be here)
+            self._lapsed.clear()
+            return
         pool = self.engine.pool
         reserve = (1.0 - tiers.config.hbm_watermark.low) * pool.num_pages
         if pool.num_free < reserve:
@@ -1347,9 +1350,11 @@ class EngineLoop:
         self.retaken_waste_pages += min(outcome.num_moved, pin.num_moved)
         hold_s = ((pin.expires_at_ms or 0) - time.time() * 1000.0) / 1000.0
         # Not once its next generation has finished or the session ended meanwhile (``_prefetch``).
+        # Pages up for the session and not yet counted as wasted: those just moved, and those
+        # of the last prefetch that never went down.
         if self._sessions.get(session) is pages and hold_s > 0:
             self._hold_session(pin.digest, session, self._cached_chain(pages.page_keys), hold_s,
-                               num_moved=outcome.num_moved, due_at_ms=pin.due_at_ms)
+                               num_moved=max(outcome.num_moved, pin.num_moved), due_at_ms=pin.due_at_ms)
 
     def _retry_deferred(self) -> None:
         """Commanded prefetches waiting for room (``_prefetch``), in order."""
