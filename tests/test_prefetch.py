@@ -254,10 +254,13 @@ async def test_pages_a_prefetch_left_below_are_topped_up_before_the_turn(worker,
         assert tiers_of(worker, keys) == [Tier.HBM, Tier.HBM, Tier.DRAM, Tier.DRAM]
         await worker.loop._call(lambda: set_moving(False))  # that move is over
         await wait_for(lambda: tiers_of(worker, keys) == [Tier.HBM] * 4, what="the top-up of the skipped pages")
+        stats = controller.orchestrator.stats
+        # Its ack reaches the controller after the pages land on the worker; a Route before it
+        # would close the pause with only the first prefetch's pages (its traffic still counted).
+        await wait_for(lambda: stats.moved.get(("prefetch", "dram", "hbm"), (0,))[0] == 4, what="the top-up's ack")
 
         _, final = await client.complete(namespace, history + [7, 8], GREEDY, session_id="s-topup")
         assert final.usage.promoted_tokens == 0 and final.usage.cached_tokens == 16
-        stats = controller.orchestrator.stats
         assert (stats.num_on_time, stats.num_late, stats.wasted_bytes) == (1, 0, 0)
         assert stats.moved[("prefetch", "dram", "hbm")][0] == 4  # 2 pages, then the other 2
         assert controller.orchestrator.outcomes[-1].num_pages == 4
