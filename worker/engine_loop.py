@@ -1349,10 +1349,11 @@ class EngineLoop:
         self.retaken_pages += outcome.num_moved
         self.retaken_waste_pages += min(outcome.num_moved, pin.num_moved)
         hold_s = ((pin.expires_at_ms or 0) - time.time() * 1000.0) / 1000.0
-        # Not once its next generation has finished or the session ended meanwhile (``_prefetch``).
-        # Pages up for the session and not yet counted as wasted: those just moved, and those
-        # of the last prefetch that never went down.
-        if self._sessions.get(session) is pages and hold_s > 0:
+        # Not once its next generation has finished or the session ended meanwhile (``_prefetch``),
+        # nor over a newer hold (a prefetch the controller sent meanwhile). Pages up for the
+        # session and not yet counted as wasted: those just moved, and those of the last
+        # prefetch that never went down.
+        if self._sessions.get(session) is pages and hold_s > 0 and _hold_id(session) not in self._pins:
             self._hold_session(pin.digest, session, self._cached_chain(pages.page_keys), hold_s,
                                num_moved=max(outcome.num_moved, pin.num_moved), due_at_ms=pin.due_at_ms)
 
@@ -1423,6 +1424,7 @@ class EngineLoop:
             log.debug("session hold displaced", extra={"pin_id": pin_id, "by_session_id": session})
         self.hold_outcomes["displaced"] += len(displaced)
         self.hold_outcomes["taken"] += 1
+        self._lapsed.pop(session, None)  # held anew: nothing to retake
         index.pin(held.key)
         self._pins[_hold_id(session)] = pin
         log.info("session held", extra={"session_id": session, "num_pages": held.depth, "num_held": len(held_keys),
