@@ -255,8 +255,8 @@ class TierManager:
         self._failing_until: dict[Tier, float] = {}
         # Copies below of HBM pages promoted from DRAM or NVMe (module doc), oldest first; the
         # node one belongs to must still be that key's node, in HBM, for it to be used.
-        self._shadows: OrderedDict[PageKey, _Shadow] = OrderedDict()
-        self._num_shadows: dict[Tier, int] = {Tier.DRAM: 0, Tier.NVME: 0}
+        # Oldest first per tier (an allocation there takes the oldest); a key has at most one.
+        self._shadows: dict[Tier, OrderedDict[PageKey, _Shadow]] = {Tier.DRAM: OrderedDict(), Tier.NVME: OrderedDict()}
         self._keep_shadow: RadixNode | None = None  # a promotion in progress keeps its page below
         index.release_lower = self._release_lower
         index.spill = self.spill
@@ -295,7 +295,7 @@ class TierManager:
         pool = {Tier.HBM: self.hbm, Tier.DRAM: self.dram, Tier.NVME: self.nvme}[tier]
         if pool is None:
             return 0
-        return pool.num_free + self._num_shadows.get(tier, 0)  # shadows give way
+        return pool.num_free + self.num_shadows(tier)  # shadows give way
 
     # ---- copies below of promoted pages (shadows) --------------------------------------
     def _move_up(self, node: RadixNode, page: int) -> None:
@@ -308,44 +308,44 @@ class TierManager:
 
     def num_shadows(self, tier: Tier) -> int:
         """Pages of ``tier`` that are copies of HBM pages (module doc): cached, and free to take."""
-        return self._num_shadows.get(tier, 0)
+        shadows = self._shadows.get(tier)
+        return 0 if shadows is None else len(shadows)
 
     def _add_shadow(self, shadow: _Shadow) -> None:
-        self._shadows[shadow.node.key] = shadow
-        self._num_shadows[shadow.tier] += 1
+        self._shadows[shadow.tier][shadow.node.key] = shadow
 
-    def _pop_shadow(self, key: PageKey) -> _Shadow:
-        shadow = self._shadows.pop(key)
-        self._num_shadows[shadow.tier] -= 1
-        return shadow
+    def _shadow_of(self, key: PageKey) -> _Shadow | None:
+        return self._shadows[Tier.DRAM].get(key) or self._shadows[Tier.NVME].get(key)
+
+    def _pop_shadow(self, shadow: _Shadow) -> _Shadow:
+        return self._shadows[shadow.tier].pop(shadow.node.key)
 
     def _on_moved(self, node: RadixNode, old: Tier) -> None:
         if old is Tier.HBM:  # left HBM other than onto its shadow: the copy is of no more use
             self._free_shadow(node)
 
     def _free_shadow(self, node: RadixNode) -> None:
-        shadow = self._shadows.get(node.key)
+        shadow = self._shadow_of(node.key)
         if shadow is not None and shadow.node is node:
-            self._pop_shadow(node.key)
+            self._pop_shadow(shadow)
             self._release_copy(shadow.tier, shadow.page)
 
     def _drop_oldest_shadow(self, tier: Tier) -> bool:
         """Free the oldest shadow in ``tier`` (an allocation there found no free page)."""
-        if not self._num_shadows[tier]:
+        if not self._shadows[tier]:
             return False
-        key = next(k for k, sh in self._shadows.items() if sh.tier is tier)
-        shadow = self._pop_shadow(key)
+        _, shadow = self._shadows[tier].popitem(last=False)
         self._release_copy(shadow.tier, shadow.page)
         return True
 
     def _take_shadow(self, node: RadixNode, tier: Tier) -> _Shadow | None:
         """``node``'s copy in ``tier`` (it must be that key's node, in HBM), removed from the
         shadows (the caller applies or frees it); None when it has none there."""
-        shadow = self._shadows.get(node.key)
-        if (shadow is None or shadow.node is not node or shadow.tier is not tier
+        shadow = self._shadows[tier].get(node.key)
+        if (shadow is None or shadow.node is not node
                 or self.index.get(node.key) is not node or node.tier is not Tier.HBM):
             return None
-        return self._pop_shadow(node.key)
+        return self._pop_shadow(shadow)
 
     def _onto_shadow(self, shadow: _Shadow) -> None:
         self.index.move(shadow.node, shadow.tier, shadow.page, shadow.checksum)
@@ -1108,7 +1108,8 @@ class TierManager:
         if self.dram is not None:
             self.dram.check_integrity()
             held = sum(1 for n in self.index.nodes() if n.tier is Tier.DRAM)
-            all_shadows = [*self._shadows.values(), *(e.shadow for p in self._pending.values() for e in p.shadowed)]
+            all_shadows = [*self._shadows[Tier.DRAM].values(),
+                           *(e.shadow for p in self._pending.values() for e in p.shadowed)]
             shadows = [sh.page for sh in all_shadows if sh.tier is Tier.DRAM]
             cached = sum(1 for p in range(self.dram.num_pages) if self.dram.is_cached(PageId(p)))
             if held + len(shadows) != cached:
@@ -1116,16 +1117,16 @@ class TierManager:
                     f"DRAM caches {cached} pages but the index places {held} there and {len(shadows)} are shadows")
             if len(set(shadows)) != len(shadows) or not all(self.dram.is_cached(p) for p in shadows):
                 raise IntegrityError("a DRAM shadow page is shared or not cached")
-        for key, shadow in self._shadows.items():
-            if self.index.get(key) is not shadow.node or shadow.node.tier is not Tier.HBM:
+        for key, shadow in [*self._shadows[Tier.DRAM].items(), *self._shadows[Tier.NVME].items()]:
+            if shadow.node.key != key or self.index.get(key) is not shadow.node or shadow.node.tier is not Tier.HBM:
                 raise IntegrityError(f"shadow of page {short(key)} outlived its HBM page")
             if shadow.tier is Tier.NVME:
                 assert self.nvme is not None
                 stored = self.nvme.entry(SlotId(shadow.page))
                 if stored is None or stored[0] != key:
                     raise IntegrityError(f"nvme shadow slot {shadow.page} does not hold page {short(key)}")
-        if self._num_shadows != {t: sum(sh.tier is t for sh in self._shadows.values()) for t in self._num_shadows}:
-            raise IntegrityError("shadow counts disagree with the shadows")
+        if self._shadows[Tier.DRAM].keys() & self._shadows[Tier.NVME].keys():
+            raise IntegrityError("a page has shadows in two tiers")
         if self.nvme is not None:
             self.nvme.check_integrity()
         self.transfers.check_integrity()

@@ -110,6 +110,7 @@ import dataclasses
 import json
 import math
 import random
+import statistics
 import tempfile
 import time
 import uuid
@@ -452,12 +453,8 @@ def across_seeds(results: dict[int, dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"seeds": seeds}
     for key in HEADLINE_KEYS:
         values = [results[seed].get(key) for seed in seeds]
-        measured = sorted(v for v in values if v is not None)
-        median = None
-        if measured:
-            mid = len(measured) // 2
-            median = measured[mid] if len(measured) % 2 else (measured[mid - 1] + measured[mid]) / 2
-        out[key] = {"per_seed": values, "median": median}
+        measured = [v for v in values if v is not None]
+        out[key] = {"per_seed": values, "median": statistics.median(measured) if measured else None}
     out["targets_met"] = {target: [results[seed]["targets_met"][target] for seed in seeds]
                           for target in results[seeds[0]]["targets_met"]} if seeds else {}
     return out

@@ -23,6 +23,7 @@ from kvtier.worker.servicer import serve_worker
 
 from hf_checkpoints import build_checkpoint
 from live_controller import orchestrated
+from polling import eventually, wait_for
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 
@@ -229,8 +230,6 @@ async def test_pages_a_prefetch_left_below_are_topped_up_before_the_turn(worker,
     """A page of the chain in the middle of another move stops a prefetch there (a child may not
     rise above its parent): the rest would be promoted on the request path. The orchestrator
     tops the prefetch up shortly after, and the turn finds its whole history in HBM."""
-    from polling import wait_for
-
     namespace = worker.engine.namespace
     async with cluster(worker, flushed_redis_url, tmp_path, margin_ms=1_500.0, topup_delay_ms=50.0) as (
         controller, client
@@ -387,12 +386,23 @@ async def test_a_commanded_prefetch_makes_room_in_the_background(tmp_path):
 # --------------------------------------------------------------------------- holds yield
 
 
-async def _session_turn(loop, engine, session: str, prompt: tuple[int, ...], max_tokens: int = 2) -> list[int]:
-    from kvtier.records import GenerateRequest, TokenChunk
+async def _session_run(loop, engine, session: str, prompt: tuple[int, ...], max_tokens: int = 2):
+    """One generation of ``session`` on the loop: its tokens and its final event."""
+    from kvtier.records import GenerateFinal, GenerateRequest, TokenChunk
 
     request = GenerateRequest(namespace=engine.namespace, prompt_token_ids=prompt, session_id=session,
                               sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    return [t async for event in loop.submit(request) if isinstance(event, TokenChunk) for t in event.token_ids]
+    tokens, final = [], None
+    async for event in loop.submit(request):
+        if isinstance(event, TokenChunk):
+            tokens.extend(event.token_ids)
+        elif isinstance(event, GenerateFinal):
+            final = event
+    return tokens, final
+
+
+async def _session_turn(loop, engine, session: str, prompt: tuple[int, ...], max_tokens: int = 2) -> list[int]:
+    return (await _session_run(loop, engine, session, prompt, max_tokens))[0]
 
 
 def _keys(engine, prompt: tuple[int, ...]) -> list:
@@ -481,14 +491,6 @@ async def test_a_running_sequence_takes_a_held_page_instead_of_being_preempted(t
     assert out_held[: len(out_free)] == out_free[: len(out_held)] and len(out_held) > 0
 
 
-async def _session_final(loop, engine, session: str, prompt: tuple[int, ...]):
-    from kvtier.records import GenerateFinal, GenerateRequest
-
-    request = GenerateRequest(namespace=engine.namespace, prompt_token_ids=prompt, session_id=session,
-                              sampling=SamplingParams(max_tokens=2, ignore_eos=True))
-    return [event async for event in loop.submit(request) if isinstance(event, GenerateFinal)][0]
-
-
 async def _yield_the_later_hold(
     loop, engine, late_hold_s: float, *, paid: bool = False
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -510,17 +512,12 @@ async def _yield_the_later_hold(
     await _session_turn(loop, engine, "s-big", big)
     assert engine_loop._hold_id("s-late") not in loop._pins and loop.hold_outcomes["yielded"] == 1
     # The watermark's background demotion the turn left running (it takes s-big's leaf) lands.
-    while await loop._call(lambda: any(n.moving for n in engine.index.nodes())):
-        await asyncio.sleep(0.01)
+    async def settled() -> bool:
+        return not await loop._call(lambda: any(n.moving for n in engine.index.nodes()))
+
+    await eventually(settled, what="the watermark demotion")
     assert Tier.DRAM in _tiers_in(engine, _keys(engine, late[:-1]))
     return soon, late
-
-
-async def _until(predicate, timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.01)
 
 
 @pytest.mark.asyncio
@@ -543,12 +540,12 @@ async def test_a_yielded_hold_is_retaken_once_room_comes_back(tmp_path, monkeypa
         assert engine.pool.num_free - 4 < reserve and loop.hold_outcomes["retaken"] == 0
         # Its session pauses and the controller parks it: room comes back.
         await loop.demote(namespace_digest(engine.namespace), (), "s-big", Tier.DRAM)
-        await _until(lambda: engine_loop._hold_id("s-late") in loop._pins)
+        await wait_for(lambda: engine_loop._hold_id("s-late") in loop._pins, what="the retaken hold")
         keys = _keys(engine, late[:-1])
         assert _tiers_in(engine, keys) == [Tier.HBM] * 4
         assert loop.hold_outcomes["retaken"] == 1 and loop.retaken_pages > 0
         assert loop.retaken_waste_pages == (loop.retaken_pages if paid else 0)
-        final = await _session_final(loop, engine, "s-late", late + (7, 8))
+        _, final = await _session_run(loop, engine, "s-late", late + (7, 8))
         assert final.usage.promoted_tokens == 0 and final.usage.cached_tokens == 4 * PAGE_SIZE
         assert "s-late" not in loop._lapsed
         assert (await loop.check_integrity()).is_ok
@@ -573,7 +570,7 @@ async def test_a_yielded_hold_is_not_retaken_after_it_would_have_lapsed_or_once_
         assert "s-late" in loop._lapsed
         await asyncio.sleep(0.6)  # s-late's hold would have lapsed by now
         await loop.demote(digest, (), "s-big", Tier.DRAM)
-        await _until(lambda: "s-late" not in loop._lapsed)
+        await wait_for(lambda: "s-late" not in loop._lapsed, what="the lapsed hold forgotten")
         assert loop.hold_outcomes["retaken"] == 0 and loop.retaken_pages == 0
         assert Tier.DRAM in _tiers_in(engine, _keys(engine, late[:-1]))
         assert engine.pool.num_free >= 8  # there was room: the lapse kept it out

@@ -36,6 +36,11 @@ def hf(ckpt):
     return load_hf(ckpt)
 
 
+def shadow_keys(engine) -> set:
+    """Keys of the pages that have a copy below kept as a shadow (decision 0012), any tier."""
+    return {key for shadows in engine.tiers._shadows.values() for key in shadows}
+
+
 def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -369,7 +374,7 @@ def test_a_page_promoted_from_dram_goes_back_onto_its_copy_without_moving_bytes(
     first = engine.generate([follow], params)[0]
     assert first.num_promoted_tokens == 12
     engine.check_integrity()  # three shadows: DRAM pages kept beside the HBM ones
-    assert len(engine.tiers._shadows) == 3
+    assert len(shadow_keys(engine)) == 3
 
     # Synchronously (demote_all: every idle page, the new ones copied, the promoted ones not).
     moved = engine.tiers.demote_all(Tier.DRAM)
@@ -388,7 +393,7 @@ def test_a_page_promoted_from_dram_goes_back_onto_its_copy_without_moving_bytes(
     chain = [engine.index.get(k) for k in page_keys(engine.digest_for(None), extended, PS)]
     chain = [n for n in chain if n is not None]
     assert len(chain) >= 4 and all(n.tier is Tier.HBM for n in chain)
-    shadowed = sum(n.key in engine.tiers._shadows for n in chain)
+    shadowed = sum(n.key in shadow_keys(engine) for n in chain)
     assert 3 <= shadowed < len(chain)  # the newest page was computed here: it has no copy below
     before, shadows_used = _bytes_down(engine), engine.tiers.counters.demotions_without_copy
     outcome = engine.tiers.demote_pages(chain, Tier.DRAM)
@@ -412,12 +417,12 @@ def test_a_shadow_goes_with_its_page_and_gives_way_to_dram_pages(ckpt, tmp_path)
     engine.generate([base], params)
     engine.tiers.demote_all(Tier.DRAM)
     engine.generate([base[:12] + [9]], params)  # three pages promoted: three shadows
-    assert len(engine.tiers._shadows) == 3
+    assert len(shadow_keys(engine)) == 3
     dram = engine.tiers.dram
     cached_before = sum(dram.is_cached(p) for p in range(dram.num_pages))
     first = engine.index.get(page_keys(engine.digest_for(None), base, PS)[0])
     dropped = engine.index.drop_subtree(first)
-    assert dropped >= 3 and not engine.tiers._shadows
+    assert dropped >= 3 and not shadow_keys(engine)
     assert sum(dram.is_cached(p) for p in range(dram.num_pages)) == cached_before - 3 - (dropped - 3)
     engine.check_integrity()
 
@@ -425,14 +430,14 @@ def test_a_shadow_goes_with_its_page_and_gives_way_to_dram_pages(ckpt, tmp_path)
     engine.generate([other], params)
     engine.tiers.demote_all(Tier.DRAM)
     engine.generate([other[:12] + [5]], params)
-    assert len(engine.tiers._shadows) == 3
+    assert len(shadow_keys(engine)) == 3
     in_dram = engine.index.count_by_tier()[Tier.DRAM]
     # Fill DRAM with pages the index keeps there: the shadows give way first, oldest first.
     for seed in (24, 25, 26):
         engine.generate([prompt(9, seed=seed)], params)
     engine.tiers.demote_all(Tier.DRAM)
     assert engine.index.count_by_tier()[Tier.DRAM] > in_dram
-    assert len(engine.tiers._shadows) < 3
+    assert len(shadow_keys(engine)) < 3
     assert engine.tiers.counters.pages_dropped == 0 or engine.index.count_by_tier()[Tier.DRAM] == dram.num_pages
     engine.check_integrity()
     engine.close()
@@ -448,12 +453,12 @@ def test_a_page_picked_up_before_its_demotion_lands_keeps_its_shadow(ckpt, tmp_p
     engine.tiers.demote_all(Tier.DRAM)
     engine.generate([base[:12] + [8]], params)
     node = engine.index.get(page_keys(engine.digest_for(None), base, PS)[2])
-    assert node.tier is Tier.HBM and node.key in engine.tiers._shadows
+    assert node.tier is Tier.HBM and node.key in shadow_keys(engine)
     entry = engine.tiers._defer_shadowed(node, Tier.DRAM)
-    assert entry is not None and node.moving and node.key not in engine.tiers._shadows
+    assert entry is not None and node.moving and node.key not in shadow_keys(engine)
     engine.index.pool.acquire(node.page)  # a sequence takes the page before the demotion applies
     assert not engine.tiers._apply_shadowed(entry)
-    assert node.tier is Tier.HBM and not node.moving and node.key in engine.tiers._shadows
+    assert node.tier is Tier.HBM and not node.moving and node.key in shadow_keys(engine)
     engine.index.pool.release(node.page)
     engine.tiers.check_integrity()
     assert engine.tiers.demote_all(Tier.DRAM) > 0 and node.tier is Tier.DRAM  # onto the kept copy

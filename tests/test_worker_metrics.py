@@ -5,7 +5,6 @@ degrade path without one."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import re
@@ -29,6 +28,7 @@ from kvtier.worker.metrics import GpuMetrics
 from kvtier.worker.servicer import serve_worker
 
 from hf_checkpoints import build_checkpoint
+from polling import wait_for
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 
@@ -161,10 +161,7 @@ async def test_session_holds_are_counted_by_outcome(served, monkeypatch):
     await loop.prefetch(digest, (), "s-late", hold_s=30.0, due_s=20.0)  # refused: s-soon is due first
     assert await loop._call(loop._yield_hold)  # room needed now: s-soon yields
     # HBM has room to spare here, so s-soon's hold is retaken at once (``_retake``).
-    deadline = asyncio.get_running_loop().time() + 10
-    while engine_loop._hold_id("s-soon") not in loop._pins:
-        assert asyncio.get_running_loop().time() < deadline, "the yielded hold was not retaken"
-        await asyncio.sleep(0.01)
+    await wait_for(lambda: engine_loop._hold_id("s-soon") in loop._pins, what="the yielded hold retaken")
     after = scrape(telemetry.port)
 
     def delta(outcome: str) -> float:

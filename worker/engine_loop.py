@@ -1306,11 +1306,11 @@ class EngineLoop:
         deferred (all come first); it uses free pages only, and leaves the HBM watermark's low
         mark free (so no idle page is pushed out, and the next admission finds room); it stays
         within the holds' cap; and it stops at the time the hold would have lapsed (the session
-        is overdue then: no longer a prediction). The
-        pages it moves are counted (``retaken_pages``), and apart those a prefetch had brought
-        up before (``retaken_waste_pages``): the controller, which sees the pages in HBM at the
-        session's next Route, cannot tell that they went down unused in between. Decision
-        0008, revision 4."""
+        is overdue then: no longer a prediction). The pages it moves are counted
+        (``retaken_pages``), and apart those a prefetch had brought up before
+        (``retaken_waste_pages``): the controller, which sees the pages in HBM at the session's
+        next Route, cannot tell that they went down unused in between. Decision 0008,
+        revision 4."""
         tiers = self.engine.tiers
         if tiers is None:  # no tier to bring pages back from (holds need one: none can be here)
             self._lapsed.clear()
@@ -1330,13 +1330,12 @@ class EngineLoop:
             chain = self._cached_chain(pages.page_keys)
             if any(n.moving for n in chain):
                 continue  # on a move already: looked at again once it lands
-            new = {n.key for n in chain} - held
-            if len(held) + len(new) > room:
+            if chain and len(held) + self._num_new_held(chain[-1], held) > room:
                 continue  # a smaller one may fit
             if pool.num_free - sum(n.tier is not Tier.HBM for n in chain) < reserve:
                 return  # no later session takes the room before this one
             del self._lapsed[session]
-            held |= new  # its hold comes once the pages land
+            held.update(n.key for n in chain)  # its hold comes once the pages land
             ticket = tiers.start_prefetch(chain)
             self.hold_outcomes["retaken"] += 1
             log.info("session hold retaken", extra={"session_id": session, "num_pages": len(chain)})
