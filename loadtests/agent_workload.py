@@ -46,7 +46,9 @@ emulated link time, every running sequence stalled meanwhile) and how many pages
 their DRAM copy with no bytes moved (``demotions_without_copy``, decision 0012), and what became of
 session holds (``session_holds``: taken, refused at the cap, displaced, yielded, retaken once room
 was back; ``retaken_pages`` and ``retaken_waste_pages``, counted into kvtier's prefetched and wasted
-bytes: ``with_retaken``). Under emulation a round trip
+bytes: ``with_retaken``). For kvtier, ``hold_demand`` says what HBM had to keep for the sessions
+due back against the holds' cap and HBM itself (``hold_demand``'s doc): where it is over, some
+resume promotes whatever the policy (decision 0008, revision 5). Under emulation a round trip
 through NVMe (a 21 MiB private context: ~0.7 s) is longer than most of these tools' pauses, so kvtier
 keeps nearly every session in HBM, where they do not all fit: the NVMe-only configuration
 shows what a slow tier cannot hide. ``--lower-tier dram`` (PCIe, ~0.2 s) is the one where
@@ -407,6 +409,64 @@ def join_outcomes(records: list[TurnRecord], outcomes: list[Any], page_size: int
     }
 
 
+def hold_demand(
+    records: list[TurnRecord], outcomes: list[Any], *, tenant_of: dict[str, str], shared_pages: int,
+    page_size: int, cap_pages: float, hbm_pages: int, step_s: float = 0.01,
+) -> dict[str, Any] | None:
+    """What HBM had to keep for the sessions due back, against what it could: the capacity
+    bound on kvtier's resumes (decision 0008, revision 5).
+
+    A session's context must be in HBM when its next turn arrives. One kept in HBM (``tier``
+    HBM) needs it there for its whole pause; one parked below and prefetched, from the moment
+    its pages were back (``lead_ms`` before the turn) to the turn; one whose prefetch was late
+    needed nothing (it promoted). The pages are those its turn could have found cached
+    (``cacheable_tokens``), a tenant's shared system prompt (``shared_pages``) counted once
+    among its sessions. Sampled every ``step_s`` over the run, the demand is compared with the
+    worker's cap on session holds (``cap_pages``), and, with the pages of the turns in flight
+    (every prompt page, from the request to its first token), with HBM itself: where either is
+    over, some session due back cannot be kept, whatever the policy, and its turn promotes."""
+    from kvtier.tiers import Tier
+
+    turns = {(r.session, r.turn): r for r in records}
+    seen: dict[str, int] = {}
+    windows: list[tuple[float, float, str, int]] = []  # start, end (s), tenant, private pages
+    running = [(r.sent_at_s, r.sent_at_s + r.ttft_ms / 1000.0, tenant_of[r.session],
+                max(0, -(-r.prompt_tokens // page_size) - shared_pages)) for r in records if r.session in tenant_of]
+    for outcome in outcomes:
+        k = seen.get(outcome.session_id, 0)
+        seen[outcome.session_id] = k + 1
+        record = turns.get((outcome.session_id, k + 1))
+        if record is None or outcome.session_id not in tenant_of:
+            continue
+        if outcome.tier is Tier.HBM and outcome.actual_ms is not None:
+            held_ms = outcome.actual_ms
+        elif outcome.lead_ms is not None and outcome.lead_ms > 0:
+            held_ms = outcome.lead_ms
+        else:
+            continue
+        pages = record.cacheable_tokens // page_size
+        windows.append((record.sent_at_s - held_ms / 1000.0, record.sent_at_s,
+                        tenant_of[outcome.session_id], max(0, pages - shared_pages)))
+    if not windows:
+        return None
+    start, end = min(w[0] for w in windows), max(w[1] for w in windows)
+
+    def pages_at(t: float, among: list[tuple[float, float, str, int]]) -> int:
+        live = [w for w in among if w[0] <= t < w[1]]
+        return sum(w[3] for w in live) + shared_pages * len({w[2] for w in live})
+
+    times = [start + i * step_s for i in range(max(1, math.ceil((end - start) / step_s)))]
+    held = [pages_at(t, windows) for t in times]
+    total = [pages_at(t, windows + running) for t in times]
+    return {
+        "cap_pages": round(cap_pages), "hbm_pages": hbm_pages,
+        "p50_pages": pct(held, 0.5), "p90_pages": pct(held, 0.9), "max_pages": max(held),
+        "over_cap_share": sum(d > cap_pages for d in held) / len(held),
+        "with_running_p90_pages": pct(total, 0.9), "with_running_max_pages": max(total),
+        "with_running_over_hbm_share": sum(d > hbm_pages for d in total) / len(total),
+    }
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or not b or math.isnan(a) or math.isnan(b):
         return None
@@ -675,6 +735,7 @@ async def run_all(
     import ray
 
     from kvtier.model.loader import write_random_checkpoint
+    from kvtier.worker.engine_loop import MAX_HELD_FRACTION
 
     workload = make_workload(spec, WORKLOAD_MODEL_CONFIG["vocab_size"])
     result: dict[str, Any] = {"policies": {}}
@@ -693,6 +754,10 @@ async def run_all(
                 if run.prefetch:
                     summary["prefetch"] = {**run.prefetch, **join_outcomes(
                         run.records, run.outcomes, spec.page_size, _page_bytes(WORKLOAD_MODEL_CONFIG, spec.page_size))}
+                    summary["hold_demand"] = hold_demand(
+                        run.records, run.outcomes, tenant_of={p.session_id: p.tenant for p in workload.sessions},
+                        shared_pages=spec.system_prompt_tokens // spec.page_size, page_size=spec.page_size,
+                        cap_pages=MAX_HELD_FRACTION * hbm_pages, hbm_pages=hbm_pages)
                 result["policies"][policy] = summary
                 if keep_turns:
                     result.setdefault("turns", {})[policy] = {
@@ -805,6 +870,13 @@ def table(result: dict[str, Any]) -> str:
                  f"kvtier/reactive p50: {_fmt(result['kvtier_over_reactive'], '.2f')}   "
                  f"prefetch on time: {_fmt(result['prefetch_on_time'], '.2f')}")
     lines.append("targets: " + ", ".join(f"{k}: {v}" for k, v in result["targets_met"].items()))
+    demand = result["policies"].get("kvtier", {}).get("hold_demand")
+    if demand:
+        lines.append(f"kvtier hold demand (pages the sessions due back needed in HBM): p50 {demand['p50_pages']}, "
+                     f"p90 {demand['p90_pages']}, max {demand['max_pages']}; over the holds' cap "
+                     f"({demand['cap_pages']}) {demand['over_cap_share']:.0%} of the run; with the turns in "
+                     f"flight p90 {demand['with_running_p90_pages']}, max {demand['with_running_max_pages']}, "
+                     f"over HBM ({demand['hbm_pages']}) {demand['with_running_over_hbm_share']:.0%} of the run")
     link = result.get("emulated_link")
     lines.append("EMULATED LINK: " + ", ".join(f"hbm<->{t} {r / 1e6:.0f} MB/s" for t, r in link["bytes_per_s"].items())
                  if link else "link: not emulated (host memory speed)")

@@ -21,6 +21,7 @@ from loadtests.agent_workload import (
     emulated_link_summary,
     hbm_pages_for,
     headline,
+    hold_demand,
     join_outcomes,
     make_workload,
     orchestrator_params,
@@ -159,6 +160,43 @@ def test_pauses_join_the_turns_they_preceded() -> None:
     assert joined["client_resumes_promoting_after_prefetch"] == 1  # a/s0's turn 2
     assert joined["client_promoted_bytes_after_prefetch"] == 2 << 20
     assert joined["prefetch_lead_ms"]["p50"] in (150.0, 200.0)
+
+
+def test_hold_demand_counts_what_hbm_had_to_keep_for_the_sessions_due_back() -> None:
+    """A session kept in HBM needs its pages there for its whole pause; one prefetched, from
+    the moment they were back to its turn; one whose prefetch was late, not at all. A tenant's
+    shared system prompt counts once however many of its sessions are due back."""
+
+    def turn(session: str, sent_at_s: float, pages: int) -> TurnRecord:
+        return TurnRecord("kvtier", session, 1, pages * 16 + 16, pages * 16, pages * 16, 0, 0, 30.0,
+                          sent_at_s=sent_at_s)
+
+    def pause(session: str, tier: Tier, outcome: str, actual_ms: float, lead_ms: float | None) -> PauseOutcome:
+        return PauseOutcome(session, "t", tier, 0, 0, outcome, 0, actual_ms, actual_ms, None, lead_ms)
+
+    records = [turn("a/s0", 1.0, 6), turn("a/s1", 1.1, 5), turn("b/s0", 1.05, 9)]
+    outcomes = [
+        pause("a/s0", Tier.HBM, Outcome.KEPT, 500.0, None),  # 2 shared + 4 private, 0.5-1.0 s
+        pause("a/s1", Tier.NVME, Outcome.ON_TIME, 800.0, 200.0),  # 2 shared + 3 private, 0.9-1.1 s
+        pause("b/s0", Tier.NVME, Outcome.LATE, 700.0, None),  # promoted on arrival: nothing held
+    ]
+    tenants = {"a/s0": "a", "a/s1": "a", "b/s0": "b"}
+    demand = hold_demand(records, outcomes, tenant_of=tenants, shared_pages=2, page_size=16,
+                         cap_pages=6.0, hbm_pages=8)
+    assert demand is not None
+    # 0.5-0.9 s: 6 pages; 0.9-1.0 s: 2 + 4 + 3 = 9 (over the cap and HBM; 11 if the shared
+    # prompt counted per session); 1.0-1.1 s: 5.
+    assert demand["max_pages"] == 9 and demand["p50_pages"] == 6
+    assert demand["over_cap_share"] == pytest.approx(1 / 6, abs=0.02)
+    assert demand["cap_pages"] == 6 and demand["hbm_pages"] == 8
+    # With the turns in flight (prompt pages to first token, 30 ms each): a/s0's turn at
+    # 1.0-1.03 s adds its 7 pages (5 private) to a/s1's held 5 (a's prompt once): 10 > HBM;
+    # b/s0's at 1.05-1.08 s its 10 (2 shared of its own): 5 + 10 = 15.
+    assert demand["with_running_max_pages"] == 15
+    assert demand["with_running_over_hbm_share"] == pytest.approx((10 + 3 + 3) / 60, abs=0.03)
+    # Only late prefetches: nothing was held.
+    assert hold_demand(records, outcomes[2:], tenant_of=tenants, shared_pages=2, page_size=16,
+                       cap_pages=6.0, hbm_pages=8) is None
 
 
 def test_link_emulation_keeps_the_gpu_ratio_and_reaches_every_policy(tmp_path) -> None:

@@ -1420,7 +1420,7 @@ class EngineLoop:
             return
         for pin_id in displaced:
             self._lapse(pin_id)
-            log.debug("session hold displaced", extra={"pin_id": pin_id, "by_session_id": session})
+            log.info("session hold displaced", extra={"pin_id": pin_id, "by_session_id": session})
         self.hold_outcomes["displaced"] += len(displaced)
         self.hold_outcomes["taken"] += 1
         self._lapsed.pop(session, None)  # held anew: nothing to retake
