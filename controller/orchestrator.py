@@ -429,25 +429,31 @@ class Orchestrator:
         self._hold_until_ms.pop(record.session_id, None)
         skipped = self._skipped_pages.pop(record.session_id, 0)
         page_bytes = self._page_bytes(record.worker_id)
-        num_bytes = record.num_parked_pages * page_bytes
+        num_pages = record.num_parked_pages
         outcome, wasted_bytes, lead_ms = Outcome.KEPT, 0, None
         done = record.prefetch_state == PrefetchState.DONE and (record.prefetch_done_at_ms or 0) <= now
         if record.parked_tier not in (None, Tier.HBM) and record.num_parked_pages:
             outcome = Outcome.ON_TIME if done else Outcome.LATE
+        elif record.parked_tier not in (None, Tier.HBM) and done and skipped:
+            # Parked, and the prefetch was acknowledged having brought none of the pages back
+            # (each in another move, or no room; its top-ups none either): the turn promotes
+            # them on the request path, as after a late prefetch.
+            outcome, num_pages = Outcome.LATE, skipped
+        num_bytes = num_pages * page_bytes
         if done and record.num_parked_pages:  # parked and prefetched, or a guard that moved pages
             lead_ms = float(now - (record.prefetch_done_at_ms or now))
             wasted_bytes = self._evicted_since_prefetch(record, now, matched, skipped) * page_bytes
             self.stats.count_waste("evicted", wasted_bytes)
         if outcome != Outcome.KEPT or lead_ms is not None:
             log.info("session returned", extra={
-                "session_id": record.session_id, "prefetch": outcome, "num_pages": record.num_parked_pages,
+                "session_id": record.session_id, "prefetch": outcome, "num_pages": num_pages,
                 "lead_ms": lead_ms, "wasted_bytes": wasted_bytes})
         actual_ms = float(now - record.paused_at_ms) if record.paused_at_ms is not None else None
         predicted_ms = None
         if record.predicted_return_at_ms is not None and record.paused_at_ms is not None:
             predicted_ms = float(record.predicted_return_at_ms - record.paused_at_ms)
         self._record_outcome(PauseOutcome(
-            record.session_id, record.tool_name or "", record.parked_tier or Tier.HBM, record.num_parked_pages,
+            record.session_id, record.tool_name or "", record.parked_tier or Tier.HBM, num_pages,
             num_bytes, outcome, wasted_bytes, predicted_ms, actual_ms, record.prediction_source, lead_ms))
         if not record.is_duration_observed and actual_ms is not None:
             await self.predictor.observe(record.tenant, record.tool_name or "", actual_ms)

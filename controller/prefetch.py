@@ -5,8 +5,9 @@ Each pause whose pages were parked below HBM gets one outcome when it closes (th
 of the session, or End):
 
     on time   the Prefetch was acknowledged before the session's next Route
-    late      the Route came first (the prefetch was still scheduled or in flight): the worker
-              promotes the rest on hit, on the request path
+    late      the Route came first (the prefetch was still scheduled or in flight), or the
+              prefetch was acknowledged with none of the pages back (each in another move, or
+              no room): the worker promotes the rest on hit, on the request path
 
 Waste is counted apart from timeliness (a prefetch can be on time and still wasted):
 

@@ -267,6 +267,43 @@ async def test_pages_a_prefetch_left_below_are_topped_up_before_the_turn(worker,
         assert (await worker.loop.check_integrity()).is_ok
 
 
+@in_module_loop
+async def test_a_prefetch_that_brought_nothing_back_is_scored_late(worker, flushed_redis_url, tmp_path):
+    """A parked session whose prefetch was acknowledged with every page left below (the first
+    page of its chain was in another move, and no top-up is allowed here) comes back to a turn
+    that promotes them: the pause is late, not "kept" (which would leave it out of the on-time
+    share), and it counts the pages that were still below."""
+    namespace = worker.engine.namespace
+    async with cluster(worker, flushed_redis_url, tmp_path, margin_ms=1_500.0, max_topups=0) as (controller, client):
+        prompt = [6, 12, 24, 48, 96, 192, 201, 241, 13, 26, 39]
+        out, _ = await client.complete(namespace, prompt, GREEDY, session_id="s-none")
+        history = prompt + out
+        keys = history_keys(worker, history)
+        assert (await client.pause("s-none", tool="slow", expected_ms=60_000)).parked_tier is Tier.DRAM
+        assert tiers_of(worker, keys) == [Tier.DRAM] * 4
+        first = worker.engine.index.get(keys[0])
+
+        def set_moving(value: bool) -> None:
+            first.moving = value
+            if not value:
+                worker.engine.index.requeue(first)
+
+        await worker.loop._call(lambda: set_moving(True))  # as if another transfer were carrying it
+        await client.returning("s-none", eta_ms=2_000)
+        await prefetched(controller.orchestrator, "s-none")
+        assert tiers_of(worker, keys) == [Tier.DRAM] * 4  # acknowledged, nothing moved
+        await worker.loop._call(lambda: set_moving(False))
+
+        _, final = await client.complete(namespace, history + [7, 8], GREEDY, session_id="s-none")
+        assert final.usage.promoted_tokens == 16
+        stats = controller.orchestrator.stats
+        assert (stats.num_on_time, stats.num_late) == (0, 1)
+        outcome = controller.orchestrator.outcomes[-1]
+        assert (outcome.outcome, outcome.tier, outcome.num_pages) == (Outcome.LATE, Tier.DRAM, 4)
+        await client.end("s-none")
+        assert (await worker.loop.check_integrity()).is_ok
+
+
 # --------------------------------------------------------------------------- promotion before admission
 
 
