@@ -21,7 +21,9 @@ own demotion moved down meanwhile and holds the pages until the return. Why all 
 ``Returning`` pulls the prefetch forward (now, or ``eta − promote − margin``); ``End``
 cancels it and drops the session's private pages. The next Route of
 the session (``on_route``) closes the pause: it scores the prefetch and feeds the
-measured duration to the predictor.
+measured duration to the predictor. The Route does not wait for that (``route_seen`` runs it
+in the background, as of the Route's time); the session's next Pause, Returning, End or
+prefetch waits for it instead.
 
 Where to wait — the cheapest of the tiers that can be back in time (seconds of GPU time,
 per pause; T = predicted pause, B = the session's bytes):
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import heapq
 import itertools
 import time
@@ -327,6 +330,8 @@ class Orchestrator:
         # Pages a session's last prefetch left below HBM (moving, or no room): not its waste.
         self._skipped_pages: dict[SessionId, int] = {}
         self._task: asyncio.Task[None] | None = None
+        # Route bookkeeping running in the background (``route_seen``), the latest per session.
+        self._route_tasks: dict[SessionId, asyncio.Task[None]] = {}
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -338,6 +343,12 @@ class Orchestrator:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        await self.settled()
+
+    async def settled(self) -> None:
+        """Wait for the Route bookkeeping still running in the background (``route_seen``)."""
+        while self._route_tasks:
+            await asyncio.wait(set(self._route_tasks.values()))
 
     async def recover(self) -> int:
         """Reschedule the prefetches of parked sessions (after a restart or takeover)."""
@@ -397,16 +408,49 @@ class Orchestrator:
                 log.warning("pause outcome listener failed", extra={"reason": str(exc)})
 
     # ---- Route ---------------------------------------------------------------------------
-    async def on_route(
+    def route_seen(
         self, session: SessionId, *, tenant: str, worker: WorkerId | None, digest: NamespaceDigest,
         num_tokens: int, matched: TokensByTier | None = None,
+    ) -> None:
+        """The Router's hook (``Router.on_session_route``): ``on_route`` in the background, as
+        of now. A Route does not wait for the session's bookkeeping (Redis round trips: 1-1.5 ms
+        of a resume's ~25 ms time to first token in the agent workload, and as long as Redis is
+        slow when it is); the session's next Pause, Returning, End or prefetch waits for it
+        instead (``_after_route``), so they still see the turn."""
+        task = asyncio.create_task(self._on_route_logged(
+            session, tenant=tenant, worker=worker, digest=digest, num_tokens=num_tokens, matched=matched,
+            now_ms=self._now()), name="kvtier-session-route")
+        self._route_tasks[session] = task
+        task.add_done_callback(functools.partial(self._route_task_done, session))
+
+    def _route_task_done(self, session: SessionId, task: asyncio.Task[None]) -> None:
+        if self._route_tasks.get(session) is task:
+            del self._route_tasks[session]
+
+    async def _on_route_logged(self, session: SessionId, **details: object) -> None:
+        try:
+            await self.on_route(session, **details)  # type: ignore[arg-type]
+        except Exception as exc:  # session bookkeeping must never fail a Route
+            log.warning("session bookkeeping on Route failed", extra={"session_id": session, "reason": str(exc)})
+
+    async def _after_route(self, session: SessionId) -> None:
+        """Wait for the session's Route bookkeeping, if some is still running."""
+        task = self._route_tasks.get(session)
+        if task is not None:
+            await asyncio.wait({task})
+
+    async def on_route(
+        self, session: SessionId, *, tenant: str, worker: WorkerId | None, digest: NamespaceDigest,
+        num_tokens: int, matched: TokensByTier | None = None, now_ms: int | None = None,
     ) -> SessionInfo:
         """The session's next turn is being routed: it is ACTIVE again (a pause closes here).
 
         ``matched``: where the directory has the request's prefix on ``worker`` (None when
-        unknown, e.g. a degraded Route); it tells whether prefetched pages were still in HBM."""
+        unknown, e.g. a degraded Route); it tells whether prefetched pages were still in HBM.
+        ``now_ms``: when the Route came (default: now), which a prefetch's ack must precede to
+        be on time."""
         async with self._lock(session):
-            now = self._now()
+            now = self._now() if now_ms is None else now_ms
             record = await self.store.get(session)
             if record is not None and record.state is not SessionState.ENDED and record.tenant != tenant:
                 # Another tenant's live session under the same id: its record is not ours to
@@ -477,6 +521,7 @@ class Orchestrator:
 
     # ---- Pause -----------------------------------------------------------------------------
     async def pause(self, request: PauseRequest, *, caller: Principal | None = None) -> SessionInfo:
+        await self._after_route(request.session_id)
         async with self._lock(request.session_id):
             record = await self._get(request.session_id, caller)
             if record.state is SessionState.PAUSED:
@@ -561,6 +606,7 @@ class Orchestrator:
 
     # ---- Returning -------------------------------------------------------------------------
     async def returning(self, request: ReturningRequest, *, caller: Principal | None = None) -> SessionInfo:
+        await self._after_route(request.session_id)
         async with self._lock(request.session_id):
             record = await self._get(request.session_id, caller)
             record.require(SessionState.PAUSED, SessionState.RESUMING, action="Returning")
@@ -586,6 +632,7 @@ class Orchestrator:
 
     # ---- End ---------------------------------------------------------------------------------
     async def end(self, request: EndRequest, *, caller: Principal | None = None) -> SessionInfo:
+        await self._after_route(request.session_id)
         async with self._lock(request.session_id):
             record = await self._get(request.session_id, caller)
             if record.state is SessionState.ENDED:
@@ -642,6 +689,7 @@ class Orchestrator:
         transfer, and the prefetch would be scored on time). It closes the pause as late; the
         ack then finds the pause gone and only its traffic is counted."""
         try:
+            await self._after_route(session)
             async with self._lock(session):
                 record = await self.store.get(session)
                 if record is None or not may_start(record):

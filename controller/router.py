@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc.aio
@@ -192,8 +192,9 @@ class Router:
         self.registry = registry
         self.access = access
         self.params = params
-        # Set by the controller: the session tracker hears every Route that names a session.
-        self.on_session_route: Callable[..., Awaitable[object]] | None = None
+        # Set by the controller: the session tracker hears every Route that names a session
+        # (``Orchestrator.route_seen``: it returns at once, the bookkeeping runs in the background).
+        self.on_session_route: Callable[..., None] | None = None
         # Policy epochs (DESIGN §5.3), kept current by kvtier.controller.cache_admin.
         self.epochs = EpochTable()
 
@@ -229,7 +230,7 @@ class Router:
         if request.session_id and self.on_session_route is not None:
             try:
                 top = ranked[0].worker_id if ranked else None
-                await self.on_session_route(
+                self.on_session_route(
                     request.session_id, tenant=namespace.tenant, worker=top,
                     digest=digest, num_tokens=len(keys) * namespace.page_size,
                     matched=None if degraded or top is None else matched.get(top, TokensByTier()),

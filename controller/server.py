@@ -320,7 +320,7 @@ async def serve_controller(
         if metrics is not None:
             controller.metrics = metrics
             metrics.bind(registry, orchestrator, access)
-        router.on_session_route = orchestrator.on_route
+        router.on_session_route = orchestrator.route_seen
         # Configuration seeds policy version 1; from then on the stored current version rules.
         policy_store = PolicyStore(client, seed=seed_policy(weights, orchestrator.params.budget_bytes_per_s),
                                    on_error=access.report_failure)

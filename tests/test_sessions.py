@@ -168,6 +168,40 @@ async def test_returning_promotes_at_once_and_end_cancels_and_frees(worker, flus
         assert (await worker.loop.check_integrity()).is_ok
 
 
+@in_module_loop
+async def test_a_route_does_not_wait_for_the_session_bookkeeping_but_the_next_pause_does(
+    worker, flushed_redis_url, tmp_path
+):
+    """Route answers while the session's bookkeeping is held up (a slow Redis; here its lock is
+    held): a resume's time to first token does not pay it. The session's next Pause waits for
+    that bookkeeping, so the Route still closes the previous pause (one outcome) and the Pause
+    opens a new one instead of finding the session paused already."""
+    namespace = worker.engine.namespace
+    async with cluster(worker, flushed_redis_url, tmp_path) as (controller, client):
+        orchestrator = controller.orchestrator
+        prompt = [8, 16, 32, 64, 128, 255, 17, 34, 51]
+        out, _ = await client.complete(namespace, prompt, GREEDY, session_id="s-slow")
+        first = await client.pause("s-slow", tool="search", expected_ms=60_000)
+        assert first.state is SessionState.PAUSED
+        lock = orchestrator._lock(SessionId("s-slow"))
+        await lock.acquire()
+        try:
+            decision = await asyncio.wait_for(client.route(namespace, prompt + out, "s-slow"), 5.0)
+            assert decision.best.worker_id == worker.worker_id
+            assert (await orchestrator.store.get("s-slow")).state is SessionState.PAUSED  # not yet
+            pause = asyncio.create_task(client.pause("s-slow", tool="search", expected_ms=60_000))
+            await asyncio.sleep(0.2)
+            assert not pause.done() and not orchestrator.outcomes
+        finally:
+            lock.release()
+        second = await pause
+        assert second.state is SessionState.PAUSED and second.paused_at_ms > first.paused_at_ms
+        assert [o.session_id for o in orchestrator.outcomes] == ["s-slow"]  # the first pause, closed
+        await client.end("s-slow")
+        await orchestrator.settled()
+        assert not orchestrator._route_tasks
+
+
 # --------------------------------------------------------------------------- pure pieces
 
 
