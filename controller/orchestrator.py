@@ -413,13 +413,13 @@ class Orchestrator:
         num_tokens: int, matched: TokensByTier | None = None,
     ) -> None:
         """The Router's hook (``Router.on_session_route``): ``on_route`` in the background, as
-        of now. A Route does not wait for the session's bookkeeping (Redis round trips: 1-1.5 ms
-        of a resume's ~25 ms time to first token in the agent workload, and as long as Redis is
-        slow when it is); the session's next Pause, Returning, End or prefetch waits for it
-        instead (``_after_route``), so they still see the turn."""
-        task = asyncio.create_task(self._on_route_logged(
-            session, tenant=tenant, worker=worker, digest=digest, num_tokens=num_tokens, matched=matched,
-            now_ms=self._now()), name="kvtier-session-route")
+        of now. A Route does not wait for the session's bookkeeping (Redis round trips: ~0.5 ms
+        of a resume's time to first token in the agent workload, and however long a slow Redis
+        takes); the session's next Pause, Returning, End or prefetch waits for it instead
+        (``_after_route``), so each still sees the turn."""
+        bookkeeping = self.on_route(session, tenant=tenant, worker=worker, digest=digest, num_tokens=num_tokens,
+                                    matched=matched, now_ms=self._now())
+        task = asyncio.create_task(self._logged(session, bookkeeping), name="kvtier-session-route")
         self._route_tasks[session] = task
         task.add_done_callback(functools.partial(self._route_task_done, session))
 
@@ -427,9 +427,10 @@ class Orchestrator:
         if self._route_tasks.get(session) is task:
             del self._route_tasks[session]
 
-    async def _on_route_logged(self, session: SessionId, **details: object) -> None:
+    @staticmethod
+    async def _logged(session: SessionId, bookkeeping: Awaitable[object]) -> None:
         try:
-            await self.on_route(session, **details)  # type: ignore[arg-type]
+            await bookkeeping
         except Exception as exc:  # session bookkeeping must never fail a Route
             log.warning("session bookkeeping on Route failed", extra={"session_id": session, "reason": str(exc)})
 
