@@ -367,24 +367,32 @@ def with_retaken(prefetch: dict[str, Any], retaken_bytes: int, wasted_bytes: int
     return out
 
 
+def _pauses_with_turns(records: list[TurnRecord], outcomes: list[Any]) -> list[tuple[Any, TurnRecord]]:
+    """Each closed pause (``PauseOutcome``, in closing order) with the turn it preceded: the
+    k-th pause of a session is followed by its turn k + 1 (pauses with no such turn left out)."""
+    turns = {(r.session, r.turn): r for r in records}
+    seen: dict[str, int] = {}
+    joined: list[tuple[Any, TurnRecord]] = []
+    for outcome in outcomes:
+        k = seen.get(outcome.session_id, 0)
+        seen[outcome.session_id] = k + 1
+        record = turns.get((outcome.session_id, k + 1))
+        if record is not None:
+            joined.append((outcome, record))
+    return joined
+
+
 def join_outcomes(records: list[TurnRecord], outcomes: list[Any], page_size: int, page_bytes: int) -> dict[str, Any]:
     """Each closed pause (``PauseOutcome``, in closing order) with the resume it preceded: the
     k-th pause of a session is followed by its turn k + 1. Resume TTFT by prefetch outcome, and
     the client's own evidence of waste: resumes that still promoted pages after a prefetch (a
     guard's included) was acknowledged before them (pages demoted again before use)."""
-    turns = {(r.session, r.turn): r for r in records}
-    seen: dict[str, int] = {}
     by_outcome: dict[str, list[float]] = {}
     promoting: dict[str, int] = {}  # resumes that still promoted pages on the request path
     leads: list[float] = []
     num_wasted = wasted_bytes = 0
     wasted: list[dict[str, Any]] = []  # the controller's wasted pauses (first 10), for diagnosis
-    for outcome in outcomes:
-        k = seen.get(outcome.session_id, 0)
-        seen[outcome.session_id] = k + 1
-        record = turns.get((outcome.session_id, k + 1))
-        if record is None:
-            continue
+    for outcome, record in _pauses_with_turns(records, outcomes):
         by_outcome.setdefault(outcome.outcome, []).append(record.ttft_ms)
         promoting[outcome.outcome] = promoting.get(outcome.outcome, 0) + (record.promoted_tokens > 0)
         if outcome.lead_ms is not None:
@@ -427,16 +435,11 @@ def hold_demand(
     over, some session due back cannot be kept, whatever the policy, and its turn promotes."""
     from kvtier.tiers import Tier
 
-    turns = {(r.session, r.turn): r for r in records}
-    seen: dict[str, int] = {}
     windows: list[tuple[float, float, str, int]] = []  # start, end (s), tenant, private pages
     running = [(r.sent_at_s, r.sent_at_s + r.ttft_ms / 1000.0, tenant_of[r.session],
                 max(0, -(-r.prompt_tokens // page_size) - shared_pages)) for r in records if r.session in tenant_of]
-    for outcome in outcomes:
-        k = seen.get(outcome.session_id, 0)
-        seen[outcome.session_id] = k + 1
-        record = turns.get((outcome.session_id, k + 1))
-        if record is None or outcome.session_id not in tenant_of:
+    for outcome, record in _pauses_with_turns(records, outcomes):
+        if outcome.session_id not in tenant_of:
             continue
         if outcome.tier is Tier.HBM and outcome.actual_ms is not None:
             held_ms = outcome.actual_ms
