@@ -55,11 +55,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import heapq
 import itertools
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from kvtier.auth import Principal
@@ -95,6 +96,8 @@ from kvtier.tiers import Tier
 log = get_logger("kvtier.controller.orchestrator")
 
 SendCommand = Callable[[WorkerId, Command], Awaitable[CommandAck]]
+# How often the orchestrator forgets sessions idle past the store's TTL (``forget_idle``).
+FORGET_INTERVAL_S = 60.0
 
 
 def wall_clock_ms() -> float:
@@ -294,6 +297,12 @@ class _SentPrefetch:
 # --------------------------------------------------------------------------- orchestrator
 
 
+@dataclass(slots=True)
+class _SessionLock:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0  # holding or waiting
+
+
 class Orchestrator:
     """Drives session transitions and the tier moves they imply; one lock per session
     serialises Pause/Returning/End/Route/timer work on that session."""
@@ -320,7 +329,8 @@ class Orchestrator:
         self.listeners: list[Callable[[PauseOutcome], None]] = []  # called as each pause closes
         self._buckets: dict[tuple[WorkerId, Tier], TokenBucket] = {}
         self._latency: dict[WorkerId, PromoteLatency] = {}
-        self._locks: dict[SessionId, asyncio.Lock] = {}
+        # One lock per session in use (``_locked``): gone once no one holds or waits for it.
+        self._locks: dict[SessionId, _SessionLock] = {}
         # State and last write (clock ms) per session, for counts without a Redis scan; a
         # session untouched for the store's TTL has expired there and is not counted.
         self._states: dict[SessionId, tuple[SessionState, float]] = {}
@@ -330,6 +340,7 @@ class Orchestrator:
         # Pages a session's last prefetch left below HBM (moving, or no room): not its waste.
         self._skipped_pages: dict[SessionId, int] = {}
         self._task: asyncio.Task[None] | None = None
+        self._forget_task: asyncio.Task[None] | None = None
         # Route bookkeeping running in the background (``route_seen``), the latest per session.
         self._route_tasks: dict[SessionId, asyncio.Task[None]] = {}
 
@@ -337,13 +348,34 @@ class Orchestrator:
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self.timers.run(self.params.tick_s), name="kvtier-prefetch-timers")
+        if self._forget_task is None:
+            self._forget_task = asyncio.create_task(self._forget_loop(), name="kvtier-session-forget")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        for task in (self._task, self._forget_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._task = self._forget_task = None
         await self.settled()
+
+    async def _forget_loop(self) -> None:
+        while True:
+            await asyncio.sleep(FORGET_INTERVAL_S)
+            self.forget_idle()
+
+    def forget_idle(self) -> int:
+        """Forget what this controller keeps in memory about sessions untouched for the store's
+        TTL (their records have expired in Redis): sessions nobody ends, or abandoned while
+        paused. Without this a controller's memory grows with every such session. Returns how
+        many were forgotten."""
+        horizon_ms = self.clock_ms() - self.store.ttl_s * 1000.0
+        idle = [s for s, (_, at) in self._states.items() if at < horizon_ms]
+        for session in idle:
+            del self._states[session]
+            self._hold_until_ms.pop(session, None)
+            self._skipped_pages.pop(session, None)
+        return len(idle)
 
     async def settled(self) -> None:
         """Wait for the Route bookkeeping still running in the background (``route_seen``)."""
@@ -367,11 +399,22 @@ class Orchestrator:
                               watermarks=dict(policy.watermarks))
         self._buckets.clear()
 
-    def _lock(self, session: SessionId) -> asyncio.Lock:
-        lock = self._locks.get(session)
-        if lock is None:
-            lock = self._locks[session] = asyncio.Lock()
-        return lock
+    @contextlib.asynccontextmanager
+    async def _locked(self, session: SessionId) -> AsyncIterator[None]:
+        """Hold ``session``'s lock: Route, Pause, Returning, End and timer work on a session go
+        one at a time. The lock exists while someone holds or waits for it, so sessions that
+        are never ended leave no lock behind."""
+        entry = self._locks.get(session)
+        if entry is None:
+            entry = self._locks[session] = _SessionLock()
+        entry.users += 1
+        try:
+            async with entry.lock:
+                yield
+        finally:
+            entry.users -= 1
+            if not entry.users:
+                del self._locks[session]
 
     async def _get(self, session: SessionId, caller: Principal | None = None) -> SessionRecord:
         """The session's record; NOT_FOUND when there is none or it belongs to a tenant the
@@ -390,9 +433,7 @@ class Orchestrator:
 
     def session_counts(self) -> dict[SessionState, int]:
         """Sessions per state, as this controller last wrote them (ENDED ones are forgotten)."""
-        horizon_ms = self.clock_ms() - self.store.ttl_s * 1000.0
-        for session in [s for s, (_, at) in self._states.items() if at < horizon_ms]:
-            del self._states[session]
+        self.forget_idle()
         counts = dict.fromkeys(SessionState, 0)
         for state, _ in self._states.values():
             counts[state] += 1
@@ -450,7 +491,7 @@ class Orchestrator:
         unknown, e.g. a degraded Route); it tells whether prefetched pages were still in HBM.
         ``now_ms``: when the Route came (default: now), which a prefetch's ack must precede to
         be on time."""
-        async with self._lock(session):
+        async with self._locked(session):
             now = self._now() if now_ms is None else now_ms
             record = await self.store.get(session)
             if record is not None and record.state is not SessionState.ENDED and record.tenant != tenant:
@@ -523,7 +564,7 @@ class Orchestrator:
     # ---- Pause -----------------------------------------------------------------------------
     async def pause(self, request: PauseRequest, *, caller: Principal | None = None) -> SessionInfo:
         await self._after_route(request.session_id)
-        async with self._lock(request.session_id):
+        async with self._locked(request.session_id):
             record = await self._get(request.session_id, caller)
             if record.state is SessionState.PAUSED:
                 return record.info()
@@ -608,7 +649,7 @@ class Orchestrator:
     # ---- Returning -------------------------------------------------------------------------
     async def returning(self, request: ReturningRequest, *, caller: Principal | None = None) -> SessionInfo:
         await self._after_route(request.session_id)
-        async with self._lock(request.session_id):
+        async with self._locked(request.session_id):
             record = await self._get(request.session_id, caller)
             record.require(SessionState.PAUSED, SessionState.RESUMING, action="Returning")
             now = self._now()
@@ -634,7 +675,7 @@ class Orchestrator:
     # ---- End ---------------------------------------------------------------------------------
     async def end(self, request: EndRequest, *, caller: Principal | None = None) -> SessionInfo:
         await self._after_route(request.session_id)
-        async with self._lock(request.session_id):
+        async with self._locked(request.session_id):
             record = await self._get(request.session_id, caller)
             if record.state is SessionState.ENDED:
                 return record.info()
@@ -653,7 +694,6 @@ class Orchestrator:
             await self.store.put(record)
             self._states.pop(record.session_id, None)
             self.registry.forget_session(record.session_id)
-            self._locks.pop(record.session_id, None)
             return record.info()
 
     # ---- prefetch ------------------------------------------------------------------------------
@@ -691,7 +731,7 @@ class Orchestrator:
         ack then finds the pause gone and only its traffic is counted."""
         try:
             await self._after_route(session)
-            async with self._lock(session):
+            async with self._locked(session):
                 record = await self.store.get(session)
                 if record is None or not may_start(record):
                     return
@@ -700,7 +740,7 @@ class Orchestrator:
             if sent is None:
                 return
             ack = await self._send(sent.worker, sent.command)
-            async with self._lock(session):
+            async with self._locked(session):
                 record = await self.store.get(session)
                 if record is not None and may_finish(record) and record.paused_at_ms == sent.paused_at_ms:
                     self._prefetch_end(sent, ack, record)

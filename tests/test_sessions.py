@@ -17,12 +17,20 @@ import pytest_asyncio
 import torch
 
 from kvtier import errors
-from kvtier.controller.orchestrator import OrchestratorParams, TimerQueue, TokenBucket, choose_tier
+from kvtier.controller.orchestrator import (
+    Orchestrator,
+    OrchestratorParams,
+    TimerQueue,
+    TokenBucket,
+    choose_tier,
+)
+from kvtier.controller.predictor import ToolReturnPredictor
+from kvtier.controller.registry import Registry
 from kvtier.controller.sessions import ENDED_TTL_S, KEY_PREFIX, SessionRecord, SessionStore
 from kvtier.engine import Engine, SamplingParams
 from kvtier.eviction import CostModel
-from kvtier.hashing import namespace_digest, page_keys
-from kvtier.records import SessionId, SessionState, TierOccupancy
+from kvtier.hashing import NamespaceDigest, namespace_digest, page_keys
+from kvtier.records import PauseRequest, SessionId, SessionState, TierOccupancy
 from kvtier.tier_manager import TierConfig
 from kvtier.tiers import Tier
 from kvtier.worker.engine_loop import HOLD_PREFIX
@@ -183,8 +191,15 @@ async def test_a_route_does_not_wait_for_the_session_bookkeeping_but_the_next_pa
         out, _ = await client.complete(namespace, prompt, GREEDY, session_id="s-slow")
         first = await client.pause("s-slow", tool="search", expected_ms=60_000)
         assert first.state is SessionState.PAUSED
-        lock = orchestrator._lock(SessionId("s-slow"))
-        await lock.acquire()
+        held, release = asyncio.Event(), asyncio.Event()
+
+        async def hold_the_session() -> None:
+            async with orchestrator._locked(SessionId("s-slow")):
+                held.set()
+                await release.wait()
+
+        holder = asyncio.create_task(hold_the_session())
+        await held.wait()
         try:
             decision = await asyncio.wait_for(client.route(namespace, prompt + out, "s-slow"), 5.0)
             assert decision.best.worker_id == worker.worker_id
@@ -193,7 +208,8 @@ async def test_a_route_does_not_wait_for_the_session_bookkeeping_but_the_next_pa
             await asyncio.sleep(0.2)
             assert not pause.done() and not orchestrator.outcomes
         finally:
-            lock.release()
+            release.set()
+            await holder
         second = await pause
         assert second.state is SessionState.PAUSED and second.paused_at_ms > first.paused_at_ms
         assert [o.session_id for o in orchestrator.outcomes] == ["s-slow"]  # the first pause, closed
@@ -274,3 +290,33 @@ async def test_an_ended_session_record_expires_soon_an_active_one_keeps_the_idle
     assert await redis_client.pttl(KEY_PREFIX + "s-active") > ENDED_TTL_S * 1000
     assert 0 < await redis_client.pttl(KEY_PREFIX + "s-ended") <= ENDED_TTL_S * 1000
     assert (await store.get(SessionId("s-ended"))).state is SessionState.ENDED
+
+
+async def test_sessions_nobody_ends_leave_nothing_behind_in_the_orchestrator(redis_client):
+    """Sessions that are never ended (a crashed agent; one abandoned while its tool runs) expire
+    from Redis by the idle TTL; the orchestrator then forgets them too, and no session keeps a
+    lock it is not using: a long-running controller's memory does not grow with them."""
+    now = [1_000_000.0]
+
+    async def no_worker(worker, command):  # none is registered: nothing is ever sent
+        raise AssertionError(f"unexpected command {command!r}")
+
+    orchestrator = Orchestrator(SessionStore(redis_client, ttl_s=60), ToolReturnPredictor(redis_client),
+                                Registry(lease_ttl_s=10.0), no_worker, clock_ms=lambda: now[0])
+    digest = NamespaceDigest(bytes(16))
+    for i in range(20):
+        await orchestrator.on_route(SessionId(f"s-{i}"), tenant="t", worker=None, digest=digest, num_tokens=64)
+    for i in range(10):  # half of them pause (their tool never returns)
+        await orchestrator.pause(PauseRequest(SessionId(f"s-{i}"), tool_name="search", expected_ms=500))
+    assert not orchestrator._locks
+    assert len(orchestrator._states) == 20 and len(orchestrator._hold_until_ms) == 10
+    assert orchestrator.session_counts()[SessionState.PAUSED] == 10
+
+    now[0] += 30_000  # within the TTL: one session is touched again, nothing is forgotten
+    await orchestrator.on_route(SessionId("s-0"), tenant="t", worker=None, digest=digest, num_tokens=64)
+    assert orchestrator.forget_idle() == 0
+    now[0] += 31_000  # past the TTL for all but s-0
+    assert orchestrator.forget_idle() == 19
+    assert list(orchestrator._states) == ["s-0"] and not orchestrator._hold_until_ms
+    assert orchestrator.session_counts()[SessionState.ACTIVE] == 1 and not orchestrator._locks
+
