@@ -14,7 +14,10 @@ bin is scaled down once (a full rewrite every ~half_life × 900 observations).
 Persistence: a Redis hash per (tenant, tool) under ``kvt:tool:<blake2b(tenant, tool)>``
 (fields ``tenant``, ``tool``, ``n`` and ``b<bin>``), written through on every
 observation and loaded by ``load()`` at start, so a controller restart (or a standby
-taking over) keeps the history.
+taking over) keeps the history. Bounded: tool names come from callers, so a tenant keeps at
+most ``max_tools_per_tenant`` histories (learning a new tool past that forgets the tenant's
+least recently observed one, in memory and in Redis), and a history not observed for
+``history_ttl_s`` expires from Redis.
 
 Prediction, best source first: history once it holds ``min_samples`` (effective)
 observations; else the caller's ``expected_ms``; else ``default_ms``. A caller estimate
@@ -43,6 +46,7 @@ returns that run long.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import math
 from collections.abc import Callable
@@ -86,9 +90,14 @@ class PredictorParams:
     hi_quantile: float = 0.99  # a prefetched session's pages are held in HBM until here (decision 0008)
     # Spread assumed without history: lognormal with this sigma (of ln duration).
     default_sigma: float = 0.7
+    # Tool names come from callers: at most this many histories per tenant (the least recently
+    # observed goes first), and a history unobserved this long expires from Redis.
+    max_tools_per_tenant: int = 256
+    history_ttl_s: float = 30 * 86_400.0
 
     def __post_init__(self) -> None:
-        for name in ("default_ms", "half_life_obs", "min_samples", "default_sigma"):
+        for name in ("default_ms", "half_life_obs", "min_samples", "default_sigma", "max_tools_per_tenant",
+                     "history_ttl_s"):
             if not getattr(self, name) > 0:
                 raise InvalidArgument(f"predictor {name} must be > 0, got {getattr(self, name)}", field=name)
         if not 0 < self.lo_quantile < 0.5 < self.hi_quantile < 1:
@@ -206,6 +215,8 @@ class ToolReturnPredictor:
         self.params = params or PredictorParams()
         self._on_error = on_error
         self._histories: dict[tuple[str, str], ToolHistory] = {}
+        # Per tenant, its tools from least to most recently observed (``max_tools_per_tenant``).
+        self._recency: dict[str, collections.OrderedDict[str, None]] = {}
 
     def history(self, tenant: str, tool: str) -> ToolHistory | None:
         return self._histories.get((tenant, tool))
@@ -222,6 +233,7 @@ class ToolReturnPredictor:
                                   num_observations=int(fields.get("n", "0")))
             history.bins = {int(k[1:]): float(v) for k, v in fields.items() if k.startswith("b")}
             self._histories[(history.tenant, history.tool)] = history
+            self._recency.setdefault(history.tenant, collections.OrderedDict())[history.tool] = None
             loaded += 1
         log.info("tool histories loaded", extra={"num_histories": loaded})
         return loaded
@@ -230,20 +242,35 @@ class ToolReturnPredictor:
         """Record one measured tool duration and write it through to Redis."""
         if not duration_ms >= 0:
             raise InvalidArgument(f"a tool duration must be >= 0 ms, got {duration_ms}", field="duration_ms")
+        recency = self._recency.setdefault(tenant, collections.OrderedDict())
+        forgotten: list[str] = []
         history = self._histories.get((tenant, tool))
         if history is None:
+            while len(recency) >= self.params.max_tools_per_tenant:
+                old, _ = recency.popitem(last=False)
+                del self._histories[(tenant, old)]
+                forgotten.append(history_key(tenant, old))
+            if forgotten:
+                log.info("tool histories forgotten: the tenant keeps at most max_tools_per_tenant", extra={
+                    "tenant": tenant, "num_forgotten": len(forgotten),
+                    "max_tools_per_tenant": self.params.max_tools_per_tenant})
             history = self._histories[(tenant, tool)] = ToolHistory(tenant, tool, self.params.half_life_obs)
+        recency[tool] = None
+        recency.move_to_end(tool)
         b, weight, rescaled = history.observe(duration_ms)
         key = history_key(tenant, tool)
         mapping: dict[str, str | float | int] = {"tenant": tenant, "tool": tool, "n": history.num_observations}
         try:
             async with self.client.pipeline(transaction=True) as pipe:
+                if forgotten:
+                    pipe.delete(*forgotten)
                 if rescaled:
                     pipe.delete(key)
                     mapping.update({f"b{k}": repr(v) for k, v in history.bins.items()})
                 else:
                     mapping[f"b{b}"] = repr(weight)
                 pipe.hset(key, mapping=mapping)
+                pipe.pexpire(key, max(1, round(self.params.history_ttl_s * 1000)))
                 await pipe.execute()
         except Exception as exc:  # the in-memory history still serves; Redis catches up next time
             if self._on_error is None:

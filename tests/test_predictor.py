@@ -76,6 +76,35 @@ async def test_caller_estimate_default_and_per_key_isolation(redis_client):
         await predictor.observe("acme", "search", -1.0)
 
 
+async def test_a_tenant_keeps_a_bounded_number_of_tool_histories(redis_client):
+    """Tool names come from callers (one with a request id in it makes a new tool each call):
+    past ``max_tools_per_tenant`` a new tool's history replaces the tenant's least recently
+    observed one, in memory and in Redis; other tenants keep theirs; every history written
+    expires from Redis after ``history_ttl_s`` without an observation."""
+    params = PredictorParams(min_samples=1.0, max_tools_per_tenant=3, history_ttl_s=3_600.0)
+    predictor = ToolReturnPredictor(redis_client, params)
+    for tool in ("a", "b", "c"):
+        await predictor.observe("acme", tool, 100.0)
+    await predictor.observe("other", "a", 100.0)
+    await predictor.observe("acme", "a", 120.0)  # a is now the most recently observed
+    await predictor.observe("acme", "d", 100.0)  # over the bound: b goes
+    assert predictor.history("acme", "b") is None
+    assert await redis_client.exists(history_key("acme", "b")) == 0
+    assert predictor.predict("acme", "b").source is PredictionSource.DEFAULT
+    for tool in ("a", "c", "d"):
+        assert predictor.history("acme", tool) is not None
+        assert 0 < await redis_client.pttl(history_key("acme", tool)) <= 3_600_000
+    assert predictor.history("other", "a") is not None
+    # A new predictor on the same Redis loads the bounded set and keeps bounding it.
+    reloaded = ToolReturnPredictor(redis_client, params)
+    assert await reloaded.load() == 4
+    await reloaded.observe("acme", "e", 100.0)
+    assert sum(reloaded.history("acme", t) is not None for t in "abcde") == 3
+    assert reloaded.history("acme", "e") is not None
+    with pytest.raises(InvalidArgument):
+        PredictorParams(max_tools_per_tenant=0)
+
+
 async def test_history_survives_a_new_predictor_on_the_same_redis(redis_client):
     rng = random.Random(3)
     first = ToolReturnPredictor(redis_client)
