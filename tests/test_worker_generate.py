@@ -314,6 +314,38 @@ async def test_bad_namespace_or_prompt_is_refused_and_server_stays_healthy(
     await wait_idle(stub(channels, which))
 
 
+async def test_namespaces_per_tenant_are_bounded_and_an_invalidation_frees_them(worker, channels, monkeypatch):
+    """Every distinct tokenizer digest a caller sends is a namespace the worker keeps state
+    for: past the bound a new one is refused (RESOURCE_EXHAUSTED, field ``namespace``) while
+    the tenant's known namespaces and other tenants keep working; invalidating the tenant
+    frees the places once its pages are reclaimed."""
+    import kvtier.engine.engine as engine_module
+    from kvtier.records import InvalidationScope
+
+    monkeypatch.setattr(engine_module, "MAX_NAMESPACES_PER_TENANT", 3)
+    prompt = [9, 8, 7, 6, 5]
+    for i in range(3):
+        tokens, _ = await collect(stub(channels), request(worker, prompt, 2, tenant="t-ns", tokenizer_digest=f"tok-{i}"))
+        assert len(tokens) == 2
+    details = await _expect_error(
+        stub(channels), request(worker, prompt, 2, tenant="t-ns", tokenizer_digest="tok-3"),
+        grpc.StatusCode.RESOURCE_EXHAUSTED, "namespace")
+    assert "tokenizer_digest" in details and "t-ns" in details
+    tokens, final = await collect(stub(channels), request(worker, prompt, 2, tenant="t-ns", tokenizer_digest="tok-1"))
+    assert len(tokens) == 2 and final.usage.cached_tokens > 0  # a known namespace: served, its pages reused
+    await assert_healthy(channels["main"], worker)  # the worker's own tenant is unaffected
+
+    loop = worker.loop
+    scope = InvalidationScope(tenant="t-ns")
+    epoch = loop.epochs.max_epoch + 1
+    loop.epochs.install(scope, epoch)  # as the controller's Invalidate does, then the drop below
+    await loop.invalidate(scope, epoch)
+    tokens, _ = await collect(stub(channels), request(worker, prompt, 2, tenant="t-ns", tokenizer_digest="tok-3"))
+    assert len(tokens) == 2
+    await wait_idle(stub(channels))
+    await assert_consistent(stub(channels))
+
+
 @pytest.mark.parametrize(
     ("tokens", "field"),
     [([5, VOCAB + 44, 7], "prompt_token_ids"), ([5, -3, 7], "prompt_token_ids[1]")],

@@ -265,6 +265,7 @@ class _Run:
     promotion_wait_s: float = 0.0  # waited for them before admission
     admission_wait_s: float = 0.0  # waited outside the engine, for pages or room
     pinned: RadixNode | None = None  # its deepest HBM page while it waits for room
+    digest: NamespaceDigest | None = None  # of its namespace, from admission on
 
 
 @dataclass(slots=True)
@@ -654,7 +655,7 @@ class EngineLoop:
         request = run.request
         if request.session_id is not None:
             self._lapsed.pop(request.session_id, None)  # back: its own admission brings its pages up
-        digest = self.engine.digest_for(request.namespace)
+        digest = run.digest = self.engine.digest_for(request.namespace)
         tiers = self.engine.tiers
         if tiers is not None and not tiers.config.simulate:
             # Checked now, so a bad request fails before any token even when it waits.
@@ -764,7 +765,8 @@ class EngineLoop:
             if run.promoted_tokens_by_tier:
                 run.promotion_wait_s = run.admission_wait_s
             try:
-                self._add(run, self.engine.digest_for(run.request.namespace))
+                assert run.digest is not None
+                self._add(run, run.digest)
             except KvtierError as exc:
                 self._emit(run, exc)
 
@@ -1099,7 +1101,7 @@ class EngineLoop:
         return PageCounts(num_done=num_dropped, num_kept=num_kept)
 
     def _run_ended(self, run: _Run) -> None:
-        if self._stale and self.engine.digest_for(run.request.namespace) in self._stale:
+        if self._stale and run.digest in self._stale:
             self._reclaim_due = True  # its pages are idle now (and cached, if it finished)
 
     def _reclaim_stale(self) -> tuple[int, int]:
@@ -1117,7 +1119,8 @@ class EngineLoop:
                 index.remove(node.key)
                 num_dropped += 1
         scheduler = self.engine.scheduler
-        running = {seq.namespace for seq in (*scheduler.waiting, *scheduler.running)} & self._stale
+        running = {seq.namespace for seq in (*scheduler.waiting, *scheduler.running)}
+        running = (running | {run.digest for run in self._awaiting.values()}) & self._stale
         left = {self._key_digest[n.key] for n in doomed if n.key in self._key_digest}
         # Pages no stale sequence explains (in transit): look again soon. Otherwise the next
         # pass comes when a stale sequence ends (``_run_ended``) or the engine goes idle.
@@ -1126,6 +1129,7 @@ class EngineLoop:
             self._stale.discard(digest)
             self._identities.pop(digest, None)
             self._roots.pop(digest, None)
+            self.engine.forget_namespace(digest)
         return num_dropped, len(doomed) - num_dropped
 
     def _pin(self, command: PinCommand) -> PageCounts:
@@ -1455,7 +1459,8 @@ class EngineLoop:
         assert run.request.session_id is not None
         self._lapsed.pop(run.request.session_id, None)
         self._release_pin(_hold_id(run.request.session_id))  # back and done: its pages cache as usual
-        digest = self.engine.digest_for(run.request.namespace)
+        digest = run.digest
+        assert digest is not None
         fed = [*prompt, *output[:-1]]  # the last sampled token is never fed back: no K/V
         keys = tuple(page_keys(digest, fed, self.engine.pool.page_size))
         self._sessions[run.request.session_id] = SessionPages(digest, keys)

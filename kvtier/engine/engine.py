@@ -28,7 +28,7 @@ from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampler import make_generator, sample
 from kvtier.engine.scheduler import Scheduler, SchedulerConfig
 from kvtier.engine.sequence import Sequence, SequenceStatus
-from kvtier.errors import IntegrityError, InvalidArgument, NotFound
+from kvtier.errors import IntegrityError, InvalidArgument, NotFound, ResourceExhausted
 from kvtier.eviction import DEFAULT_POLICY, CostModel, make_engine_policy
 from kvtier.hashing import NamespaceDigest, NamespaceIdentity, namespace_digest
 from kvtier.model import LlamaModel
@@ -45,6 +45,13 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "b
 # Pages quota enforcement and TTL expiry may handle per step (each), so a burst of work never
 # stalls decode for long; what is left goes in the next steps (or the worker's idle loop).
 LIMIT_PAGES_PER_STEP = 64
+# Namespaces an engine keeps state for (``digest_for``), per tenant and in all. Every distinct
+# value of a field a caller may choose (its tokenizer digest; its tenant without authentication)
+# is a namespace, so without a bound a client varying one per request grows the worker's
+# memory without end. Far above what serving needs (tenants x tokenizers); an invalidated
+# namespace frees its place once its pages are reclaimed (``forget_namespace``).
+MAX_NAMESPACES_PER_TENANT = 1024
+MAX_NAMESPACES = 65_536
 
 
 @dataclass(slots=True)
@@ -145,6 +152,7 @@ class Engine:
         )
         self._digests: dict[NamespaceIdentity, NamespaceDigest] = {}
         self._identities: dict[NamespaceDigest, NamespaceIdentity] = {}  # the reverse, for quotas and TTLs
+        self._num_namespaces: dict[str, int] = {}  # per tenant
         self.quotas = QuotaTracker(
             self.index, tenant_quotas, page_bytes=self.geometry.page_bytes, identity_of=self._identities.get,
             tiers=self.tiers,
@@ -204,12 +212,35 @@ class Engine:
         digest = self._digests.get(ns)
         if digest is None:
             ns.validate()
+            num = self._num_namespaces.get(ns.tenant, 0)
+            if num >= MAX_NAMESPACES_PER_TENANT or len(self._digests) >= MAX_NAMESPACES:
+                raise ResourceExhausted(
+                    f"this worker already keeps {num} namespaces of tenant {ns.tenant!r} "
+                    f"({len(self._digests)} in all; at most {MAX_NAMESPACES_PER_TENANT} per tenant, "
+                    f"{MAX_NAMESPACES} in all): every distinct namespace.tokenizer_digest is one, so keep it "
+                    "the same for requests that share a tokenizer",
+                    field="namespace",
+                )
             digest = self._digests[ns] = namespace_digest(ns)
             self._identities[digest] = ns
+            self._num_namespaces[ns.tenant] = num + 1
             for limits in (self.quotas, self.ttls):
                 if limits is not None:
                     limits.learn(digest)
         return digest
+
+    def forget_namespace(self, digest: NamespaceDigest) -> None:
+        """Drop what the engine keeps for ``digest`` (an invalidated namespace whose pages and
+        sequences are gone): its place under ``MAX_NAMESPACES_PER_TENANT`` frees up."""
+        identity = self._identities.pop(digest, None)
+        if identity is None:
+            return
+        self._digests.pop(identity, None)
+        num = self._num_namespaces.get(identity.tenant, 0) - 1
+        if num > 0:
+            self._num_namespaces[identity.tenant] = num
+        else:
+            self._num_namespaces.pop(identity.tenant, None)
 
     def validate_prompt(self, prompt: list[int]) -> None:
         if not prompt:
