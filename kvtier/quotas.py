@@ -239,6 +239,20 @@ class QuotaTracker:
             self._digests_of.setdefault(tenant, set()).add(digest)
         return tenant  # type: ignore[return-value]
 
+    def forget(self, digest: NamespaceDigest) -> None:
+        """Drop what is kept for ``digest``, a namespace the engine forgot (invalidated, its
+        pages gone): its tenant mapping and its empty counts and heaps."""
+        tenant = self._tenant_of.pop(digest, None)
+        digests = self._digests_of.get(tenant)
+        if digests is not None:
+            digests.discard(digest)
+            if not digests:
+                del self._digests_of[tenant]
+        for tier in Tier:
+            if not self._digest_counts.get((digest, tier)):
+                self._digest_counts.pop((digest, tier), None)
+                self._heaps.pop((digest, tier), None)
+
     # ---- index listeners ------------------------------------------------------------
     def learn(self, digest: NamespaceDigest) -> None:
         """The engine learnt ``digest``'s identity: pages counted under no tenant move to it."""

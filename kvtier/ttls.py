@@ -149,6 +149,11 @@ class TtlSweeper:
             ttl = self._ttl[digest] = self.table.ttl_s(identity)
         return ttl
 
+    def forget(self, digest: NamespaceDigest) -> None:
+        """Drop the TTL kept for ``digest``, a namespace the engine forgot (its pages gone)."""
+        self._ttl.pop(digest, None)
+        self._unknown.discard(digest)
+
     def learn(self, digest: NamespaceDigest) -> None:
         """The engine learnt ``digest``'s identity: pages indexed before that get their deadline."""
         if digest not in self._unknown:

@@ -189,6 +189,29 @@ def test_a_tenant_over_its_hbm_quota_gives_up_only_its_own_pages(ckpt, tmp_path)
     engine.close()
 
 
+def test_a_forgotten_namespace_leaves_nothing_in_the_quota_and_ttl_tables(ckpt) -> None:
+    """An invalidated namespace whose pages are gone is forgotten by the engine
+    (``forget_namespace``) and with it by the quota and TTL trackers, while another namespace
+    of the same tenant keeps its count and its TTL."""
+    engine = make_engine(ckpt, quotas={"a": {"hbm": 8}}, ttls=[{"tenant": "a", "ttl_s": 60}])
+    old = dataclasses.replace(ns(engine, "a"), tokenizer_digest="tok-old")
+    engine.generate([fresh(2)], ONE, namespace=old)
+    run(engine, "a", fresh(2))
+    digest = engine.digest_for(old)
+    for node in sorted(engine.index.nodes(), key=lambda n: -n.depth):  # its pages reclaimed
+        if node.namespace == digest:
+            engine.index.remove(node.key)
+    engine.forget_namespace(digest)
+    quotas, ttls = engine.quotas, engine.ttls
+    assert digest not in quotas._tenant_of and digest not in quotas._digests_of.get("a", set())
+    assert not [k for k in (*quotas._digest_counts, *quotas._heaps) if k[0] == digest]
+    assert digest not in ttls._ttl
+    assert quotas.num_pages("a", Tier.HBM) == pages(engine, "a")[Tier.HBM] > 0
+    assert ttls.ttl_of(engine.digest_for(ns(engine, "a"))) == 60
+    engine.check_integrity()
+    engine.close()
+
+
 def test_a_full_pool_takes_the_over_quota_tenants_own_pages_first(ckpt) -> None:
     engine = make_engine(ckpt, num_pages=16, quotas={"a": {"hbm": 6}})
     b_prompts = [fresh(4), fresh(4)]

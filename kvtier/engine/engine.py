@@ -236,6 +236,9 @@ class Engine:
         if identity is None:
             return
         self._digests.pop(identity, None)
+        for limits in (self.quotas, self.ttls):
+            if limits is not None:
+                limits.forget(digest)
         num = self._num_namespaces.get(identity.tenant, 0) - 1
         if num > 0:
             self._num_namespaces[identity.tenant] = num
