@@ -46,6 +46,7 @@ FAMILIES = [
     "kvtier_allocation_waits_total",
     "kvtier_preemptions_total",
     "kvtier_session_holds_total",
+    "kvtier_session_hold_pages",
     "kvtier_tier_bytes_moved_bytes_total",
     "kvtier_checksum_failures_total",
     "kvtier_pages_dropped_total",
@@ -157,6 +158,12 @@ async def test_session_holds_are_counted_by_outcome(served, monkeypatch):
     monkeypatch.setattr(engine_loop, "MAX_HELD_FRACTION", 6 / engine.pool.num_pages)  # one session's pages
     before = scrape(telemetry.port)
     await loop.prefetch(digest, (), "s-late", hold_s=30.0, due_s=20.0)  # taken
+    # Its chain (the shared-nothing prompt's pages) is what holds keep now, against the cap.
+    held = await loop._call(lambda: len(loop._held_keys()))
+    assert held >= 4
+    await wait_for(lambda: value(scrape(telemetry.port), "kvtier_session_hold_pages", kind="held") == held,
+                   what="the held pages published")
+    assert value(scrape(telemetry.port), "kvtier_session_hold_pages", kind="cap") == 6
     await loop.prefetch(digest, (), "s-soon", hold_s=30.0, due_s=1.0)  # taken: s-late displaced
     await loop.prefetch(digest, (), "s-late", hold_s=30.0, due_s=20.0)  # refused: s-soon is due first
     assert await loop._call(loop._yield_hold)  # room needed now: s-soon yields

@@ -325,6 +325,10 @@ class EngineLoop:
         # Brought back up by ``_retake``, and of those, pages a prefetch had brought up before
         # (they went down unused: prefetched bytes wasted once).
         self.retaken_pages = self.retaken_waste_pages = 0
+        # Pages session holds keep in HBM (their chains, shared ones once), as of the last load
+        # measurement: at their cap (``MAX_HELD_FRACTION``) for long, HBM is short for the
+        # sessions due back (decision 0008, revision 5).
+        self.num_held_pages = 0
         # Session holds yield before a running sequence is preempted (``_yield_hold``).
         self.engine.scheduler.release_pin = self._yield_hold
         # Commanded moves in flight (Demote / Prefetch): their futures resolve when applied.
@@ -414,6 +418,11 @@ class EngineLoop:
 
     async def stats(self) -> EngineLoad:
         return await self._call(self._measure_load)
+
+    @property
+    def hold_cap_pages(self) -> int:
+        """HBM pages session holds may keep together (``MAX_HELD_FRACTION``)."""
+        return round(MAX_HELD_FRACTION * self.engine.pool.num_pages)
 
     @property
     def latest_load(self) -> EngineLoad:
@@ -931,6 +940,7 @@ class EngineLoop:
             self._abort(run)
 
     def _measure_load(self) -> EngineLoad:
+        self.num_held_pages = len(self._held_keys()) if self._pins else 0
         counts = self.engine.pool.counts()
         hbm = TierOccupancy(
             tier=Tier.HBM,

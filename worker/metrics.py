@@ -106,6 +106,11 @@ class WorkerMetrics:
             "refused (at the cap), displaced (by a session due back sooner), yielded (room needed now), "
             "retaken (held again once room was back)",
         )
+        m.create_observable_gauge(
+            "kvtier.session_hold_pages", callbacks=[self._session_hold_pages], unit="{page}",
+            description="HBM pages prefetched sessions' holds keep now (kind=held) and may keep together "
+            "(kind=cap); held at the cap for long means HBM is short for the sessions due back",
+        )
         m.create_observable_counter(
             "kvtier.tier_bytes_moved", callbacks=[self._bytes_moved], unit="By",
             description="bytes moved between tiers, by source and destination",
@@ -174,6 +179,10 @@ class WorkerMetrics:
     def _session_holds(self, _: CallbackOptions) -> Iterable[Observation]:
         for outcome, n in list(self.loop.hold_outcomes.items()):
             yield Observation(n, {**self.attrs, "outcome": outcome})
+
+    def _session_hold_pages(self, _: CallbackOptions) -> Iterable[Observation]:
+        yield Observation(self.loop.num_held_pages, {**self.attrs, "kind": "held"})
+        yield Observation(self.loop.hold_cap_pages, {**self.attrs, "kind": "cap"})
 
     def _bytes_moved(self, _: CallbackOptions) -> Iterable[Observation]:
         tiers = self.engine.tiers
