@@ -225,6 +225,27 @@ async def test_holds_share_a_capped_room_where_the_session_due_back_first_wins(
         assert (await worker.loop.check_integrity()).is_ok
 
 
+async def park_with_a_page_in_another_move(worker, client, session: str, prompt: list[int], page: int):
+    """``session``'s first turn, then its pause parks its 4 pages in DRAM, and its ``page``-th
+    page is marked as in the middle of another transfer (a prefetch stops there: a child may not
+    rise above its parent). Returns its history, its page keys, and a coroutine function that
+    ends that other move."""
+    out, _ = await client.complete(worker.engine.namespace, prompt, GREEDY, session_id=session)
+    history = prompt + out
+    keys = history_keys(worker, history)
+    assert (await client.pause(session, tool="slow", expected_ms=60_000)).parked_tier is Tier.DRAM
+    assert tiers_of(worker, keys) == [Tier.DRAM] * 4
+    node = worker.engine.index.get(keys[page])
+
+    def set_moving(value: bool) -> None:
+        node.moving = value
+        if not value:
+            worker.engine.index.requeue(node)
+
+    await worker.loop._call(lambda: set_moving(True))
+    return history, keys, lambda: worker.loop._call(lambda: set_moving(False))
+
+
 @in_module_loop
 async def test_pages_a_prefetch_left_below_are_topped_up_before_the_turn(worker, flushed_redis_url, tmp_path):
     """A page of the chain in the middle of another move stops a prefetch there (a child may not
@@ -234,24 +255,12 @@ async def test_pages_a_prefetch_left_below_are_topped_up_before_the_turn(worker,
     async with cluster(worker, flushed_redis_url, tmp_path, margin_ms=1_500.0, topup_delay_ms=50.0) as (
         controller, client
     ):
-        prompt = [5, 10, 20, 40, 80, 160, 200, 240, 11, 22, 33]
-        out, _ = await client.complete(namespace, prompt, GREEDY, session_id="s-topup")
-        history = prompt + out
-        keys = history_keys(worker, history)
-        assert (await client.pause("s-topup", tool="slow", expected_ms=60_000)).parked_tier is Tier.DRAM
-        assert tiers_of(worker, keys) == [Tier.DRAM] * 4
-        third = worker.engine.index.get(keys[2])
-
-        def set_moving(value: bool) -> None:
-            third.moving = value
-            if not value:
-                worker.engine.index.requeue(third)
-
-        await worker.loop._call(lambda: set_moving(True))  # as if another transfer were carrying it
+        history, keys, end_the_move = await park_with_a_page_in_another_move(
+            worker, client, "s-topup", [5, 10, 20, 40, 80, 160, 200, 240, 11, 22, 33], page=2)
         await client.returning("s-topup", eta_ms=2_000)
         await prefetched(controller.orchestrator, "s-topup")
         assert tiers_of(worker, keys) == [Tier.HBM, Tier.HBM, Tier.DRAM, Tier.DRAM]
-        await worker.loop._call(lambda: set_moving(False))  # that move is over
+        await end_the_move()
         await wait_for(lambda: tiers_of(worker, keys) == [Tier.HBM] * 4, what="the top-up of the skipped pages")
         stats = controller.orchestrator.stats
         # Its ack reaches the controller after the pages land on the worker; a Route before it
@@ -275,24 +284,12 @@ async def test_a_prefetch_that_brought_nothing_back_is_scored_late(worker, flush
     share), and it counts the pages that were still below."""
     namespace = worker.engine.namespace
     async with cluster(worker, flushed_redis_url, tmp_path, margin_ms=1_500.0, max_topups=0) as (controller, client):
-        prompt = [6, 12, 24, 48, 96, 192, 201, 241, 13, 26, 39]
-        out, _ = await client.complete(namespace, prompt, GREEDY, session_id="s-none")
-        history = prompt + out
-        keys = history_keys(worker, history)
-        assert (await client.pause("s-none", tool="slow", expected_ms=60_000)).parked_tier is Tier.DRAM
-        assert tiers_of(worker, keys) == [Tier.DRAM] * 4
-        first = worker.engine.index.get(keys[0])
-
-        def set_moving(value: bool) -> None:
-            first.moving = value
-            if not value:
-                worker.engine.index.requeue(first)
-
-        await worker.loop._call(lambda: set_moving(True))  # as if another transfer were carrying it
+        history, keys, end_the_move = await park_with_a_page_in_another_move(
+            worker, client, "s-none", [6, 12, 24, 48, 96, 192, 201, 241, 13, 26, 39], page=0)
         await client.returning("s-none", eta_ms=2_000)
         await prefetched(controller.orchestrator, "s-none")
         assert tiers_of(worker, keys) == [Tier.DRAM] * 4  # acknowledged, nothing moved
-        await worker.loop._call(lambda: set_moving(False))
+        await end_the_move()
 
         _, final = await client.complete(namespace, history + [7, 8], GREEDY, session_id="s-none")
         assert final.usage.promoted_tokens == 16

@@ -420,9 +420,9 @@ class EngineLoop:
         return await self._call(self._measure_load)
 
     @property
-    def hold_cap_pages(self) -> int:
+    def hold_cap_pages(self) -> float:
         """HBM pages session holds may keep together (``MAX_HELD_FRACTION``)."""
-        return round(MAX_HELD_FRACTION * self.engine.pool.num_pages)
+        return MAX_HELD_FRACTION * self.engine.pool.num_pages
 
     @property
     def latest_load(self) -> EngineLoad:
@@ -1333,7 +1333,7 @@ class EngineLoop:
         reserve = (1.0 - tiers.config.hbm_watermark.low) * pool.num_pages
         if pool.num_free < reserve:
             return  # the common case while HBM is crowded: nothing to look at
-        room = MAX_HELD_FRACTION * pool.num_pages
+        room = self.hold_cap_pages
         held = self._held_keys()
         now_ms = time.time() * 1000.0
         for session, pin in sorted(self._lapsed.items(), key=lambda item: item[1].hold_rank()):
@@ -1417,7 +1417,7 @@ class EngineLoop:
             return
         pin = _Pin(digest, [held], round(time.time() * 1000.0 + hold_s * 1000.0), due_at_ms=due_at_ms,
                    num_moved=num_moved)
-        room = MAX_HELD_FRACTION * self.engine.pool.num_pages
+        room = self.hold_cap_pages
         weaker = sorted(
             (p for p, h in self._pins.items() if p.startswith(HOLD_PREFIX) and h.hold_rank() > pin.hold_rank()),
             key=lambda p: self._pins[p].hold_rank(), reverse=True)  # the weakest goes first

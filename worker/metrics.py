@@ -182,7 +182,7 @@ class WorkerMetrics:
 
     def _session_hold_pages(self, _: CallbackOptions) -> Iterable[Observation]:
         yield Observation(self.loop.num_held_pages, {**self.attrs, "kind": "held"})
-        yield Observation(self.loop.hold_cap_pages, {**self.attrs, "kind": "cap"})
+        yield Observation(round(self.loop.hold_cap_pages), {**self.attrs, "kind": "cap"})
 
     def _bytes_moved(self, _: CallbackOptions) -> Iterable[Observation]:
         tiers = self.engine.tiers
