@@ -828,6 +828,17 @@ def parse_link_gbps(text: str) -> dict[str, float]:
     return {"dram": dram * 1e9, "nvme": nvme * 1e9}
 
 
+def parse_hbm_sessions(text: str) -> float:
+    """``--hbm-sessions N``: a positive number of sessions' longest context."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--hbm-sessions takes a number of sessions (e.g. 5), got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"--hbm-sessions must be a positive number, got {text!r}")
+    return value
+
+
 def parse_seeds(text: str) -> list[int]:
     """``--seeds N,M,...``: distinct non-negative integers, at least one."""
     try:
@@ -937,6 +948,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smaller workload (2 tenants, 5 sessions each, 3 turns)")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset")
     parser.add_argument("--margin-ms", type=float, help="orchestrator prefetch margin")
+    parser.add_argument("--hbm-sessions", type=parse_hbm_sessions, metavar="N",
+                        help="HBM holds this many sessions' longest context (default 5; 4 with --quick)")
     parser.add_argument("--lower-tier", choices=LOWER_TIERS, default="nvme",
                         help="the tiered policies' tier below HBM (default nvme: see the module doc)")
     seeds = parser.add_mutually_exclusive_group()
@@ -953,6 +966,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     spec = WorkloadSpec.quick() if args.quick else WorkloadSpec()
     spec.lower_tier = args.lower_tier
+    if args.hbm_sessions is not None:
+        spec.hbm_sessions = args.hbm_sessions
     if args.margin_ms is not None:
         spec.margin_ms = args.margin_ms
     if args.emulate_link:

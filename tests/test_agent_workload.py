@@ -25,6 +25,7 @@ from loadtests.agent_workload import (
     join_outcomes,
     make_workload,
     orchestrator_params,
+    parse_hbm_sessions,
     parse_link_gbps,
     parse_seeds,
     prefetch_summary,
@@ -137,6 +138,18 @@ def test_seeds_flag_takes_distinct_non_negative_integers() -> None:
     for bad in ("0,x", "1,1", "-1", ""):
         with pytest.raises(argparse.ArgumentTypeError, match="--seeds"):
             parse_seeds(bad)
+
+
+def test_hbm_sessions_flag_takes_a_positive_number_and_sizes_hbm() -> None:
+    assert parse_hbm_sessions("7") == 7.0 and parse_hbm_sessions("2.5") == 2.5
+    for bad in ("0", "-3", "nan", "inf", "x", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="--hbm-sessions"):
+            parse_hbm_sessions(bad)
+    spec = WorkloadSpec()
+    workload = make_workload(spec, WORKLOAD_MODEL_CONFIG["vocab_size"])
+    five = hbm_pages_for(spec, workload)
+    spec.hbm_sessions = 7.0
+    assert abs(hbm_pages_for(spec, workload) - five * 7 / 5) <= 1  # whole pages, rounded up once
 
 
 def test_pauses_join_the_turns_they_preceded() -> None:
