@@ -368,7 +368,7 @@ class TierManager:
         shadow, node = entry.shadow, entry.shadow.node
         node.moving = False
         still_here = self.index.get(node.key) is node and node.tier is Tier.HBM and node.page == entry.hbm_page
-        idle = still_here and self.hbm.ref_count(entry.hbm_page) == 1
+        idle = still_here and self.hbm.ref_count(entry.hbm_page) == 1 and not node.pins
         self.hbm.release(entry.hbm_page)
         if idle and all(c.tier >= shadow.tier for c in node.children.values()):
             self._onto_shadow(shadow)
@@ -474,8 +474,7 @@ class TierManager:
                 if dst is Tier.DRAM:
                     assert self.dram is not None
                     self.dram.tensor[target].copy_(src_bytes)
-                    self.dram.set_checksums([PageId(target)], [checksum])
-                    self._adopt_dram(PageId(target))
+                    self._adopt_dram_copy(PageId(target), checksum)
                 else:
                     assert self.nvme is not None
                     try:
@@ -508,6 +507,12 @@ class TierManager:
             assert self.dram is not None
             return self.dram.tensor[node.page]
         raise InvalidArgument("NVMe pages are read through promotion, not copied in place")
+
+    def _adopt_dram_copy(self, page: PageId, checksum: int | None) -> None:
+        """A page copied down into DRAM: its checksum recorded, then the index's (``_adopt_dram``)."""
+        assert self.dram is not None
+        self.dram.set_checksums([page], [checksum or 0])
+        self._adopt_dram(page)
 
     def _adopt_dram(self, page: PageId) -> None:
         """The index now owns this DRAM page (allocated with one reference)."""
@@ -689,22 +694,27 @@ class TierManager:
             i, node, target = index, pending.nodes[index], pending.dsts[index]
             node.moving = False
             still_here = self.index.get(node.key) is node and node.tier is pending.src
-            # Our own hold is the only reference: no sequence picked the page up meanwhile.
-            idle = still_here and src_pool.ref_count(PageId(node.page)) == 1
+            # Our own hold is the only reference: no sequence picked the page up meanwhile, and
+            # nobody pinned it to its tier meanwhile (a session's hold or a prefetch recalled it).
+            idle = still_here and src_pool.ref_count(PageId(node.page)) == 1 and not node.pins
             src_pool.release(PageId(node.page))
             # A child that stayed behind (reused meanwhile) keeps its parent in this tier.
             children_below = all(c.tier >= pending.dst for c in node.children.values())
+            checksum = done.checksums[i] if i < len(done.checksums) else node.checksum
             if done.is_ok and idle and children_below:
-                checksum = done.checksums[i] if i < len(done.checksums) else node.checksum
                 if pending.dst is Tier.DRAM:
-                    assert self.dram is not None
-                    self.dram.set_checksums([PageId(target)], [checksum])
-                    self._adopt_dram(PageId(target))
+                    self._adopt_dram_copy(PageId(target), checksum)
                 self.index.move(node, pending.dst, target, checksum)
                 moved += 1
                 copied += 1
                 continue
-            if not (done.dst_released and pending.dst is Tier.NVME):
+            if (still_here and done.is_ok and pending.src is Tier.HBM and pending.dst is Tier.DRAM
+                    and self._shadow_of(node.key) is None):
+                # It stays, and the copy that arrived intact is its shadow (decision 0012): when
+                # it does leave, it goes back onto it without a second copy.
+                self._adopt_dram_copy(PageId(target), checksum)
+                self._add_shadow(_Shadow(node, Tier.DRAM, target, checksum))
+            elif not (done.dst_released and pending.dst is Tier.NVME):
                 self._free_target(pending.dst, target)
             if still_here:
                 if done.is_ok:
@@ -840,17 +850,25 @@ class TierManager:
         loop's promotion before admission, so a promotion on hit at its priority). Stops at the
         first page being moved by a transfer (in any tier: an HBM ancestor on its way down may
         land before its children come up): a child may not rise above its parent. Pages left below (no room, a page moving) are
-        skipped; so are those whose transfer fails or is cancelled."""
+        skipped; so are those whose transfer fails or is cancelled.
+
+        A page of the chain still in HBM but on its way down (a watermark demotion that picked
+        it a moment before) is recalled, not a stop: the pin on the chain's deepest HBM page
+        keeps it (and so every ancestor in the same demotion) in HBM when that transfer lands.
+        The caller's own pin takes over once the ticket is applied (a session's hold, a waiting
+        request's pin); a caller that pins nothing lets it go down after all."""
         ticket = MoveTicket(is_promotion=True)
         num_below = sum(1 for n in chain if n.tier is not Tier.HBM)
         lower: list[RadixNode] = []
         hold: RadixNode | None = None  # the deepest of the chain's pages already in HBM
         for node in chain:
-            if node.moving:  # on its way to another tier: nothing below it may rise above it
-                break
             if node.tier is Tier.HBM:
+                # On its way down or not, it stays: the pin below recalls a demotion in flight
+                # (``_apply_demotion`` leaves a pinned page where it is).
                 hold = node
                 continue
+            if node.moving:  # on its way between lower tiers: nothing below it may rise above it
+                break
             lower.append(node)
         if self.config.simulate:  # completes at once (no bytes to copy)
             if hold is not None:

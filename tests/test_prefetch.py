@@ -621,3 +621,40 @@ async def test_a_yielded_hold_is_not_retaken_after_it_would_have_lapsed_or_once_
     finally:
         await loop.close()
         engine.tiers.close()
+
+
+@pytest.mark.asyncio
+async def test_a_hold_recalls_the_session_pages_a_demotion_was_taking_down(tmp_path):
+    """A session's turn finishes, the watermark demotion picks its idle pages in the next step,
+    and its Pause's guard prefetch comes a moment later, while they are on their way down
+    (issue #7: the guard then held only the pages above them, and the turn promoted the rest).
+    The hold recalls them: the demotion in flight leaves the pinned chain in HBM, the copies it
+    made stay as shadows, and the next turn promotes nothing. Once the session is back and
+    done, its pages go down onto those copies without a second one."""
+    from kvtier.transfer import TransferReason
+
+    engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=20.0)  # 4 pages take 0.2 s down
+    try:
+        prompt = tuple(range(40, 40 + 4 * PAGE_SIZE + 2))
+        first, _ = await _session_run(loop, engine, "s-recall", prompt)
+        keys = _keys(engine, (*prompt, first[0]))[:4]
+        leaving = await loop._call(lambda: engine.tiers.demote(Tier.HBM, Tier.DRAM, 4, TransferReason.WATERMARK))
+        assert leaving == 4 and all(engine.index.get(k).moving for k in keys)
+        digest = namespace_digest(engine.namespace)
+        outcome = await loop.prefetch(digest, (), "s-recall", hold_s=30.0, due_s=1.0)
+        assert (outcome.num_moved, outcome.num_skipped) == (0, 0)
+        await loop._call(engine.tiers.wait_idle)  # the demotion lands
+        assert _tiers_in(engine, keys) == [Tier.HBM] * 4
+        assert engine.tiers.counters.demotions_abandoned == 4
+        _, final = await _session_run(loop, engine, "s-recall", (*prompt, first[0], 5, 6))
+        assert final.usage.promoted_tokens == 0 and final.usage.cached_tokens >= 4 * PAGE_SIZE
+        moved = engine.tiers.counters.bytes_moved.get((Tier.HBM, Tier.DRAM), 0)
+        without_copy = engine.tiers.counters.demotions_without_copy
+        assert await loop._call(lambda: engine.tiers.demote_all(Tier.DRAM)) >= 4
+        assert engine.tiers.counters.demotions_without_copy - without_copy >= 4  # onto the recalled copies
+        assert _tiers_in(engine, keys) == [Tier.DRAM] * 4
+        assert engine.tiers.counters.bytes_moved.get((Tier.HBM, Tier.DRAM), 0) - moved < 4 * engine.geometry.page_bytes
+        assert (await loop.check_integrity()).is_ok
+    finally:
+        await loop.close()
+        engine.tiers.close()

@@ -273,10 +273,12 @@ def test_a_prefetch_never_spills_the_ancestors_of_the_pages_it_brings_up(ckpt, t
     engine.check_integrity()
 
 
-def test_a_prefetch_leaves_a_page_already_on_its_way_down_to_its_transfer(ckpt, tmp_path):
-    """A chain page in the middle of a background demotion stops a prefetch of its chain there:
-    the transfer owns it (still marked as moving), and it may land below HBM while the pages
-    under it would be coming up. The index stays consistent once the demotion is applied."""
+def test_a_prefetch_recalls_a_page_on_its_way_down_and_brings_up_the_pages_below_it(ckpt, tmp_path):
+    """A chain page still in HBM but in the middle of a background demotion (the watermark
+    picked it a moment before) does not stop a prefetch of its chain: the prefetch's pin on it
+    recalls it (the demotion, once it lands, leaves a pinned page where it is) and the pages
+    below it come up. The copy the demotion made stays as the page's shadow, so its next
+    demotion moves no bytes; the index stays consistent throughout."""
     engine = tiered(ckpt, tmp_path, num_pages=16, dram=16, nvme=0)
     cached = prompt(17, seed=13)
     engine.generate([cached], SamplingParams(max_tokens=1, ignore_eos=True))
@@ -285,16 +287,52 @@ def test_a_prefetch_leaves_a_page_already_on_its_way_down_to_its_transfer(ckpt, 
     engine.tiers.wait_idle()
     engine.tiers.poll()
     assert engine.tiers.demote(Tier.HBM, Tier.DRAM, 1, TransferReason.WATERMARK) == 1
-    assert chain[1].moving  # the only idle HBM leaf is on its way down
+    assert chain[1].moving and chain[1].tier is Tier.HBM  # the only idle HBM leaf is on its way down
     outcome = engine.tiers.prefetch(chain)
-    assert (outcome.num_moved, outcome.num_skipped) == (0, 2) and chain[1].moving
+    assert (outcome.num_moved, outcome.num_skipped) == (2, 0)
     engine.tiers.wait_idle()
     engine.tiers.poll()
-    tiers = [n.tier for n in chain]
-    assert tiers == sorted(tiers) and tiers[0] is Tier.HBM
+    assert [n.tier for n in chain] == [Tier.HBM] * 4 and not chain[1].moving
+    assert engine.tiers.counters.demotions_abandoned == 1 and chain[1].key in shadow_keys(engine)
     engine.check_integrity()
-    assert engine.tiers.prefetch(chain).num_moved == 3  # nothing in flight now: all of it comes up
-    assert [n.tier for n in chain] == [Tier.HBM] * 4
+    without_copy = engine.tiers.counters.demotions_without_copy
+    assert engine.tiers.demote_all(Tier.DRAM) == 4
+    # The recalled page and the two promoted ones go onto their copies; the root, which never
+    # left HBM, alone is copied.
+    assert engine.tiers.counters.demotions_without_copy - without_copy == 3
+    engine.check_integrity()
+    engine.close()
+
+
+def test_a_page_pinned_while_its_demotion_is_in_flight_stays_where_it_was(ckpt, tmp_path):
+    """A pin means "keep it in its tier": a page pinned after its demotion started (an
+    operator's ``Admin.Pin``, a session hold) is not moved when the transfer lands, whether it
+    was being copied or was going back onto its copy below; unpinned, it may leave again."""
+    engine = tiered(ckpt, tmp_path, num_pages=16, dram=16, nvme=0)
+    cached = prompt(9, seed=14)  # 2 full pages
+    engine.generate([cached], SamplingParams(max_tokens=1, ignore_eos=True))
+    chain = [engine.index.get(k) for k in page_keys(engine.digest_for(None), cached, PS)]
+    assert engine.tiers.demote(Tier.HBM, Tier.DRAM, 2, TransferReason.WATERMARK) == 2  # copied down
+    engine.index.pin(chain[1].key)
+    engine.tiers.wait_idle()
+    engine.tiers.poll()
+    # The pinned leaf stays, and so does its parent (a child stayed faster); both keep the copy.
+    assert [n.tier for n in chain] == [Tier.HBM, Tier.HBM] and not chain[1].moving
+    assert {n.key for n in chain} <= shadow_keys(engine) and engine.tiers.counters.demotions_abandoned == 2
+    engine.check_integrity()
+    engine.index.unpin(chain[1].key)
+    entry = engine.tiers._defer_shadowed(chain[1], Tier.DRAM)  # going back onto its copy, in a batch
+    assert entry is not None and chain[1].moving
+    engine.index.pin(chain[1].key)
+    assert not engine.tiers._apply_shadowed(entry)
+    assert chain[1].tier is Tier.HBM and chain[1].key in shadow_keys(engine)
+    engine.index.unpin(chain[1].key)
+    engine.check_integrity()
+    without_copy = engine.tiers.counters.demotions_without_copy
+    assert engine.tiers.demote_all(Tier.DRAM) == 2 and [n.tier for n in chain] == [Tier.DRAM] * 2
+    assert engine.tiers.counters.demotions_without_copy - without_copy == 2
+    engine.check_integrity()
+    engine.close()
 
 
 def test_a_request_needing_pages_mid_prefetch_waits_for_that_transfer(ckpt, hf, tmp_path):

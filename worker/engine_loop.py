@@ -691,7 +691,8 @@ class EngineLoop:
 
     def _pin_chain(self, run: _Run, chain: list[RadixNode]) -> None:
         """Pin the deepest of the request's pages in HBM (the chain above it stays) while it waits."""
-        deepest = next((n for n in reversed(chain) if n.tier is Tier.HBM and not n.moving), None)
+        # A page on its way down stays for the pin (``TierManager.start_prefetch``: recalled).
+        deepest = next((n for n in reversed(chain) if n.tier is Tier.HBM), None)
         if run.pinned is None and deepest is not None:
             self.engine.index.pin(deepest.key)
             run.pinned = deepest
@@ -1154,8 +1155,8 @@ class EngineLoop:
             node = index.get(key)
             if node is None or self._key_digest.get(key) != command.namespace_digest or node.tier > command.tier:
                 continue
-            if node.moving:  # a transfer in flight would carry a pinned page out of its tier
-                continue
+            # A page on its way to a slower tier is pinned too: its demotion, once it lands,
+            # leaves a pinned page where it was (``TierManager._apply_demotion``).
             index.pin(key)
             nodes.append(node)
         self._pins[command.pin_id] = _Pin(command.namespace_digest, nodes, command.expires_at_ms)
@@ -1342,8 +1343,8 @@ class EngineLoop:
                 del self._lapsed[session]
                 continue
             chain = self._cached_chain(pages.page_keys)
-            if any(n.moving for n in chain):
-                continue  # on a move already: looked at again once it lands
+            if any(n.moving and n.tier is not Tier.HBM for n in chain):
+                continue  # on a move between lower tiers or up already: looked at again once it lands
             if chain and len(held) + self._num_new_held(chain[-1], held) > room:
                 continue  # a smaller one may fit
             if pool.num_free - sum(n.tier is not Tier.HBM for n in chain) < reserve:
@@ -1409,8 +1410,9 @@ class EngineLoop:
         """
         self._release_pin(_hold_id(session))
         index = self.engine.index
-        held = next((n for n in reversed(chain) if index.get(n.key) is n and n.tier is Tier.HBM and not n.moving),
-                    None)
+        # The deepest page in HBM, on its way down or not: the pin recalls a demotion in flight
+        # (a watermark demotion that took the session's idle pages just before its Pause).
+        held = next((n for n in reversed(chain) if index.get(n.key) is n and n.tier is Tier.HBM), None)
         if held is None:
             self.hold_outcomes["unheld"] += 1
             log.info("session not held: none of its pages is in HBM", extra={"session_id": session})
