@@ -105,7 +105,11 @@ class TierCounters:
     pages_moved: dict[tuple[Tier, Tier], int] = field(default_factory=dict)
     pages_dropped: int = 0
     checksum_failures: int = 0
-    demotions_abandoned: int = 0  # a sequence reused the page while it was being copied
+    # Pages copied down for nothing: they stayed where they were once the copy landed, because
+    # a sequence took them up meanwhile (reused) or a pin kept them there, or a page below them
+    # stayed (kept: a session's hold recalled them, an operator pinned them).
+    demotions_abandoned: int = 0
+    demotions_kept: int = 0  # of those, not taken up by a sequence
     disk_full_events: int = 0
     promotion_wait_s: float = 0.0
     promoted_pages: int = 0
@@ -719,6 +723,7 @@ class TierManager:
             if still_here:
                 if done.is_ok:
                     self.counters.demotions_abandoned += 1
+                    self.counters.demotions_kept += src_pool.ref_count(PageId(node.page)) == 0
                 self.index.requeue(node)
         if copied:
             self.counters.moved(pending.src, pending.dst, copied, self.page_bytes)

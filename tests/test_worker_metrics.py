@@ -48,6 +48,8 @@ FAMILIES = [
     "kvtier_session_holds_total",
     "kvtier_session_hold_pages",
     "kvtier_tier_bytes_moved_bytes_total",
+    "kvtier_demotions_without_copy_total",
+    "kvtier_demotions_abandoned_total",
     "kvtier_checksum_failures_total",
     "kvtier_pages_dropped_total",
     "kvtier_eviction_induced_ttft_seconds_bucket",
@@ -180,6 +182,50 @@ async def test_session_holds_are_counted_by_outcome(served, monkeypatch):
     for session in ("s-soon", "s-late"):  # nothing held or waiting to be retaken is left behind
         await loop.drop_session(digest, session)
     assert not [p for p in loop._pins if p.startswith(engine_loop.HOLD_PREFIX)] and not loop._lapsed
+
+
+@in_module_loop
+async def test_demotions_a_hold_recalled_and_those_onto_a_kept_copy_are_counted(served):
+    """A session's pages on their way down when its hold comes (issue #7, decision 0008 revision
+    6): the copies made for nothing are counted as abandoned (reason kept, none reused), and once
+    the session is parked after all its pages go down onto those copies without a byte moved."""
+    import asyncio
+
+    import kvtier.worker.engine_loop as engine_loop
+    from kvtier.hashing import page_keys
+
+    server, engine, telemetry = served
+    ns = engine.namespace
+    digest = namespace_digest(ns)
+    prompt = [(7 * i + 3) % 256 for i in range(17)]  # 4 full private pages
+    async with AsyncClient() as client:
+        await client.complete(ns, prompt, SamplingParams(max_tokens=2, ignore_eos=True),
+                              worker=server.address, session_id="s-recall")
+    loop = server.loop
+    chain = [engine.index.get(k) for k in page_keys(digest, prompt, 4)]
+    assert all(n is not None and n.tier is Tier.HBM for n in chain)
+    before = scrape(telemetry.port)
+    held: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def demote_then_hold() -> None:  # one engine-thread turn: the copy cannot land in between
+        assert engine.tiers.start_demotion(chain, Tier.DRAM).num_open > 0
+        loop._prefetch(digest, (), "s-recall", 30.0, held, due_at_ms=time.time() * 1000.0 + 1000.0)
+
+    await loop._call(demote_then_hold)
+    await held
+    await loop._call(engine.tiers.wait_idle)
+    assert [n.tier for n in chain] == [Tier.HBM] * 4
+    mid = scrape(telemetry.port)
+    assert value(mid, "kvtier_demotions_abandoned_total", reason="kept") - value(
+        before, "kvtier_demotions_abandoned_total", reason="kept") == 4
+    assert value(mid, "kvtier_demotions_abandoned_total", reason="reused") == value(
+        before, "kvtier_demotions_abandoned_total", reason="reused")
+    await loop._call(lambda: loop._release_pin(engine_loop._hold_id("s-recall")))  # the session is back
+    await loop.demote(digest, (), "s-recall", Tier.DRAM)  # and pauses again: onto the kept copies
+    assert [n.tier for n in chain] == [Tier.DRAM] * 4
+    after = scrape(telemetry.port)
+    assert value(after, "kvtier_demotions_without_copy_total") - value(mid, "kvtier_demotions_without_copy_total") == 4
+    await loop.drop_session(digest, "s-recall")
 
 
 # ---- tenant quotas and namespace TTLs --------------------------------------------------------

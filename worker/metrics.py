@@ -116,6 +116,16 @@ class WorkerMetrics:
             description="bytes moved between tiers, by source and destination",
         )
         m.create_observable_counter(
+            "kvtier.demotions_without_copy", callbacks=[self._demotions_without_copy], unit="{page}",
+            description="pages that left HBM onto their identical copy below, moving no bytes",
+        )
+        m.create_observable_counter(
+            "kvtier.demotions_abandoned", callbacks=[self._demotions_abandoned], unit="{page}",
+            description="pages copied down that stayed where they were once the copy landed (link bytes for "
+            "nothing): reason=reused (a sequence took the page up meanwhile) or kept (a pin kept it: a session "
+            "hold recalled it, an operator pinned it; the copy stays as its shadow when it went to DRAM)",
+        )
+        m.create_observable_counter(
             "kvtier.checksum_failures", callbacks=[self._checksum_failures], unit="{page}",
             description="pages rejected on promotion because their bytes did not match their checksum",
         )
@@ -191,6 +201,18 @@ class WorkerMetrics:
         # The manager counts every move it applied: spills, background demotions, promotions.
         for (src, dst), n in list(tiers.counters.bytes_moved.items()):
             yield Observation(n, {**self.attrs, "src": src.label, "dst": dst.label})
+
+    def _demotions_without_copy(self, _: CallbackOptions) -> Iterable[Observation]:
+        tiers = self.engine.tiers
+        yield Observation(0 if tiers is None else tiers.counters.demotions_without_copy, self.attrs)
+
+    def _demotions_abandoned(self, _: CallbackOptions) -> Iterable[Observation]:
+        tiers = self.engine.tiers
+        if tiers is None:
+            return
+        counters = tiers.counters
+        yield Observation(counters.demotions_abandoned - counters.demotions_kept, {**self.attrs, "reason": "reused"})
+        yield Observation(counters.demotions_kept, {**self.attrs, "reason": "kept"})
 
     def _checksum_failures(self, _: CallbackOptions) -> Iterable[Observation]:
         tiers = self.engine.tiers
