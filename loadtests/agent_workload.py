@@ -2,7 +2,7 @@
 
     python -m loadtests.agent_workload [--json] [--plot PATH] [--quick] [--lower-tier nvme|dram]
                                        [--records PATH] [--emulate-link | --link-gbps DRAM,NVME]
-                                       [--seed N | --seeds N,M,...]
+                                       [--seed N | --seeds N,M,...] [--hbm-sessions N]
 
 Workload (``make_workload``, deterministic in ``seed``): ``num_tenants`` tenants, each with a
 shared system prompt; ``sessions_per_tenant`` sessions per tenant, staggered starts; each
@@ -17,6 +17,10 @@ Pressure and geometry — what makes the comparison mean something on a CPU:
 * HBM holds ``hbm_sessions`` sessions' longest context (5; 4 in ``--quick``) against 15
   sessions (10): about 45 % (55 %) of the working set, every session's final context with
   system prompts once. Paused sessions' pages must leave HBM while others run.
+  ``--hbm-sessions N`` sizes it otherwise: the targets pull in opposite directions on it
+  (decision 0008, revision 6: reactive pays a transfer at its median resume only while HBM
+  is short, and kvtier keeps up with infinite HBM only once the holds of the sessions due
+  back fit; here 5-6 and 7 sessions).
 * The model (``WORKLOAD_MODEL_CONFIG``) has the KV of a big model and the compute of a small
   one: 8 layers x 8 KV heads x 128, fp32 = 64 KiB of KV per token (Llama-3.1-8B in bf16:
   128 KiB) over a 256-wide residual stream. A resumed turn's prefill is short, recomputing a
