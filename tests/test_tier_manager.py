@@ -335,6 +335,29 @@ def test_a_page_pinned_while_its_demotion_is_in_flight_stays_where_it_was(ckpt, 
     engine.close()
 
 
+def test_a_page_pinned_while_its_write_to_nvme_is_in_flight_stays_and_its_slot_is_freed(ckpt, tmp_path):
+    """With NVMe the only tier below: a page pinned while it is being written stays in HBM,
+    the slot written for it is free again (no shadow kept on NVMe), and a restart restores
+    nothing from it."""
+    engine = tiered(ckpt, tmp_path, num_pages=16, dram=0, nvme=16)
+    cached = prompt(9, seed=15)  # 2 full pages
+    engine.generate([cached], SamplingParams(max_tokens=1, ignore_eos=True))
+    chain = [engine.index.get(k) for k in page_keys(engine.digest_for(None), cached, PS)]
+    free_slots = engine.tiers.nvme.num_free
+    assert engine.tiers.demote(Tier.HBM, Tier.NVME, 2, TransferReason.WATERMARK) == 2
+    engine.index.pin(chain[1].key)
+    engine.tiers.wait_idle()
+    engine.tiers.poll()
+    assert [n.tier for n in chain] == [Tier.HBM, Tier.HBM] and not shadow_keys(engine)
+    assert engine.tiers.counters.demotions_abandoned == 2 and engine.tiers.nvme.num_free == free_slots
+    engine.check_integrity()
+    engine.close()
+    again = tiered(ckpt, tmp_path, num_pages=16, dram=0, nvme=16)
+    assert again.index.count_by_tier()[Tier.NVME] == 0
+    again.check_integrity()
+    again.close()
+
+
 def test_a_request_needing_pages_mid_prefetch_waits_for_that_transfer(ckpt, hf, tmp_path):
     """A Prefetch runs in the background; a request that needs its pages before it is applied
     waits for that transfer (no second copy, no recompute), and its output equals the oracle
