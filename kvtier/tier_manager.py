@@ -911,8 +911,8 @@ class TierManager:
         """Start promoting the lower-tier pages of ``chain`` (root first) into HBM, where they
         stay cached and idle once applied (``for_request``: a request waits for them, the engine
         loop's promotion before admission, so a promotion on hit at its priority). Stops at the
-        first page being moved by a transfer (in any tier: an HBM ancestor on its way down may
-        land before its children come up): a child may not rise above its parent. Pages left below (no room, a page moving) are
+        first page below HBM that a transfer is moving (between lower tiers, or up already): a
+        child may not rise above its parent. Pages left below (no room, a page moving) are
         skipped; so are those whose transfer fails or is cancelled.
 
         A page of the chain still in HBM but on its way down (a watermark demotion that picked
