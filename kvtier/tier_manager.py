@@ -185,9 +185,6 @@ class MoveTicket:
     transfer_ids: list[TransferId] = field(default_factory=list)
     num_open: int = 0  # transfers not completed yet
     hold: RadixNode | None = None  # a prefetch pins the chain's deepest HBM page meanwhile
-    # A park's pages a background demotion was already taking down (``start_demotion``):
-    # counted as moved once that transfer has landed them below HBM (it counts in num_open).
-    adopted: list[RadixNode] = field(default_factory=list)
     is_done: bool = False
     on_done: Callable[[MoveOutcome], None] | None = None
 
@@ -225,9 +222,6 @@ class _Pending:
     # HBM pages that go back onto their copy below, no bytes copied; applied with the copied
     # ones, deepest first (their HBM pages held meanwhile).
     shadowed: list[_Shadowed] = field(default_factory=list)
-    # Commanded demotions that adopted some of this background transfer's pages: each is
-    # applied once its own transfers and every adopted one have landed.
-    waiters: list[MoveTicket] = field(default_factory=list)
 
 
 class TierManager:
@@ -659,10 +653,6 @@ class TierManager:
         if ticket is None:
             del self._pending[transfer_id]
             self._apply_demotion(pending, done)
-            for waiter in pending.waiters:
-                waiter.num_open -= 1
-                if waiter.num_open == 0:
-                    self._apply_ticket(waiter)
             return
         pending.done = done
         ticket.num_open -= 1
@@ -681,10 +671,6 @@ class TierManager:
                 moved = self._apply_demotion(part, part.done)
                 ticket.num_moved += moved
                 ticket.num_skipped += len(part.nodes) + len(part.shadowed) - moved
-            for node in ticket.adopted:  # their transfers were applied before this ticket's parts
-                left = self.index.get(node.key) is node and node.tier is not Tier.HBM
-                ticket.num_moved += left
-                ticket.num_skipped += not left
         self._finish(ticket)
 
     @staticmethod
@@ -805,23 +791,13 @@ class TierManager:
         counted as skipped, as is one for which ``dst`` has no room; a page a sequence picks
         up before the copy lands stays too (counted when applied). Pages already in ``dst``
         or below are neither moved nor skipped. Paced by the transfer engine's budget.
-
-        A page a background demotion is already taking to ``dst`` or below is adopted: the
-        ticket waits for that transfer too and counts the page as moved if it landed below
-        HBM (``_background_demotion_of``).
         """
         ticket = MoveTicket(is_promotion=False)
         chosen: set[PageKey] = set()
         groups: dict[Tier, tuple[list[RadixNode], list[int]]] = {}
         shadowed: list[_Shadowed] = []
-        adopted_from: dict[int, _Pending] = {}
         for node in sorted(nodes, key=lambda n: -n.depth):
             if node.tier >= dst:
-                continue
-            if (leaving := self._background_demotion_of(node, dst)) is not None:
-                chosen.add(node.key)  # already on its way: its parents may follow it down
-                ticket.adopted.append(node)
-                adopted_from[id(leaving)] = leaving
                 continue
             if self._may_leave(node, dst, chosen) and (entry := self._defer_shadowed(node, dst)):
                 chosen.add(node.key)
@@ -835,21 +811,11 @@ class TierManager:
             group = groups.setdefault(node.tier, ([], []))
             group[0].append(node)
             group[1].append(target)
-        if shadowed and not groups and ticket.adopted:
-            # Parents with a copy below, over pages still on their way down: they may not go
-            # first, and there is no transfer of ours to ride with; they stay (skipped).
-            for entry in shadowed:
-                self._keep_shadowed(entry)
-            ticket.num_skipped += len(shadowed)
-            shadowed = []
         if shadowed and not groups:  # nothing to copy: onto their copies at once
             moved = sum(self._apply_shadowed(entry) for entry in shadowed)
             ticket.num_moved += moved
             ticket.num_skipped += len(shadowed) - moved
             shadowed = []
-        for leaving in adopted_from.values():
-            leaving.waiters.append(ticket)
-            ticket.num_open += 1
         # Shadowed pages go with the part applied last (the HBM one, else the DRAM one: parts
         # apply slower sources first), after every page below them has landed.
         last = Tier.HBM if Tier.HBM in groups else Tier.DRAM
@@ -859,30 +825,6 @@ class TierManager:
         if not ticket.num_open:
             self._finish(ticket)
         return ticket
-
-    def _background_demotion_of(self, node: RadixNode, dst: Tier) -> _Pending | None:
-        """The background transfer (a watermark demotion, no commanded move) already taking
-        ``node`` out of HBM to ``dst`` or below, if any: a park adopts it rather than skip the
-        page (a Pause right after a turn often finds the watermark took the session's idle
-        pages a moment before; counted as not parked, the session was kept and held in HBM)."""
-        if node.tier is not Tier.HBM or not node.moving or self.index.get(node.key) is not node:
-            return None
-        for pending in self._pending.values():
-            if pending.ticket is not None or pending.src is not Tier.HBM:
-                continue
-            if pending.dst >= dst and any(n is node for n in pending.nodes):
-                return pending
-            if any(e.shadow.node is node and e.shadow.tier >= dst for e in pending.shadowed):
-                return pending
-        return None
-
-    def _keep_shadowed(self, entry: _Shadowed) -> None:
-        """Undo ``_defer_shadowed``: the page stays in HBM, its copy below stays its shadow."""
-        node = entry.shadow.node
-        node.moving = False
-        self.hbm.release(entry.hbm_page)
-        self._add_shadow(entry.shadow)
-        self.index.requeue(node)
 
     def _may_leave(self, node: RadixNode, dst: Tier, chosen: set[PageKey]) -> bool:
         """Whether a commanded demotion may take ``node`` down to ``dst`` (``chosen``: the

@@ -358,53 +358,6 @@ def test_a_page_pinned_while_its_write_to_nvme_is_in_flight_stays_and_its_slot_i
     again.close()
 
 
-def test_a_park_adopts_pages_a_background_demotion_is_already_taking_down(ckpt, tmp_path):
-    """A Pause right after a turn: the watermark demotion picked the session's idle leaves a
-    moment before the park's Demote. The park counts them as its own once that transfer has
-    landed them (it was reported as moving nothing, and the controller then kept the whole
-    session in HBM), and takes their parents down after them, in the same ticket."""
-    engine = tiered(ckpt, tmp_path, num_pages=16, dram=16, nvme=0)
-    cached = prompt(17, seed=16)  # 4 full pages
-    engine.generate([cached], SamplingParams(max_tokens=1, ignore_eos=True))
-    chain = [engine.index.get(k) for k in page_keys(engine.digest_for(None), cached, PS)]
-    assert engine.tiers.demote(Tier.HBM, Tier.DRAM, 2, TransferReason.WATERMARK) == 2
-    assert [n.moving for n in chain] == [False, False, True, True]
-    ticket = engine.tiers.start_demotion(chain, Tier.DRAM)
-    assert not ticket.is_done  # it waits for the watermark's transfer as well as its own
-    engine.tiers.wait_idle()
-    engine.tiers.poll()
-    assert ticket.is_done and (ticket.num_moved, ticket.num_skipped) == (4, 0)
-    assert [n.tier for n in chain] == [Tier.DRAM] * 4
-    engine.check_integrity()
-    engine.close()
-
-
-def test_a_park_over_adopted_pages_leaves_parents_with_a_copy_where_they_are(ckpt, tmp_path):
-    """Parents that would go back onto their copy below, over leaves a background demotion is
-    still copying, have no transfer of the park's to ride with: they stay in HBM (skipped), the
-    copy stays their shadow, and the accounting holds."""
-    engine = tiered(ckpt, tmp_path, num_pages=16, dram=16, nvme=0)
-    cached = prompt(17, seed=17)
-    params = SamplingParams(max_tokens=1, ignore_eos=True)
-    engine.generate([cached[:9]], params)  # the first 2 pages
-    engine.tiers.demote_all(Tier.DRAM)
-    engine.generate([cached], params)  # promotes them (their DRAM copies stay) and adds 2 more
-    chain = [engine.index.get(k) for k in page_keys(engine.digest_for(None), cached, PS)]
-    assert {n.key for n in chain[:2]} <= shadow_keys(engine)
-    assert engine.tiers.demote(Tier.HBM, Tier.DRAM, 2, TransferReason.WATERMARK) == 2
-    assert [n.moving for n in chain] == [False, False, True, True]
-    ticket = engine.tiers.start_demotion(chain, Tier.DRAM)
-    engine.tiers.wait_idle()
-    engine.tiers.poll()
-    assert ticket.is_done and (ticket.num_moved, ticket.num_skipped) == (2, 2)
-    assert [n.tier for n in chain] == [Tier.HBM, Tier.HBM, Tier.DRAM, Tier.DRAM]
-    assert {n.key for n in chain[:2]} <= shadow_keys(engine) and not any(n.moving for n in chain)
-    engine.check_integrity()
-    assert engine.tiers.demote_pages(chain, Tier.DRAM).num_moved == 2  # later, onto their copies
-    engine.check_integrity()
-    engine.close()
-
-
 def test_a_request_needing_pages_mid_prefetch_waits_for_that_transfer(ckpt, hf, tmp_path):
     """A Prefetch runs in the background; a request that needs its pages before it is applied
     waits for that transfer (no second copy, no recompute), and its output equals the oracle
