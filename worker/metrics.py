@@ -116,7 +116,7 @@ class WorkerMetrics:
             description="bytes moved between tiers, by source and destination",
         )
         m.create_observable_counter(
-            "kvtier.demotions_without_copy", callbacks=[self._demotions_without_copy], unit="{page}",
+            "kvtier.demotions_without_copy", callbacks=[self._tier_counter("demotions_without_copy")], unit="{page}",
             description="pages that left HBM onto their identical copy below, moving no bytes",
         )
         m.create_observable_counter(
@@ -126,11 +126,11 @@ class WorkerMetrics:
             "hold recalled it, an operator pinned it; the copy stays as its shadow when it went to DRAM)",
         )
         m.create_observable_counter(
-            "kvtier.checksum_failures", callbacks=[self._checksum_failures], unit="{page}",
+            "kvtier.checksum_failures", callbacks=[self._tier_counter("checksum_failures")], unit="{page}",
             description="pages rejected on promotion because their bytes did not match their checksum",
         )
         m.create_observable_counter(
-            "kvtier.pages_dropped", callbacks=[self._pages_dropped], unit="{page}",
+            "kvtier.pages_dropped", callbacks=[self._tier_counter("pages_dropped")], unit="{page}",
             description="cached pages dropped because no lower tier had room or worked",
         )
         self._quota_families(m)
@@ -202,9 +202,13 @@ class WorkerMetrics:
         for (src, dst), n in list(tiers.counters.bytes_moved.items()):
             yield Observation(n, {**self.attrs, "src": src.label, "dst": dst.label})
 
-    def _demotions_without_copy(self, _: CallbackOptions) -> Iterable[Observation]:
-        tiers = self.engine.tiers
-        yield Observation(0 if tiers is None else tiers.counters.demotions_without_copy, self.attrs)
+    def _tier_counter(self, name: str) -> Any:
+        """A callback observing one of the tier manager's counters (0 without tiers)."""
+        def observe(_: CallbackOptions) -> Iterable[Observation]:
+            tiers = self.engine.tiers
+            yield Observation(0 if tiers is None else getattr(tiers.counters, name), self.attrs)
+
+        return observe
 
     def _demotions_abandoned(self, _: CallbackOptions) -> Iterable[Observation]:
         tiers = self.engine.tiers
@@ -213,14 +217,6 @@ class WorkerMetrics:
         counters = tiers.counters
         yield Observation(counters.demotions_abandoned - counters.demotions_kept, {**self.attrs, "reason": "reused"})
         yield Observation(counters.demotions_kept, {**self.attrs, "reason": "kept"})
-
-    def _checksum_failures(self, _: CallbackOptions) -> Iterable[Observation]:
-        tiers = self.engine.tiers
-        yield Observation(0 if tiers is None else tiers.counters.checksum_failures, self.attrs)
-
-    def _pages_dropped(self, _: CallbackOptions) -> Iterable[Observation]:
-        tiers = self.engine.tiers
-        yield Observation(0 if tiers is None else tiers.counters.pages_dropped, self.attrs)
 
     # ---- tenant quotas and namespace TTLs (kvtier.quotas, kvtier.ttls) -------------------
     def _quota_families(self, m: Any) -> None:
