@@ -69,6 +69,7 @@ from kvtier.rpc.server_options import (
 )
 from kvtier.rpc.status import MalformedRequestInterceptor
 from kvtier.rpc.tls import server_credentials
+from kvtier.shutdown import Step, run_steps
 from kvtier.telemetry import Telemetry
 from kvtier.tiers import Tier
 
@@ -167,32 +168,41 @@ class ControllerServer:
         )
 
     async def stop(self, grace_s: float = 1.0) -> None:
-        """Close worker links, hand the lease over, stop serving; stops an embedded Redis too."""
+        """Close worker links, hand the lease over, stop serving; stops an embedded Redis too.
+
+        Every step runs even when one before it fails or the stop is cancelled (``run_steps``):
+        the gRPC servers always stop and the Redis clients always close."""
         if self._stopped:
             return
         self._stopped = True
-        await self.health.enter_graceful_shutdown()
-        if self.orchestrator is not None:
-            await self.orchestrator.stop()
-        if self.worker_admin is not None:
-            await self.worker_admin.stop()
-        if self.cache_admin is not None:
-            await self.cache_admin.stop()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self.links.close_all(None, reason=f"controller {self.controller_id} is shutting down; reconnect")
-        await self.access.close()
-        await self.server.stop(grace_s)
-        if self._health_server is not None:
-            await self._health_server.stop(0)
-        await self._client.aclose()
-        await self._lookup_client.aclose()
-        if self.metrics is not None:
-            self.metrics.close()
-        if self._embedded is not None:
-            await asyncio.to_thread(self._embedded.stop)
+        await run_steps(self._stop_steps(grace_s), log=log, what="controller stop")
         log.info("controller stopped", extra={"controller_id": self.controller_id})
+
+    def _stop_steps(self, grace_s: float) -> list[Step]:
+        async def end_tasks() -> None:
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+        steps: list[Step] = [("health", self.health.enter_graceful_shutdown)]
+        steps += [(name, part.stop) for name, part in (
+            ("orchestrator", self.orchestrator), ("worker admin", self.worker_admin),
+            ("cache admin", self.cache_admin)) if part is not None]
+        steps += [
+            ("background tasks", end_tasks),
+            ("worker links", lambda: self.links.close_all(
+                None, reason=f"controller {self.controller_id} is shutting down; reconnect")),
+            ("directory access", self.access.close),
+            ("grpc server", lambda: self.server.stop(grace_s)),
+        ]
+        if self._health_server is not None:
+            steps.append(("health server", lambda: self._health_server.stop(0)))
+        steps += [("redis client", self._client.aclose), ("redis lookup client", self._lookup_client.aclose)]
+        if self.metrics is not None:
+            steps.append(("metrics", self.metrics.close))
+        if self._embedded is not None:
+            steps.append(("embedded redis", lambda: asyncio.to_thread(self._embedded.stop)))
+        return steps
 
     # -- background work (leader only) ------------------------------------------------------
 
@@ -367,16 +377,15 @@ async def serve_controller(
                 health, config.host, config.health_port
             )
     except BaseException:
-        with contextlib.suppress(Exception):
-            if access is not None:
-                await access.close()
-            await server.stop(0)
-            await client.aclose()
-            await lookup_client.aclose()
-            if embedded is not None:
-                await asyncio.to_thread(embedded.stop)
-            if metrics is not None:
-                metrics.close()
+        steps: list[Step] = [("directory access", access.close)] if access is not None else []
+        steps += [("grpc server", lambda: server.stop(0)), ("redis client", client.aclose),
+                  ("redis lookup client", lookup_client.aclose)]
+        if embedded is not None:
+            steps.append(("embedded redis", lambda: asyncio.to_thread(embedded.stop)))
+        if metrics is not None:
+            steps.append(("metrics", metrics.close))
+        with contextlib.suppress(BaseException):  # the start's own failure is the one to raise
+            await run_steps(steps, log=log, what="controller start clean-up")
         raise
     orchestrator.start()
     controller._tasks = [

@@ -44,6 +44,7 @@ from kvtier.rpc.server_options import (
     join_host_port,
 )
 from kvtier.rpc.status import MalformedRequestInterceptor, rpc_errors
+from kvtier.shutdown import run_steps
 from kvtier.telemetry import Telemetry
 from kvtier.worker.engine_loop import EngineLoop
 from kvtier.worker.metrics import WorkerMetrics
@@ -150,10 +151,11 @@ class WorkerServer:
         return self.loop.engine
 
     async def stop(self, grace_s: float = 2.0) -> None:
-        """Stop admitting, let streams end for ``grace_s``, then stop the engine thread."""
-        await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
-        await self.loop.close()
+        """Stop admitting, let streams end for ``grace_s``, then stop the engine thread; each
+        step runs even when one before it fails or the stop is cancelled (``run_steps``)."""
+        await run_steps((("health", self.health.enter_graceful_shutdown),
+                         ("grpc server", lambda: self.server.stop(grace_s)),
+                         ("engine loop", self.loop.close)), log=log, what="worker stop")
 
 
 def default_worker_id() -> WorkerId:
