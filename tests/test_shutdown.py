@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvtier.config import ControllerConfig
 from kvtier.controller.server import serve_controller
 from kvtier.engine import Engine
-from kvtier.shutdown import run_steps
+from kvtier.shutdown import run_steps, run_steps_sync
 from kvtier.worker.servicer import serve_worker
 
 from hf_checkpoints import build_checkpoint
@@ -53,6 +53,20 @@ async def test_run_steps_runs_every_step_and_raises_the_first_failure(caplog):
     assert ran == ["first", "sync", "second", "async"]
     failed = [r.getMessage() for r in caplog.records]
     assert failed == ["the stop: a failed; going on with the rest", "the stop: c failed; going on with the rest"]
+
+
+def test_run_steps_sync_runs_every_step_and_raises_the_first_failure(caplog):
+    ran = []
+
+    def fails(what):
+        ran.append(what)
+        raise OSError(what)
+
+    with caplog.at_level(logging.ERROR), pytest.raises(OSError, match="link"):
+        run_steps_sync([("link", lambda: fails("link")), ("server", lambda: ran.append("server")),
+                        ("telemetry", lambda: fails("telemetry"))], log=logging.getLogger("test"), what="shutdown")
+    assert ran == ["link", "server", "telemetry"]
+    assert len(caplog.records) == 2
 
 
 async def test_a_cancelled_step_lets_the_rest_run_and_the_stop_ends_cancelled():

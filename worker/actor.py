@@ -24,7 +24,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -46,6 +46,7 @@ from kvtier.page_pool import PoolGeometry
 from kvtier.records import WorkerStats
 from kvtier.rpc.server_options import advertised_host
 from kvtier.rpc.tls import ClientTls, secure_or_insecure_channel, server_credentials
+from kvtier.shutdown import run_steps_sync
 from kvtier.telemetry import Telemetry
 from kvtier.tier_manager import TierConfig
 from kvtier.tiers import Tier
@@ -442,22 +443,24 @@ class WorkerActor:
         return self._link is not None and self._link.is_connected
 
     def shutdown(self, grace_s: float = 2.0) -> None:
+        """Stop the link, the server (engine thread included) and the runtime; each step runs
+        even when one before it fails (``run_steps_sync``)."""
         if self._runtime is None:
             return
-        if self._link is not None:
-            self._runtime.run(self._link.stop())
-            self._link = None
-        if self._server is not None:
-            self._runtime.run(self._server.stop(grace_s))
-            self._server = None
-        self._runtime.close()
-        self._runtime = None
-        if self._telemetry is not None:
-            self._telemetry.close()
-            self._telemetry = None
+        runtime, link, server, telemetry = self._runtime, self._link, self._server, self._telemetry
+        self._runtime = self._link = self._server = self._telemetry = None
+        steps: list[tuple[str, Callable[[], object]]] = []
+        if link is not None:
+            steps.append(("controller link", lambda: runtime.run(link.stop())))
+        if server is not None:
+            steps.append(("worker server", lambda: runtime.run(server.stop(grace_s))))
+        steps.append(("runtime", runtime.close))
+        if telemetry is not None:
+            steps.append(("telemetry", telemetry.close))
         if self._tracing is not None:
-            tracing.shutdown()  # flushes the spans still queued for export
             self._tracing = None
+            steps.append(("tracing", tracing.shutdown))  # flushes the spans still queued for export
+        run_steps_sync(steps, log=log, what="worker shutdown")
 
     def _self_tls(self) -> ClientTls | None:
         """How the worker dials its own TLS server for health checks: trusting the deployment CA
