@@ -44,7 +44,9 @@ class, PCIe 4 x16, one fast NVMe), scaled to this machine's "HBM": host memcpy m
 resume, as a several-GiB context over PCIe or NVMe is several times a resume's prefill on a GPU.
 ``--link-gbps DRAM,NVME`` sets other rates (GB/s). Everything else is unchanged, and the
 ``--json`` output carries ``emulated_link`` (null when off) so no emulated number passes for an
-unemulated one. Per turn, ``--records`` has the TTFTs; per policy, ``engine_waits`` says how long
+unemulated one. Per turn, ``--records`` has the TTFTs; per policy, ``resume_ttft_ms_by_promotion``
+splits the resumes that promoted pages from those that did not, and the latter's time into the
+worker's and the rest (capacity apart from a session resume's fixed cost); ``engine_waits`` says how long
 the worker's engine thread waited on tier moves (``spill_link_wait_s``: synchronous spills'
 emulated link time, every running sequence stalled meanwhile) and how many pages went back onto
 their DRAM copy with no bytes moved (``demotions_without_copy``, decision 0012), and what became of
@@ -327,6 +329,26 @@ def summarize(records: list[TurnRecord]) -> dict[str, Any]:
         "resumes_promoting": sum(1 for r in records if r.is_resume and r.promoted_tokens > 0),
         "resume_promoted_tokens": sum(r.promoted_tokens for r in records if r.is_resume),
         "resume_ttft_ms_samples": [round(v, 1) for v in sorted(resume)],
+        "resume_ttft_ms_by_promotion": resume_split(records),
+    }
+
+
+def resume_split(records: list[TurnRecord]) -> dict[str, dict[str, float | int]]:
+    """Resumes that promoted pages on the request path apart from those that did not, the
+    latter's time split into the worker's (admission to first token) and the rest (Route,
+    RPCs, scheduling). It tells capacity from fixed cost: a policy's median moves with how
+    many resumes promote, and, among those that do not, with what a session resume costs
+    anyway (decision 0008, revision 7)."""
+    promoting = [r for r in records if r.is_resume and r.promoted_tokens > 0]
+    other = [r for r in records if r.is_resume and r.promoted_tokens == 0]
+    return {
+        "promoting": {"n": len(promoting), "p50": pct([r.ttft_ms for r in promoting], 0.5)},
+        "not_promoting": {
+            "n": len(other),
+            "p50": pct([r.ttft_ms for r in other], 0.5),
+            "worker_p50": pct([r.worker_ttft_ms for r in other], 0.5),
+            "outside_worker_p50": pct([r.ttft_ms - r.worker_ttft_ms for r in other], 0.5),
+        },
     }
 
 
@@ -888,6 +910,13 @@ def table(result: dict[str, Any]) -> str:
                  f"kvtier/reactive p50: {_fmt(result['kvtier_over_reactive'], '.2f')}   "
                  f"prefetch on time: {_fmt(result['prefetch_on_time'], '.2f')}")
     lines.append("targets: " + ", ".join(f"{k}: {v}" for k, v in result["targets_met"].items()))
+    for name, s in result["policies"].items():
+        split = s.get("resume_ttft_ms_by_promotion")
+        if split and name in ("reactive", "kvtier", "infinite-hbm"):
+            rest = split["not_promoting"]
+            lines.append(f"{name}: resumes promoting {split['promoting']['n']} (p50 {_fmt(split['promoting']['p50'])} ms); "
+                         f"not promoting {rest['n']} (p50 {_fmt(rest['p50'])} ms: worker {_fmt(rest['worker_p50'])}, "
+                         f"outside it {_fmt(rest['outside_worker_p50'])})")
     demand = result["policies"].get("kvtier", {}).get("hold_demand")
     if demand:
         lines.append(f"kvtier hold demand (pages the sessions due back needed in HBM): p50 {demand['p50_pages']}, "

@@ -98,6 +98,17 @@ def test_summarize_and_headline() -> None:
     assert targets(headline({"kvtier": {"prefetch": prefetch_summary(PrefetchStats())}}))["wasted_prefetch<=0.10"] is None
 
 
+def test_resume_split_tells_promoting_resumes_from_the_fixed_cost_of_the_others() -> None:
+    def resume(ttft: float, worker: float, promoted: int = 0) -> TurnRecord:
+        return TurnRecord("p", "t/s0", 1, 100, 96, 96, promoted, 0, ttft, worker)
+
+    records = [TurnRecord("p", "t/s0", 0, 100, 0, 0, 0, 0, 900.0, 890.0),  # a first turn: not a resume
+               resume(30.0, 25.0), resume(34.0, 28.0), resume(31.0, 24.0), resume(200.0, 190.0, promoted=64)]
+    split = summarize(records)["resume_ttft_ms_by_promotion"]
+    assert split["promoting"] == {"n": 1, "p50": 200.0}
+    assert split["not_promoting"] == {"n": 3, "p50": 31.0, "worker_p50": 25.0, "outside_worker_p50": 6.0}
+
+
 def test_retaken_holds_count_as_prefetched_and_wasted_bytes() -> None:
     """A hold the worker retook looks unwasted to the controller: the benchmark adds the bytes
     moved up again to the prefetched ones, and those a prefetch had moved up before (they went
