@@ -14,7 +14,6 @@ With ``KVTIER_TEST_DEVICE=cuda`` the same tests run the compiled kernels on the 
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 
@@ -53,25 +52,11 @@ from kvtier.errors import FailedPrecondition, InvalidArgument  # noqa: E402
 
 @pytest.fixture(scope="module", autouse=True)
 def interpreter_while_running():
-    """The interpreter also consults TRITON_INTERPRET while kernels run.
-
-    The garbage collector is paused meanwhile, after one full collection. On their first
-    call the interpreter (and triton's compiler) parse each kernel's source with
-    ``ast.parse``; on CPython 3.11 a collection during that parse whose finalizer formats a
-    traceback (an earlier test's leftover object raising in ``__del__``: the traceback's
-    carets come from ``ast.parse`` too) corrupts the parser's shared depth counter and the
-    parse fails with "AST constructor recursion depth mismatch" (CPython gh-106905). It
-    failed one CI run so; these tests allocate little.
-    """
-    gc.collect()
-    gc.disable()
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            if DEVICE == "cpu":
-                mp.setenv("TRITON_INTERPRET", "1")
-            yield
-    finally:
-        gc.enable()
+    """The interpreter also consults TRITON_INTERPRET while kernels run."""
+    with pytest.MonkeyPatch.context() as mp:
+        if DEVICE == "cpu":
+            mp.setenv("TRITON_INTERPRET", "1")
+        yield
 
 
 def backend(num_splits: int = 0) -> TritonPagedBackend:
