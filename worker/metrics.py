@@ -116,7 +116,7 @@ class WorkerMetrics:
             description="bytes moved between tiers, by source and destination",
         )
         m.create_observable_counter(
-            "kvtier.demotions_without_copy", callbacks=[self._tier_counter("demotions_without_copy")], unit="{page}",
+            "kvtier.demotions_without_copy", callbacks=[self._counter("tiers", "demotions_without_copy")], unit="{page}",
             description="pages that left HBM onto their identical copy below, moving no bytes",
         )
         m.create_observable_counter(
@@ -126,11 +126,11 @@ class WorkerMetrics:
             "hold recalled it, an operator pinned it; the copy stays as its shadow when it went to DRAM)",
         )
         m.create_observable_counter(
-            "kvtier.checksum_failures", callbacks=[self._tier_counter("checksum_failures")], unit="{page}",
+            "kvtier.checksum_failures", callbacks=[self._counter("tiers", "checksum_failures")], unit="{page}",
             description="pages rejected on promotion because their bytes did not match their checksum",
         )
         m.create_observable_counter(
-            "kvtier.pages_dropped", callbacks=[self._tier_counter("pages_dropped")], unit="{page}",
+            "kvtier.pages_dropped", callbacks=[self._counter("tiers", "pages_dropped")], unit="{page}",
             description="cached pages dropped because no lower tier had room or worked",
         )
         self._quota_families(m)
@@ -202,11 +202,12 @@ class WorkerMetrics:
         for (src, dst), n in list(tiers.counters.bytes_moved.items()):
             yield Observation(n, {**self.attrs, "src": src.label, "dst": dst.label})
 
-    def _tier_counter(self, name: str) -> Any:
-        """A callback observing one of the tier manager's counters (0 without tiers)."""
+    def _counter(self, owner: str, name: str) -> Any:
+        """A callback observing counter ``name`` of the engine's ``owner`` (``tiers``, the tier
+        manager; ``quotas``, the quota enforcer): 0 while the engine has none."""
         def observe(_: CallbackOptions) -> Iterable[Observation]:
-            tiers = self.engine.tiers
-            yield Observation(0 if tiers is None else getattr(tiers.counters, name), self.attrs)
+            part = getattr(self.engine, owner)
+            yield Observation(0 if part is None else getattr(part.counters, name), self.attrs)
 
         return observe
 
@@ -221,15 +222,15 @@ class WorkerMetrics:
     # ---- tenant quotas and namespace TTLs (kvtier.quotas, kvtier.ttls) -------------------
     def _quota_families(self, m: Any) -> None:
         m.create_observable_counter(
-            "kvtier.quota.pages_demoted", callbacks=[self._quota_counter("pages_demoted")], unit="{page}",
+            "kvtier.quota.pages_demoted", callbacks=[self._counter("quotas", "pages_demoted")], unit="{page}",
             description="cached pages moved one tier down to bring a tenant under its quota",
         )
         m.create_observable_counter(
-            "kvtier.quota.pages_dropped", callbacks=[self._quota_counter("pages_dropped")], unit="{page}",
+            "kvtier.quota.pages_dropped", callbacks=[self._counter("quotas", "pages_dropped")], unit="{page}",
             description="cached pages dropped to bring a tenant under its quota (subtrees included)",
         )
         m.create_observable_counter(
-            "kvtier.quota.stuck", callbacks=[self._quota_counter("num_stuck")], unit="{event}",
+            "kvtier.quota.stuck", callbacks=[self._counter("quotas", "num_stuck")], unit="{event}",
             description="enforcement passes that left a tenant over its quota (only held or pinned pages left)",
         )
         m.create_observable_counter(
@@ -253,13 +254,6 @@ class WorkerMetrics:
             "kvtier.ttl.expired_pages", callbacks=[self._ttl_expired], unit="{page}",
             description="cached pages dropped because their namespace's TTL passed",
         )
-
-    def _quota_counter(self, name: str) -> Any:
-        def observe(_: CallbackOptions) -> Iterable[Observation]:
-            quotas = self.engine.quotas
-            yield Observation(0 if quotas is None else getattr(quotas.counters, name), self.attrs)
-
-        return observe
 
     def _quota_evictions(self, _: CallbackOptions) -> Iterable[Observation]:
         quotas = self.engine.quotas
