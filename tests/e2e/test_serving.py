@@ -77,11 +77,14 @@ def test_session_affinity_and_prefix_routing_match_the_oracle(stack, oracle):
             turn2 = turn1 + out1 + tokens(rng, 7)
             out2, final2 = await complete(client, ns, turn2, session="sess-1")
             # A new session of the same tenant sharing only the system prompt. Page events
-            # reach the directory asynchronously (batched every ~50 ms): wait for them.
+            # reach the directory asynchronously (batched every ~50 ms): wait for them. The
+            # polls name no session: a Route naming one makes its top worker the session's
+            # affinity, and a poll before the events landed (worker-0 then scores only its
+            # load) would tie sess-2 to the other worker for good.
             other = system + tokens(rng, 9)
             deadline = time.monotonic() + 5
             while True:
-                decision = await client.route(ns, other, session_id="sess-2")
+                decision = await client.route(ns, other)
                 if decision.workers[0].matched_tokens.hbm_tokens or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.05)
