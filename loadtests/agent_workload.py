@@ -3,6 +3,7 @@
     python -m loadtests.agent_workload [--json] [--plot PATH] [--quick] [--lower-tier nvme|dram]
                                        [--records PATH] [--emulate-link | --link-gbps DRAM,NVME]
                                        [--seed N | --seeds N,M,...] [--hbm-sessions N]
+                                       [--tools NAME,...]
 
 Workload (``make_workload``, deterministic in ``seed``): ``num_tenants`` tenants, each with a
 shared system prompt; ``sessions_per_tenant`` sessions per tenant, staggered starts; each
@@ -11,6 +12,15 @@ tool result), and between turns calls a tool whose duration is lognormal per too
 (time-compressed by ``time_scale``). The caller's ``expected_ms`` for a tool is a fixed
 per-tool guess that is biased (fast tools over-estimated, slow ones under-estimated), as
 agent frameworks' static estimates are; the predictor learns the real distribution.
+
+Tools (``TOOLS``, medians of the real durations): ``search`` 0.4 s, ``code_exec`` 1.2 s,
+``browse`` 2.5 s, ``test_suite`` 10 s, each lognormal with sigma 0.4-0.5: the issue's range from
+sub-second to tens of seconds (a slow test run reaches 20-25 s). Coding agents (tenants a, c)
+call search, code_exec and test_suite; the research agent (b) browse as well. Until session 10
+the mix had no tool past a few seconds (``--tools search,code_exec,browse`` draws exactly those
+workloads again): then nearly every pause was too short to park over the emulated link, kvtier
+was mostly a policy of holds in HBM, and no number it measured stands for the pauses the issue
+is about (decision 0008, revision 8).
 
 Pressure and geometry — what makes the comparison mean something on a CPU:
 
@@ -165,7 +175,18 @@ TOOLS = (
     ToolType("search", 400.0, 0.4, 800.0),
     ToolType("code_exec", 1200.0, 0.5, 1200.0),
     ToolType("browse", 2500.0, 0.4, 1500.0),
+    # The long end of the issue's range (sub-second to tens of seconds): a test suite or a build.
+    ToolType("test_suite", 10_000.0, 0.4, 6_000.0),
 )
+TOOL_NAMES = tuple(t.name for t in TOOLS)
+
+
+def tenant_tools(spec: WorkloadSpec, t: int) -> tuple[ToolType, ...]:
+    """Tenant ``t``'s tool types: a coding agent's (search, code_exec, test_suite) for even
+    ``t``, a research agent's (browse too) for odd ``t``; only those in ``spec.tools``, or every
+    one selected where none of the tenant's own is."""
+    own = TOOLS[: 2 + (t % 2)] + TOOLS[3:]
+    return tuple(x for x in own if x.name in spec.tools) or tuple(x for x in TOOLS if x.name in spec.tools)
 
 
 @dataclass(slots=True)
@@ -188,6 +209,7 @@ class WorkloadSpec:
     lower_tier: str = "nvme"  # the tiered policies' tier below HBM (module doc)
     warm_observations: int = 20  # kvtier's predictor history per (tenant, tool) before the run
     margin_ms: float = 100.0  # orchestrator: prefetch this long before the predicted return
+    tools: tuple[str, ...] = TOOL_NAMES  # the tool types drawn from (``tenant_tools``; ``--tools``)
     seed: int = 0
     # Link emulation (module doc): bytes/s of HBM <-> DRAM and HBM <-> NVMe; None: off.
     emulated_link_bytes_per_s: dict[str, float] | None = None
@@ -250,7 +272,7 @@ def make_workload(spec: WorkloadSpec, vocab: int) -> Workload:
     system_prompts = {t: tuple(rng.randrange(vocab) for _ in range(spec.system_prompt_tokens)) for t in tenants}
     sessions = []
     for t, tenant in enumerate(tenants):
-        tools = TOOLS[: 2 + (t % 2)]  # 2 or 3 tool types per tenant
+        tools = tenant_tools(spec, t)
         for s in range(spec.sessions_per_tenant):
             turns = []
             for k in range(spec.turns):
@@ -271,7 +293,7 @@ def warm_history(spec: WorkloadSpec, tenants: list[str]) -> list[tuple[str, str,
     rng = random.Random(spec.seed + 10_000)
     return [
         (tenant, tool.name, rng.lognormvariate(math.log(tool.median_ms), tool.sigma) * spec.time_scale)
-        for tenant in tenants for tool in TOOLS for _ in range(spec.warm_observations)
+        for tenant in tenants for tool in TOOLS if tool.name in spec.tools for _ in range(spec.warm_observations)
     ]
 
 
@@ -810,7 +832,7 @@ async def run_all(
         "page_bytes": _page_bytes(WORKLOAD_MODEL_CONFIG, spec.page_size),
         "model": {k: WORKLOAD_MODEL_CONFIG[k] for k in ("num_hidden_layers", "hidden_size", "num_key_value_heads",
                                                          "head_dim", "intermediate_size", "vocab_size")},
-        "tools": [dataclasses.asdict(t) for t in TOOLS],
+        "tools": [dataclasses.asdict(t) for t in TOOLS if t.name in spec.tools],
     }
     return result
 
@@ -863,6 +885,17 @@ def parse_hbm_sessions(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"--hbm-sessions must be a positive number, got {text!r}")
     return value
+
+
+def parse_tools(text: str) -> tuple[str, ...]:
+    """``--tools NAME,...``: distinct tool types of ``TOOLS``, at least one."""
+    names = tuple(p for p in text.split(",") if p)
+    unknown = sorted(set(names) - set(TOOL_NAMES))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"--tools takes names from {','.join(TOOL_NAMES)}, got {text!r}")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"--tools names must be distinct, got {text!r}")
+    return names
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -983,6 +1016,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--margin-ms", type=float, help="orchestrator prefetch margin")
     parser.add_argument("--hbm-sessions", type=parse_hbm_sessions, metavar="N",
                         help="HBM holds this many sessions' longest context (default 5; 4 with --quick)")
+    parser.add_argument("--tools", type=parse_tools, metavar="NAME,...",
+                        help=f"the tool types the agents call (default all: {','.join(TOOL_NAMES)}; "
+                             "search,code_exec,browse is the mix before session 10)")
     parser.add_argument("--lower-tier", choices=LOWER_TIERS, default="nvme",
                         help="the tiered policies' tier below HBM (default nvme: see the module doc)")
     seeds = parser.add_mutually_exclusive_group()
@@ -1001,6 +1037,8 @@ def main(argv: list[str] | None = None) -> int:
     spec.lower_tier = args.lower_tier
     if args.hbm_sessions is not None:
         spec.hbm_sessions = args.hbm_sessions
+    if args.tools is not None:
+        spec.tools = args.tools
     if args.margin_ms is not None:
         spec.margin_ms = args.margin_ms
     if args.emulate_link:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 
 import pytest
 
@@ -28,10 +29,12 @@ from loadtests.agent_workload import (
     parse_hbm_sessions,
     parse_link_gbps,
     parse_seeds,
+    parse_tools,
     prefetch_summary,
     seeds_table,
     summarize,
     targets,
+    tenant_tools,
     with_retaken,
 )
 
@@ -149,6 +152,38 @@ def test_seeds_flag_takes_distinct_non_negative_integers() -> None:
     for bad in ("0,x", "1,1", "-1", ""):
         with pytest.raises(argparse.ArgumentTypeError, match="--seeds"):
             parse_seeds(bad)
+
+
+def test_tools_span_sub_second_to_tens_of_seconds_and_the_earlier_mix_can_be_drawn_again() -> None:
+    """The default mix has the issue's long end (a test suite of ~10 s, the longest runs past
+    15 s) beside sub-second searches, for every tenant; ``--tools`` restricts the mix, and the
+    three short tools give each tenant the tool types it had before session 10."""
+    vocab = WORKLOAD_MODEL_CONFIG["vocab_size"]
+    durations: dict[str, list[float]] = {}
+    for plan in make_workload(WorkloadSpec(), vocab).sessions:
+        for turn in plan.turns[:-1]:
+            durations.setdefault(turn.tool, []).append(turn.tool_ms)
+    assert set(durations) == {"search", "code_exec", "browse", "test_suite"}
+    assert min(durations["search"]) < 1_000 and max(durations["test_suite"]) > 15_000
+    assert statistics.median(durations["search"]) < 1_000 < 5_000 < statistics.median(durations["test_suite"])
+    tenants = {}
+    for plan in make_workload(WorkloadSpec(), vocab).sessions:
+        tenants.setdefault(plan.tenant, set()).update(t.tool for t in plan.turns[:-1])
+    assert all("test_suite" in tools for tools in tenants.values())
+    assert "browse" not in tenants["tenant-a"] and "browse" not in tenants["tenant-c"]
+
+    short = WorkloadSpec(tools=("search", "code_exec", "browse"))
+    assert [t.name for t in tenant_tools(short, 0)] == ["search", "code_exec"]
+    assert [t.name for t in tenant_tools(short, 1)] == ["search", "code_exec", "browse"]
+    drawn = {t.tool for p in make_workload(short, vocab).sessions for t in p.turns[:-1]}
+    assert drawn == {"search", "code_exec", "browse"}
+    # A tenant none of whose own tools is selected draws from those selected.
+    only_browse = WorkloadSpec(tools=("browse",))
+    assert {t.tool for p in make_workload(only_browse, vocab).sessions for t in p.turns[:-1]} == {"browse"}
+    assert parse_tools("search,test_suite") == ("search", "test_suite")
+    for bad in ("", "search,search", "grep", "search,,x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--tools"):
+            parse_tools(bad)
 
 
 def test_hbm_sessions_flag_takes_a_positive_number_and_sizes_hbm() -> None:
