@@ -179,14 +179,17 @@ TOOLS = (
     ToolType("test_suite", 10_000.0, 0.4, 6_000.0),
 )
 TOOL_NAMES = tuple(t.name for t in TOOLS)
+# What each kind of agent calls; tenant t is a coding agent for even t, a research agent for odd t.
+CODING_AGENT_TOOLS = ("search", "code_exec", "test_suite")
+RESEARCH_AGENT_TOOLS = ("search", "code_exec", "browse", "test_suite")
 
 
 def tenant_tools(spec: WorkloadSpec, t: int) -> tuple[ToolType, ...]:
-    """Tenant ``t``'s tool types: a coding agent's (search, code_exec, test_suite) for even
-    ``t``, a research agent's (browse too) for odd ``t``; only those in ``spec.tools``, or every
-    one selected where none of the tenant's own is."""
-    own = TOOLS[: 2 + (t % 2)] + TOOLS[3:]
-    return tuple(x for x in own if x.name in spec.tools) or tuple(x for x in TOOLS if x.name in spec.tools)
+    """Tenant ``t``'s tool types, in ``TOOLS`` order (which the seeded draws depend on): its
+    agent's that are in ``spec.tools``, or every one selected where none of its own is."""
+    own = RESEARCH_AGENT_TOOLS if t % 2 else CODING_AGENT_TOOLS
+    selected = tuple(x for x in TOOLS if x.name in spec.tools)
+    return tuple(x for x in selected if x.name in own) or selected
 
 
 @dataclass(slots=True)
