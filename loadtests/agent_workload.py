@@ -188,7 +188,7 @@ def tenant_tools(spec: WorkloadSpec, t: int) -> tuple[ToolType, ...]:
     """Tenant ``t``'s tool types, in ``TOOLS`` order (which the seeded draws depend on): its
     agent's that are in ``spec.tools``, or every one selected where none of its own is."""
     own = RESEARCH_AGENT_TOOLS if t % 2 else CODING_AGENT_TOOLS
-    selected = tuple(x for x in TOOLS if x.name in spec.tools)
+    selected = spec.tool_types()
     return tuple(x for x in selected if x.name in own) or selected
 
 
@@ -216,6 +216,10 @@ class WorkloadSpec:
     seed: int = 0
     # Link emulation (module doc): bytes/s of HBM <-> DRAM and HBM <-> NVMe; None: off.
     emulated_link_bytes_per_s: dict[str, float] | None = None
+
+    def tool_types(self) -> tuple[ToolType, ...]:
+        """The tool types of ``tools``, in ``TOOLS`` order (which the seeded draws depend on)."""
+        return tuple(t for t in TOOLS if t.name in self.tools)
 
     def link_rate(self) -> float:
         """Bytes/s between HBM and the lower tier, as the orchestrator plans with it."""
@@ -296,7 +300,7 @@ def warm_history(spec: WorkloadSpec, tenants: list[str]) -> list[tuple[str, str,
     rng = random.Random(spec.seed + 10_000)
     return [
         (tenant, tool.name, rng.lognormvariate(math.log(tool.median_ms), tool.sigma) * spec.time_scale)
-        for tenant in tenants for tool in TOOLS if tool.name in spec.tools for _ in range(spec.warm_observations)
+        for tenant in tenants for tool in spec.tool_types() for _ in range(spec.warm_observations)
     ]
 
 
@@ -835,7 +839,7 @@ async def run_all(
         "page_bytes": _page_bytes(WORKLOAD_MODEL_CONFIG, spec.page_size),
         "model": {k: WORKLOAD_MODEL_CONFIG[k] for k in ("num_hidden_layers", "hidden_size", "num_key_value_heads",
                                                          "head_dim", "intermediate_size", "vocab_size")},
-        "tools": [dataclasses.asdict(t) for t in TOOLS if t.name in spec.tools],
+        "tools": [dataclasses.asdict(t) for t in spec.tool_types()],
     }
     return result
 

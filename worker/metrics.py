@@ -16,7 +16,7 @@ a driver or a device, NVML fails to start: no GPU families, one info log line.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import pynvml
@@ -202,7 +202,7 @@ class WorkerMetrics:
         for (src, dst), n in list(tiers.counters.bytes_moved.items()):
             yield Observation(n, {**self.attrs, "src": src.label, "dst": dst.label})
 
-    def _counter(self, owner: str, name: str) -> Any:
+    def _counter(self, owner: str, name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         """A callback observing counter ``name`` of the engine's ``owner`` (``tiers``, the tier
         manager; ``quotas``, the quota enforcer): 0 while the engine has none."""
         def observe(_: CallbackOptions) -> Iterable[Observation]:
