@@ -281,6 +281,17 @@ def choose_tier(
 
 
 @dataclass(frozen=True, slots=True)
+class _HoldPlan:
+    """How a paused session's prefetched pages are to be held in HBM: until ``until_ms`` (clock
+    ms; the prediction's high quantile, or the caller's ETA), and the spread of the predicted
+    return (sigma of ln duration; None after a caller's ETA), which ranks the hold once the
+    session is overdue."""
+
+    until_ms: float
+    spread: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class _SentPrefetch:
     """A Prefetch on its way: what its ack is counted against."""
 
@@ -334,9 +345,9 @@ class Orchestrator:
         # State and last write (clock ms) per session, for counts without a Redis scan; a
         # session untouched for the store's TTL has expired there and is not counted.
         self._states: dict[SessionId, tuple[SessionState, float]] = {}
-        # Until when (clock ms) a prefetch of a paused session should hold its pages in HBM:
-        # the prediction's high quantile. In memory only: after a restart the median is used.
-        self._hold_until_ms: dict[SessionId, float] = {}
+        # How a prefetch of a paused session should hold its pages in HBM (until the
+        # prediction's high quantile). In memory only: after a restart the median is used.
+        self._holds: dict[SessionId, _HoldPlan] = {}
         # Pages a session's last prefetch left below HBM (moving, or no room): not its waste.
         self._skipped_pages: dict[SessionId, int] = {}
         self._task: asyncio.Task[None] | None = None
@@ -373,7 +384,7 @@ class Orchestrator:
         idle = [s for s, (_, at) in self._states.items() if at < horizon_ms]
         for session in idle:
             del self._states[session]
-            self._hold_until_ms.pop(session, None)
+            self._holds.pop(session, None)
             self._skipped_pages.pop(session, None)
         return len(idle)
 
@@ -512,7 +523,7 @@ class Orchestrator:
 
     async def _close_pause(self, record: SessionRecord, now: int, matched: TokensByTier | None) -> None:
         self.timers.cancel(record.session_id)
-        self._hold_until_ms.pop(record.session_id, None)
+        self._holds.pop(record.session_id, None)
         skipped = self._skipped_pages.pop(record.session_id, 0)
         page_bytes = self._page_bytes(record.worker_id)
         num_pages = record.num_parked_pages
@@ -576,7 +587,8 @@ class Orchestrator:
             record.paused_at_ms = now
             record.predicted_return_at_ms = now + round(prediction.return_in_ms)
             record.prediction_source = prediction.source
-            self._hold_until_ms[record.session_id] = now + max(prediction.quantile_hi_ms, prediction.return_in_ms)
+            self._holds[record.session_id] = _HoldPlan(now + max(prediction.quantile_hi_ms, prediction.return_in_ms),
+                                                       self.predictor.spread(prediction))
             record.parked_tier = Tier.HBM
             await self._park(record, prediction)
             await self._save(record)
@@ -660,7 +672,7 @@ class Orchestrator:
             record.state = SessionState.RESUMING
             record.predicted_return_at_ms = now + eta_ms
             record.prediction_source = PredictionSource.CALLER_ETA
-            self._hold_until_ms[record.session_id] = now + eta_ms + self.params.margin_ms
+            self._holds[record.session_id] = _HoldPlan(now + eta_ms + self.params.margin_ms)
             if record.prefetch_state == PrefetchState.SCHEDULED:
                 promote_ms = self._promote_ms(record)
                 at_ms = now + eta_ms - promote_ms - self.params.margin_ms
@@ -680,7 +692,7 @@ class Orchestrator:
             if record.state is SessionState.ENDED:
                 return record.info()
             self.timers.cancel(record.session_id)
-            self._hold_until_ms.pop(record.session_id, None)
+            self._holds.pop(record.session_id, None)
             self._skipped_pages.pop(record.session_id, None)
             page_bytes = self._page_bytes(record.worker_id)
             if record.prefetch_state == PrefetchState.DONE and record.state is not SessionState.ACTIVE:
@@ -779,21 +791,26 @@ class Orchestrator:
         if attempt == 0:
             record.prefetch_state = PrefetchState.SENT
         # The deadline tells the worker how long to hold the pages in HBM (until the session is
-        # expected back at the latest: see _hold_until_ms); without it an eviction in the
+        # expected back at the latest: see _holds); without it an eviction in the
         # meantime takes them first, and the prefetch is wasted.
         # When it is expected back (the prediction's median) ranks the hold against others on
-        # the worker: the session due back last yields first when room is needed.
+        # the worker: the session due back last yields first when room is needed. How long it
+        # has been away and the prediction's spread keep that rank true once it is overdue.
         now = self._now()
-        hold_until = self._hold_until_ms.get(record.session_id, record.predicted_return_at_ms)
-        deadline_ms = return_in_ms = None
+        plan = self._holds.get(record.session_id)
+        hold_until = plan.until_ms if plan is not None else record.predicted_return_at_ms
+        deadline_ms = return_in_ms = away_ms = spread = None
         if hold_until is not None:
             deadline_ms = round(min(max(0.0, hold_until - now), self.params.max_hold_ms))
         if record.predicted_return_at_ms is not None:
             return_in_ms = round(max(0.0, record.predicted_return_at_ms - now))
-            if deadline_ms is not None:
-                return_in_ms = min(return_in_ms, deadline_ms)
+            if deadline_ms is not None and return_in_ms > deadline_ms:  # back after the hold ends:
+                return_in_ms = deadline_ms  # the hold's end ranks it
+            elif plan is not None and plan.spread is not None and record.paused_at_ms is not None:
+                away_ms, spread = max(0, now - record.paused_at_ms), plan.spread
         command = PrefetchCommand(record.namespace_digest, (), Tier.HBM, deadline_ms=deadline_ms,
-                                  session_id=record.session_id, return_in_ms=return_in_ms)
+                                  session_id=record.session_id, return_in_ms=return_in_ms, away_ms=away_ms,
+                                  return_spread=spread)
         return _SentPrefetch(record.worker_id, command, reason, source, page_bytes, self.clock_ms(),
                              record.paused_at_ms, attempt)
 

@@ -296,6 +296,16 @@ class ToolReturnPredictor:
             return Prediction(median, lo, hi, confidence, PredictionSource.HISTORY)
         return self._lognormal(p.default_ms, 0.1, PredictionSource.DEFAULT)
 
+    def spread(self, prediction: Prediction) -> float | None:
+        """The sigma (of ln duration) of the log-normal whose ``hi_quantile`` point is
+        ``prediction``'s high quantile, given its median: the spread of the long returns, which
+        ranks a prefetched session's hold once it is overdue (the worker's ``ExpectedReturn``).
+        None when the prediction has no spread above its median."""
+        median, hi = prediction.return_in_ms, prediction.quantile_hi_ms
+        if not (median > 0.0 and hi > median):
+            return None
+        return math.log(hi / median) / NormalDist().inv_cdf(self.params.hi_quantile)
+
     def _lognormal(self, median_ms: float, confidence: float, source: PredictionSource) -> Prediction:
         unit = NormalDist()
         sigma = self.params.default_sigma

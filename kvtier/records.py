@@ -474,6 +474,10 @@ class PrefetchCommand:
     deadline_ms: int | None = None  # after receipt; None for best effort
     session_id: SessionId | None = None
     return_in_ms: int | None = None  # after receipt: when the session is expected back (ranks holds)
+    # With return_in_ms: how long the session had been away at receipt, and the spread (sigma
+    # of ln duration) of its predicted return; they rank a hold once its session is overdue.
+    away_ms: int | None = None
+    return_spread: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

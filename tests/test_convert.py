@@ -31,6 +31,7 @@ OPT_NAME = st.none() | NAME
 OPT_U64 = st.none() | U64
 # Caller-given durations are bounded (convert.MAX_DURATION_MS, a year).
 OPT_DURATION_MS = st.none() | st.integers(0, convert.MAX_DURATION_MS)
+OPT_SPREAD = st.none() | st.floats(min_value=1e-6, max_value=10.0, allow_nan=False)
 OPT_DURATION_S = st.none() | st.integers(0, convert.MAX_DURATION_MS // 1000)
 TOKEN = st.integers(0, 2**31 - 1)
 TOKENS = st.lists(TOKEN, max_size=40).map(tuple)
@@ -198,6 +199,8 @@ commands = st.one_of(
         deadline_ms=OPT_U64,
         session_id=OPT_NAME,
         return_in_ms=OPT_DURATION_MS,
+        away_ms=OPT_DURATION_MS,
+        return_spread=OPT_SPREAD,
     ),
     st.builds(r.DropCommand, namespace_digest=KEY, page_keys=NONEMPTY_KEYS),
     st.builds(r.InvalidateCommand, scope=scopes, policy_epoch=st.integers(1, 2**64 - 1)),
@@ -328,6 +331,8 @@ ROUND_TRIPS: dict[str, st.SearchStrategy[Any]] = {
             deadline_ms=OPT_U64,
             session_id=OPT_NAME,
             return_in_ms=OPT_DURATION_MS,
+            away_ms=OPT_DURATION_MS,
+            return_spread=OPT_SPREAD,
         ),
         st.builds(r.PrefetchCommand, namespace_digest=KEY, page_keys=st.just(()), target_tier=TIER,
                   deadline_ms=OPT_U64, session_id=NAME, return_in_ms=OPT_DURATION_MS),
@@ -960,6 +965,17 @@ INVALID: list[tuple[str, Callable[[Any], Any], Any, type[KvtierError], str]] = [
                                                           return_in_ms=convert.MAX_DURATION_MS + 1)),
         InvalidArgument,
         "prefetch.return_in_ms",
+    ),
+    *(
+        (
+            f"prefetch-return-spread-{label}",
+            convert.from_proto_controller_command,
+            _command(prefetch=worker_link_pb2.PrefetchCommand(namespace_digest=KEY16, target_tier=1, session_id="s",
+                                                              return_in_ms=1_000, return_spread=spread)),
+            InvalidArgument,
+            "prefetch.return_spread",
+        )
+        for label, spread in (("zero", 0.0), ("negative", -0.4), ("nan", math.nan), ("infinite", math.inf))
     ),
     (
         "invalidate-epoch-zero",

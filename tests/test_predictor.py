@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -46,6 +47,11 @@ async def test_converges_to_a_lognormal_and_adapts_after_a_shift(redis_client):
     assert abs(p.quantile_lo_ms - 439.0) / 439.0 < 0.2 and abs(p.quantile_hi_ms - 3200.0) / 3200.0 < 0.2
     assert p.confidence > 0.8
 
+    # The spread of the long returns (sigma of ln duration, from the 99 % point): the worker
+    # ranks an overdue session's hold by it.
+    assert predictor.spread(p) == pytest.approx(0.5, rel=0.2)
+    assert predictor.spread(replace(p, quantile_hi_ms=p.return_in_ms)) is None
+
     # The tool gets 4x slower: after a few half-lives the old shape no longer matters.
     await feed(predictor, "acme", "search", rng, 4_000.0, 0.5, 300)
     shifted = predictor.predict("acme", "search")
@@ -56,6 +62,7 @@ async def test_caller_estimate_default_and_per_key_isolation(redis_client):
     predictor = ToolReturnPredictor(redis_client, PredictorParams(default_ms=2_000.0, min_samples=2.5))
     cold = predictor.predict("acme", "search")
     assert cold.source is PredictionSource.DEFAULT and cold.return_in_ms == 2_000.0
+    assert predictor.spread(cold) == pytest.approx(predictor.params.default_sigma)
     assert cold.quantile_lo_ms < 2_000.0 < cold.quantile_hi_ms
 
     estimate = predictor.predict("acme", "search", expected_ms=300)

@@ -7,6 +7,8 @@ ends, and a session kept in HBM is held there the same way (a guard prefetch at 
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 
 import pytest
 import pytest_asyncio
@@ -19,6 +21,7 @@ from kvtier.hashing import namespace_digest, page_keys
 from kvtier.records import SessionState
 from kvtier.tier_manager import TierConfig
 from kvtier.tiers import Tier
+from kvtier.worker.engine_loop import HOLD_PREFIX
 from kvtier.worker.servicer import serve_worker
 
 from hf_checkpoints import build_checkpoint
@@ -140,6 +143,27 @@ async def test_a_prefetched_session_is_held_in_hbm_until_its_turn_then_released(
 
 
 @in_module_loop
+async def test_a_session_expected_back_after_its_hold_ends_is_ranked_by_the_hold_end(
+    worker, flushed_redis_url, tmp_path
+):
+    """A hold lasts at most ``max_hold_ms``. A session expected back after that is ranked by
+    the hold's end, and the Prefetch carries no spread: the worker would otherwise take the
+    hold's end for the session's median and rank it by a tail that is not its own."""
+    namespace = worker.engine.namespace
+    async with cluster(worker, flushed_redis_url, tmp_path, copy_weight=1e6, max_hold_ms=500.0) as (controller, client):
+        prompt = [5, 10, 15, 20, 25, 30, 35, 40, 45, 50, 55]
+        out, _ = await client.complete(namespace, prompt, GREEDY, session_id="s-long")
+        sent_ms = time.time() * 1000.0
+        assert (await client.pause("s-long", tool="search", expected_ms=2_000)).parked_tier is Tier.HBM
+        await prefetched(controller.orchestrator, "s-long")
+        expected = worker.loop._pins[HOLD_PREFIX + "s-long"].expected
+        assert expected.spread is None and expected.away_since_ms is None
+        assert abs(expected.due_at_ms - (sent_ms + 500)) < 250
+        await client.end("s-long")
+        assert HOLD_PREFIX + "s-long" not in worker.loop._pins
+
+
+@in_module_loop
 async def test_a_session_kept_in_hbm_is_held_there_until_its_turn(worker, flushed_redis_url, tmp_path):
     namespace = worker.engine.namespace
     # Copies weigh heavily here (copy_weight): holding a paused session in HBM is the cheaper choice.
@@ -153,6 +177,11 @@ async def test_a_session_kept_in_hbm_is_held_there_until_its_turn(worker, flushe
         info = await client.pause("s-guard", tool="search", expected_ms=2_000)
         assert info.parked_tier is Tier.HBM
         await prefetched(orchestrator, "s-guard")
+        # Ranked by its expected return, and once overdue by the return still to come: the
+        # guard carried how long the session has been away and the prediction's spread.
+        expected = worker.loop._pins[HOLD_PREFIX + "s-guard"].expected
+        assert expected.spread == pytest.approx(orchestrator.predictor.params.default_sigma)
+        assert 1_500 < expected.due_at_ms - expected.away_since_ms < 2_500
         # ... so the worker's own demotion (pressure elsewhere) cannot take them meanwhile.
         await demote_all(worker)
         assert tiers_of(worker, keys) == [Tier.HBM] * 4
@@ -483,6 +512,73 @@ async def test_holds_yield_to_a_waiting_request_the_session_due_back_last_first(
     finally:
         await loop.close()
         engine.tiers.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("spread", [0.4, None], ids=["with-spread", "without"])
+async def test_an_overdue_session_ranks_by_the_return_still_to_come(tmp_path, monkeypatch, spread):
+    """A hold ranks by when its session is expected back. Once the session is overdue that is
+    not its passed median: given that it has not returned, the median of its return moves out
+    with the tail (``ExpectedReturn``). Paused 10 s ago and expected back at 10.05 s (sigma
+    0.4), by 10.3 s it is expected back ~2.9 s later still, so a session due back in 1 s takes
+    its place at the holds' cap. Without the spread (an older controller) the passed median
+    still ranks it first, and the session due back in 1 s is not held."""
+    import kvtier.worker.engine_loop as engine_loop
+
+    engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0)
+    monkeypatch.setattr(engine_loop, "MAX_HELD_FRACTION", 6 / engine.pool.num_pages)  # one session's 4 pages
+    try:
+        digest = namespace_digest(engine.namespace)
+        overdue_id, soon_id = engine_loop._hold_id("s-overdue"), engine_loop._hold_id("s-soon")
+        await _session_turn(loop, engine, "s-overdue", tuple(range(1, 1 + 4 * PAGE_SIZE)))
+        await _session_turn(loop, engine, "s-soon", tuple(range(101, 101 + 4 * PAGE_SIZE)))
+        await loop.prefetch(digest, (), "s-overdue", hold_s=30.0, due_s=0.05,
+                            away_s=10.0 if spread else None, spread=spread)
+        assert overdue_id in loop._pins
+        await asyncio.sleep(0.3)  # past its median
+        now_ms = time.time() * 1000.0
+        rank_in_s = (loop._pins[overdue_id].hold_rank() - now_ms) / 1000.0
+        if spread:
+            assert 2.0 < rank_in_s < 4.0
+        else:
+            assert rank_in_s < 0.0
+        await loop.prefetch(digest, (), "s-soon", hold_s=30.0, due_s=1.0)
+        if spread:
+            assert soon_id in loop._pins and overdue_id not in loop._pins
+            assert loop.hold_outcomes["displaced"] == 1
+        else:
+            assert overdue_id in loop._pins and soon_id not in loop._pins
+            assert loop.hold_outcomes["refused"] == 1
+    finally:
+        await loop.close()
+        engine.tiers.close()
+
+
+def test_the_median_of_a_return_still_to_come():
+    """``conditional_median_ms``: the point where a log-normal duration's survival is half of
+    what it is after ``elapsed``, checked against the survival function itself; the median at
+    the start, barely later early on, moving out past the median."""
+    from statistics import NormalDist
+
+    from kvtier.worker.engine_loop import conditional_median_ms
+
+    def survival(t: float, median: float, sigma: float) -> float:
+        return 1.0 - NormalDist().cdf(math.log(t / median) / sigma)
+
+    for median, sigma in ((10_000.0, 0.4), (1_200.0, 0.5), (400.0, 1.0)):
+        assert conditional_median_ms(median, 0.0, sigma) == median
+        previous = median
+        for fraction in (0.3, 0.52, 1.0, 1.2, 2.0, 4.0):
+            elapsed = fraction * median
+            t = conditional_median_ms(median, elapsed, sigma)
+            assert t > elapsed and t >= previous  # later with every moment it is not back
+            assert survival(t, median, sigma) == pytest.approx(survival(elapsed, median, sigma) / 2, rel=1e-6)
+            previous = t
+    # Prefetched at its 5 % point (sigma 0.4): 1.03 x the median; 2 s overdue on a 10 s median: 14.8 s.
+    assert conditional_median_ms(10_000.0, 10_000.0 * math.exp(-1.645 * 0.4), 0.4) == pytest.approx(10_250, rel=0.01)
+    assert conditional_median_ms(10_000.0, 12_000.0, 0.4) == pytest.approx(14_800, rel=0.01)
+    # Far in the tail it stays finite and after now.
+    assert 1e6 < conditional_median_ms(1_000.0, 1e6, 0.4) < float("inf")
 
 
 @pytest.mark.asyncio

@@ -104,10 +104,13 @@ async def test_paused_session_is_parked_and_back_before_its_next_turn(worker, ch
         await asyncio.sleep(1.0)
         assert tiers_of(worker, keys) == [Tier.HBM] * 4
         # Held until the prediction's high quantile, ranked by when the session is expected back
-        # (the caller's 500 ms): the Prefetch carried both.
+        # (the caller's 500 ms), since when it is away and the prediction's spread (a cold
+        # caller estimate: the predictor's default sigma): the Prefetch carried them all.
         hold = worker.loop._pins[HOLD_PREFIX + "s-park"]
-        assert abs(hold.due_at_ms - (paused_at_ms + 500)) < 250
-        assert hold.expires_at_ms > hold.due_at_ms + 250
+        assert abs(hold.expected.due_at_ms - (paused_at_ms + 500)) < 250
+        assert abs(hold.expected.away_since_ms - paused_at_ms) < 250
+        assert hold.expected.spread == pytest.approx(controller.orchestrator.predictor.params.default_sigma)
+        assert hold.expires_at_ms > hold.expected.due_at_ms + 250
 
         turn2 = history + [200, 201, 202]  # the tool's result
         out2, final2 = await client.complete(namespace, turn2, GREEDY, session_id="s-park")
@@ -309,7 +312,7 @@ async def test_sessions_nobody_ends_leave_nothing_behind_in_the_orchestrator(red
     for i in range(10):  # half of them pause (their tool never returns)
         await orchestrator.pause(PauseRequest(SessionId(f"s-{i}"), tool_name="search", expected_ms=500))
     assert not orchestrator._locks
-    assert len(orchestrator._states) == 20 and len(orchestrator._hold_until_ms) == 10
+    assert len(orchestrator._states) == 20 and len(orchestrator._holds) == 10
     assert orchestrator.session_counts()[SessionState.PAUSED] == 10
 
     now[0] += 30_000  # within the TTL: one session is touched again, nothing is forgotten
@@ -317,6 +320,6 @@ async def test_sessions_nobody_ends_leave_nothing_behind_in_the_orchestrator(red
     assert orchestrator.forget_idle() == 0
     now[0] += 31_000  # past the TTL for all but s-0
     assert orchestrator.forget_idle() == 19
-    assert list(orchestrator._states) == ["s-0"] and not orchestrator._hold_until_ms
+    assert list(orchestrator._states) == ["s-0"] and not orchestrator._holds
     assert orchestrator.session_counts()[SessionState.ACTIVE] == 1 and not orchestrator._locks
 

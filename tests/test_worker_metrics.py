@@ -24,6 +24,7 @@ from kvtier.telemetry import Telemetry
 from kvtier.tier_manager import TierConfig
 from kvtier.tiers import Tier
 from kvtier.ttls import TtlTable
+from kvtier.worker.engine_loop import ExpectedReturn
 from kvtier.worker.metrics import GpuMetrics
 from kvtier.worker.servicer import serve_worker
 
@@ -209,7 +210,7 @@ async def test_demotions_a_hold_recalled_and_those_onto_a_kept_copy_are_counted(
 
     def demote_then_hold() -> None:  # one engine-thread turn: the copy cannot land in between
         assert engine.tiers.start_demotion(chain, Tier.DRAM).num_open > 0
-        loop._prefetch(digest, (), "s-recall", 30.0, held, due_at_ms=time.time() * 1000.0 + 1000.0)
+        loop._prefetch(digest, (), "s-recall", 30.0, held, expected=ExpectedReturn(time.time() * 1000.0 + 1000.0))
 
     await loop._call(demote_then_hold)
     await held

@@ -87,12 +87,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import threading
 import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from statistics import NormalDist
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from opentelemetry.context import Context
@@ -208,14 +210,56 @@ class PageCounts:
     num_kept: int
 
 
+@dataclass(frozen=True, slots=True)
+class ExpectedReturn:
+    """When a held session is expected back (wall-clock ms): the median of its predicted
+    return (``due_at_ms``, the Prefetch's ``return_in_ms``) and, when the controller sent them
+    (``away_ms``, ``return_spread``), when its pause began and the spread of the prediction
+    (sigma of ln duration)."""
+
+    due_at_ms: float
+    away_since_ms: float | None = None
+    spread: float | None = None
+
+    def rank_ms(self, now_ms: float) -> float:
+        """When the session is expected back, as of ``now_ms``: the median of its return given
+        that it has not returned yet. Before ``due_at_ms`` that is barely later than the median
+        (a session prefetched at its 5 % point: 1.03 x the median pause for sigma 0.4); past
+        it, it moves out with the tail (at 1.2 x the median pause, sigma 0.4: 1.48 x). Without
+        the spread, ``due_at_ms``: an overdue session would stay the first expected back,
+        keeping its hold over sessions due in a second, until its hold lapsed (decision 0008,
+        revision 9)."""
+        if self.away_since_ms is None or self.spread is None:
+            return self.due_at_ms
+        median = self.due_at_ms - self.away_since_ms
+        return self.away_since_ms + conditional_median_ms(median, now_ms - self.away_since_ms, self.spread)
+
+
+def conditional_median_ms(median_ms: float, elapsed_ms: float, sigma: float) -> float:
+    """Median of a log-normal duration (median ``median_ms``, sigma ``sigma`` of its log) given
+    that it has lasted ``elapsed_ms`` already: the point where the survival is half of what it
+    is now."""
+    if median_ms <= 0.0 or elapsed_ms <= 0.0 or sigma <= 0.0:
+        return max(median_ms, elapsed_ms)
+    z = math.log(elapsed_ms / median_ms) / sigma
+    if z < 6.0:
+        z_half = _UNIT_NORMAL.inv_cdf(1.0 - (1.0 - _UNIT_NORMAL.cdf(z)) / 2.0)
+    else:  # the survival is under 1e-9: a double cannot halve it, its tail can (ln S ~ -z^2 / 2)
+        z_half = math.sqrt(z * z + 2.0 * math.log(2.0))
+    return max(elapsed_ms, median_ms * math.exp(sigma * z_half))
+
+
+_UNIT_NORMAL = NormalDist()
+
+
 @dataclass(slots=True, eq=False)
 class _Pin:
     digest: NamespaceDigest
     nodes: list[RadixNode]  # the pinned nodes, one radix pin each
     expires_at_ms: int | None
-    # Session holds: when the session is expected back (the Prefetch's ``return_in_ms``), and
-    # how many of its pages the prefetch behind it brought up.
-    due_at_ms: float | None = None
+    # Session holds: when the session is expected back (from the Prefetch), and how many of its
+    # pages the prefetch behind it brought up.
+    expected: ExpectedReturn | None = None
     num_moved: int = 0
 
     def hold_rank(self) -> float:
@@ -224,13 +268,13 @@ class _Pin:
         it copied pages up does not count: a page that leaves HBM goes back onto its copy below
         without a write (decision 0012), so a yielded hold costs one promotion whoever paid for
         the last one."""
-        return _hold_rank(self.due_at_ms, self.expires_at_ms)
+        return _hold_rank(self.expected, self.expires_at_ms)
 
 
-def _hold_rank(due_at_ms: float | None, expires_at_ms: float | None) -> float:
-    """``_Pin.hold_rank`` of a hold due back at ``due_at_ms`` and lapsing at ``expires_at_ms``."""
-    if due_at_ms is not None:
-        return due_at_ms
+def _hold_rank(expected: ExpectedReturn | None, expires_at_ms: float | None) -> float:
+    """``_Pin.hold_rank`` of a hold expected back as ``expected`` says, lapsing at ``expires_at_ms``."""
+    if expected is not None:
+        return expected.rank_ms(time.time() * 1000.0)
     return float("inf") if expires_at_ms is None else float(expires_at_ms)
 
 
@@ -490,23 +534,33 @@ class EngineLoop:
 
     async def prefetch(
         self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None,
-        *, hold_s: float | None = None, due_s: float | None = None,
+        *, hold_s: float | None = None, due_s: float | None = None, away_s: float | None = None,
+        spread: float | None = None,
     ) -> MoveOutcome:
         """Promote the listed (or the session's) lower-tier pages into HBM, cached and idle;
         a session's are held there up to ``hold_s`` seconds (``_hold_session``), ranked by
-        ``due_s``, when the session is expected back. Returns once they are there
-        (``start_prefetch`` returns once the transfers are submitted)."""
-        return await (await self.start_prefetch(digest, keys, session, hold_s=hold_s, due_s=due_s))
+        when the session is expected back: in ``due_s`` (the prediction's median), or, with
+        how long it has been away (``away_s``) and the prediction's ``spread``, by the median
+        of its return given it has not returned yet (``ExpectedReturn``). Returns once they
+        are there (``start_prefetch`` returns once the transfers are submitted)."""
+        return await (await self.start_prefetch(digest, keys, session, hold_s=hold_s, due_s=due_s,
+                                                away_s=away_s, spread=spread))
 
     async def start_prefetch(
         self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None,
-        *, hold_s: float | None = None, due_s: float | None = None,
+        *, hold_s: float | None = None, due_s: float | None = None, away_s: float | None = None,
+        spread: float | None = None,
     ) -> asyncio.Future[MoveOutcome]:
         """Submit ``prefetch``'s transfers; the engine keeps stepping while they run. The
         returned future resolves with the outcome once they are applied (and the hold taken)."""
         done: asyncio.Future[MoveOutcome] = asyncio.get_running_loop().create_future()
-        due_at_ms = time.time() * 1000.0 + due_s * 1000.0 if due_s is not None else None
-        await self._call(lambda: self._prefetch(digest, keys, session, hold_s, done, due_at_ms=due_at_ms))
+        expected = None
+        if due_s is not None:
+            now_ms = time.time() * 1000.0
+            away_since_ms = now_ms - away_s * 1000.0 if away_s is not None and spread is not None else None
+            expected = ExpectedReturn(now_ms + due_s * 1000.0, away_since_ms,
+                                      spread if away_since_ms is not None else None)
+        await self._call(lambda: self._prefetch(digest, keys, session, hold_s, done, expected=expected))
         return done
 
     async def drop_session(self, digest: NamespaceDigest, session: SessionId) -> DropOutcome:
@@ -1213,7 +1267,7 @@ class EngineLoop:
 
     def _prefetch(
         self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None, hold_s: float | None,
-        done: asyncio.Future[MoveOutcome], since: float | None = None, *, due_at_ms: float | None = None,
+        done: asyncio.Future[MoveOutcome], since: float | None = None, *, expected: ExpectedReturn | None = None,
     ) -> None:
         chain = self._resolve(digest, keys, session)
         # Room first, in the background (module doc): the pages coming up need free HBM pages,
@@ -1222,13 +1276,13 @@ class EngineLoop:
         since = now if since is None else since
         rank = None  # the hold the pages will have: only weaker holds yield to them
         if session is not None and hold_s:
-            rank = _hold_rank(due_at_ms, time.time() * 1000.0 + hold_s * 1000.0)
+            rank = _hold_rank(expected, time.time() * 1000.0 + hold_s * 1000.0)
         if now - since < MAX_PREFETCH_ROOM_WAIT_S and self._needs_room(
             sum(n.tier is not Tier.HBM for n in chain), rank=rank
         ):
             self._moves.add(done)
             self._deferred.append(
-                (lambda: self._prefetch(digest, keys, session, hold_s, done, since, due_at_ms=due_at_ms), done))
+                (lambda: self._prefetch(digest, keys, session, hold_s, done, since, expected=expected), done))
             return
         ticket = self._tiers().start_prefetch(chain)
         if session is None or not hold_s:
@@ -1241,7 +1295,7 @@ class EngineLoop:
             # cached its pages as usual) or the session ended meanwhile.
             if self._sessions.get(session) is pages:
                 self._hold_session(digest, session, chain, hold_s, num_moved=ticket.outcome.num_moved,
-                                   due_at_ms=due_at_ms)
+                                   expected=expected)
 
         self._track(ticket, done, hold)
 
@@ -1369,7 +1423,7 @@ class EngineLoop:
         # prefetch that never went down.
         if self._sessions.get(session) is pages and hold_s > 0 and _hold_id(session) not in self._pins:
             self._hold_session(pin.digest, session, self._cached_chain(pages.page_keys), hold_s,
-                               num_moved=max(outcome.num_moved, pin.num_moved), due_at_ms=pin.due_at_ms)
+                               num_moved=max(outcome.num_moved, pin.num_moved), expected=pin.expected)
 
     def _retry_deferred(self) -> None:
         """Commanded prefetches waiting for room (``_prefetch``), in order."""
@@ -1383,10 +1437,10 @@ class EngineLoop:
 
     def _hold_session(
         self, digest: NamespaceDigest, session: SessionId, chain: list[RadixNode], hold_s: float,
-        *, num_moved: int = 0, due_at_ms: float | None = None,
+        *, num_moved: int = 0, expected: ExpectedReturn | None = None,
     ) -> None:
         """Keep a prefetched session's pages in HBM until it is back (at most ``hold_s``;
-        ``due_at_ms``: when it is expected back, which ranks the hold).
+        ``expected``: when it is expected back, which ranks the hold).
 
         A prefetch lands ahead of the session's return; idle, and last touched before
         everything that ran since, its pages would be the first an eviction takes: brought
@@ -1417,7 +1471,7 @@ class EngineLoop:
             self.hold_outcomes["unheld"] += 1
             log.info("session not held: none of its pages is in HBM", extra={"session_id": session})
             return
-        pin = _Pin(digest, [held], round(time.time() * 1000.0 + hold_s * 1000.0), due_at_ms=due_at_ms,
+        pin = _Pin(digest, [held], round(time.time() * 1000.0 + hold_s * 1000.0), expected=expected,
                    num_moved=num_moved)
         room = self.hold_cap_pages
         weaker = sorted(

@@ -359,10 +359,12 @@ class WorkerLink:
         # The deadline is when the session is back at the latest: the pages are held in HBM until
         # then, so an eviction meanwhile does not undo the prefetch. When it is expected back
         # ranks the hold against others (the one due back last yields first).
+        # How long the session has been away and the prediction's spread rank it once overdue.
         hold_s = body.deadline_ms / 1000.0 if body.deadline_ms else None
         due_s = body.return_in_ms / 1000.0 if body.return_in_ms is not None else None
+        away_s = body.away_ms / 1000.0 if body.away_ms is not None else None
         return await self._loop.start_prefetch(body.namespace_digest, body.page_keys, body.session_id,
-                                               hold_s=hold_s, due_s=due_s)
+                                               hold_s=hold_s, due_s=due_s, away_s=away_s, spread=body.return_spread)
 
     def _ack_when_applied(self, command: ControllerCommand, applied: asyncio.Future[MoveOutcome]) -> None:
         """Ack ``command`` on this stream once its move is applied, without holding up the

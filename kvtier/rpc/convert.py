@@ -219,6 +219,14 @@ def _optional_duration(msg: Any, name: str, path: str, *, unit_ms: int = 1) -> i
     return value
 
 
+def _optional_spread(msg: Any, name: str, path: str) -> float | None:
+    """A proto3 ``optional`` sigma of a log-normal spread: finite and > 0 when set."""
+    value = _optional(msg, name)
+    if value is not None and not (math.isfinite(value) and value > 0.0):
+        raise _invalid(_join(path, name), f"must be a finite number > 0, got {value}")
+    return value
+
+
 def _required_message(msg: Any, name: str, path: str) -> Any:
     if not msg.HasField(name):
         raise _invalid(_join(path, name), "must be set")
@@ -1121,6 +1129,8 @@ def to_proto_prefetch_command(command: PrefetchCommand) -> worker_link_pb2.Prefe
         deadline_ms=command.deadline_ms,
         session_id=command.session_id or "",
         return_in_ms=command.return_in_ms,
+        away_ms=command.away_ms,
+        return_spread=command.return_spread,
     )
 
 
@@ -1138,6 +1148,8 @@ def from_proto_prefetch_command(
         deadline_ms=_optional(msg, "deadline_ms"),
         session_id=SessionId(session_id) if session_id else None,
         return_in_ms=_optional_duration(msg, "return_in_ms", path),
+        away_ms=_optional_duration(msg, "away_ms", path),
+        return_spread=_optional_spread(msg, "return_spread", path),
     )
 
 

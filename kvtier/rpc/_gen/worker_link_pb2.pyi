@@ -155,20 +155,24 @@ class DemoteCommand(_message.Message):
     def __init__(self, namespace_digest: _Optional[bytes] = ..., page_keys: _Optional[_Iterable[bytes]] = ..., target_tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., session_id: _Optional[str] = ..., whole_namespace: _Optional[bool] = ...) -> None: ...
 
 class PrefetchCommand(_message.Message):
-    __slots__ = ("namespace_digest", "page_keys", "target_tier", "deadline_ms", "session_id", "return_in_ms")
+    __slots__ = ("namespace_digest", "page_keys", "target_tier", "deadline_ms", "session_id", "return_in_ms", "away_ms", "return_spread")
     NAMESPACE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PAGE_KEYS_FIELD_NUMBER: _ClassVar[int]
     TARGET_TIER_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RETURN_IN_MS_FIELD_NUMBER: _ClassVar[int]
+    AWAY_MS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_SPREAD_FIELD_NUMBER: _ClassVar[int]
     namespace_digest: bytes
     page_keys: _containers.RepeatedScalarFieldContainer[bytes]
     target_tier: _common_pb2.Tier
     deadline_ms: int
     session_id: str
     return_in_ms: int
-    def __init__(self, namespace_digest: _Optional[bytes] = ..., page_keys: _Optional[_Iterable[bytes]] = ..., target_tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., deadline_ms: _Optional[int] = ..., session_id: _Optional[str] = ..., return_in_ms: _Optional[int] = ...) -> None: ...
+    away_ms: int
+    return_spread: float
+    def __init__(self, namespace_digest: _Optional[bytes] = ..., page_keys: _Optional[_Iterable[bytes]] = ..., target_tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., deadline_ms: _Optional[int] = ..., session_id: _Optional[str] = ..., return_in_ms: _Optional[int] = ..., away_ms: _Optional[int] = ..., return_spread: _Optional[float] = ...) -> None: ...
 
 class DropCommand(_message.Message):
     __slots__ = ("namespace_digest", "page_keys", "session_id", "whole_namespace")
