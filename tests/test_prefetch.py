@@ -520,7 +520,7 @@ async def test_an_overdue_session_ranks_by_the_return_still_to_come(tmp_path, mo
     """A hold ranks by when its session is expected back. Once the session is overdue that is
     not its passed median: given that it has not returned, the median of its return moves out
     with the tail (``ExpectedReturn``). Paused 10 s ago and expected back at 10.05 s (sigma
-    0.4), by 10.3 s it is expected back ~2.9 s later still, so a session due back in 1 s takes
+    0.4), by 10.35 s it is expected back ~3 s later still, so a session due back in 1 s takes
     its place at the holds' cap. Without the spread (an older controller) the passed median
     still ranks it first, and the session due back in 1 s is not held."""
     import kvtier.worker.engine_loop as engine_loop
