@@ -235,6 +235,9 @@ class ExpectedReturn:
         return self.away_since_ms + conditional_median_ms(median, now_ms - self.away_since_ms, self.spread)
 
 
+_UNIT_NORMAL = NormalDist()
+
+
 def conditional_median_ms(median_ms: float, elapsed_ms: float, sigma: float) -> float:
     """Median of a log-normal duration (median ``median_ms``, sigma ``sigma`` of its log) given
     that it has lasted ``elapsed_ms`` already: the point where the survival is half of what it
@@ -247,9 +250,6 @@ def conditional_median_ms(median_ms: float, elapsed_ms: float, sigma: float) -> 
     else:  # the survival is under 1e-9: a double cannot halve it, its tail can (ln S ~ -z^2 / 2)
         z_half = math.sqrt(z * z + 2.0 * math.log(2.0))
     return max(elapsed_ms, median_ms * math.exp(sigma * z_half))
-
-
-_UNIT_NORMAL = NormalDist()
 
 
 @dataclass(slots=True, eq=False)
@@ -557,9 +557,9 @@ class EngineLoop:
         expected = None
         if due_s is not None:
             now_ms = time.time() * 1000.0
-            away_since_ms = now_ms - away_s * 1000.0 if away_s is not None and spread is not None else None
-            expected = ExpectedReturn(now_ms + due_s * 1000.0, away_since_ms,
-                                      spread if away_since_ms is not None else None)
+            expected = ExpectedReturn(now_ms + due_s * 1000.0)
+            if away_s is not None and spread is not None:
+                expected = ExpectedReturn(expected.due_at_ms, now_ms - away_s * 1000.0, spread)
         await self._call(lambda: self._prefetch(digest, keys, session, hold_s, done, expected=expected))
         return done
 
@@ -1474,9 +1474,10 @@ class EngineLoop:
         pin = _Pin(digest, [held], round(time.time() * 1000.0 + hold_s * 1000.0), expected=expected,
                    num_moved=num_moved)
         room = self.hold_cap_pages
-        weaker = sorted(
-            (p for p, h in self._pins.items() if p.startswith(HOLD_PREFIX) and h.hold_rank() > pin.hold_rank()),
-            key=lambda p: self._pins[p].hold_rank(), reverse=True)  # the weakest goes first
+        # One rank per hold for this decision: an overdue hold's rank moves with the clock.
+        rank = pin.hold_rank()
+        ranks = {p: h.hold_rank() for p, h in self._pins.items() if p.startswith(HOLD_PREFIX)}
+        weaker = sorted((p for p, r in ranks.items() if r > rank), key=ranks.__getitem__, reverse=True)  # weakest first
         displaced: list[PinId] = []
         held_keys = self._held_keys()
         while self._num_new_held(held, held_keys) + len(held_keys) > room and len(displaced) < len(weaker):
