@@ -36,6 +36,8 @@ per pause; T = predicted pause, B = the session's bytes):
     soon as the demotion lands, two copies for nothing), and
     promote_s < recompute_s (otherwise dropping would be cheaper than the round trip), and
     the session's pages leave the tier at or below its policy ``high`` watermark
+    (hbm_occupancy counts HBM pages with an intact copy below as free, ``reclaimable_pages``:
+    any allocation takes them at no copy, decision 0012 revision 2)
 
 Transfer seconds come from configured/measured bandwidth; recompute seconds from the
 model geometry (``CostModel``). Anti-thrash: a token bucket of bytes per (worker, lower
@@ -256,7 +258,9 @@ def choose_tier(
     num_bytes = num_pages * page_bytes
     hbm = occupancy.get(Tier.HBM)
     hbm_bytes = max(1, (hbm.total_pages if hbm else num_pages) * page_bytes)
-    hbm_busy = 1.0 - hbm.free_pages / hbm.total_pages if hbm and hbm.total_pages else 0.0
+    # Pages with an intact copy below are as good as free: any allocation takes them at no copy.
+    hbm_free = hbm.free_pages + hbm.reclaimable_pages if hbm else 0
+    hbm_busy = 1.0 - hbm_free / hbm.total_pages if hbm and hbm.total_pages else 0.0
     costs = {Tier.HBM: num_bytes / hbm_bytes * pause_s * (params.hbm_idle_price + hbm_busy)}
     promote = {Tier.HBM: 0.0}
     recompute_s = cost_model.prefix_recompute_s(max(num_pages, 1))

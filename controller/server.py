@@ -101,8 +101,9 @@ def _version() -> str:
 def _sum_tiers(occupancies: list[TierOccupancy]) -> tuple[TierOccupancy, ...]:
     totals: dict[Tier, list[int]] = {}
     for o in occupancies:
-        t = totals.setdefault(o.tier, [0, 0, 0, 0, 0])
-        for i, n in enumerate((o.total_pages, o.free_pages, o.cached_pages, o.in_use_pages, o.pinned_pages)):
+        t = totals.setdefault(o.tier, [0, 0, 0, 0, 0, 0])
+        for i, n in enumerate((o.total_pages, o.free_pages, o.cached_pages, o.in_use_pages, o.pinned_pages,
+                               o.reclaimable_pages)):
             t[i] += n
     return tuple(TierOccupancy(tier, *totals[tier]) for tier in sorted(totals))
 

@@ -257,7 +257,7 @@ def _sum_tiers(workers: tuple[WorkerInfo, ...]) -> dict[Tier, dict[str, Any]]:
     return totals
 
 
-_OCCUPANCY_FIELDS = ("total_pages", "free_pages", "cached_pages", "in_use_pages", "pinned_pages")
+_OCCUPANCY_FIELDS = ("total_pages", "free_pages", "cached_pages", "in_use_pages", "pinned_pages", "reclaimable_pages")
 
 
 def _tier_row(tier: Tier, counts: dict[str, Any]) -> dict[str, Any]:
@@ -276,7 +276,8 @@ def tiers_command(
     timeout_s: TimeoutOption = 10.0,
     as_json: JsonOption = False,
 ) -> None:
-    """Tier occupancy: pages free, cached, in use and pinned, summed over workers and per worker.
+    """Tier occupancy: pages free, cached (and of those reclaimable: free to take at no copy), in use
+    and pinned, summed over workers and per worker.
 
     [bold]Examples[/bold]
 
@@ -293,7 +294,7 @@ def tiers_command(
     if as_json:
         print_json({"tiers": summed, "workers": per_worker})
         return
-    columns = ("tier", "capacity", "total", "free", "cached", "in use", "pinned", "used")
+    columns = ("tier", "capacity", "total", "free", "cached", "reclaimable", "in use", "pinned", "used")
     console = _console()
     for title, rows in [("all workers", summed), *((f"worker {wid}", rows) for wid, rows in per_worker.items())]:
         table = Table(title=f"tiers: {title}")
@@ -306,6 +307,7 @@ def tiers_command(
                 f"{r['total_pages']:,}",
                 f"{r['free_pages']:,}",
                 f"{r['cached_pages']:,}",
+                f"{r['reclaimable_pages']:,}",
                 f"{r['in_use_pages']:,}",
                 f"{r['pinned_pages']:,}",
                 f"{r['used_fraction']:.1%}",

@@ -145,6 +145,9 @@ class RadixIndex:
         # (False: nothing below has room and dropping would take a pinned page along).
         self.release_lower: Callable[[RadixNode], None] | None = None
         self.spill: Callable[[RadixNode], bool] | None = None
+        # Frees one HBM page at no copy, if one can be (the tier manager's clean pages): tried
+        # before the policy's victim is spilled.
+        self.reclaim: Callable[[], bool] | None = None
         # Set by a quota tracker: told of each node that becomes evictable (with its priority),
         # and asked to free one of an allocating namespace's own HBM pages when its tenant would
         # pass its quota (given the pages the allocating sequence is about to cache).
@@ -436,6 +439,9 @@ class RadixIndex:
         kept: list[RadixNode] = []
         while freed < num_pages:
             if self.free_own_page is not None and namespace is not None and self.free_own_page(namespace, num_pending):
+                freed += 1
+                continue
+            if self.reclaim is not None and self.reclaim():
                 freed += 1
                 continue
             victims = self.pop_victims(Tier.HBM, 1)

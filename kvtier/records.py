@@ -78,6 +78,7 @@ class TierOccupancy:
     cached_pages: int
     in_use_pages: int
     pinned_pages: int = 0
+    reclaimable_pages: int = 0  # cached pages free to take at no copy (a copy lies below)
 
     @property
     def used_fraction(self) -> float:

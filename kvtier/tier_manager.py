@@ -5,9 +5,12 @@ Three paths, all applied to the radix index only once the bytes are where it say
 - **Watermark demotion** (asynchronous): when a tier's free pages fall below
   ``1 − high``, its coldest evictable pages are copied one tier down by the transfer
   engine until ``1 − low`` is free again. Decode keeps stepping meanwhile; a page that a
-  sequence picked up again before the copy finished stays where it is.
-- **Spill** (synchronous fallback): an allocation that finds no free HBM page moves one
-  victim down at once instead of dropping it; with no room below, the victim is dropped.
+  sequence picked up again before the copy finished stays where it is. In HBM a *clean* page
+  (an intact copy below: a shadow) counts as free, and only pages without a copy are copied
+  down: a clean page leaves at no cost when its room is needed (``num_reclaimable``).
+- **Spill** (synchronous fallback): an allocation that finds no free HBM page first takes a
+  clean one (``reclaim_clean``: back onto its copy, no bytes), else moves one victim down at
+  once instead of dropping it; with no room below, the victim is dropped.
 - **Promotion on hit**: matched pages in DRAM/NVMe are copied into HBM before prefill,
   each verified against the checksum it carried since it left HBM. A mismatch drops
   that page and everything below it (the engine recomputes them) — wrong bytes are
@@ -262,8 +265,10 @@ class TierManager:
         # Oldest first per tier (an allocation there takes the oldest); a key has at most one.
         self._shadows: dict[Tier, OrderedDict[PageKey, _Shadow]] = {Tier.DRAM: OrderedDict(), Tier.NVME: OrderedDict()}
         self._keep_shadow: RadixNode | None = None  # a promotion in progress keeps its page below
+        self._num_clean_takeable: int | None = None  # ``num_reclaimable``'s count; None: count again
         index.release_lower = self._release_lower
         index.spill = self.spill
+        index.reclaim = None if config.simulate else self.reclaim_clean
         index.on_remove.append(self._free_shadow)
         index.on_move.append(self._on_moved)
         if self.nvme is not None:
@@ -299,7 +304,72 @@ class TierManager:
         pool = {Tier.HBM: self.hbm, Tier.DRAM: self.dram, Tier.NVME: self.nvme}[tier]
         if pool is None:
             return 0
+        if tier is Tier.HBM:
+            return self.num_reclaimable()
         return pool.num_free + self.num_shadows(tier)  # shadows give way
+
+    def num_reclaimable(self, *, fresh: bool = False) -> int:
+        """HBM pages an allocation can have without copying a byte: the free ones, and the idle
+        ones whose copy below is intact (clean) with nothing under them in HBM that must stay
+        (leaves leave first: a clean page above a held or uncopied page is not free to take).
+
+        The clean part is counted once per engine step (``maintain``) and again after this
+        manager changes which pages have copies; ``fresh`` counts it now (after pins or holds
+        changed). Counting is O(clean pages): ~1 µs each in Python (decision 0012, revision 2)."""
+        if fresh or self._num_clean_takeable is None:
+            self._num_clean_takeable = self._count_clean_takeable()
+        return self.hbm.num_free + self._num_clean_takeable
+
+    def _count_clean_takeable(self) -> int:
+        ref_count = self.hbm.ref_count
+        idle: dict[PageKey, RadixNode] = {}
+        for shadows in self._shadows.values():
+            for key, shadow in shadows.items():
+                node = shadow.node
+                if node.tier is Tier.HBM and not node.pins and not node.moving and ref_count(PageId(node.page)) == 0:
+                    idle[key] = node
+        # Peel from the leaves up: a page is free to take once every child it has in HBM is.
+        stack = [n for n in idle.values() if n.child_tiers[Tier.HBM - 1] == 0]
+        left: dict[PageKey, int] = {}
+        taken = 0
+        while stack:
+            node = stack.pop()
+            taken += 1
+            parent = node.parent
+            if parent is not None and parent.key in idle:
+                left[parent.key] = left.get(parent.key, parent.child_tiers[Tier.HBM - 1]) - 1
+                if left[parent.key] == 0:
+                    stack.append(parent)
+        return taken
+
+    def reclaim_clean(self, *, search: int = 32) -> bool:
+        """Free one HBM page at no copy: the coldest of the ``search`` coldest idle pages whose
+        copy below is intact goes back onto it. False when none of them has one."""
+        if not self._shadows[Tier.DRAM] and not self._shadows[Tier.NVME]:
+            return False
+        skipped: list[RadixNode] = []
+        chosen: RadixNode | None = None
+        while chosen is None and len(skipped) < search:
+            popped = self.index.pop_victims(Tier.HBM, 1)
+            if not popped:
+                break
+            if self._shadow_of(popped[0].key) is not None:
+                chosen = popped[0]
+            else:
+                skipped.append(popped[0])
+        for node in skipped:
+            self.index.requeue(node)
+        if chosen is None:
+            return False
+        counted = self._num_clean_takeable
+        shadow = self._take_shadow(chosen, Tier.DRAM) or self._take_shadow(chosen, Tier.NVME)
+        if shadow is None:
+            self.index.requeue(chosen)
+            return False
+        self._onto_shadow(shadow)
+        if counted:  # one clean page fewer, one free page more (its parent may be takeable now: a
+            self._num_clean_takeable = counted - 1  # count that never overstates)
+        return True
 
     # ---- copies below of promoted pages (shadows) --------------------------------------
     def _move_up(self, node: RadixNode, page: int) -> None:
@@ -317,11 +387,13 @@ class TierManager:
 
     def _add_shadow(self, shadow: _Shadow) -> None:
         self._shadows[shadow.tier][shadow.node.key] = shadow
+        self._num_clean_takeable = None
 
     def _shadow_of(self, key: PageKey) -> _Shadow | None:
         return self._shadows[Tier.DRAM].get(key) or self._shadows[Tier.NVME].get(key)
 
     def _pop_shadow(self, shadow: _Shadow) -> _Shadow:
+        self._num_clean_takeable = None
         return self._shadows[shadow.tier].pop(shadow.node.key)
 
     def _on_moved(self, node: RadixNode, old: Tier) -> None:
@@ -338,6 +410,7 @@ class TierManager:
         """Free the oldest shadow in ``tier`` (an allocation there found no free page)."""
         if not self._shadows[tier]:
             return False
+        self._num_clean_takeable = None
         _, shadow = self._shadows[tier].popitem(last=False)
         self._release_copy(shadow.tier, shadow.page)
         return True
@@ -529,6 +602,7 @@ class TierManager:
         """Apply finished transfers, then start demotions where a tier is above its watermark."""
         if self.config.simulate:
             return
+        self._num_clean_takeable = None  # pages were taken, released and pinned since the last step
         self.poll()
         self._demote_over_watermark(Tier.HBM, self.config.hbm_watermark, Tier.DRAM if self.dram else Tier.NVME)
         if self.dram is not None:
@@ -538,17 +612,36 @@ class TierManager:
         capacity = self.capacity(tier)
         if capacity == 0 or not self.is_usable(dst):
             return
-        if capacity - self._num_free(tier) <= mark.high * capacity:
+        pool = self.hbm if tier is Tier.HBM else self.dram
+        if pool is not None and capacity - pool.num_free <= mark.high * capacity:
+            return  # the common case, without counting what else is free to take
+        free = self._num_free(tier)
+        if capacity - free <= mark.high * capacity:
             return
         in_flight = sum(len(p.nodes) for p in self._pending.values() if p.src is tier)
-        want = math.ceil((1.0 - mark.low) * capacity) - self._num_free(tier) - in_flight
+        want = math.ceil((1.0 - mark.low) * capacity) - free - in_flight
         if want > 0:
-            self.demote(tier, dst, min(want, self.config.max_batch_pages), TransferReason.WATERMARK)
+            self.demote(tier, dst, min(want, self.config.max_batch_pages), TransferReason.WATERMARK,
+                        dirty_only=tier is Tier.HBM)
 
-    def demote(self, src: Tier, dst: Tier, num_pages: int, reason: TransferReason) -> int:
+    def demote(self, src: Tier, dst: Tier, num_pages: int, reason: TransferReason, *, dirty_only: bool = False) -> int:
         """Start moving up to ``num_pages`` of ``src``'s coldest idle pages to ``dst``; returns
-        how many are leaving (or, demoted onto their DRAM copy, already left)."""
-        victims = self._with_ancestors(self.index.pop_victims(src, num_pages), src, num_pages)
+        how many are leaving (or, demoted onto their DRAM copy, already left). ``dirty_only``:
+        only pages with no copy below (a clean page is reclaimed when its room is needed)."""
+        if dirty_only:
+            picked: list[RadixNode] = []
+            clean: list[RadixNode] = []
+            while len(picked) < num_pages:
+                popped = self.index.pop_victims(src, num_pages - len(picked))
+                if not popped:
+                    break
+                for node in popped:
+                    (clean if self._shadow_of(node.key) is not None else picked).append(node)
+            for node in clean:
+                self.index.requeue(node)
+            victims = self._with_ancestors(picked, src, num_pages, dirty_only=True)
+        else:
+            victims = self._with_ancestors(self.index.pop_victims(src, num_pages), src, num_pages)
         nodes, dsts = [], []
         shadowed: list[_Shadowed] = []
         for node in victims:
@@ -597,7 +690,7 @@ class TierManager:
             ticket.num_open += 1
         return transfer.transfer_id
 
-    def _with_ancestors(self, victims: list[RadixNode], tier: Tier, limit: int) -> list[RadixNode]:
+    def _with_ancestors(self, victims: list[RadixNode], tier: Tier, limit: int, *, dirty_only: bool = False) -> list[RadixNode]:
         """Extend leaf victims upwards: a parent whose same-tier children all go in this
         batch can go too. Deepest first, so applying in order never puts a child above
         its parent's tier."""
@@ -612,6 +705,7 @@ class TierManager:
                     or node.moving
                     or (tier is Tier.HBM and self.hbm.ref_count(PageId(node.page)) > 0)
                     or any(c.key not in chosen for c in same_or_faster)
+                    or (dirty_only and self._shadow_of(node.key) is not None)
                 ):
                     break
                 chosen[node.key] = node

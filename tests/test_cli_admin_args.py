@@ -299,7 +299,7 @@ def test_json_of_records_uses_tier_labels_enum_values_and_hex() -> None:
     doc = json.loads(json.dumps(jsonable({"s": info, "o": occupancy, "p": policy, "d": b"\x01\xff"})))
     assert doc["s"]["state"] == "paused" and doc["s"]["parked_tier"] == "dram" and doc["s"]["worker_id"] is None
     assert doc["o"] == {"tier": "nvme", "total_pages": 10, "free_pages": 4, "cached_pages": 3, "in_use_pages": 3,
-                        "pinned_pages": 1}
+                        "pinned_pages": 1, "reclaimable_pages": 0}
     assert doc["p"]["watermarks"] == {"hbm": {"high": 0.9, "low": 0.8}} and doc["p"]["budget_bytes_per_s"] == {"dram": 5}
     assert doc["d"] == "01ff"
 

@@ -71,6 +71,7 @@ occupancies = st.builds(
     cached_pages=U64,
     in_use_pages=U64,
     pinned_pages=U64,
+    reclaimable_pages=U64,
 )
 occupancy_lists = st.lists(occupancies, max_size=3, unique_by=lambda o: o.tier).map(tuple)
 capacities = st.builds(r.TierCapacity, tier=TIER, capacity_pages=U64, capacity_bytes=U64)

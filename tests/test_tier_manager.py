@@ -550,3 +550,87 @@ def test_a_page_promoted_from_nvme_goes_back_onto_its_slot_without_a_write(ckpt,
     assert_oracle(hf, again)
     engine.check_integrity()
     engine.close()
+
+
+def _clean_chain(engine, tokens: list[int], params) -> list:
+    """Compute ``tokens``, send every idle page to DRAM, and bring its full pages back up: they
+    are in HBM with an intact copy below (clean). Returns the full pages' nodes, root first."""
+    engine.generate([tokens], params)
+    engine.tiers.demote_all(Tier.DRAM)
+    full = len(tokens) // PS * PS
+    again = engine.generate([tokens[:full] + [1]], params)[0]
+    assert again.num_promoted_tokens == full
+    chain = [engine.index.get(k) for k in page_keys(engine.digest_for(None), tokens, PS)]
+    assert all(n is not None and n.tier is Tier.HBM and n.key in shadow_keys(engine) for n in chain)
+    return chain
+
+
+def test_the_watermark_leaves_clean_pages_in_hbm_and_an_allocation_takes_them_without_a_copy(ckpt, hf, tmp_path):
+    """An idle HBM page whose copy below is intact leaves at no cost whenever its room is
+    needed, so it counts as free: the watermark copies down only pages without a copy and
+    leaves the clean ones cached in HBM. An allocation that finds no free page then takes a
+    clean page onto its copy (no bytes move) before it spills one that must be copied. The
+    clean pages that stayed are still served from HBM, and outputs are the oracle's."""
+    config = TierConfig(dram_pages=128, hbm_watermark=Watermark(high=0.5, low=0.25))
+    engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=64, tier_config=config,
+                                    device=DEVICE, record_logits=True)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    base = prompt(40, seed=31)
+    chain = _clean_chain(engine, base, params)  # 10 clean pages
+    assert engine.tiers.num_reclaimable(fresh=True) >= engine.pool.num_free + len(chain)
+    for s in range(4):  # dirty pages (computed here, no copy below) push HBM over its high mark
+        engine.generate([prompt(36, seed=40 + s)], params)
+    for _ in range(3):
+        engine.step()
+        engine.tiers.wait_idle()
+    assert engine.index.count_by_tier()[Tier.DRAM] > 0  # dirty pages went down (copied)
+    assert all(n.tier is Tier.HBM for n in chain)  # the clean ones stayed
+    assert engine.tiers.num_reclaimable(fresh=True) >= 0.75 * 64 - 1  # the low mark, counting them as free
+    assert engine.pool.num_free < 0.75 * 64 - 1
+    engine.check_integrity()
+
+    # An allocation beyond the free pages takes clean pages, coldest first, at no copy.
+    down, without_copy = _bytes_down(engine), engine.tiers.counters.demotions_without_copy
+    big = prompt(4 * (engine.pool.num_free + 6), seed=50)
+    out = engine.generate([big], params)[0]
+    taken = engine.tiers.counters.demotions_without_copy - without_copy
+    assert taken >= 6 and _bytes_down(engine) == down
+    assert out.token_ids == plain(ckpt).generate([big], params)[0].token_ids
+    assert_oracle(hf, out)
+    engine.check_integrity()
+
+    # The chain's deepest pages went first (leaves leave first); the rest are still hits in
+    # HBM, and the ones that went come back from their copies.
+    kept = [n for n in chain if n.tier is Tier.HBM]
+    assert 0 < len(kept) < len(chain) and chain[: len(kept)] == kept
+    follow = base + [2]
+    again = engine.generate([follow], params)[0]
+    assert again.num_cached_tokens == len(chain) * PS
+    assert again.num_promoted_tokens == (len(chain) - len(kept)) * PS
+    assert again.token_ids == plain(ckpt).generate([follow], params)[0].token_ids
+    engine.check_integrity()
+    engine.close()
+
+
+def test_a_clean_page_above_a_held_or_uncopied_page_is_not_free_to_take(ckpt, tmp_path):
+    """Leaves leave HBM first, so a clean page counts as free only when everything under it in
+    HBM is clean and idle too: not above a page computed since (no copy below), nor above a
+    pinned page (a session's hold pins only its deepest page)."""
+    engine = tiered(ckpt, tmp_path, nvme=0)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    base = prompt(16, seed=33)
+    chain = _clean_chain(engine, base, params)  # 4 clean pages
+    free = engine.pool.num_free
+    assert engine.tiers.num_reclaimable(fresh=True) == free + len(chain)
+
+    engine.index.pin(chain[-1].key)  # a hold on the deepest keeps the chain above it
+    assert engine.tiers.num_reclaimable(fresh=True) == free
+    engine.index.unpin(chain[-1].key)
+    assert engine.tiers.num_reclaimable(fresh=True) == free + len(chain)
+
+    engine.generate([base + prompt(4, seed=34)], SamplingParams(max_tokens=1, ignore_eos=True))
+    below = engine.index.get(page_keys(engine.digest_for(None), base + prompt(4, seed=34), PS)[len(chain)])
+    assert below is not None and below.tier is Tier.HBM and below.key not in shadow_keys(engine)
+    assert engine.tiers.num_reclaimable(fresh=True) == engine.pool.num_free  # a page with no copy under them
+    engine.check_integrity()
+    engine.close()

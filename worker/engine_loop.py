@@ -771,7 +771,7 @@ class EngineLoop:
         ps = self.engine.pool.page_size
         num_tokens = len(run.request.prompt_token_ids) + min(run.request.sampling.max_tokens, ps)
         in_hbm = next((i for i, n in enumerate(chain) if n.tier is not Tier.HBM), len(chain))
-        return -(-num_tokens // ps) - in_hbm - self.engine.pool.num_free
+        return -(-num_tokens // ps) - in_hbm - self._free_hbm()
 
     def _admit_awaiting(self) -> None:
         """Add each waiting request that has its room and its pages in HBM (module doc); for
@@ -1004,6 +1004,7 @@ class EngineLoop:
             cached_pages=counts.cached,
             in_use_pages=counts.in_use,
             pinned_pages=counts.pinned,
+            reclaimable_pages=self._free_hbm() - counts.free,
         )
         tiers = [hbm]
         manager = self.engine.tiers
@@ -1302,8 +1303,14 @@ class EngineLoop:
     def _needs_room(self, num_pages: int, *, rank: float | None = None) -> bool:
         """Fewer than ``num_pages`` free HBM pages, and room for them on its way (``_make_room``;
         ``rank``: that of the hold the pages will have, so only weaker holds yield to them)."""
-        short = num_pages - self.engine.pool.num_free
+        short = num_pages - self._free_hbm(fresh=True)
         return short > 0 and self._make_room(short, weaker_than=rank)
+
+    def _free_hbm(self, *, fresh: bool = False) -> int:
+        """HBM pages free to take at no copy: free, or idle with an intact copy below
+        (``TierManager.num_reclaimable``; ``fresh``: counted now, not at the step's start)."""
+        tiers = self.engine.tiers
+        return self.engine.pool.num_free if tiers is None else tiers.num_reclaimable(fresh=fresh)
 
     def _lower_tier(self) -> Tier | None:
         tiers = self._tiers()
@@ -1330,11 +1337,16 @@ class EngineLoop:
             return False
         if protect is not None:
             protect()
-        freed = tiers.demote(Tier.HBM, lower, more, TransferReason.WATERMARK)
+        freed = tiers.demote(Tier.HBM, lower, more, TransferReason.WATERMARK, dirty_only=True)
         started, more = freed > 0, more - freed
-        while more > 0 and self._yield_hold(weaker_than):
-            freed = tiers.demote(Tier.HBM, lower, more, TransferReason.WATERMARK)
-            if freed == 0:
+        while more > 0:
+            before = tiers.num_reclaimable(fresh=True)
+            if not self._yield_hold(weaker_than):
+                break
+            gained = tiers.num_reclaimable(fresh=True) - before  # its clean pages are free to take now
+            more -= gained
+            freed = tiers.demote(Tier.HBM, lower, more, TransferReason.WATERMARK, dirty_only=True) if more > 0 else 0
+            if freed == 0 and gained == 0:
                 break  # the tier below is full, or the pages are on a move already
             started, more = True, more - freed
         return started

@@ -170,6 +170,7 @@ class WorkerMetrics:
                 ("cached", occ.cached_pages),
                 ("in_use", occ.in_use_pages),
                 ("pinned", occ.pinned_pages),
+                ("reclaimable", occ.reclaimable_pages),
             ):
                 yield Observation(value, {**self.attrs, "tier": tier, "state": state})
 

@@ -426,6 +426,7 @@ def to_proto_tier_occupancy(occupancy: TierOccupancy) -> common_pb2.TierOccupanc
         cached_pages=occupancy.cached_pages,
         in_use_pages=occupancy.in_use_pages,
         pinned_pages=occupancy.pinned_pages,
+        reclaimable_pages=occupancy.reclaimable_pages,
     )
 
 
@@ -437,6 +438,7 @@ def from_proto_tier_occupancy(msg: common_pb2.TierOccupancy, path: str = "") -> 
         cached_pages=msg.cached_pages,
         in_use_pages=msg.in_use_pages,
         pinned_pages=msg.pinned_pages,
+        reclaimable_pages=msg.reclaimable_pages,
     )
 
 

@@ -76,20 +76,22 @@ class TokensByTier(_message.Message):
     def __init__(self, hbm_tokens: _Optional[int] = ..., dram_tokens: _Optional[int] = ..., nvme_tokens: _Optional[int] = ...) -> None: ...
 
 class TierOccupancy(_message.Message):
-    __slots__ = ("tier", "total_pages", "free_pages", "cached_pages", "in_use_pages", "pinned_pages")
+    __slots__ = ("tier", "total_pages", "free_pages", "cached_pages", "in_use_pages", "pinned_pages", "reclaimable_pages")
     TIER_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
     IN_USE_PAGES_FIELD_NUMBER: _ClassVar[int]
     PINNED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    RECLAIMABLE_PAGES_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     total_pages: int
     free_pages: int
     cached_pages: int
     in_use_pages: int
     pinned_pages: int
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., in_use_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ...) -> None: ...
+    reclaimable_pages: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., in_use_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., reclaimable_pages: _Optional[int] = ...) -> None: ...
 
 class TierCapacity(_message.Message):
     __slots__ = ("tier", "capacity_pages", "capacity_bytes")
