@@ -767,7 +767,8 @@ class EngineLoop:
 
     def _room_short(self, run: _Run, chain: list[RadixNode]) -> int:
         """HBM pages the request's admission would have to free by spilling on the engine
-        thread: the pages it allocates (promoted, new, its first output's) beyond the free ones."""
+        thread: the pages it allocates (promoted, new, its first output's) beyond those free to
+        take (free, or clean: going back onto their copy below moves no bytes)."""
         ps = self.engine.pool.page_size
         num_tokens = len(run.request.prompt_token_ids) + min(run.request.sampling.max_tokens, ps)
         in_hbm = next((i for i, n in enumerate(chain) if n.tier is not Tier.HBM), len(chain))
@@ -1301,8 +1302,9 @@ class EngineLoop:
         self._track(ticket, done, hold)
 
     def _needs_room(self, num_pages: int, *, rank: float | None = None) -> bool:
-        """Fewer than ``num_pages`` free HBM pages, and room for them on its way (``_make_room``;
-        ``rank``: that of the hold the pages will have, so only weaker holds yield to them)."""
+        """Fewer than ``num_pages`` HBM pages free to take (free, or clean: ``_free_hbm``), and room
+        for them on its way (``_make_room``; ``rank``: that of the hold the pages will have, so only
+        weaker holds yield to them)."""
         short = num_pages - self._free_hbm(fresh=True)
         return short > 0 and self._make_room(short, weaker_than=rank)
 
