@@ -1341,11 +1341,14 @@ class EngineLoop:
             protect()
         freed = tiers.demote(Tier.HBM, lower, more, TransferReason.WATERMARK, dirty_only=True)
         started, more = freed > 0, more - freed
+        # Counted once per yield: a dirty-only demotion leaves the count as it is (its pages have
+        # no copy below, and the clean pages above them stay behind them while they move).
+        before = tiers.num_reclaimable(fresh=True) if more > 0 else 0
         while more > 0:
-            before = tiers.num_reclaimable(fresh=True)
             if not self._yield_hold(weaker_than):
                 break
-            gained = tiers.num_reclaimable(fresh=True) - before  # its clean pages are free to take now
+            after = tiers.num_reclaimable(fresh=True)
+            gained, before = after - before, after  # its clean pages are free to take now
             more -= gained
             freed = tiers.demote(Tier.HBM, lower, more, TransferReason.WATERMARK, dirty_only=True) if more > 0 else 0
             if freed == 0 and gained == 0:
