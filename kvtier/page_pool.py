@@ -101,6 +101,8 @@ class PagePool:
         self._num_cached_idle = 0
         # Called when a cached page drops to ref 0 (the index may now evict it).
         self.on_idle: Callable[[PageId], None] | None = None
+        # Called when an idle cached page is taken again (ref 0 -> 1).
+        self.on_held: Callable[[PageId], None] | None = None
 
     # ---- counts -------------------------------------------------------------------
     @property
@@ -166,6 +168,10 @@ class PagePool:
                 raise IntegrityError(f"acquire of free page {page}")
             self._num_cached_idle -= 1
             self._num_in_use += 1
+            self._ref[page] = 1
+            if self.on_held is not None:
+                self.on_held(page)
+            return
         self._ref[page] += 1
 
     def release(self, page: PageId) -> None:

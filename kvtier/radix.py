@@ -140,6 +140,8 @@ class RadixIndex:
         self.on_insert: list[Callable[[RadixNode], None]] = []
         self.on_remove: list[Callable[[RadixNode], None]] = []
         self.on_move: list[Callable[[RadixNode, Tier], None]] = []
+        # Told when a node's pins, or whether a sequence holds its HBM page, change.
+        self.on_hold: list[Callable[[RadixNode], None]] = []
         # Set by the tier manager: free a DRAM page / NVMe slot that a node leaves, and
         # free an HBM victim's page by moving it down or dropping it (True), or keep it
         # (False: nothing below has room and dropping would take a pinned page along).
@@ -154,6 +156,7 @@ class RadixIndex:
         self.on_evictable: Callable[[RadixNode, float], None] | None = None
         self.free_own_page: Callable[[NamespaceDigest, int], bool] | None = None
         pool.on_idle = self._page_became_idle
+        pool.on_held = self._page_became_held
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -331,6 +334,8 @@ class RadixIndex:
         node.pins += 1
         if node.tier is Tier.HBM:
             self.pool.pin(node.page)
+        for listener in self.on_hold:
+            listener(node)
 
     def unpin(self, key: PageKey) -> None:
         node = self._nodes[key]
@@ -340,6 +345,8 @@ class RadixIndex:
         if node.tier is Tier.HBM:
             self.pool.unpin(node.page)
         self._push_if_evictable(node)
+        for listener in self.on_hold:
+            listener(node)
 
     def expire_pins(self, now: float | None = None) -> int:
         """Release every timed pin whose deadline is at or before ``now`` (default: the
@@ -383,6 +390,14 @@ class RadixIndex:
         node = self._by_page.get(page)
         if node is not None:
             self._push_if_evictable(node)
+            for listener in self.on_hold:
+                listener(node)
+
+    def _page_became_held(self, page: PageId) -> None:
+        node = self._by_page.get(page)
+        if node is not None:
+            for listener in self.on_hold:
+                listener(node)
 
     def _push_if_evictable(self, node: RadixNode) -> None:
         if self._nodes.get(node.key) is node and self.is_evictable(node):

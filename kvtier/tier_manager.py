@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.checksum import page_checksum
+from kvtier.clean_pages import CleanPages
 from kvtier.dram_pool import DramPool
 from kvtier.errors import IntegrityError, InvalidArgument, KvtierError
 from kvtier.hashing import PageKey, short
@@ -265,7 +266,8 @@ class TierManager:
         # Oldest first per tier (an allocation there takes the oldest); a key has at most one.
         self._shadows: dict[Tier, OrderedDict[PageKey, _Shadow]] = {Tier.DRAM: OrderedDict(), Tier.NVME: OrderedDict()}
         self._keep_shadow: RadixNode | None = None  # a promotion in progress keeps its page below
-        self._num_clean_takeable: int | None = None  # ``num_reclaimable``'s count; None: count again
+        # HBM pages free to take at no copy, kept as they change (None: simulated, no copies)
+        self.clean = None if config.simulate else CleanPages(index, self._has_copy, self._copied_nodes)
         index.release_lower = self._release_lower
         index.spill = self.spill
         index.reclaim = None if config.simulate else self.reclaim_clean
@@ -308,45 +310,18 @@ class TierManager:
             return self.num_reclaimable()
         return pool.num_free + self.num_shadows(tier)  # shadows give way
 
-    def num_reclaimable(self, *, fresh: bool = False) -> int:
+    def num_reclaimable(self) -> int:
         """HBM pages an allocation can have without copying a byte: the free ones, and the idle
         ones whose copy below is intact (clean) with nothing under them in HBM that must stay
         (leaves leave first: a clean page above a held or uncopied page is not free to take).
-
-        The clean part is counted once per engine step (``maintain``) and again after this
-        manager changes which pages have copies; ``fresh`` counts it now (after pins or holds
-        changed). Counting is O(clean pages): ~1 µs each in Python (decision 0012, revision 2)."""
-        if fresh or self._num_clean_takeable is None:
-            self._num_clean_takeable = self._count_clean_takeable()
-        return self.hbm.num_free + self._num_clean_takeable
-
-    def _count_clean_takeable(self) -> int:
-        ref_count = self.hbm.ref_count
-        idle: dict[PageKey, RadixNode] = {}
-        for shadows in self._shadows.values():
-            for key, shadow in shadows.items():
-                node = shadow.node
-                if node.tier is Tier.HBM and not node.pins and not node.moving and ref_count(PageId(node.page)) == 0:
-                    idle[key] = node
-        # Peel from the leaves up: a page is free to take once every child it has in HBM is.
-        stack = [n for n in idle.values() if n.child_tiers[Tier.HBM - 1] == 0]
-        left: dict[PageKey, int] = {}
-        taken = 0
-        while stack:
-            node = stack.pop()
-            taken += 1
-            parent = node.parent
-            if parent is not None and parent.key in idle:
-                left[parent.key] = left.get(parent.key, parent.child_tiers[Tier.HBM - 1]) - 1
-                if left[parent.key] == 0:
-                    stack.append(parent)
-        return taken
+        Exact at every call, and O(what changed since the last one) (``kvtier.clean_pages``)."""
+        return self.hbm.num_free + (0 if self.clean is None else self.clean.count())
 
     def reclaim_clean(self, *, search: int = 32) -> bool:
         """Free one HBM page at no copy: the coldest of the ``search`` coldest idle pages whose
         copy below is intact goes back onto it. False when none of them has one."""
-        if not self._shadows[Tier.DRAM] and not self._shadows[Tier.NVME]:
-            return False
+        if self.clean is None or self.clean.count() == 0:
+            return False  # (an idle HBM leaf with a copy below is clean: none is)
         skipped: list[RadixNode] = []
         chosen: RadixNode | None = None
         while chosen is None and len(skipped) < search:
@@ -361,14 +336,11 @@ class TierManager:
             self.index.requeue(node)
         if chosen is None:
             return False
-        counted = self._num_clean_takeable
         shadow = self._take_shadow(chosen, Tier.DRAM) or self._take_shadow(chosen, Tier.NVME)
         if shadow is None:
             self.index.requeue(chosen)
             return False
         self._onto_shadow(shadow)
-        if counted:  # one clean page fewer, one free page more (its parent may be takeable now: a
-            self._num_clean_takeable = counted - 1  # count that never overstates)
         return True
 
     # ---- copies below of promoted pages (shadows) --------------------------------------
@@ -387,14 +359,28 @@ class TierManager:
 
     def _add_shadow(self, shadow: _Shadow) -> None:
         self._shadows[shadow.tier][shadow.node.key] = shadow
-        self._num_clean_takeable = None
+        if self.clean is not None:
+            self.clean.touch(shadow.node)
 
     def _shadow_of(self, key: PageKey) -> _Shadow | None:
         return self._shadows[Tier.DRAM].get(key) or self._shadows[Tier.NVME].get(key)
 
+    def _has_copy(self, node: RadixNode) -> bool:
+        shadow = self._shadow_of(node.key)
+        return shadow is not None and shadow.node is node
+
+    def _copied_nodes(self) -> list[RadixNode]:
+        return [shadow.node for shadows in self._shadows.values() for shadow in shadows.values()]
+
     def _pop_shadow(self, shadow: _Shadow) -> _Shadow:
-        self._num_clean_takeable = None
+        if self.clean is not None:
+            self.clean.touch(shadow.node)
         return self._shadows[shadow.tier].pop(shadow.node.key)
+
+    def _set_moving(self, node: RadixNode, moving: bool) -> None:
+        node.moving = moving
+        if self.clean is not None:
+            self.clean.touch(node)
 
     def _on_moved(self, node: RadixNode, old: Tier) -> None:
         if old is Tier.HBM:  # left HBM other than onto its shadow: the copy is of no more use
@@ -410,8 +396,9 @@ class TierManager:
         """Free the oldest shadow in ``tier`` (an allocation there found no free page)."""
         if not self._shadows[tier]:
             return False
-        self._num_clean_takeable = None
         _, shadow = self._shadows[tier].popitem(last=False)
+        if self.clean is not None:
+            self.clean.touch(shadow.node)
         self._release_copy(shadow.tier, shadow.page)
         return True
 
@@ -434,7 +421,7 @@ class TierManager:
         shadow = self._take_shadow(node, tier)
         if shadow is None:
             return None
-        node.moving = True
+        self._set_moving(node, True)
         self.hbm.acquire(PageId(node.page))
         return _Shadowed(shadow, PageId(node.page))
 
@@ -443,7 +430,7 @@ class TierManager:
         faster below it; otherwise it stays (its shadow with it) or, gone, the copy is freed.
         True when it moved."""
         shadow, node = entry.shadow, entry.shadow.node
-        node.moving = False
+        self._set_moving(node, False)
         still_here = self.index.get(node.key) is node and node.tier is Tier.HBM and node.page == entry.hbm_page
         idle = still_here and self.hbm.ref_count(entry.hbm_page) == 1 and not node.pins
         self.hbm.release(entry.hbm_page)
@@ -535,7 +522,7 @@ class TierManager:
         if (shadow := self._take_shadow(node, dst)) is not None:
             self._onto_shadow(shadow)
             return True
-        node.moving = True  # not a victim while we make room below
+        self._set_moving(node, True)  # not a victim while we make room below
         try:
             target = self._allocate(dst, make_room=allow_room)
             if target is None:
@@ -570,12 +557,12 @@ class TierManager:
             self.counters.spill_link_wait_s += self.transfers.hold_link(node.tier, dst, self.page_bytes, started)
             self.counters.moved(node.tier, dst, 1, self.page_bytes)
             src = node.tier
-            node.moving = False
+            self._set_moving(node, False)
             self.index.move(node, dst, target, checksum)
             log.debug("moved page %s %s -> %s", short(node.key), src.label, dst.label)
             return True
         finally:
-            node.moving = False
+            self._set_moving(node, False)
 
     def _page_tensor(self, node: RadixNode):
         if node.tier is Tier.HBM:
@@ -602,7 +589,6 @@ class TierManager:
         """Apply finished transfers, then start demotions where a tier is above its watermark."""
         if self.config.simulate:
             return
-        self._num_clean_takeable = None  # pages were taken, released and pinned since the last step
         self.poll()
         self._demote_over_watermark(Tier.HBM, self.config.hbm_watermark, Tier.DRAM if self.dram else Tier.NVME)
         if self.dram is not None:
@@ -648,10 +634,10 @@ class TierManager:
             if src is Tier.HBM and (entry := self._defer_shadowed(node, dst)) is not None:
                 shadowed.append(entry)
                 continue
-            node.moving = True
+            self._set_moving(node, True)
             target = self._allocate(dst)
             if target is None:
-                node.moving = False
+                self._set_moving(node, False)
                 self.index.requeue(node)
                 break
             nodes.append(node)
@@ -790,7 +776,7 @@ class TierManager:
                 continue
             assert index is not None
             i, node, target = index, pending.nodes[index], pending.dsts[index]
-            node.moving = False
+            self._set_moving(node, False)
             still_here = self.index.get(node.key) is node and node.tier is pending.src
             # Our own hold is the only reference: no sequence picked the page up meanwhile, and
             # nobody pinned it to its tier meanwhile (a session's hold or a prefetch recalled it).
@@ -936,10 +922,10 @@ class TierManager:
         """A destination in ``dst`` for ``node`` (then marked moving), or None: it stays."""
         if not self._may_leave(node, dst, chosen):
             return None
-        node.moving = True  # not a victim while we make room below
+        self._set_moving(node, True)  # not a victim while we make room below
         target = self._allocate(dst)
         if target is None:
-            node.moving = False
+            self._set_moving(node, False)
             self.index.requeue(node)
         return target
 
@@ -1016,7 +1002,7 @@ class TierManager:
         ``nodes`` are marked moving (not victims while we make room); those that get a page
         stay so, the rest are victims again."""
         for node in nodes:
-            node.moving = True
+            self._set_moving(node, True)
         pages: list[PageId] = []
         for _ in nodes:
             page = self._allocate(Tier.HBM)
@@ -1024,7 +1010,7 @@ class TierManager:
                 break
             pages.append(PageId(page))
         for node in nodes[len(pages) :]:  # staying below: a victim again (a pop skipped it)
-            node.moving = False
+            self._set_moving(node, False)
             self.index.requeue(node)
         return pages
 
@@ -1046,7 +1032,7 @@ class TierManager:
             verified = done.verified if done.verified is not None else [done.is_ok] * len(part.nodes)
             num_ok = 0
             for j, (node, page) in enumerate(zip(part.nodes, part.dsts, strict=True)):
-                node.moving = False
+                self._set_moving(node, False)
                 in_place = self.index.get(node.key) is node and node.tier is part.src
                 arrived = done.status is TransferStatus.OK and verified[j]
                 num_ok += arrived
@@ -1138,7 +1124,7 @@ class TierManager:
         start = time.perf_counter()
         pages = self._allocate_hbm(list(nodes))
         for node in nodes[: len(pages)]:
-            node.moving = False
+            self._set_moving(node, False)
         nodes = list(nodes[: len(pages)])
         promoted: list[RadixNode] = []
         failed_at: RadixNode | None = None
@@ -1222,6 +1208,8 @@ class TierManager:
 
     def check_integrity(self) -> None:
         self.index.check_integrity()
+        if self.clean is not None:
+            self.clean.check()
         if self.dram is not None:
             self.dram.check_integrity()
             held = sum(1 for n in self.index.nodes() if n.tier is Tier.DRAM)

@@ -577,7 +577,7 @@ def test_the_watermark_leaves_clean_pages_in_hbm_and_an_allocation_takes_them_wi
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     base = prompt(40, seed=31)
     chain = _clean_chain(engine, base, params)  # 10 clean pages
-    assert engine.tiers.num_reclaimable(fresh=True) >= engine.pool.num_free + len(chain)
+    assert engine.tiers.num_reclaimable() >= engine.pool.num_free + len(chain)
     for s in range(4):  # dirty pages (computed here, no copy below) push HBM over its high mark
         engine.generate([prompt(36, seed=40 + s)], params)
     for _ in range(3):
@@ -585,7 +585,7 @@ def test_the_watermark_leaves_clean_pages_in_hbm_and_an_allocation_takes_them_wi
         engine.tiers.wait_idle()
     assert engine.index.count_by_tier()[Tier.DRAM] > 0  # dirty pages went down (copied)
     assert all(n.tier is Tier.HBM for n in chain)  # the clean ones stayed
-    assert engine.tiers.num_reclaimable(fresh=True) >= 0.75 * 64 - 1  # the low mark, counting them as free
+    assert engine.tiers.num_reclaimable() >= 0.75 * 64 - 1  # the low mark, counting them as free
     assert engine.pool.num_free < 0.75 * 64 - 1
     engine.check_integrity()
 
@@ -621,16 +621,84 @@ def test_a_clean_page_above_a_held_or_uncopied_page_is_not_free_to_take(ckpt, tm
     base = prompt(16, seed=33)
     chain = _clean_chain(engine, base, params)  # 4 clean pages
     free = engine.pool.num_free
-    assert engine.tiers.num_reclaimable(fresh=True) == free + len(chain)
+    assert engine.tiers.num_reclaimable() == free + len(chain)
 
     engine.index.pin(chain[-1].key)  # a hold on the deepest keeps the chain above it
-    assert engine.tiers.num_reclaimable(fresh=True) == free
+    assert engine.tiers.num_reclaimable() == free
     engine.index.unpin(chain[-1].key)
-    assert engine.tiers.num_reclaimable(fresh=True) == free + len(chain)
+    assert engine.tiers.num_reclaimable() == free + len(chain)
 
     engine.generate([base + prompt(4, seed=34)], SamplingParams(max_tokens=1, ignore_eos=True))
     below = engine.index.get(page_keys(engine.digest_for(None), base + prompt(4, seed=34), PS)[len(chain)])
     assert below is not None and below.tier is Tier.HBM and below.key not in shadow_keys(engine)
-    assert engine.tiers.num_reclaimable(fresh=True) == engine.pool.num_free  # a page with no copy under them
+    assert engine.tiers.num_reclaimable() == engine.pool.num_free  # a page with no copy under them
     engine.check_integrity()
+    engine.close()
+
+
+def test_the_kept_count_of_clean_pages_equals_a_walk_from_the_leaves_through_random_traffic(ckpt, tmp_path):
+    """The clean HBM pages are kept as pins, holds, moves and copies change (``CleanPages``),
+    not counted by a walk each time. Through random traffic (shared prefixes, commanded
+    demotions and prefetches, pins, spills onto copies, watermark demotions in flight), the kept
+    set equals a walk from the leaves (the oracle) after every operation."""
+    import random
+
+    rng = random.Random(5)
+    config = TierConfig(dram_pages=48, nvme_slots=48, nvme_dir=tmp_path / "nvme",
+                        hbm_watermark=Watermark(high=0.7, low=0.5))
+    engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=40, tier_config=config, device=DEVICE)
+    clean = engine.tiers.clean
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    bases = [prompt(12, seed=60 + b) for b in range(3)]
+    pinned: list = []
+    seen_clean, reclaimed = 0, 0
+
+    def check() -> None:
+        nonlocal seen_clean
+        clean.check()  # raises when the kept set differs from the walk
+        assert engine.tiers.num_reclaimable() == engine.pool.num_free + len(clean._walk())
+        seen_clean = max(seen_clean, clean.count())
+
+    for _ in range(60):
+        op = rng.randrange(6)
+        nodes = [n for n in engine.index.nodes()]
+        if op <= 1:  # a request on a shared prefix: hits, promotions, spills onto copies
+            before = engine.tiers.counters.demotions_without_copy
+            tail = prompt(rng.randrange(1, 10), seed=rng.randrange(1000))
+            engine.generate([rng.choice(bases) + tail], params)
+            reclaimed += engine.tiers.counters.demotions_without_copy - before
+        elif op == 2:  # a commanded park of some idle pages
+            movable = [n for n in nodes if n.tier is Tier.HBM]
+            if movable:
+                engine.tiers.start_demotion(rng.sample(movable, min(len(movable), 8)), rng.choice([Tier.DRAM, Tier.NVME]))
+        elif op == 3:  # a prefetch of a chain that is partly below
+            below = [n for n in nodes if n.tier is not Tier.HBM]
+            leaf = rng.choice(below or nodes) if nodes else None
+            chain = []
+            while leaf is not None:
+                chain.append(leaf)
+                leaf = leaf.parent
+            if chain:
+                engine.tiers.start_prefetch(chain[::-1])
+        elif op == 4:  # a hold's pin, or its release
+            if pinned and rng.random() < 0.5:
+                node = pinned.pop(rng.randrange(len(pinned)))
+                if engine.index.get(node.key) is node:
+                    engine.index.unpin(node.key)
+            elif nodes:
+                node = rng.choice(nodes)
+                engine.index.pin(node.key)
+                pinned.append(node)
+        else:  # apply what landed; the watermark starts more
+            engine.tiers.maintain()
+        check()
+        if rng.random() < 0.3:
+            engine.tiers.wait_idle()
+            engine.tiers.maintain()
+            check()
+    engine.tiers.wait_idle()
+    engine.tiers.maintain()
+    check()
+    engine.check_integrity()
+    assert seen_clean >= 3 and reclaimed >= 1  # the traffic did make and take clean pages
     engine.close()

@@ -1305,14 +1305,14 @@ class EngineLoop:
         """Fewer than ``num_pages`` HBM pages free to take (free, or clean: ``_free_hbm``), and room
         for them on its way (``_make_room``; ``rank``: that of the hold the pages will have, so only
         weaker holds yield to them)."""
-        short = num_pages - self._free_hbm(fresh=True)
+        short = num_pages - self._free_hbm()
         return short > 0 and self._make_room(short, weaker_than=rank)
 
-    def _free_hbm(self, *, fresh: bool = False) -> int:
+    def _free_hbm(self) -> int:
         """HBM pages free to take at no copy: free, or idle with an intact copy below
-        (``TierManager.num_reclaimable``; ``fresh``: counted now, not at the step's start)."""
+        (``TierManager.num_reclaimable``)."""
         tiers = self.engine.tiers
-        return self.engine.pool.num_free if tiers is None else tiers.num_reclaimable(fresh=fresh)
+        return self.engine.pool.num_free if tiers is None else tiers.num_reclaimable()
 
     def _lower_tier(self) -> Tier | None:
         tiers = self._tiers()
@@ -1341,13 +1341,13 @@ class EngineLoop:
             protect()
         freed = tiers.demote(Tier.HBM, lower, more, TransferReason.WATERMARK, dirty_only=True)
         started, more = freed > 0, more - freed
-        # Counted once per yield: a dirty-only demotion leaves the count as it is (its pages have
-        # no copy below, and the clean pages above them stay behind them while they move).
-        before = tiers.num_reclaimable(fresh=True) if more > 0 else 0
+        # A dirty-only demotion leaves the count as it is (its pages have no copy below, and the
+        # clean pages above them stay behind them while they move): a yield's gain is its own.
+        before = tiers.num_reclaimable() if more > 0 else 0
         while more > 0:
             if not self._yield_hold(weaker_than):
                 break
-            after = tiers.num_reclaimable(fresh=True)
+            after = tiers.num_reclaimable()
             gained, before = after - before, after  # its clean pages are free to take now
             more -= gained
             freed = tiers.demote(Tier.HBM, lower, more, TransferReason.WATERMARK, dirty_only=True) if more > 0 else 0
