@@ -3,7 +3,7 @@
     python -m loadtests.agent_workload [--json] [--plot PATH] [--quick] [--lower-tier nvme|dram]
                                        [--records PATH] [--emulate-link | --link-gbps DRAM,NVME]
                                        [--seed N | --seeds N,M,...] [--hbm-sessions N]
-                                       [--tools NAME,...]
+                                       [--tools NAME,...] [--inline-clients]
 
 Workload (``make_workload``, deterministic in ``seed``): ``num_tenants`` tenants, each with a
 shared system prompt; ``sessions_per_tenant`` sessions per tenant, staggered starts; each
@@ -108,6 +108,15 @@ Policies, each on a fresh local stack (1 worker, same checkpoint, same HBM size)
   kvtier        lower tier + Pause(tool) + predictor (warm: >= ``warm_observations`` per tenant/tool,
                 drawn from the same distributions with another seed) + scheduled prefetch
   infinite-hbm  HBM holds everything (reference)
+
+Clients. The agents run in a process of their own, as a serving frontend does, and reach the
+stack over loopback gRPC (``_clients``). Until session 13 they ran on the event loop that also
+runs the controller (``--inline-clients`` still does): there every piece of controller work
+delays the agents' requests and the tokens they read. Most of that work is the hinted policies'
+(a Route's session bookkeeping: three Redis round trips; the orchestrator's timers, commands and
+acks), so it counted against kvtier alone: on an idle stack, a turn sent with its session id took
+0.9-1.0 ms longer from request to first token outside the worker than one without, and no
+longer once the Route's bookkeeping was switched off.
 
 Resume TTFT is measured client-side (request sent -> first token) for turns >= 2.
 Recomputed tokens = prompt tokens a cache could have served (same-tenant prefix already
@@ -750,8 +759,52 @@ def _policy_options(policy: str, spec: WorkloadSpec, workload: Workload, model: 
     ), hbm_pages
 
 
-async def run_policy(policy: str, workload: Workload, model: Path, state_dir: Path) -> tuple[PolicyRun, int]:
+async def _run_sessions(
+    address: str, namespace: Any, workload: Workload, policy: str,
+) -> tuple[list[TurnRecord], list[str], float]:
+    """Every session of ``workload`` against the controller at ``address``: their turn records,
+    errors and the wall time from the first session's start."""
     from kvtier.client import AsyncClient
+
+    records: list[TurnRecord] = []
+    errors: list[str] = []
+    async with AsyncClient(address, timeout_s=120.0) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(
+            _session(client, namespace, workload, plan, policy, errors, records, t0)
+            for plan in workload.sessions
+        ))
+        return records, errors, time.perf_counter() - t0
+
+
+def _sessions_process(
+    address: str, namespace: Any, workload: Workload, policy: str,
+) -> tuple[list[TurnRecord], list[str], float]:
+    return asyncio.run(_run_sessions(address, namespace, workload, policy))
+
+
+async def _clients(
+    address: str, namespace: Any, workload: Workload, policy: str, *, inline: bool,
+) -> tuple[list[TurnRecord], list[str], float]:
+    """The agents' side of a run: in a process of its own (the default), as a serving frontend
+    is, or ``inline`` on this process's event loop, which also runs the controller: there, every
+    bit of controller work (a Route's session bookkeeping, the orchestrator's timers and
+    commands, the workers' page events) delays the agents' requests and the tokens they read,
+    and only the hinted policies have most of that work (module doc, "Clients")."""
+    if inline:
+        return await _run_sessions(address, namespace, workload, policy)
+    import concurrent.futures
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return await asyncio.get_running_loop().run_in_executor(
+            pool, _sessions_process, address, namespace, workload, policy)
+
+
+async def run_policy(
+    policy: str, workload: Workload, model: Path, state_dir: Path, *, inline_clients: bool = False,
+) -> tuple[PolicyRun, int]:
     from kvtier.stack import start_local_stack
 
     options, hbm_pages = _policy_options(policy, workload.spec, workload, model, state_dir)
@@ -762,13 +815,8 @@ async def run_policy(policy: str, workload: Workload, model: Path, state_dir: Pa
         if policy == "kvtier" and orchestrator is not None:
             for tenant, tool, ms in warm_history(workload.spec, sorted(workload.system_prompts)):
                 await orchestrator.predictor.observe(tenant, tool, ms)
-        async with AsyncClient(stack.controller_address, timeout_s=120.0) as client:
-            t0 = time.perf_counter()
-            await asyncio.gather(*(
-                _session(client, stack.namespace, workload, plan, policy, run.errors, run.records, t0)
-                for plan in workload.sessions
-            ))
-            run.wall_s = time.perf_counter() - t0
+        run.records, run.errors, run.wall_s = await _clients(
+            stack.controller_address, stack.namespace, workload, policy, inline=inline_clients)
         await asyncio.sleep(0.2)  # let the last commands' acks land
         run.bytes_moved, run.engine_waits = await asyncio.get_running_loop().run_in_executor(
             None, _tier_counters, stack.workers[0].actor)
@@ -786,10 +834,12 @@ async def run_policy(policy: str, workload: Workload, model: Path, state_dir: Pa
 
 
 async def run_all(
-    spec: WorkloadSpec, policies: tuple[str, ...] = POLICIES, log: Any = None, *, keep_turns: bool = False
+    spec: WorkloadSpec, policies: tuple[str, ...] = POLICIES, log: Any = None, *, keep_turns: bool = False,
+    inline_clients: bool = False,
 ) -> dict[str, Any]:
     """Every policy on the same workload. ``keep_turns``: also return each policy's turn records
-    and closed pauses under ``turns`` (for ``--records``: what the summary is computed from)."""
+    and closed pauses under ``turns`` (for ``--records``: what the summary is computed from);
+    ``inline_clients``: the agents on this process's event loop (``_clients``)."""
     import ray
 
     from kvtier.model.loader import write_random_checkpoint
@@ -805,7 +855,7 @@ async def run_all(
                  include_dashboard=False, log_to_driver=False)
         try:
             for policy in policies:
-                run, hbm_pages = await run_policy(policy, workload, model, root)
+                run, hbm_pages = await run_policy(policy, workload, model, root, inline_clients=inline_clients)
                 summary = summarize(run.records)
                 summary.update(bytes_moved=run.bytes_moved, engine_waits=run.engine_waits, wall_s=round(run.wall_s, 2), hbm_pages=hbm_pages,
                                request_errors=len(run.errors), first_errors=run.errors[:3])
@@ -828,6 +878,7 @@ async def run_all(
         finally:
             ray.shutdown()
     result.update(headline(result["policies"]))
+    result["clients"] = "inline" if inline_clients else "process"
     result["emulated_link"] = emulated_link_summary(spec)
     result["targets_met"] = targets(headline(result["policies"]))
     result["workload"] = {
@@ -1037,6 +1088,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="emulate a GPU's PCIe and NVMe links at this machine's scale (module doc)")
     link.add_argument("--link-gbps", type=parse_link_gbps, metavar="DRAM,NVME",
                       help="emulate HBM<->DRAM and HBM<->NVMe links at these GB/s")
+    parser.add_argument("--inline-clients", action="store_true",
+                        help="run the agents on the controller's event loop, as before session 13 (module doc)")
     parser.add_argument("--records", type=Path,
                         help="write every turn's record and every closed pause, per policy, to this JSON file")
     args = parser.parse_args(argv)
@@ -1066,7 +1119,8 @@ def main(argv: list[str] | None = None) -> int:
         spec.seed = seed
         if args.seeds:
             log(f"seed {seed}")
-        results[seed] = asyncio.run(run_all(spec, policies, log=log, keep_turns=args.records is not None))
+        results[seed] = asyncio.run(run_all(spec, policies, log=log, keep_turns=args.records is not None,
+                                            inline_clients=args.inline_clients))
     if args.records:
         turns = {seed: r.pop("turns", {}) for seed, r in results.items()}
         args.records.parent.mkdir(parents=True, exist_ok=True)
