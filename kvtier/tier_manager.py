@@ -321,7 +321,7 @@ class TierManager:
         """Free one HBM page at no copy: the coldest of the ``search`` coldest idle pages whose
         copy below is intact goes back onto it. False when none of them has one."""
         if self.clean is None or self.clean.count() == 0:
-            return False  # (an idle HBM leaf with a copy below is clean: none is)
+            return False  # an idle HBM leaf with a copy below would be clean: there is none to find
         skipped: list[RadixNode] = []
         chosen: RadixNode | None = None
         while chosen is None and len(skipped) < search:
