@@ -100,16 +100,17 @@ class CleanPages:
     def check(self) -> None:
         """Raise when the kept set differs from a walk from the leaves (the oracle)."""
         self.count()
-        walked = self._walk()
+        walked = self.walk()
         kept = {id(n) for n in self._clean.values()}
         if kept != walked:
             raise IntegrityError(
                 f"{len(kept)} HBM pages are kept as clean but {len(walked)} are "
                 f"({len(kept - walked)} too many, {len(walked - kept)} missing)")
 
-    def _walk(self) -> set[int]:
-        """Every clean page, peeled from the leaves up over the pages with a copy (what
-        ``count`` keeps, and what session 12 counted this way once per engine step)."""
+    def walk(self) -> set[int]:
+        """The ids of every clean page's node, peeled from the leaves up over the pages with a
+        copy: O(pages with a copy), for checks and benchmarks (what ``count`` keeps, and how
+        session 12 counted it once per engine step)."""
         ref_count = self._index.pool.ref_count
         idle: dict[int, RadixNode] = {}
         for node in self._copies():

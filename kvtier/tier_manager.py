@@ -702,6 +702,16 @@ class TierManager:
         """Pages of ``tier`` in background transfers to a slower tier: freed there once applied."""
         return sum(len(p.nodes) + len(p.shadowed) for p in self._pending.values() if p.src is tier and p.dst > tier)
 
+    def wait_leaving(self, tier: Tier, timeout_s: float = 30.0) -> None:
+        """Block, applying transfers as they complete, until no background transfer out of
+        ``tier`` is left (or ``timeout_s`` passed): the pages they carry are free once applied.
+        For an allocation that found every idle page on its way down (decision 0012, revision 3)."""
+        deadline = time.monotonic() + timeout_s
+        while any(p.src is tier for p in self._pending.values()) and time.monotonic() < deadline:
+            self.poll()
+            time.sleep(0.0002)
+        self.poll()
+
     def has_pending(self) -> bool:
         """Transfers started and not yet applied (finished ones wait for ``poll``)."""
         return bool(self._pending)

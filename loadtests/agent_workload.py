@@ -114,7 +114,7 @@ stack over loopback gRPC (``_clients``). Until session 13 they ran on the event 
 runs the controller (``--inline-clients`` still does): there every piece of controller work
 delays the agents' requests and the tokens they read. Most of that work is the hinted policies'
 (a Route's session bookkeeping: three Redis round trips; the orchestrator's timers, commands and
-acks), so it counted against kvtier alone: on an idle stack, a turn sent with its session id took
+acks), so it counted against the hinted policies alone: on an idle stack, a turn sent with its session id took
 0.9-1.0 ms longer from request to first token outside the worker than one without, and no
 longer once the Route's bookkeeping was switched off.
 

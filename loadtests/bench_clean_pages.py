@@ -8,7 +8,7 @@ every one is clean (idle, with its copy below as a shadow) — the worst case fo
 "step" does what a step does to the count: a request holds one chain's pages and lets them go
 (each page's holders change twice), and the step asks for ``num_reclaimable``.
 
-Baseline, in the same run: the walk from the leaves over every page (``CleanPages._walk``, the
+Baseline, in the same run: the walk from the leaves over every page (``CleanPages.walk``, the
 oracle; session 12's count walked the shadows the same way, once per engine step). The ratio is
 walk time over kept-count time per step, the median of ``--steps`` steps (bounded).
 """
@@ -80,7 +80,7 @@ def measure(num_pages: int, steps: int, seed: int = 0) -> dict:
         for node in chain:  # ... and lets it go
             pool.release(node.page)
         t = time.perf_counter()
-        walked = len(clean._walk())
+        walked = len(clean.walk())
         walk_s.append(time.perf_counter() - t)
         if held != num_pages - CHAIN or walked != num_pages:
             raise RuntimeError(f"counts disagree: {held} while held, {walked} walked of {num_pages}")

@@ -656,7 +656,7 @@ def test_the_kept_count_of_clean_pages_equals_a_walk_from_the_leaves_through_ran
     def check() -> None:
         nonlocal seen_clean
         clean.check()  # raises when the kept set differs from the walk
-        assert engine.tiers.num_reclaimable() == engine.pool.num_free + len(clean._walk())
+        assert engine.tiers.num_reclaimable() == engine.pool.num_free + len(clean.walk())
         seen_clean = max(seen_clean, clean.count())
 
     for _ in range(60):
@@ -701,4 +701,31 @@ def test_the_kept_count_of_clean_pages_equals_a_walk_from_the_leaves_through_ran
     check()
     engine.check_integrity()
     assert seen_clean >= 3 and reclaimed >= 1  # the traffic did make and take clean pages
+    engine.close()
+
+
+def test_a_running_sequence_waits_for_pages_on_their_way_down_instead_of_being_preempted(ckpt, hf, tmp_path):
+    """A sequence outgrows the free pages while every idle page is mid-demotion (moving, not a
+    victim): the copies land soon, so it waits for them rather than preempting itself and
+    recomputing (the race behind test_prefetch's held-page test failing under load)."""
+    geometry_probe = Engine.from_pretrained(ckpt, page_size=PS, num_pages=16, device=DEVICE)
+    page_bytes = geometry_probe.pool.geometry.page_bytes
+    geometry_probe.close()
+    # The demotion of the idle pages takes ~1.5 s on the emulated link: far longer than the turn.
+    config = TierConfig(dram_pages=64, link_bytes_per_s={(Tier.HBM, Tier.DRAM): 5 * page_bytes / 1.5})
+    engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=16, tier_config=config, device=DEVICE,
+                                    record_logits=True)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    engine.generate([prompt(5 * PS, seed=70)], params)  # 5 idle cached pages
+    assert engine.pool.num_free == 11
+    moving = engine.tiers.demote(Tier.HBM, Tier.DRAM, 5, TransferReason.WATERMARK)
+    assert moving == 5 and engine.tiers.num_leaving(Tier.HBM) == 5
+
+    grow = prompt(10 * PS, seed=71)  # 10 of the 11 free pages; its output needs two more
+    out = engine.generate([grow], SamplingParams(max_tokens=2 * PS, ignore_eos=True))[0]
+    assert engine.scheduler.num_preemptions == 0
+    assert engine.index.count_by_tier()[Tier.DRAM] == 5  # the copies landed and freed their pages
+    assert out.token_ids == plain(ckpt).generate([grow], SamplingParams(max_tokens=2 * PS, ignore_eos=True))[0].token_ids
+    assert_oracle(hf, out)
+    engine.check_integrity()
     engine.close()

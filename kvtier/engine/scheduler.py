@@ -95,14 +95,23 @@ class Scheduler:
         reserved = sum(s.reserved_pages for s in self.running)
         return self.pool.num_free + self.pool.num_cached_idle - reserved
 
-    def _allocate(self, seq: Sequence, num_pending: int) -> PageId | None:
+    def _allocate(self, seq: Sequence, num_pending: int, *, wait_leaving: bool = False) -> PageId | None:
         """A page for ``seq``, which will cache ``num_pending`` new pages (this one included):
-        with the pool full, a tenant that would pass its quota gives up its own pages first."""
+        with the pool full, a tenant that would pass its quota gives up its own pages first.
+        ``wait_leaving`` (a running sequence's next page): when every idle page is on its way
+        down, wait for those copies to land rather than preempt."""
         page = self.pool.allocate()
         if page is None and self.index.evict(1, namespace=seq.namespace, num_pending=num_pending) == 1:
             page = self.pool.allocate()
         while page is None and self.release_pin is not None and self.release_pin():
             if self.index.evict(1, namespace=seq.namespace, num_pending=num_pending) == 1:
+                page = self.pool.allocate()
+        if page is None and wait_leaving and self.tiers is not None and self.tiers.num_leaving(Tier.HBM) > 0:
+            # Every idle page is on its way down (a watermark or room-making demotion): its
+            # room comes back when the copy lands, sooner than a preempted sequence recomputes.
+            self.tiers.wait_leaving(Tier.HBM)
+            page = self.pool.allocate()
+            if page is None and self.index.evict(1, namespace=seq.namespace, num_pending=num_pending) == 1:
                 page = self.pool.allocate()
         return page
 
@@ -220,7 +229,7 @@ class Scheduler:
                 capped.append(seq)
                 continue
             num_pending = len(seq.pages) + 1 - seq.num_registered
-            page = self._allocate(seq, num_pending)
+            page = self._allocate(seq, num_pending, wait_leaving=True)
             while page is None and order:
                 victim = order.pop()
                 self.preempt(victim)
