@@ -10,7 +10,9 @@ Three paths, all applied to the radix index only once the bytes are where it say
   down: a clean page leaves at no cost when its room is needed (``num_reclaimable``).
 - **Spill** (synchronous fallback): an allocation that finds no free HBM page first takes a
   clean one (``reclaim_clean``: back onto its copy, no bytes), else moves one victim down at
-  once instead of dropping it; with no room below, the victim is dropped.
+  once instead of dropping it; with no room below, the victim is dropped. A running sequence
+  whose next page finds every idle page already on its way down waits for those copies
+  (``wait_leaving``) rather than being preempted.
 - **Promotion on hit**: matched pages in DRAM/NVMe are copied into HBM before prefill,
   each verified against the checksum it carried since it left HBM. A mismatch drops
   that page and everything below it (the engine recomputes them) — wrong bytes are

@@ -4,7 +4,8 @@ Each ``schedule()`` returns one batch: newly admitted prefills when any fit, oth
 one decode token for every running sequence. Admission reserves pages for the prompt
 plus an output reservation; reservations are revised as a sequence grows (a new chunk
 is reserved when the old one is used up and pages are available). When a running
-sequence needs a page and none can be freed by eviction, the lowest-priority, newest
+sequence needs a page and none can be freed by eviction (nor comes back from idle pages
+already on their way down to a lower tier, which it waits for), the lowest-priority, newest
 sequence is preempted: its pages are released (full pages stay cached in the radix
 index) and it waits at the head of the queue, keeping its tokens and RNG state, to
 resume by recompute — mostly prefix-cache hits.
