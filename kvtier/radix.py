@@ -394,6 +394,8 @@ class RadixIndex:
                 listener(node)
 
     def _page_became_held(self, page: PageId) -> None:
+        if not self.on_hold:  # no listener (no tier manager): nothing to look up
+            return
         node = self._by_page.get(page)
         if node is not None:
             for listener in self.on_hold:

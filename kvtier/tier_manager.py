@@ -361,8 +361,7 @@ class TierManager:
 
     def _add_shadow(self, shadow: _Shadow) -> None:
         self._shadows[shadow.tier][shadow.node.key] = shadow
-        if self.clean is not None:
-            self.clean.touch(shadow.node)
+        self._touch(shadow.node)
 
     def _shadow_of(self, key: PageKey) -> _Shadow | None:
         return self._shadows[Tier.DRAM].get(key) or self._shadows[Tier.NVME].get(key)
@@ -375,12 +374,15 @@ class TierManager:
         return [shadow.node for shadows in self._shadows.values() for shadow in shadows.values()]
 
     def _pop_shadow(self, shadow: _Shadow) -> _Shadow:
-        if self.clean is not None:
-            self.clean.touch(shadow.node)
+        self._touch(shadow.node)
         return self._shadows[shadow.tier].pop(shadow.node.key)
 
     def _set_moving(self, node: RadixNode, moving: bool) -> None:
         node.moving = moving
+        self._touch(node)
+
+    def _touch(self, node: RadixNode) -> None:
+        """``node``'s copy below or moving flag changed: the clean set looks at it again."""
         if self.clean is not None:
             self.clean.touch(node)
 
@@ -399,8 +401,7 @@ class TierManager:
         if not self._shadows[tier]:
             return False
         _, shadow = self._shadows[tier].popitem(last=False)
-        if self.clean is not None:
-            self.clean.touch(shadow.node)
+        self._touch(shadow.node)
         self._release_copy(shadow.tier, shadow.page)
         return True
 
