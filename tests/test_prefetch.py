@@ -514,6 +514,102 @@ async def test_holds_yield_to_a_waiting_request_the_session_due_back_last_first(
         engine.tiers.close()
 
 
+async def _guard_due_soon(loop, engine, due_s: float) -> tuple[tuple[int, ...], str]:
+    """One session (``s-soon``), its first turn done and held by a guard, due back in
+    ``due_s``: its history and its hold's pin id."""
+    import kvtier.worker.engine_loop as engine_loop
+
+    soon = tuple(range(1, 1 + 4 * PAGE_SIZE))
+    soon += tuple(await _session_turn(loop, engine, "s-soon", soon))
+    digest = namespace_digest(engine.namespace)
+    assert (await loop.prefetch(digest, (), "s-soon", hold_s=30.0, due_s=due_s)).num_moved == 0
+    held = engine_loop._hold_id("s-soon")
+    assert held in loop._pins
+    return soon, held
+
+
+async def _outputs_without_holds(tmp_path, prompts) -> list[list[int]]:
+    """The oracle: each prompt on a fresh loop that holds nothing."""
+    engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0)
+    try:
+        return [(await _session_run(loop, engine, "s-x", p))[0] for p in prompts]
+    finally:
+        await loop.close()
+        engine.tiers.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("comes_back", [True, False], ids=["back-in-time", "not-back"])
+async def test_a_waiting_request_does_not_displace_a_session_due_back_within_a_second(
+    tmp_path, monkeypatch, comes_back
+):
+    """A request that needs a hold's room waits while that session is due back within
+    ``HOLD_DUE_SOON_S`` (worker/engine_loop.py ``_admit_awaiting``): the session's turn comes,
+    finds every page in HBM and promotes nothing, and the request runs after it, with the
+    output a run without holds gives. The wait is bounded (``HOLD_DEFER_S``): a session that
+    is not back by then yields its hold as before."""
+    import kvtier.worker.engine_loop as engine_loop
+
+    monkeypatch.setattr(engine_loop, "HOLD_DEFER_S", 1.5)
+    engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0)
+    try:
+        soon, held = await _guard_due_soon(loop, engine, 0.5)
+        # Every other HBM page is free: this prompt needs two pages more, which only the hold has.
+        big = tuple((40 + 3 * i) % 256 for i in range((engine.pool.num_free + 1) * PAGE_SIZE))
+        started = time.monotonic()
+        waiting = asyncio.create_task(_session_run(loop, engine, "s-big", big))
+        await asyncio.sleep(0.2)
+        assert not waiting.done() and held in loop._pins  # it waits; the hold stays
+        if comes_back:
+            _, resumed = await _session_run(loop, engine, "s-soon", soon + (7, 9))
+            assert resumed.usage.promoted_tokens == 0
+            assert resumed.usage.cached_tokens == len(soon) // PAGE_SIZE * PAGE_SIZE
+            assert loop.hold_outcomes["yielded"] == 0
+        out, final = await asyncio.wait_for(waiting, 30)
+        if comes_back:
+            assert loop.hold_outcomes["yielded"] == 0  # the hold ended with its session's turn
+        else:
+            assert time.monotonic() - started >= engine_loop.HOLD_DEFER_S
+            assert loop.hold_outcomes["yielded"] == 1 and held not in loop._pins
+        assert engine.scheduler.num_preemptions == 0
+        assert (await loop.check_integrity()).is_ok
+    finally:
+        await loop.close()
+        engine.tiers.close()
+    assert await _outputs_without_holds(tmp_path, [big]) == [out] and final.usage.generated_tokens == 2
+
+
+@pytest.mark.asyncio
+async def test_requests_that_arrive_together_do_not_take_a_held_session_s_room_on_the_engine_thread(tmp_path):
+    """Two requests reach the engine loop in one pass; each fits in the free HBM pages, both
+    do not. The second counts the pages promised to the first (``_backlog_pages``), so it
+    waits outside the engine, where a hold due back within a second keeps its pages, instead
+    of being admitted and taking them from the hold on the engine thread (the scheduler counts
+    held pages as idle). The held session's turn then promotes nothing, and both requests
+    finish with the output a run without holds gives."""
+    engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0)
+    try:
+        soon, held = await _guard_due_soon(loop, engine, 0.8)
+        # Each needs num_free // 2 + 1 pages (its prompt's and its first output's).
+        n = engine.pool.num_free // 2 + 1
+        prompts = [tuple((40 + 3 * i) % 256 for i in range((n - 1) * PAGE_SIZE)),
+                   tuple((41 + 5 * i) % 256 for i in range((n - 1) * PAGE_SIZE))]
+        # Both are posted while the engine thread is busy, so it takes them in one pass.
+        loop._post(lambda: time.sleep(0.3))
+        runs = [asyncio.create_task(_session_run(loop, engine, f"s-{i}", p)) for i, p in enumerate(prompts)]
+        await asyncio.sleep(0.5)
+        assert held in loop._pins and loop.hold_outcomes["yielded"] == 0
+        _, resumed = await _session_run(loop, engine, "s-soon", soon + (7, 9))
+        assert resumed.usage.promoted_tokens == 0
+        outputs = [out for out, _ in await asyncio.wait_for(asyncio.gather(*runs), 30)]
+        assert loop.hold_outcomes["yielded"] == 0 and engine.scheduler.num_preemptions == 0
+        assert (await loop.check_integrity()).is_ok
+    finally:
+        await loop.close()
+        engine.tiers.close()
+    assert await _outputs_without_holds(tmp_path, prompts) == outputs
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("spread", [0.4, None], ids=["with-spread", "without"])
 async def test_an_overdue_session_ranks_by_the_return_still_to_come(tmp_path, monkeypatch, spread):

@@ -74,7 +74,12 @@ Its pages are reported as promoted tokens (and its wait as promotion wait), as a
 admission would be. A commanded Prefetch likewise waits for room made in the background before
 its pages come up (at most ``MAX_PREFETCH_ROOM_WAIT_S``); its ack comes once they are applied.
 When the coldest idle pages cannot make the room, session holds yield it, the weakest first
-(``_hold_session``); the wait is logged with the generation (``admission_wait_ms``). A hold that
+(``_hold_session``), except a hold whose session is due back within ``HOLD_DUE_SOON_S``: the
+request waits for that session's turn to come and go (at most ``HOLD_DEFER_S``), since its whole
+context would otherwise come back up on the request path. A request counts the pages promised
+to the requests the engine has yet to admit (``_backlog_pages``): a burst measured against the
+same free pages would otherwise take its room from holds on the engine thread, whatever their
+rank. The wait is logged with the generation (``admission_wait_ms``). A hold that
 yielded (or was displaced, or refused at the cap) is retaken once HBM has free room again and
 nothing waits for it, before its session is back (``_retake``).
 
@@ -165,6 +170,10 @@ MAX_ADMISSION_WAIT_S = 5.0
 # A commanded prefetch waits at most this long for room made in the background; then it makes
 # room on the engine thread, as before.
 MAX_PREFETCH_ROOM_WAIT_S = 1.0
+# A request waiting for room does not take it from a session hold due back within
+# HOLD_DUE_SOON_S: it waits (at most HOLD_DEFER_S) for that session's turn to come and go.
+HOLD_DUE_SOON_S = 1.0
+HOLD_DEFER_S = 2.0
 
 
 def new_run_id() -> RunId:
@@ -768,11 +777,35 @@ class EngineLoop:
     def _room_short(self, run: _Run, chain: list[RadixNode]) -> int:
         """HBM pages the request's admission would have to free by spilling on the engine
         thread: the pages it allocates (promoted, new, its first output's) beyond those free to
-        take (free, or clean: going back onto their copy below moves no bytes)."""
+        take (free, or clean: going back onto their copy below moves no bytes) and not already
+        promised to the requests the engine has yet to admit (``_backlog_pages``)."""
         ps = self.engine.pool.page_size
         num_tokens = len(run.request.prompt_token_ids) + min(run.request.sampling.max_tokens, ps)
         in_hbm = next((i for i, n in enumerate(chain) if n.tier is not Tier.HBM), len(chain))
-        return -(-num_tokens // ps) - in_hbm - self._free_hbm()
+        return -(-num_tokens // ps) - in_hbm - self._free_hbm() + self._backlog_pages()
+
+    def _backlog_pages(self) -> int:
+        """HBM pages the requests added to the engine and not yet admitted will allocate.
+
+        Each request was added because the free pages covered it, but a burst of them was
+        measured against the same free pages; the engine then admits them one by one, and the
+        ones the free pages no longer cover take their room from session holds on the engine
+        thread (``release_pin``: it counts held pages as idle), whatever the hold's rank. Counted
+        here, such a request waits outside and its room is made in the background
+        (``_make_room``), holds yielding in rank order."""
+        waiting = self.engine.scheduler.waiting
+        if not waiting:
+            return 0
+        index, total = self.engine.index, 0
+        for seq in waiting:
+            in_hbm = 0
+            for key in seq.full_page_keys():
+                node = index.get(key)
+                if node is None or node.tier is not Tier.HBM:
+                    break
+                in_hbm += 1
+            total += max(seq.pages_for(seq.num_tokens + 1) - in_hbm, 0)
+        return total
 
     def _admit_awaiting(self) -> None:
         """Add each waiting request that has its room and its pages in HBM (module doc); for
@@ -798,10 +831,18 @@ class EngineLoop:
                 if short > 0:
                     if is_promoting:
                         continue
+                    # A hold due back within HOLD_DUE_SOON_S keeps its pages while this request
+                    # can still wait for them (HOLD_DEFER_S): displaced, its session's next turn
+                    # would promote its whole context, on the link this request's room shares.
+                    deferring = now - run.waiting_since < HOLD_DEFER_S
+                    spared = time.time() * 1000.0 + HOLD_DUE_SOON_S * 1000.0 if deferring else None
                     # Its own pages are not the room it makes: pinned before anything is demoted.
-                    if self._make_room(short, protect=functools.partial(self._pin_chain, run, chain)):
+                    if self._make_room(short, protect=functools.partial(self._pin_chain, run, chain),
+                                       weaker_than=spared):
                         is_promoting = True
                         continue
+                    if deferring and self._holds_due_soon():
+                        continue  # only holds due back soon are left: wait for their turns
                     # Nothing can leave HBM now: admit, as before.
             if below and is_waiting:
                 if any(n.moving for n in below):
@@ -1355,6 +1396,13 @@ class EngineLoop:
                 break  # the tier below is full, or the pages are on a move already
             started, more = True, more - freed
         return started
+
+    def _holds_due_soon(self) -> bool:
+        """Whether a session hold stays for a session not back yet (one whose request waits for
+        room too would wait for itself) or running its turn (its hold ends with it)."""
+        here = {_hold_id(r.request.session_id) for r in self._awaiting.values() if r.request.session_id}
+        return any(pin_id.startswith(HOLD_PREFIX) and pin.nodes and pin_id not in here
+                   for pin_id, pin in self._pins.items())
 
     def _yield_hold(self, weaker_than: float | None = None) -> bool:
         """Release the weakest session hold (``_Pin.hold_rank``; only one weaker than
