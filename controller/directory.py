@@ -756,6 +756,39 @@ class Directory:
             num_regressed_batches=int(meta.get(b"regressed", 0)),
         )
 
+    async def _integrity_snapshot(
+        self, namespace: NamespaceDigest
+    ) -> tuple[int, dict[bytes, bytes], set[int], dict[int, set[bytes]], dict[bytes, bytes], list[bytes | None]]:
+        """One consistent view of a namespace's current epoch for ``check_integrity``: (epoch, page
+        values, holder set, each holder's and record owner's index, counters, structure counters).
+
+        Read in one MULTI / EXEC, since the scripts change these keys together: read one by one,
+        a worker's last records and its holder-set entry removed in between (``drop_worker``)
+        look like records without a holder. The indexes to read are those of the holders and
+        record owners seen by the previous attempt; a new one appearing meanwhile means another try.
+        """
+        meta = _meta_key(namespace)
+        wids: set[int] = set()
+        for _ in range(8):
+            epoch = int(await self._redis.hget(meta, "epoch") or 1)
+            order = sorted(wids)
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.hget(meta, "epoch")
+                pipe.hgetall(_ns_key(namespace, f"p:{epoch}"))
+                pipe.smembers(_ns_key(namespace, f"ws:{epoch}"))
+                pipe.hgetall(_ns_key(namespace, f"c:{epoch}"))
+                pipe.hmget(meta, "orphans", "inversions")
+                for wid in order:
+                    pipe.smembers(_ns_key(namespace, f"w:{epoch}:{wid}"))
+                now_epoch, values, listed, counters, structure, *stored = await pipe.execute()
+            listed = {int(w) for w in listed}
+            owners = {int.from_bytes(v[p:p + 3], "little")
+                      for v in values.values() for p in range(16, len(v) - _RECORD_BYTES + 1, _RECORD_BYTES)}
+            if int(now_epoch or 1) == epoch and listed | owners <= wids:
+                return epoch, values, listed, dict(zip(order, stored, strict=True)), counters, structure
+            wids |= listed | owners
+        raise IntegrityError(f"namespace {namespace[:4].hex()} kept changing while its integrity was read")
+
     async def check_integrity(self, namespace: NamespaceDigest) -> None:
         """Recompute every record and counter of the current epoch from the page values and compare.
 
@@ -763,8 +796,7 @@ class Directory:
         ``IntegrityError`` with the numbers.
         """
         _check_namespace(namespace)
-        epoch = int(await self._redis.hget(_meta_key(namespace), "epoch") or 1)
-        values = await self._redis.hgetall(_ns_key(namespace, f"p:{epoch}"))
+        epoch, values, listed, indexes, counters, structure = await self._integrity_snapshot(namespace)
         nodes: dict[bytes, tuple[bytes, dict[int, list[int]]]] = {}
         for key, value in values.items():
             if len(value) <= 16 or (len(value) - 16) % _RECORD_BYTES:
@@ -813,17 +845,14 @@ class Directory:
                                          f"actual {children.get((key, wid), [0, 0, 0])}")
                 if not mask and not any(counts):
                     raise IntegrityError(f"page {key[:4].hex()} worker {wid}: empty record")
-        listed = {int(w) for w in await self._redis.smembers(_ns_key(namespace, f"ws:{epoch}"))}
         if listed != set(index):
             raise IntegrityError(f"holder set {sorted(listed)} != workers with records {sorted(index)}")
         for wid, keys in index.items():
-            stored = await self._redis.smembers(_ns_key(namespace, f"w:{epoch}:{wid}"))
+            stored = indexes.get(wid, set())
             if stored != keys:
                 raise IntegrityError(f"worker {wid}: index has {len(stored)} keys, records {len(keys)} "
                                      f"({len(stored - keys)} extra, {len(keys - stored)} missing)")
-        counts = {k.decode(): int(v) for k, v in
-                  (await self._redis.hgetall(_ns_key(namespace, f"c:{epoch}"))).items()}
-        structure = await self._redis.hmget(_meta_key(namespace), "orphans", "inversions")
+        counts = {k.decode(): int(v) for k, v in counters.items()}
         counts |= {k: int(v or 0) for k, v in zip(("orphans", "inversions"), structure, strict=True)}
         have = {k: v for k, v in counts.items() if v}
         if have != {k: v for k, v in want.items() if v}:
