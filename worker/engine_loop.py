@@ -841,7 +841,7 @@ class EngineLoop:
                                        weaker_than=spared):
                         is_promoting = True
                         continue
-                    if deferring and self._holds_due_soon():
+                    if spared is not None and self._holds_due_soon(spared):
                         continue  # only holds due back soon are left: wait for their turns
                     # Nothing can leave HBM now: admit, as before.
             if below and is_waiting:
@@ -1397,12 +1397,13 @@ class EngineLoop:
             started, more = True, more - freed
         return started
 
-    def _holds_due_soon(self) -> bool:
-        """Whether a session hold stays for a session not back yet (one whose request waits for
-        room too would wait for itself) or running its turn (its hold ends with it)."""
+    def _holds_due_soon(self, before_ms: float) -> bool:
+        """Whether a session hold ranks at or before ``before_ms`` (``_Pin.hold_rank``) for a
+        session not back yet or running its turn (its hold ends with it); the hold of a session
+        whose request waits for room too does not count: that request would wait for itself."""
         here = {_hold_id(r.request.session_id) for r in self._awaiting.values() if r.request.session_id}
         return any(pin_id.startswith(HOLD_PREFIX) and pin.nodes and pin_id not in here
-                   for pin_id, pin in self._pins.items())
+                   and pin.hold_rank() <= before_ms for pin_id, pin in self._pins.items())
 
     def _yield_hold(self, weaker_than: float | None = None) -> bool:
         """Release the weakest session hold (``_Pin.hold_rank``; only one weaker than
