@@ -97,7 +97,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from statistics import NormalDist
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -781,8 +781,7 @@ class EngineLoop:
         promised to the requests the engine has yet to admit (``_backlog_pages``)."""
         ps = self.engine.pool.page_size
         num_tokens = len(run.request.prompt_token_ids) + min(run.request.sampling.max_tokens, ps)
-        in_hbm = next((i for i, n in enumerate(chain) if n.tier is not Tier.HBM), len(chain))
-        return -(-num_tokens // ps) - in_hbm - self._free_hbm() + self._backlog_pages()
+        return -(-num_tokens // ps) - _num_in_hbm(chain) - self._free_hbm() + self._backlog_pages()
 
     def _backlog_pages(self) -> int:
         """HBM pages the requests added to the engine and not yet admitted will allocate.
@@ -796,16 +795,8 @@ class EngineLoop:
         waiting = self.engine.scheduler.waiting
         if not waiting:
             return 0
-        index, total = self.engine.index, 0
-        for seq in waiting:
-            in_hbm = 0
-            for key in seq.full_page_keys():
-                node = index.get(key)
-                if node is None or node.tier is not Tier.HBM:
-                    break
-                in_hbm += 1
-            total += max(seq.pages_for(seq.num_tokens + 1) - in_hbm, 0)
-        return total
+        return sum(max(seq.pages_for(seq.num_tokens + 1) - _num_in_hbm(self._cached_chain(seq.full_page_keys())), 0)
+                   for seq in waiting)
 
     def _admit_awaiting(self) -> None:
         """Add each waiting request that has its room and its pages in HBM (module doc); for
@@ -1402,15 +1393,17 @@ class EngineLoop:
         session not back yet or running its turn (its hold ends with it); the hold of a session
         whose request waits for room too does not count: that request would wait for itself."""
         here = {_hold_id(r.request.session_id) for r in self._awaiting.values() if r.request.session_id}
-        return any(pin_id.startswith(HOLD_PREFIX) and pin.nodes and pin_id not in here
-                   and pin.hold_rank() <= before_ms for pin_id, pin in self._pins.items())
+        return any(pin_id not in here and pin.hold_rank() <= before_ms for pin_id, pin in self._holds())
+
+    def _holds(self) -> Iterator[tuple[PinId, _Pin]]:
+        """The session holds that pin a page (admin pins aside)."""
+        return ((pin_id, pin) for pin_id, pin in self._pins.items() if pin_id.startswith(HOLD_PREFIX) and pin.nodes)
 
     def _yield_hold(self, weaker_than: float | None = None) -> bool:
         """Release the weakest session hold (``_Pin.hold_rank``; only one weaker than
         ``weaker_than`` when given); False when none may yield. Also the scheduler's
         ``release_pin``: a hold is a prediction, a preemption recomputes for certain."""
-        holds = [(pin.hold_rank(), pin_id) for pin_id, pin in self._pins.items()
-                 if pin_id.startswith(HOLD_PREFIX) and pin.nodes]
+        holds = [(pin.hold_rank(), pin_id) for pin_id, pin in self._holds()]
         holds = [h for h in holds if weaker_than is None or h[0] > weaker_than]
         if not holds:
             return False
@@ -1569,8 +1562,8 @@ class EngineLoop:
     def _held_keys(self, excluding: set[PinId] | None = None) -> set[PageKey]:
         """Pages the session holds keep in HBM: each held page and its ancestors, shared ones once."""
         held: set[PageKey] = set()
-        for pin_id, pin in self._pins.items():
-            if not pin_id.startswith(HOLD_PREFIX) or not pin.nodes or (excluding and pin_id in excluding):
+        for pin_id, pin in self._holds():
+            if excluding and pin_id in excluding:
                 continue
             node: RadixNode | None = pin.nodes[0]
             while node is not None and node.key not in held:
@@ -1660,6 +1653,11 @@ class EngineLoop:
             num_dropped += 1
         del self._sessions[session]
         return DropOutcome(num_dropped=num_dropped, num_kept=len(chain) - num_dropped, num_missing=num_missing)
+
+
+def _num_in_hbm(chain: Sequence[RadixNode]) -> int:
+    """How many of ``chain``'s pages, from the root, are in HBM before the first one that is not."""
+    return next((i for i, n in enumerate(chain) if n.tier is not Tier.HBM), len(chain))
 
 
 def _hold_id(session: SessionId) -> PinId:
