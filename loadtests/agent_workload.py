@@ -62,7 +62,9 @@ emulated link time, every running sequence stalled meanwhile) and how many pages
 their DRAM copy with no bytes moved (``demotions_without_copy``, decision 0012), and what became of
 session holds (``session_holds``: taken, refused at the cap, displaced, yielded, retaken once room
 was back; ``retaken_pages`` and ``retaken_waste_pages``, counted into kvtier's prefetched and wasted
-bytes: ``with_retaken``). For kvtier, ``hold_demand`` says what HBM had to keep for the sessions
+bytes: ``with_retaken``; ``hold_deferrals`` and ``hold_deferral_wait_s``: requests that waited
+rather than displace holds due back within a second, by how the wait ended, and their waits in
+all). For kvtier, ``hold_demand`` says what HBM had to keep for the sessions
 due back against the holds' cap and HBM itself (``hold_demand``'s doc): where it is over, some
 resume promotes whatever the policy (decision 0008, revision 5). Under emulation a round trip
 through NVMe (a 21 MiB private context: ~0.7 s) is longer than most of these tools' pauses, so kvtier
@@ -625,6 +627,9 @@ def _tier_counters(actor: Any) -> tuple[dict[str, int], dict[str, float]]:
             waits["session_holds"] = dict(server.loop.hold_outcomes)
             waits["retaken_pages"] = server.loop.retaken_pages
             waits["retaken_waste_pages"] = server.loop.retaken_waste_pages
+            # requests that waited rather than displace holds due back soon, by how it ended
+            waits["hold_deferrals"] = dict(server.loop.hold_deferrals)
+            waits["hold_deferral_wait_s"] = round(server.loop.hold_deferral_wait_s, 3)
         for _ in range(5):
             try:
                 return {f"{a.label}->{b.label}": n for (a, b), n in dict(c.bytes_moved).items()}, waits

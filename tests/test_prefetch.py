@@ -568,9 +568,14 @@ async def test_a_waiting_request_does_not_displace_a_session_due_back_within_a_s
         out, final = await asyncio.wait_for(waiting, 30)
         if comes_back:
             assert loop.hold_outcomes["yielded"] == 0  # the hold ended with its session's turn
+            # The wait is counted, and ended with the room (no hold yielded), before the limit.
+            assert loop.hold_deferrals == {"room": 1, "timed_out": 0}
+            assert 0.0 < loop.hold_deferral_wait_s < engine_loop.HOLD_DEFER_S
         else:
             assert time.monotonic() - started >= engine_loop.HOLD_DEFER_S
             assert loop.hold_outcomes["yielded"] == 1 and held not in loop._pins
+            assert loop.hold_deferrals == {"room": 0, "timed_out": 1}
+            assert engine_loop.HOLD_DEFER_S / 2 < loop.hold_deferral_wait_s <= time.monotonic() - started
         assert engine.scheduler.num_preemptions == 0
         assert (await loop.check_integrity()).is_ok
     finally:

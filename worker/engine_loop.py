@@ -79,7 +79,8 @@ request waits for that session's turn to come and go (at most ``HOLD_DEFER_S``),
 context would otherwise come back up on the request path. A request counts the pages promised
 to the requests the engine has yet to admit (``_backlog_pages``): a burst measured against the
 same free pages would otherwise take its room from holds on the engine thread, whatever their
-rank. The wait is logged with the generation (``admission_wait_ms``). A hold that
+rank. The wait is logged with the generation (``admission_wait_ms``; of it, ``hold_wait_ms``
+waited for holds due back soon, also the ``kvtier.hold_deferral_wait`` metric). A hold that
 yielded (or was displaced, or refused at the cap) is retaken once HBM has free room again and
 nothing waits for it, before its session is back (``_retake``).
 
@@ -174,6 +175,10 @@ MAX_PREFETCH_ROOM_WAIT_S = 1.0
 # HOLD_DUE_SOON_S: it waits (at most HOLD_DEFER_S) for that session's turn to come and go.
 HOLD_DUE_SOON_S = 1.0
 HOLD_DEFER_S = 2.0
+# How such a wait ended (``EngineLoop.hold_deferrals``, the ``kvtier.hold_deferrals`` metric):
+# the room came without displacing those holds (``room``: their sessions' turns came and went,
+# or other pages freed), or HOLD_DEFER_S ran out and a hold yielded as before (``timed_out``).
+HOLD_DEFERRAL_OUTCOMES = ("room", "timed_out")
 
 
 def new_run_id() -> RunId:
@@ -317,6 +322,8 @@ class _Run:
     promoted_tokens_by_tier: dict[Tier, int] = field(default_factory=dict)  # brought up before admission
     promotion_wait_s: float = 0.0  # waited for them before admission
     admission_wait_s: float = 0.0  # waited outside the engine, for pages or room
+    deferred_at: float | None = None  # began waiting for holds due back soon (HOLD_DUE_SOON_S)
+    hold_wait_s: float = 0.0  # of admission_wait_s, waited for such holds' sessions
     pinned: RadixNode | None = None  # its deepest HBM page while it waits for room
     digest: NamespaceDigest | None = None  # of its namespace, from admission on
 
@@ -378,6 +385,10 @@ class EngineLoop:
         # Brought back up by ``_retake``, and of those, pages a prefetch had brought up before
         # (they went down unused: prefetched bytes wasted once).
         self.retaken_pages = self.retaken_waste_pages = 0
+        # Requests that waited for holds due back soon, by HOLD_DEFERRAL_OUTCOMES, and their
+        # waits in all (``_end_deferral``).
+        self.hold_deferrals: dict[str, int] = dict.fromkeys(HOLD_DEFERRAL_OUTCOMES, 0)
+        self.hold_deferral_wait_s = 0.0
         # Pages session holds keep in HBM (their chains, shared ones once), as of the last load
         # measurement: at their cap (``MAX_HELD_FRACTION``) for long, HBM is short for the
         # sessions due back (decision 0008, revision 5).
@@ -819,7 +830,9 @@ class EngineLoop:
                 # Make room first, in the background: a spill on allocation waits on the link
                 # with the engine thread (module doc). One request at a time, as promotions.
                 short = self._room_short(run, chain)
-                if short > 0:
+                if short <= 0:
+                    self._end_deferral(run, now)
+                else:
                     if is_promoting:
                         continue
                     # A hold due back within HOLD_DUE_SOON_S keeps its pages while this request
@@ -828,12 +841,16 @@ class EngineLoop:
                     deferring = now - run.waiting_since < HOLD_DEFER_S
                     spared = time.time() * 1000.0 + HOLD_DUE_SOON_S * 1000.0 if deferring else None
                     # Its own pages are not the room it makes: pinned before anything is demoted.
-                    if self._make_room(short, protect=functools.partial(self._pin_chain, run, chain),
-                                       weaker_than=spared):
+                    made = self._make_room(short, protect=functools.partial(self._pin_chain, run, chain),
+                                           weaker_than=spared)
+                    if not made and spared is not None and self._holds_due_soon(spared):
+                        if run.deferred_at is None:
+                            run.deferred_at = now
+                        continue  # only holds due back soon are left: wait for their turns
+                    self._end_deferral(run, now)
+                    if made:
                         is_promoting = True
                         continue
-                    if spared is not None and self._holds_due_soon(spared):
-                        continue  # only holds due back soon are left: wait for their turns
                     # Nothing can leave HBM now: admit, as before.
             if below and is_waiting:
                 if any(n.moving for n in below):
@@ -858,6 +875,7 @@ class EngineLoop:
                 tier = run.below_hbm.get(node.key)
                 if tier is not None and node.tier is Tier.HBM:
                     run.promoted_tokens_by_tier[tier] = run.promoted_tokens_by_tier.get(tier, 0) + self.engine.pool.page_size
+            self._end_deferral(run, now)
             run.admission_wait_s = now - run.waiting_since
             if run.promoted_tokens_by_tier:
                 run.promotion_wait_s = run.admission_wait_s
@@ -866,6 +884,20 @@ class EngineLoop:
                 self._add(run, run.digest)
             except KvtierError as exc:
                 self._emit(run, exc)
+
+    def _end_deferral(self, run: _Run, now: float) -> None:
+        """``run`` no longer waits for holds due back soon (if it did): count how the wait ended
+        (HOLD_DEFERRAL_OUTCOMES; timed out once HOLD_DEFER_S has passed since it began waiting)
+        and how long it took."""
+        if run.deferred_at is None:
+            return
+        run.hold_wait_s += now - run.deferred_at
+        run.deferred_at = None
+        outcome = "timed_out" if now - run.waiting_since >= HOLD_DEFER_S else "room"
+        self.hold_deferrals[outcome] += 1
+        self.hold_deferral_wait_s += run.hold_wait_s
+        if self.metrics is not None:
+            self.metrics.record_hold_deferral(run.hold_wait_s, outcome)
 
     def _add(self, run: _Run, digest: NamespaceDigest) -> None:
         request = run.request
@@ -975,6 +1007,7 @@ class EngineLoop:
                 "num_preemptions": result.num_preemptions,
                 "ttft_ms": round(ttft_ms, 2),
                 "admission_wait_ms": round(run.admission_wait_s * 1000.0, 2),
+                "hold_wait_ms": round(run.hold_wait_s * 1000.0, 2),
             },
         )
         return GenerateFinal(

@@ -81,6 +81,12 @@ class WorkerMetrics:
             description="first-token delay spent promoting evicted pages back into HBM",
             explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
         )
+        self.hold_deferral_wait = m.create_histogram(
+            "kvtier.hold_deferral_wait", unit="s",
+            description="time a request waited for room rather than displace session holds due back within a "
+            "second, by how the wait ended (outcome=room: their turns came and went; timed_out: a hold yielded)",
+            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
+        )
         self.transfer_latency = m.create_histogram(
             "kvtier.transfer_latency", unit="s", description="queue + copy time of one tier transfer",
             explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
@@ -156,6 +162,9 @@ class WorkerMetrics:
             self.tpot.record(decode_s / (len(result.token_ids) - 1), a)
         if result.promotion_wait_s:
             self.eviction_wait.record(result.promotion_wait_s, a)
+
+    def record_hold_deferral(self, wait_s: float, outcome: str) -> None:  # engine thread
+        self.hold_deferral_wait.record(wait_s, {**self.attrs, "outcome": outcome})
 
     def transfer_done(self, done: TransferDone) -> None:  # transfer worker thread (EngineLoop routes it here)
         t = done.transfer
