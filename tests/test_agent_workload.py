@@ -94,6 +94,7 @@ def test_summarize_and_headline() -> None:
                 "reactive": {"resume_ttft_ms": {"p50": 200.0}}}
     head = headline(policies)
     assert abs(head["kvtier_over_infinite_hbm"] - 1.1) < 1e-9 and head["kvtier_over_reactive"] == 0.55
+    assert head["infinite_hbm_over_reactive"] == 0.5  # the least kvtier_over_reactive within reach
     met = targets(head)
     assert met["kvtier_over_infinite_hbm<=1.1"] and not met["kvtier_over_reactive<=0.5"]
     assert met["prefetch_on_time>=0.95"] is False and met["wasted_prefetch<=0.10"] is True
@@ -131,7 +132,8 @@ def test_retaken_holds_count_as_prefetched_and_wasted_bytes() -> None:
 def test_across_seeds_reports_each_seed_and_the_median_of_those_measured() -> None:
     def run(over_inf: float, over_reactive: float | None, on_time: float | None) -> dict:
         head = {"kvtier_over_infinite_hbm": over_inf, "kvtier_over_reactive": over_reactive,
-                "prefetch_on_time": on_time, "wasted_prefetch_fraction": None}
+                "prefetch_on_time": on_time, "wasted_prefetch_fraction": None,
+                "infinite_hbm_over_reactive": None if over_reactive is None else over_reactive / over_inf}
         return {**head, "targets_met": targets(head)}
 
     summary = across_seeds({2: run(1.5, 0.4, 0.9), 0: run(1.0, 0.6, None), 1: run(1.2, None, 1.0)})
@@ -145,6 +147,9 @@ def test_across_seeds_reports_each_seed_and_the_median_of_those_measured() -> No
     text = seeds_table(summary)
     assert "1.00 / 1.20 / 1.50   median 1.20" in text
     assert "prefetch_on_time>=0.95: met in 1 of 3 (1 not measurable)" in text
+    # Seed 0: infinite HBM itself at 0.6x reactive, so no policy could meet that target there.
+    assert summary["infinite_hbm_over_reactive"]["per_seed"][0] == pytest.approx(0.6)
+    assert "kvtier_over_reactive<=0.5: met in 1 of 3 (1 not measurable); out of reach in 1 " in text
 
 
 def test_seeds_flag_takes_distinct_non_negative_integers() -> None:
