@@ -7,6 +7,7 @@ ends, and a session kept in HBM is held there the same way (a guard prefetch at 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 
@@ -582,6 +583,55 @@ async def test_a_waiting_request_does_not_displace_a_session_due_back_within_a_s
         await loop.close()
         engine.tiers.close()
     assert await _outputs_without_holds(tmp_path, [big]) == [out] and final.usage.generated_tokens == 2
+
+
+@pytest.mark.asyncio
+async def test_room_a_clean_hold_gives_up_is_taken_in_the_same_pass_not_after_a_step(tmp_path, monkeypatch, caplog):
+    """A waiting request whose room a held session gives up, where the hold's pages were
+    prefetched and so kept their copy below: the hold yields (worker/engine_loop.py
+    ``_make_room``) and its pages are free to take at once, so the request is admitted in the
+    pass that made the room, not after the engine's next step. Here the request waits first
+    for a hold due back soon (``HOLD_DEFER_S``), and a running sequence's every step takes
+    0.5 s (a stand-in for a long GPU step): admitted a step later, it would wait that long
+    more once the wait for the hold was over."""
+    import kvtier.worker.engine_loop as engine_loop
+
+    step_s = 0.5
+    monkeypatch.setattr(engine_loop, "HOLD_DEFER_S", 1.0)
+    engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0)
+    try:
+        digest = namespace_digest(engine.namespace)
+        soon = tuple(range(101, 101 + 4 * PAGE_SIZE))
+        soon += tuple(await _session_turn(loop, engine, "s-soon", soon))
+        assert (await loop.demote(digest, (), "s-soon", Tier.DRAM)).num_moved == 4
+        assert (await loop.prefetch(digest, (), "s-soon", hold_s=30.0, due_s=0.5)).num_moved == 4
+        step = engine.step
+
+        def slow_step():
+            time.sleep(step_s)
+            return step()
+
+        monkeypatch.setattr(engine, "step", slow_step)
+        running = asyncio.create_task(_session_run(loop, engine, "s-run", tuple(range(60, 64)), max_tokens=8))
+        while not engine.scheduler.running:
+            await asyncio.sleep(0.01)
+        # The free pages and two more, which only the hold has (its own, clean).
+        big = tuple((40 + 3 * i) % 256 for i in range((engine.pool.num_free + 1) * PAGE_SIZE))
+        with caplog.at_level(logging.INFO, logger="kvtier.worker.engine"):
+            out, final = await asyncio.wait_for(_session_run(loop, engine, "s-big", big), 30)
+        await asyncio.wait_for(running, 30)
+        assert loop.hold_outcomes["yielded"] == 1 and loop.hold_deferrals == {"room": 0, "timed_out": 1}
+        assert engine.scheduler.num_preemptions == 0 and final.usage.promoted_tokens == 0
+        [done] = [r for r in caplog.records
+                  if r.getMessage() == "generation finished" and getattr(r, "prompt_tokens", None) == len(big)]
+        assert done.hold_wait_ms >= engine_loop.HOLD_DEFER_S * 1000.0 / 2
+        # Admitted in the pass whose room-making ended the wait, not a step after it.
+        assert done.admission_wait_ms - done.hold_wait_ms < step_s * 1000.0 / 2
+        assert (await loop.check_integrity()).is_ok
+    finally:
+        await loop.close()
+        engine.tiers.close()
+    assert await _outputs_without_holds(tmp_path, [big]) == [out]
 
 
 @pytest.mark.asyncio

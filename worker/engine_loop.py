@@ -848,10 +848,11 @@ class EngineLoop:
                             run.deferred_at = now
                         continue  # only holds due back soon are left: wait for their turns
                     self._end_deferral(run, now)
-                    if made:
+                    if made and self._room_short(run, chain) > 0:
                         is_promoting = True
-                        continue
-                    # Nothing can leave HBM now: admit, as before.
+                        continue  # pages on their way down: admitted once they have left
+                    # The room is there now (yielded holds' pages are clean: free to take at no
+                    # copy), or nothing can leave HBM: admit in this pass, not after a step.
             if below and is_waiting:
                 if any(n.moving for n in below):
                     continue  # on their way up (the controller's prefetch, or ours): wait
@@ -1541,11 +1542,12 @@ class EngineLoop:
         other pins, and goes when the session's next generation finishes or the session ends.
 
         Holds together keep at most ``MAX_HELD_FRACTION`` of HBM: an HBM full of them leaves
-        every other page (the turns just finished, the prefetches still to come) to eviction.
-        A hold is a prediction, so it yields when the room is needed for certain: a request
-        waiting for admission, a prefetch for a session due back sooner (``_make_room``), a
-        running sequence that would otherwise be preempted (``_yield_hold``), the weakest
-        hold first (the session due back last: Belady's order, by prediction; with
+        every other page (the turns just finished, the prefetches still to come) to eviction,
+        and more holds yield on the engine thread (revision 13 of decision 0008 measured all
+        of HBM: half the waste, more resumes promoting). A hold is a prediction, so it yields
+        when the room is needed for certain: a request waiting for admission, a prefetch for
+        a session due back sooner (``_make_room``), a running sequence that would otherwise be
+        preempted (``_yield_hold``), the weakest hold first (the session due back last: Belady's order, by prediction; with
         ``MAX_HELD_FRACTION`` 0.5 and no yielding, the full emulated-DRAM agent run's resume
         p50 was 154-231 ms over 3 seeds, with 0.7 and yielding 39-109 ms over 6, median ~52;
         decision 0008). Within the capped room the same order holds (``_Pin.hold_rank``): a new
