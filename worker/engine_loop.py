@@ -175,9 +175,10 @@ MAX_PREFETCH_ROOM_WAIT_S = 1.0
 # HOLD_DUE_SOON_S: it waits (at most HOLD_DEFER_S) for that session's turn to come and go.
 HOLD_DUE_SOON_S = 1.0
 HOLD_DEFER_S = 2.0
-# How such a wait ended (``EngineLoop.hold_deferrals``, the ``kvtier.hold_deferrals`` metric):
-# the room came without displacing those holds (``room``: their sessions' turns came and went,
-# or other pages freed), or HOLD_DEFER_S ran out and a hold yielded as before (``timed_out``).
+# How such a wait ended (``EngineLoop.hold_deferrals``; the ``outcome`` of the
+# ``kvtier.hold_deferral_wait`` metric): the room came without displacing those holds (``room``:
+# their sessions' turns came and went, or other pages freed), or HOLD_DEFER_S ran out and a hold
+# yielded as before (``timed_out``).
 HOLD_DEFERRAL_OUTCOMES = ("room", "timed_out")
 
 
@@ -892,13 +893,13 @@ class EngineLoop:
         and how long it took."""
         if run.deferred_at is None:
             return
-        run.hold_wait_s += now - run.deferred_at
-        run.deferred_at = None
+        waited, run.deferred_at = now - run.deferred_at, None
+        run.hold_wait_s += waited  # a request may wait for such holds more than once
         outcome = "timed_out" if now - run.waiting_since >= HOLD_DEFER_S else "room"
         self.hold_deferrals[outcome] += 1
-        self.hold_deferral_wait_s += run.hold_wait_s
+        self.hold_deferral_wait_s += waited
         if self.metrics is not None:
-            self.metrics.record_hold_deferral(run.hold_wait_s, outcome)
+            self.metrics.record_hold_deferral(waited, outcome)
 
     def _add(self, run: _Run, digest: NamespaceDigest) -> None:
         request = run.request
@@ -1547,10 +1548,10 @@ class EngineLoop:
         of HBM: half the waste, more resumes promoting). A hold is a prediction, so it yields
         when the room is needed for certain: a request waiting for admission, a prefetch for
         a session due back sooner (``_make_room``), a running sequence that would otherwise be
-        preempted (``_yield_hold``), the weakest hold first (the session due back last: Belady's order, by prediction; with
-        ``MAX_HELD_FRACTION`` 0.5 and no yielding, the full emulated-DRAM agent run's resume
-        p50 was 154-231 ms over 3 seeds, with 0.7 and yielding 39-109 ms over 6, median ~52;
-        decision 0008). Within the capped room the same order holds (``_Pin.hold_rank``): a new
+        preempted (``_yield_hold``), the weakest hold first (the session due back last:
+        Belady's order, by prediction; with ``MAX_HELD_FRACTION`` 0.5 and no yielding, the full
+        emulated-DRAM agent run's resume p50 was 154-231 ms over 3 seeds, with 0.7 and yielding
+        39-109 ms over 6, median ~52; decision 0008). Within the capped room the same order holds (``_Pin.hold_rank``): a new
         hold displaces those of sessions due back later until it fits, or is not taken; a
         guard's hold (``num_moved`` 0: its pages never left) ranks like a prefetch's, since a
         page that leaves HBM goes back onto its copy below without a write (decision 0012;
