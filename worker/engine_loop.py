@@ -1551,11 +1551,11 @@ class EngineLoop:
         preempted (``_yield_hold``), the weakest hold first (the session due back last:
         Belady's order, by prediction; with ``MAX_HELD_FRACTION`` 0.5 and no yielding, the full
         emulated-DRAM agent run's resume p50 was 154-231 ms over 3 seeds, with 0.7 and yielding
-        39-109 ms over 6, median ~52; decision 0008). Within the capped room the same order holds (``_Pin.hold_rank``): a new
-        hold displaces those of sessions due back later until it fits, or is not taken; a
-        guard's hold (``num_moved`` 0: its pages never left) ranks like a prefetch's, since a
-        page that leaves HBM goes back onto its copy below without a write (decision 0012;
-        revision 3 of decision 0008 has the numbers).
+        39-109 ms over 6, median ~52; decision 0008). Within the capped room the same order
+        holds (``_Pin.hold_rank``): a new hold displaces those of sessions due back later until
+        it fits, or is not taken; a guard's hold (``num_moved`` 0: its pages never left) ranks
+        like a prefetch's, since a page that leaves HBM goes back onto its copy below without a
+        write (decision 0012; revision 3 of decision 0008 has the numbers).
         """
         self._release_pin(_hold_id(session))
         index = self.engine.index
