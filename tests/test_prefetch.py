@@ -871,6 +871,47 @@ async def test_a_yielded_hold_is_not_retaken_after_it_would_have_lapsed_or_once_
 
 
 @pytest.mark.asyncio
+async def test_a_park_waits_for_the_session_pages_a_demotion_was_taking_down_and_counts_them(
+    tmp_path, monkeypatch
+):
+    """A session's turn finishes, the watermark demotion takes its deepest idle page in the next
+    step, and its Pause's Demote comes while that page is on its way down. Not waiting (as
+    before), the page is skipped (moving) and so is every page above it (a page leaves HBM only
+    after its children): the park moves nothing, and the controller keeps the session in HBM
+    for its whole pause, holding it. The Demote now waits for the page to land, counts it, and
+    takes the rest of the chain down."""
+    import kvtier.worker.engine_loop as engine_loop
+    from kvtier.transfer import TransferReason
+
+    engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=20.0)  # a page takes 50 ms down
+    digest = namespace_digest(engine.namespace)
+
+    async def park_while_the_leaf_leaves(session: str, prompt: tuple[int, ...]):
+        first, _ = await _session_run(loop, engine, session, prompt)
+        keys = _keys(engine, (*prompt, first[0]))[:4]
+        assert await loop._call(lambda: engine.tiers.demote(Tier.HBM, Tier.DRAM, 1, TransferReason.WATERMARK)) == 1
+        assert [engine.index.get(k).moving for k in keys] == [False, False, False, True]  # the leaf first
+        outcome = await loop.demote(digest, (), session, Tier.DRAM)
+        await loop._call(engine.tiers.wait_idle)
+        return outcome, _tiers_in(engine, keys)
+
+    try:
+        monkeypatch.setattr(engine_loop, "MAX_DEMOTE_WAIT_S", 0.0)  # as before: no wait
+        outcome, tiers = await park_while_the_leaf_leaves("s-before", tuple(range(40, 40 + 4 * PAGE_SIZE + 2)))
+        assert (outcome.num_moved, outcome.num_skipped) == (0, 4)
+        assert tiers == [Tier.HBM] * 3 + [Tier.DRAM]
+        monkeypatch.undo()
+        await loop.drop_session(digest, "s-before")  # the watermark's next pick is the new leaf
+        outcome, tiers = await park_while_the_leaf_leaves("s-park", tuple(range(140, 140 + 4 * PAGE_SIZE + 2)))
+        assert (outcome.num_moved, outcome.num_skipped) == (4, 0)
+        assert tiers == [Tier.DRAM] * 4
+        assert (await loop.check_integrity()).is_ok
+    finally:
+        await loop.close()
+        engine.tiers.close()
+
+
+@pytest.mark.asyncio
 async def test_a_hold_recalls_the_session_pages_a_demotion_was_taking_down(tmp_path):
     """A session's turn finishes, the watermark demotion picks its idle pages in the next step,
     and its Pause's guard prefetch comes a moment later, while they are on their way down

@@ -171,6 +171,9 @@ MAX_ADMISSION_WAIT_S = 5.0
 # A commanded prefetch waits at most this long for room made in the background; then it makes
 # room on the engine thread, as before.
 MAX_PREFETCH_ROOM_WAIT_S = 1.0
+# A commanded demotion waits at most this long for the pages it asks for that are already on
+# their way down (``_demote``); then the rest go as they can.
+MAX_DEMOTE_WAIT_S = 0.5
 # A request waiting for room does not take it from a session hold due back within
 # HOLD_DUE_SOON_S: it waits (at most HOLD_DEFER_S) for that session's turn to come and go.
 HOLD_DUE_SOON_S = 1.0
@@ -367,7 +370,8 @@ class EngineLoop:
         # ---- engine thread only
         self._runs: dict[str, _Run] = {}
         self._awaiting: dict[str, _Run] = {}  # waiting for their pages before admission (module doc)
-        # Commanded prefetches waiting for room (``_prefetch``): a retry and the caller's future.
+        # Commanded prefetches waiting for room (``_prefetch``) and demotions waiting for pages on
+        # their way down (``_demote``): a retry and the caller's future.
         self._deferred: list[tuple[Callable[[], None], asyncio.Future[MoveOutcome]]] = []
         self._key_digest: dict[PageKey, NamespaceDigest] = {}
         self._roots: dict[NamespaceDigest, PageKey] = {}
@@ -535,9 +539,32 @@ class EngineLoop:
         """Submit ``demote``'s transfers; the engine keeps stepping while they run. The
         returned future resolves with the outcome once they are applied to the index."""
         done: asyncio.Future[MoveOutcome] = asyncio.get_running_loop().create_future()
-        await self._call(lambda: self._track(
-            self._tiers().start_demotion(self._demote_targets(digest, keys, session, whole_namespace), dst), done))
+        await self._call(lambda: self._demote(digest, keys, session, dst, whole_namespace, done))
         return done
+
+    def _demote(
+        self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None, dst: Tier,
+        whole_namespace: bool, done: asyncio.Future[MoveOutcome], since: float | None = None,
+        leaving: frozenset[PageKey] = frozenset(),
+    ) -> None:
+        """``start_demote`` on the engine thread. Pages already on their way down (a watermark
+        demotion that took them a moment before: a session's turn just finished, its Pause's
+        Demote comes next) are waited for, at most ``MAX_DEMOTE_WAIT_S``, and counted as moved
+        once they are there: they went where the command sends them. Demoted at once, they would
+        be skipped, and so would every page above them (a page leaves HBM only after its
+        children), so a park found nothing to move and the controller kept the session in HBM
+        for its whole pause, holding it (decision 0008, revision 14)."""
+        nodes = self._demote_targets(digest, keys, session, whole_namespace)
+        now = time.monotonic()
+        since = now if since is None else since
+        going = frozenset(n.key for n in nodes if n.tier is Tier.HBM and n.moving)
+        if going and now - since < MAX_DEMOTE_WAIT_S:
+            self._moves.add(done)
+            self._deferred.append((lambda: self._demote(
+                digest, keys, session, dst, whole_namespace, done, since, leaving | going), done))
+            return
+        landed = sum(n.key in leaving and n.tier >= dst for n in nodes)
+        self._track(self._tiers().start_demotion(nodes, dst), done, also_moved=landed)
 
     async def invalidate(self, scope: InvalidationScope, epoch: int) -> PageCounts:
         """Mark the admitted namespaces ``scope`` makes stale at ``epoch`` and drop their idle
@@ -1318,14 +1345,18 @@ class EngineLoop:
 
     # ---- sessions (engine thread) ------------------------------------------------------
     def _track(
-        self, ticket: MoveTicket, done: asyncio.Future[MoveOutcome], then: Callable[[], None] | None = None
+        self, ticket: MoveTicket, done: asyncio.Future[MoveOutcome], then: Callable[[], None] | None = None,
+        *, also_moved: int = 0,
     ) -> None:
         """Resolve ``done`` with ``ticket``'s outcome once it is applied (the engine thread
-        polls transfers at every step and while idle), after running ``then``."""
+        polls transfers at every step and while idle), after running ``then``; ``also_moved``:
+        pages that had gone where the command sends them before the ticket (``_demote``)."""
         def finish(outcome: MoveOutcome) -> None:
             self._moves.discard(done)
             if then is not None:
                 then()
+            if also_moved:
+                outcome = MoveOutcome(outcome.num_moved + also_moved, outcome.num_skipped)
             _deliver(done.get_loop(), _set_result, done, outcome)
 
         if ticket.is_done:
@@ -1520,7 +1551,8 @@ class EngineLoop:
                                num_moved=max(outcome.num_moved, pin.num_moved), expected=pin.expected)
 
     def _retry_deferred(self) -> None:
-        """Commanded prefetches waiting for room (``_prefetch``), in order."""
+        """Commanded prefetches waiting for room (``_prefetch``) and demotions waiting for pages
+        already on their way down (``_demote``), in order."""
         deferred, self._deferred = self._deferred, []
         for retry, done in deferred:
             try:
