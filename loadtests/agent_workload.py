@@ -66,7 +66,9 @@ bytes: ``with_retaken``; ``hold_deferrals`` and ``hold_deferral_wait_s``: reques
 rather than displace holds due back within a second, by how the wait ended, and their waits in
 all). For kvtier, ``hold_demand`` says what HBM had to keep for the sessions
 due back against the holds' cap and HBM itself (``hold_demand``'s doc): where it is over, some
-resume promotes whatever the policy (decision 0008, revision 5). Under emulation a round trip
+resume promotes whatever the policy (decision 0008, revision 5); ``least_waste`` (and the headline
+``least_wasted_prefetch_fraction``) the least waste any choice of the sessions HBM keeps could
+have had, with the prefetches landing as they did (decision 0008, revision 14). Under emulation a round trip
 through NVMe (a 21 MiB private context: ~0.7 s) is longer than most of these tools' pauses, so kvtier
 keeps nearly every session in HBM, where they do not all fit: the NVMe-only configuration
 shows what a slow tier cannot hide. ``--lower-tier dram`` (PCIe, ~0.2 s) is the one where

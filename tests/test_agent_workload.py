@@ -131,18 +131,20 @@ def test_retaken_holds_count_as_prefetched_and_wasted_bytes() -> None:
 
 
 def test_across_seeds_reports_each_seed_and_the_median_of_those_measured() -> None:
-    def run(over_inf: float, over_reactive: float | None, on_time: float | None) -> dict:
+    def run(over_inf: float, over_reactive: float | None, on_time: float | None,
+            wasted: float | None = None, least: float | None = None) -> dict:
         head = {"kvtier_over_infinite_hbm": over_inf, "kvtier_over_reactive": over_reactive,
-                "prefetch_on_time": on_time, "wasted_prefetch_fraction": None,
-                "infinite_hbm_over_reactive": None if over_reactive is None else over_reactive / over_inf}
+                "prefetch_on_time": on_time, "wasted_prefetch_fraction": wasted,
+                "infinite_hbm_over_reactive": None if over_reactive is None else over_reactive / over_inf,
+                "least_wasted_prefetch_fraction": least}
         return {**head, "targets_met": targets(head)}
 
-    summary = across_seeds({2: run(1.5, 0.4, 0.9), 0: run(1.0, 0.6, None), 1: run(1.2, None, 1.0)})
+    summary = across_seeds({2: run(1.5, 0.4, 0.9, 0.2, 0.12), 0: run(1.0, 0.6, None), 1: run(1.2, None, 1.0, 0.15, 0.05)})
     assert summary["seeds"] == [0, 1, 2]
     assert summary["kvtier_over_infinite_hbm"] == {"per_seed": [1.0, 1.2, 1.5], "median": 1.2}
     assert summary["kvtier_over_reactive"] == {"per_seed": [0.6, None, 0.4], "median": 0.5}  # of the two measured
     assert summary["prefetch_on_time"]["median"] == pytest.approx(0.95)
-    assert summary["wasted_prefetch_fraction"] == {"per_seed": [None, None, None], "median": None}
+    assert summary["wasted_prefetch_fraction"] == {"per_seed": [None, 0.15, 0.2], "median": pytest.approx(0.175)}
     assert summary["targets_met"]["kvtier_over_infinite_hbm<=1.1"] == [True, False, False]
     assert summary["targets_met"]["prefetch_on_time>=0.95"] == [None, True, False]
     text = seeds_table(summary)
@@ -151,6 +153,8 @@ def test_across_seeds_reports_each_seed_and_the_median_of_those_measured() -> No
     # Seed 0: infinite HBM itself at 0.6x reactive, so no policy could meet that target there.
     assert summary["infinite_hbm_over_reactive"]["per_seed"][0] == pytest.approx(0.6)
     assert "kvtier_over_reactive<=0.5: met in 1 of 3 (1 not measurable); out of reach in 1 " in text
+    # Seed 2: even the least waste any choice of the sessions kept could have had is over 10 %.
+    assert "wasted_prefetch<=0.10: met in 0 of 3 (1 not measurable); out of reach in 1 " in text
 
 
 def test_seeds_flag_takes_distinct_non_negative_integers() -> None:
