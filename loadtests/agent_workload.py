@@ -66,11 +66,12 @@ bytes: ``with_retaken``; ``hold_deferrals`` and ``hold_deferral_wait_s``: reques
 rather than displace holds due back within a second, by how the wait ended, and their waits in
 all). For kvtier, ``hold_demand`` says what HBM had to keep for the sessions
 due back against the holds' cap and HBM itself (``hold_demand``'s doc): where it is over, some
-resume promotes whatever the policy (decision 0008, revision 5); ``least_waste`` (and the headline
-``least_wasted_prefetch_fraction``) the least waste any choice of the sessions HBM keeps could
-have had, with the prefetches landing as they did (decision 0008, revision 14). Under emulation a round trip
-through NVMe (a 21 MiB private context: ~0.7 s) is longer than most of these tools' pauses, so kvtier
-keeps nearly every session in HBM, where they do not all fit: the NVMe-only configuration
+resume promotes whatever the policy (decision 0008, revision 5); ``least_waste`` (and the
+headline ``least_wasted_prefetch_fraction``) the least waste any choice of the sessions HBM keeps
+could have had, with the prefetches landing as they did (decision 0008, revision 14). Under
+emulation a round trip through NVMe (a 21 MiB private context: ~0.7 s) is longer than most of
+these tools' pauses, so kvtier keeps nearly every session in HBM, where they do not all fit: the
+NVMe-only configuration
 shows what a slow tier cannot hide. ``--lower-tier dram`` (PCIe, ~0.2 s) is the one where
 parking and prefetch fit inside the pauses (decision 0011 has the numbers).
 
@@ -557,7 +558,9 @@ def least_waste(
     an interval-covering problem, and taking the pages from the kept sessions first, then from
     the session due back last (it covers every later moment the others cover) is optimal: the
     exchange argument of interval covering. The bound is lenient on every side: it knows who is
-    back last, a page given up comes back just in time, and a kept session's return is free.
+    back last, a page given up comes back just in time, and a kept session's return is free. It
+    admits every request on arrival: a worker that makes one wait for room (``EngineLoop``'s
+    admission waits) can come in a little under it.
 
     ``prefetched_pages``: the run's prefetches apart from retakes (a retake is a give-up's
     second copy, counted here). Returns the pages given up and the least wasted fraction (over
