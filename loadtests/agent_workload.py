@@ -437,6 +437,22 @@ def with_retaken(prefetch: dict[str, Any], retaken_bytes: int, wasted_bytes: int
     return out
 
 
+def with_unseen_waste(prefetch: dict[str, Any]) -> dict[str, Any]:
+    """``prefetch`` (``with_retaken``, joined with ``join_outcomes``) with the waste the
+    controller did not see counted in: pages a prefetch brought up that the session's next turn
+    promoted again (``wasted_bytes_unseen_by_controller``, reason ``unseen``). The controller
+    scores a pause at its Route by the directory, which lags the worker by up to an event batch
+    (and is not asked at all within ``directory_lag_ms`` of the prefetch): pages given up just
+    before the turn look in HBM to it. Until session 16 the headline waste left them out."""
+    unseen = prefetch.get("wasted_bytes_unseen_by_controller", 0)
+    if not unseen:
+        return prefetch
+    out = {**prefetch, "wasted_bytes": prefetch["wasted_bytes"] + unseen,
+           "wasted_bytes_by_reason": {**prefetch["wasted_bytes_by_reason"], "unseen": unseen}}
+    out["wasted_fraction"] = out["wasted_bytes"] / out["prefetched_bytes"] if out["prefetched_bytes"] else None
+    return out
+
+
 def _pauses_with_turns(records: list[TurnRecord], outcomes: list[Any]) -> list[tuple[Any, TurnRecord]]:
     """Each closed pause (``PauseOutcome``, in closing order) with the turn it preceded: the
     k-th pause of a session is followed by its turn k + 1 (pauses with no such turn left out)."""
@@ -460,7 +476,7 @@ def join_outcomes(records: list[TurnRecord], outcomes: list[Any], page_size: int
     by_outcome: dict[str, list[float]] = {}
     promoting: dict[str, int] = {}  # resumes that still promoted pages on the request path
     leads: list[float] = []
-    num_wasted = wasted_bytes = 0
+    num_wasted = wasted_bytes = unseen_bytes = 0
     wasted: list[dict[str, Any]] = []  # the controller's wasted pauses (first 10), for diagnosis
     for outcome, record in _pauses_with_turns(records, outcomes):
         by_outcome.setdefault(outcome.outcome, []).append(record.ttft_ms)
@@ -475,7 +491,13 @@ def join_outcomes(records: list[TurnRecord], outcomes: list[Any], page_size: int
         # brought or held that the turn still had to promote went down again before use.
         if outcome.lead_ms is not None and outcome.lead_ms >= 0 and record.promoted_tokens > 0:
             num_wasted += 1
-            wasted_bytes += -(-record.promoted_tokens // page_size) * page_bytes
+            promoted_pages = -(-record.promoted_tokens // page_size)
+            wasted_bytes += promoted_pages * page_bytes
+            # Of the pages the prefetch brought up, those the turn promoted again: wasted, seen
+            # or not by the controller (it judges by the directory, which hears of a page that
+            # left HBM within the last event batch only after the Route).
+            seen = min(promoted_pages, outcome.num_pages) * page_bytes
+            unseen_bytes += max(0, seen - outcome.wasted_bytes)
     return {
         "resume_ttft_ms_by_prefetch": {o: {"n": len(v), "p50": pct(v, 0.5), "p99": pct(v, 0.99),
                                            "promoting": promoting.get(o, 0)}
@@ -483,6 +505,7 @@ def join_outcomes(records: list[TurnRecord], outcomes: list[Any], page_size: int
         "prefetch_lead_ms": {"p01": pct(leads, 0.01), "p50": pct(leads, 0.5)} if leads else None,
         "client_resumes_promoting_after_prefetch": num_wasted,
         "client_promoted_bytes_after_prefetch": wasted_bytes,
+        "wasted_bytes_unseen_by_controller": unseen_bytes,
         "wasted_pauses": wasted,
     }
 
@@ -951,8 +974,8 @@ async def run_all(
                     page_bytes = _page_bytes(WORKLOAD_MODEL_CONFIG, spec.page_size)
                     tenant_of = {p.session_id: p.tenant for p in workload.sessions}
                     shared_pages = spec.system_prompt_tokens // spec.page_size
-                    summary["prefetch"] = {**run.prefetch, **join_outcomes(
-                        run.records, run.outcomes, spec.page_size, page_bytes)}
+                    summary["prefetch"] = with_unseen_waste({**run.prefetch, **join_outcomes(
+                        run.records, run.outcomes, spec.page_size, page_bytes)})
                     summary["hold_demand"] = hold_demand(
                         run.records, run.outcomes, tenant_of=tenant_of, shared_pages=shared_pages,
                         page_size=spec.page_size, cap_pages=MAX_HELD_FRACTION * hbm_pages, hbm_pages=hbm_pages)

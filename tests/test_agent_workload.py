@@ -37,6 +37,7 @@ from loadtests.agent_workload import (
     targets,
     tenant_tools,
     with_retaken,
+    with_unseen_waste,
 )
 
 
@@ -112,6 +113,34 @@ def test_resume_split_tells_promoting_resumes_from_the_fixed_cost_of_the_others(
     split = summarize(records)["resume_ttft_ms_by_promotion"]
     assert split["promoting"] == {"n": 1, "p50": 200.0}
     assert split["not_promoting"] == {"n": 3, "p50": 31.0, "worker_p50": 25.0, "outside_worker_p50": 6.0}
+
+
+def test_waste_the_controller_did_not_see_is_counted_from_the_turns() -> None:
+    """A prefetch's pages given up just before the turn look in HBM to the controller (its
+    directory lags the worker): the turn that promoted them again is the evidence. Each pause
+    adds what its turn promoted beyond what the controller counted, up to the pages the
+    prefetch brought up (a guard that moved nothing wasted nothing)."""
+    MiB = 1 << 20
+
+    def pause(session: str, tier: Tier, num_pages: int, wasted: int, lead_ms: float | None) -> PauseOutcome:
+        return PauseOutcome(session, "t", tier, num_pages, num_pages * MiB, Outcome.ON_TIME, wasted, 900.0, 900.0,
+                            None, lead_ms)
+
+    records = [_rec(1, 60.0, 96, 96, promoted=48, session="a/s0"),  # 3 pages promoted
+               _rec(1, 60.0, 96, 96, promoted=96, session="a/s1"),  # 6, but its prefetch moved 4
+               _rec(1, 60.0, 96, 96, promoted=32, session="a/s2"),  # a kept session's guard moved none
+               _rec(1, 60.0, 96, 96, promoted=64, session="a/s3")]  # the prefetch was late
+    outcomes = [pause("a/s0", Tier.DRAM, 5, 1 * MiB, 300.0), pause("a/s1", Tier.DRAM, 4, 0, 50.0),
+                pause("a/s2", Tier.HBM, 0, 0, 800.0), pause("a/s3", Tier.DRAM, 6, 0, None)]
+    joined = join_outcomes(records, outcomes, page_size=16, page_bytes=MiB)
+    assert joined["wasted_bytes_unseen_by_controller"] == (3 - 1 + 4) * MiB
+    stats = PrefetchStats(num_prefetched=4, prefetched_bytes=20 * MiB)
+    stats.count_waste("evicted", 1 * MiB)
+    pf = with_unseen_waste({**with_retaken(prefetch_summary(stats), 0, 0), **joined})
+    assert pf["wasted_bytes"] == 7 * MiB and pf["wasted_fraction"] == pytest.approx(7 / 20)
+    assert pf["wasted_bytes_by_reason"] == {"evicted": 1 * MiB, "unseen": 6 * MiB}
+    seen = {**with_retaken(prefetch_summary(stats), 0, 0), "wasted_bytes_unseen_by_controller": 0}
+    assert with_unseen_waste(seen)["wasted_fraction"] == pytest.approx(1 / 20)
 
 
 def test_retaken_holds_count_as_prefetched_and_wasted_bytes() -> None:
@@ -228,6 +257,7 @@ def test_pauses_join_the_turns_they_preceded() -> None:
     assert by["late"] == {"n": 1, "p50": 95.0, "p99": 95.0, "promoting": 1}
     assert joined["client_resumes_promoting_after_prefetch"] == 1  # a/s0's turn 2
     assert joined["client_promoted_bytes_after_prefetch"] == 2 << 20
+    assert joined["wasted_bytes_unseen_by_controller"] == 2 << 20  # the controller counted none of it
     assert joined["prefetch_lead_ms"]["p50"] in (150.0, 200.0)
 
 
