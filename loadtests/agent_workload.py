@@ -66,10 +66,8 @@ bytes: ``with_retaken``; ``hold_deferrals`` and ``hold_deferral_wait_s``: reques
 rather than displace holds due back within a second, by how the wait ended, and their waits in
 all). For kvtier, ``hold_demand`` says what HBM had to keep for the sessions
 due back against the holds' cap and HBM itself (``hold_demand``'s doc): where it is over, some
-resume promotes whatever the policy (decision 0008, revision 5); ``least_waste`` (and the
-headline ``least_wasted_prefetch_fraction``) the least waste any choice of the sessions HBM keeps
-could have had, with the prefetches landing as they did (decision 0008, revision 14). Under
-emulation a round trip through NVMe (a 21 MiB private context: ~0.7 s) is longer than most of
+resume promotes whatever the policy (decision 0008, revision 5). Under emulation a round trip
+through NVMe (a 21 MiB private context: ~0.7 s) is longer than most of
 these tools' pauses, so kvtier keeps nearly every session in HBM, where they do not all fit: the
 NVMe-only configuration
 shows what a slow tier cannot hide. ``--lower-tier dram`` (PCIe, ~0.2 s) is the one where
@@ -139,7 +137,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import itertools
 import json
 import math
 import random
@@ -563,77 +560,6 @@ def hold_demand(
     }
 
 
-def least_waste(
-    records: list[TurnRecord], outcomes: list[Any], *, tenant_of: dict[str, str], shared_pages: int,
-    page_size: int, hbm_pages: int, prefetched_pages: int,
-) -> dict[str, Any] | None:
-    """The least share of prefetched bytes that any choice of which waiting sessions HBM keeps
-    could have wasted, the prefetches landing when they did (decision 0008, revision 14).
-
-    The prefetches' timing is taken as it was: aimed at the predictor's 5 % bound, as the
-    on-time target asks. What a policy still chooses is which waiting sessions' pages stay in
-    HBM (``hold_demand``'s windows). Wherever those, the running turns' pages (from the request
-    to the next pause, or to the first token of a session's last turn) and a tenant's shared
-    prompt (once) are over HBM, sessions waiting then must give up that many pages for the
-    rest of their wait. A page given up from a prefetched session comes back before its turn at
-    best: one more copy, and the first one wasted. One given up from a session kept in HBM
-    through its pause costs no prefetch (a policy could have parked it). So the least waste is
-    an interval-covering problem, and taking the pages from the kept sessions first, then from
-    the session due back last (it covers every later moment the others cover) is optimal: the
-    exchange argument of interval covering. The bound is lenient on every side: it knows who is
-    back last, a page given up comes back just in time, and a kept session's return is free. It
-    admits every request on arrival: a worker that makes one wait for room (``EngineLoop``'s
-    admission waits) can come in a little under it.
-
-    ``prefetched_pages``: the run's prefetches apart from retakes (a retake is a give-up's
-    second copy, counted here). Returns the pages given up and the least wasted fraction (over
-    the prefetched pages and those given up, brought up again), and the share of the run when
-    the running turns and shared prompts alone were over HBM; None when nothing was prefetched
-    or no session was held."""
-    from kvtier.tiers import Tier
-
-    # start (s), end (s), tenant, private pages, order of giving up: kept 0, prefetched 1,
-    # running 2 (never); the session due back last first within each
-    windows: list[tuple[float, float, str, int, int]] = []
-    pause_start: dict[tuple[str, int], float] = {}  # (session, the turn before the pause): when it began
-    for outcome, record in _pauses_with_turns(records, outcomes):
-        if outcome.session_id not in tenant_of or outcome.actual_ms is None:
-            continue
-        start = record.sent_at_s - outcome.actual_ms / 1000.0
-        pause_start[(record.session, record.turn - 1)] = start
-        pages = max(0, record.cacheable_tokens // page_size - shared_pages)
-        if outcome.tier is Tier.HBM:
-            windows.append((start, record.sent_at_s, tenant_of[outcome.session_id], pages, 0))
-        elif outcome.lead_ms is not None and outcome.lead_ms > 0:
-            windows.append((record.sent_at_s - outcome.lead_ms / 1000.0, record.sent_at_s,
-                            tenant_of[outcome.session_id], pages, 1))
-    if not prefetched_pages or not windows:
-        return None
-    for r in records:
-        if r.session in tenant_of:
-            end = max(r.sent_at_s, pause_start.get((r.session, r.turn), r.sent_at_s + r.ttft_ms / 1000.0))
-            windows.append((r.sent_at_s, end, tenant_of[r.session],
-                            max(0, -(-r.prompt_tokens // page_size) - shared_pages), 2))
-    times = sorted({t for w in windows for t in w[:2]})
-    kept = [w[3] for w in windows]  # pages each window still keeps
-    given_up = 0
-    over_s = 0.0
-    for a, b in itertools.pairwise(times):
-        live = [i for i, w in enumerate(windows) if w[0] <= a < w[1]]
-        excess = sum(kept[i] for i in live) + shared_pages * len({windows[i][2] for i in live}) - hbm_pages
-        for i in sorted((i for i in live if windows[i][4] < 2), key=lambda i: (windows[i][4], -windows[i][1])):
-            if excess <= 0:
-                break
-            take = min(kept[i], excess)
-            kept[i] -= take
-            excess -= take
-            given_up += take if windows[i][4] == 1 else 0
-        if excess > 0:
-            over_s += b - a
-    return {"given_up_pages": given_up, "wasted_fraction": given_up / (prefetched_pages + given_up),
-            "running_over_hbm_share": over_s / (times[-1] - times[0]) if times[-1] > times[0] else 0.0}
-
-
 def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or not b or math.isnan(a) or math.isnan(b):
         return None
@@ -654,9 +580,6 @@ def headline(policies: dict[str, dict[str, Any]]) -> dict[str, Any]:
         # run: above 0.5, reactive pays too little at its median resume for that target to be
         # met by any policy (decision 0008, revision 13).
         "infinite_hbm_over_reactive": ratio(p50("infinite-hbm"), p50("reactive")),
-        # The least wasted_prefetch_fraction any choice of the sessions HBM keeps would reach
-        # with these prefetches (``least_waste``; decision 0008, revision 14).
-        "least_wasted_prefetch_fraction": (kv.get("least_waste") or {}).get("wasted_fraction"),
     }
 
 
@@ -677,7 +600,7 @@ def targets(head: dict[str, Any]) -> dict[str, bool | None]:
 
 
 HEADLINE_KEYS = ("kvtier_over_infinite_hbm", "kvtier_over_reactive", "prefetch_on_time", "wasted_prefetch_fraction",
-                 "infinite_hbm_over_reactive", "least_wasted_prefetch_fraction")
+                 "infinite_hbm_over_reactive")
 
 
 def across_seeds(results: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -979,11 +902,6 @@ async def run_all(
                     summary["hold_demand"] = hold_demand(
                         run.records, run.outcomes, tenant_of=tenant_of, shared_pages=shared_pages,
                         page_size=spec.page_size, cap_pages=MAX_HELD_FRACTION * hbm_pages, hbm_pages=hbm_pages)
-                    summary["least_waste"] = least_waste(
-                        run.records, run.outcomes, tenant_of=tenant_of, shared_pages=shared_pages,
-                        page_size=spec.page_size, hbm_pages=hbm_pages,
-                        prefetched_pages=(run.prefetch["prefetched_bytes"] - run.prefetch.get("retaken_bytes", 0))
-                        // page_bytes)
                 result["policies"][policy] = summary
                 if keep_turns:
                     result.setdefault("turns", {})[policy] = {
@@ -1092,16 +1010,12 @@ def seeds_table(summary: dict[str, Any]) -> str:
         per_seed = " / ".join(_fmt(v, ".2f") for v in summary[key]["per_seed"])
         lines.append(f"  {key}: {per_seed}   median {_fmt(summary[key]['median'], '.2f')}")
     floors = summary.get("infinite_hbm_over_reactive", {}).get("per_seed", [])
-    least = summary.get("least_wasted_prefetch_fraction", {}).get("per_seed", [])
     for target, met in summary["targets_met"].items():
         line = (f"  {target}: met in {sum(1 for m in met if m)} of {len(met)}"
                 f" ({sum(1 for m in met if m is None)} not measurable)")
         if target == "kvtier_over_reactive<=0.5":
             out_of_reach = sum(1 for f in floors if f is not None and f > 0.5)
             line += f"; out of reach in {out_of_reach} (infinite HBM itself above 0.5x reactive)"
-        if target == "wasted_prefetch<=0.10":
-            out_of_reach = sum(1 for f in least if f is not None and f > 0.10)
-            line += f"; out of reach in {out_of_reach} (the least waste any choice of sessions kept is above 10 %)"
         lines.append(line)
     return "\n".join(lines)
 
@@ -1142,11 +1056,6 @@ def table(result: dict[str, Any]) -> str:
                      f"({demand['cap_pages']}) {demand['over_cap_share']:.0%} of the run; with the turns in "
                      f"flight p90 {demand['with_running_p90_pages']}, max {demand['with_running_max_pages']}, "
                      f"over HBM ({demand['hbm_pages']}) {demand['with_running_over_hbm_share']:.0%} of the run")
-    least = result["policies"].get("kvtier", {}).get("least_waste")
-    if least:
-        lines.append(f"kvtier least waste (any choice of the sessions HBM keeps, prefetches as they landed): "
-                     f"{least['wasted_fraction']:.1%} ({least['given_up_pages']} pages given up); running turns "
-                     f"alone over HBM {least['running_over_hbm_share']:.0%} of the run")
     link = result.get("emulated_link")
     lines.append("EMULATED LINK: " + ", ".join(f"hbm<->{t} {r / 1e6:.0f} MB/s" for t, r in link["bytes_per_s"].items())
                  if link else "link: not emulated (host memory speed)")
