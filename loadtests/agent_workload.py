@@ -62,14 +62,14 @@ emulated link time, every running sequence stalled meanwhile) and how many pages
 their DRAM copy with no bytes moved (``demotions_without_copy``, decision 0012), and what became of
 session holds (``session_holds``: taken, refused at the cap, displaced, yielded, retaken once room
 was back; ``retaken_pages`` and ``retaken_waste_pages``, counted into kvtier's prefetched and wasted
-bytes: ``with_retaken``; ``hold_deferrals`` and ``hold_deferral_wait_s``: requests that waited
+bytes: ``with_retaken``, as are the pages a turn promoted again after its prefetch beyond what the
+controller saw: ``with_unseen_waste``; ``hold_deferrals`` and ``hold_deferral_wait_s``: requests that waited
 rather than displace holds due back within a second, by how the wait ended, and their waits in
 all). For kvtier, ``hold_demand`` says what HBM had to keep for the sessions
 due back against the holds' cap and HBM itself (``hold_demand``'s doc): where it is over, some
 resume promotes whatever the policy (decision 0008, revision 5). Under emulation a round trip
-through NVMe (a 21 MiB private context: ~0.7 s) is longer than most of
-these tools' pauses, so kvtier keeps nearly every session in HBM, where they do not all fit: the
-NVMe-only configuration
+through NVMe (a 21 MiB private context: ~0.7 s) is longer than most of these tools' pauses, so kvtier
+keeps nearly every session in HBM, where they do not all fit: the NVMe-only configuration
 shows what a slow tier cannot hide. ``--lower-tier dram`` (PCIe, ~0.2 s) is the one where
 parking and prefetch fit inside the pauses (decision 0011 has the numbers).
 
@@ -894,14 +894,12 @@ async def run_all(
                 summary.update(bytes_moved=run.bytes_moved, engine_waits=run.engine_waits, wall_s=round(run.wall_s, 2), hbm_pages=hbm_pages,
                                request_errors=len(run.errors), first_errors=run.errors[:3])
                 if run.prefetch:
-                    page_bytes = _page_bytes(WORKLOAD_MODEL_CONFIG, spec.page_size)
-                    tenant_of = {p.session_id: p.tenant for p in workload.sessions}
-                    shared_pages = spec.system_prompt_tokens // spec.page_size
                     summary["prefetch"] = with_unseen_waste({**run.prefetch, **join_outcomes(
-                        run.records, run.outcomes, spec.page_size, page_bytes)})
+                        run.records, run.outcomes, spec.page_size, _page_bytes(WORKLOAD_MODEL_CONFIG, spec.page_size))})
                     summary["hold_demand"] = hold_demand(
-                        run.records, run.outcomes, tenant_of=tenant_of, shared_pages=shared_pages,
-                        page_size=spec.page_size, cap_pages=MAX_HELD_FRACTION * hbm_pages, hbm_pages=hbm_pages)
+                        run.records, run.outcomes, tenant_of={p.session_id: p.tenant for p in workload.sessions},
+                        shared_pages=spec.system_prompt_tokens // spec.page_size, page_size=spec.page_size,
+                        cap_pages=MAX_HELD_FRACTION * hbm_pages, hbm_pages=hbm_pages)
                 result["policies"][policy] = summary
                 if keep_turns:
                     result.setdefault("turns", {})[policy] = {
