@@ -63,9 +63,9 @@ their DRAM copy with no bytes moved (``demotions_without_copy``, decision 0012),
 session holds (``session_holds``: taken, refused at the cap, displaced, yielded, retaken once room
 was back; ``retaken_pages`` and ``retaken_waste_pages``, counted into kvtier's prefetched and wasted
 bytes: ``with_retaken``, as are the pages a turn promoted again after its prefetch beyond what the
-controller saw: ``with_unseen_waste``; ``hold_deferrals`` and ``hold_deferral_wait_s``: requests that waited
-rather than displace holds due back within a second, by how the wait ended, and their waits in
-all). For kvtier, ``hold_demand`` says what HBM had to keep for the sessions
+controller saw: ``with_unseen_waste``; ``hold_deferrals`` and ``hold_deferral_wait_s``: requests
+that waited rather than displace holds due back within a second, by how the wait ended, and their
+waits in all). For kvtier, ``hold_demand`` says what HBM had to keep for the sessions
 due back against the holds' cap and HBM itself (``hold_demand``'s doc): where it is over, some
 resume promotes whatever the policy (decision 0008, revision 5). Under emulation a round trip
 through NVMe (a 21 MiB private context: ~0.7 s) is longer than most of these tools' pauses, so kvtier
@@ -425,11 +425,17 @@ def with_retaken(prefetch: dict[str, Any], retaken_bytes: int, wasted_bytes: int
     before it looks unwasted there."""
     if not prefetch:
         return prefetch
-    out = {**prefetch, "retaken_bytes": retaken_bytes}
-    out["prefetched_bytes"] = prefetch["prefetched_bytes"] + retaken_bytes
-    out["wasted_bytes"] = prefetch["wasted_bytes"] + wasted_bytes
+    return _with_waste({**prefetch, "retaken_bytes": retaken_bytes}, "retaken", wasted_bytes,
+                       prefetched_bytes=retaken_bytes)
+
+
+def _with_waste(prefetch: dict[str, Any], reason: str, wasted_bytes: int, *, prefetched_bytes: int = 0) -> dict[str, Any]:
+    """``prefetch`` with ``prefetched_bytes`` more moved up and ``wasted_bytes`` more wasted
+    (under ``reason``, when any), and the wasted fraction again."""
+    out = {**prefetch, "prefetched_bytes": prefetch["prefetched_bytes"] + prefetched_bytes,
+           "wasted_bytes": prefetch["wasted_bytes"] + wasted_bytes}
     if wasted_bytes:
-        out["wasted_bytes_by_reason"] = {**prefetch["wasted_bytes_by_reason"], "retaken": wasted_bytes}
+        out["wasted_bytes_by_reason"] = {**prefetch["wasted_bytes_by_reason"], reason: wasted_bytes}
     out["wasted_fraction"] = out["wasted_bytes"] / out["prefetched_bytes"] if out["prefetched_bytes"] else None
     return out
 
@@ -442,12 +448,7 @@ def with_unseen_waste(prefetch: dict[str, Any]) -> dict[str, Any]:
     (and is not asked at all within ``directory_lag_ms`` of the prefetch): pages given up just
     before the turn look in HBM to it. Until session 16 the headline waste left them out."""
     unseen = prefetch.get("wasted_bytes_unseen_by_controller", 0)
-    if not unseen:
-        return prefetch
-    out = {**prefetch, "wasted_bytes": prefetch["wasted_bytes"] + unseen,
-           "wasted_bytes_by_reason": {**prefetch["wasted_bytes_by_reason"], "unseen": unseen}}
-    out["wasted_fraction"] = out["wasted_bytes"] / out["prefetched_bytes"] if out["prefetched_bytes"] else None
-    return out
+    return _with_waste(prefetch, "unseen", unseen) if unseen else prefetch
 
 
 def _pauses_with_turns(records: list[TurnRecord], outcomes: list[Any]) -> list[tuple[Any, TurnRecord]]:

@@ -559,12 +559,12 @@ class EngineLoop:
         since = now if since is None else since
         going = frozenset(n.key for n in nodes if n.tier is Tier.HBM and n.moving)
         if going and now - since < MAX_DEMOTE_WAIT_S:
-            self._moves.add(done)
-            self._deferred.append((lambda: self._demote(
-                digest, keys, session, dst, whole_namespace, done, since, leaving | going), done))
+            self._defer(lambda: self._demote(
+                digest, keys, session, dst, whole_namespace, done, since, leaving | going), done)
             return
-        landed = sum(n.key in leaving and n.tier >= dst for n in nodes)
-        self._track(self._tiers().start_demotion(nodes, dst), done, also_moved=landed)
+        ticket = self._tiers().start_demotion(nodes, dst)
+        ticket.num_moved += sum(n.key in leaving and n.tier >= dst for n in nodes)  # landed meanwhile
+        self._track(ticket, done)
 
     async def invalidate(self, scope: InvalidationScope, epoch: int) -> PageCounts:
         """Mark the admitted namespaces ``scope`` makes stale at ``epoch`` and drop their idle
@@ -1345,18 +1345,14 @@ class EngineLoop:
 
     # ---- sessions (engine thread) ------------------------------------------------------
     def _track(
-        self, ticket: MoveTicket, done: asyncio.Future[MoveOutcome], then: Callable[[], None] | None = None,
-        *, also_moved: int = 0,
+        self, ticket: MoveTicket, done: asyncio.Future[MoveOutcome], then: Callable[[], None] | None = None
     ) -> None:
         """Resolve ``done`` with ``ticket``'s outcome once it is applied (the engine thread
-        polls transfers at every step and while idle), after running ``then``; ``also_moved``:
-        pages that had gone where the command sends them before the ticket (``_demote``)."""
+        polls transfers at every step and while idle), after running ``then``."""
         def finish(outcome: MoveOutcome) -> None:
             self._moves.discard(done)
             if then is not None:
                 then()
-            if also_moved:
-                outcome = MoveOutcome(outcome.num_moved + also_moved, outcome.num_skipped)
             _deliver(done.get_loop(), _set_result, done, outcome)
 
         if ticket.is_done:
@@ -1380,9 +1376,7 @@ class EngineLoop:
         if now - since < MAX_PREFETCH_ROOM_WAIT_S and self._needs_room(
             sum(n.tier is not Tier.HBM for n in chain), rank=rank
         ):
-            self._moves.add(done)
-            self._deferred.append(
-                (lambda: self._prefetch(digest, keys, session, hold_s, done, since, expected=expected), done))
+            self._defer(lambda: self._prefetch(digest, keys, session, hold_s, done, since, expected=expected), done)
             return
         ticket = self._tiers().start_prefetch(chain)
         if session is None or not hold_s:
@@ -1549,6 +1543,12 @@ class EngineLoop:
         if self._sessions.get(session) is pages and hold_s > 0 and _hold_id(session) not in self._pins:
             self._hold_session(pin.digest, session, self._cached_chain(pages.page_keys), hold_s,
                                num_moved=max(outcome.num_moved, pin.num_moved), expected=pin.expected)
+
+    def _defer(self, retry: Callable[[], None], done: asyncio.Future[MoveOutcome]) -> None:
+        """Run ``retry`` again on the loop's next pass (``_retry_deferred``); ``done`` stays a
+        move in flight meanwhile (failed if the loop closes)."""
+        self._moves.add(done)
+        self._deferred.append((retry, done))
 
     def _retry_deferred(self) -> None:
         """Commanded prefetches waiting for room (``_prefetch``) and demotions waiting for pages
