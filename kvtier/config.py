@@ -261,6 +261,12 @@ class WorkerConfig:
         "(DRAM <-> NVMe is the real disk, never emulated); unset: no emulation",
         min=0, min_open=True,
     )
+    session_hold_fraction: float = setting(
+        0.7,
+        "share of HBM the pages of paused sessions kept or prefetched for their next turn may hold together; "
+        "higher wastes fewer prefetches, lower leaves more room for new sessions (decision 0008)",
+        min=0, max=1, min_open=True,
+    )
     # The names of kvtier.eviction.POLICY_NAMES (not imported here: that module loads torch).
     eviction_policy: str = setting(
         "value", "which cached pages leave a tier first: value (restore cost x reuse, per byte) or lru",
@@ -309,6 +315,12 @@ class WorkerConfig:
                 isinstance(rate, int | float) and not isinstance(rate, bool) and math.isfinite(rate) and rate > 0
             ):
                 raise ConfigError(f"{name} must be a positive, finite number of bytes/s, got {rate!r}", field=name)
+        fraction = self.session_hold_fraction
+        spec = next(_setting(f) for f in dataclasses.fields(self) if f.name == "session_hold_fraction")
+        if not (isinstance(fraction, int | float) and not isinstance(fraction, bool) and spec.accepts(fraction)):
+            raise ConfigError(
+                f"session_hold_fraction must be {spec.describe()}, got {fraction!r}", field="session_hold_fraction"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,8 @@ class StackOptions:
     dram_bytes: int = 256 << 20
     nvme_bytes: int = 0
     eviction_policy: str = "value"  # WorkerConfig.eviction_policy of every worker
+    # WorkerConfig.session_hold_fraction of every worker; None: its default.
+    session_hold_fraction: float | None = None
     # Link emulation, benchmarks without a GPU only (WorkerConfig.emulated_*_link_bytes_per_s,
     # decision 0011): every worker's HBM <-> DRAM / HBM <-> NVMe links at these bytes/s.
     # None (the default): no emulation.
@@ -174,6 +176,8 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
                 dram_bytes=options.dram_bytes,
                 nvme_bytes=options.nvme_bytes,
                 eviction_policy=options.eviction_policy,
+                **({} if options.session_hold_fraction is None
+                   else {"session_hold_fraction": options.session_hold_fraction}),
                 emulated_dram_link_bytes_per_s=options.emulated_dram_link_bytes_per_s,
                 emulated_nvme_link_bytes_per_s=options.emulated_nvme_link_bytes_per_s,
                 state_dir=state_dir,

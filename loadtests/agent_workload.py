@@ -221,6 +221,9 @@ class WorkloadSpec:
     # HBM holds this many sessions' longest context: the turns running at once plus the sessions
     # waiting for their next turn in HBM (kept, or prefetched). Far fewer than the sessions.
     hbm_sessions: float = 5.0
+    # The share of HBM session holds may keep (WorkerConfig.session_hold_fraction; ``--hold-fraction``);
+    # None: the worker's default.
+    hold_fraction: float | None = None
     lower_tier: str = "nvme"  # the tiered policies' tier below HBM (module doc)
     warm_observations: int = 20  # kvtier's predictor history per (tenant, tool) before the run
     margin_ms: float = 100.0  # orchestrator: prefetch this long before the predicted return
@@ -788,7 +791,7 @@ def _policy_options(policy: str, spec: WorkloadSpec, workload: Workload, model: 
         state_dir=state_dir / policy, model=model, page_size=spec.page_size, hbm_bytes=hbm_pages * page_bytes,
         dram_bytes=lower_bytes if spec.lower_tier == "dram" else 0,
         nvme_bytes=lower_bytes if spec.lower_tier == "nvme" else 0,
-        eviction_policy="lru" if policy == "hbm-lru" else "value",
+        eviction_policy="lru" if policy == "hbm-lru" else "value", session_hold_fraction=spec.hold_fraction,
         emulated_dram_link_bytes_per_s=links.get("dram"), emulated_nvme_link_bytes_per_s=links.get("nvme"),
         orchestrator_params=orchestrator_params(spec), predictor_params=predictor,
     ), hbm_pages
@@ -881,6 +884,7 @@ async def run_all(
     from kvtier.worker.engine_loop import MAX_HELD_FRACTION
 
     workload = make_workload(spec, WORKLOAD_MODEL_CONFIG["vocab_size"])
+    hold_fraction = MAX_HELD_FRACTION if spec.hold_fraction is None else spec.hold_fraction
     result: dict[str, Any] = {"policies": {}}
     with tempfile.TemporaryDirectory(prefix="kvtier-agent-") as tmp:
         root = Path(tmp)
@@ -900,7 +904,7 @@ async def run_all(
                     summary["hold_demand"] = hold_demand(
                         run.records, run.outcomes, tenant_of={p.session_id: p.tenant for p in workload.sessions},
                         shared_pages=spec.system_prompt_tokens // spec.page_size, page_size=spec.page_size,
-                        cap_pages=MAX_HELD_FRACTION * hbm_pages, hbm_pages=hbm_pages)
+                        cap_pages=hold_fraction * hbm_pages, hbm_pages=hbm_pages)
                 result["policies"][policy] = summary
                 if keep_turns:
                     result.setdefault("turns", {})[policy] = {
@@ -922,6 +926,7 @@ async def run_all(
         "working_set_pages": workload.working_set_pages(),
         "hbm_pages": hbm_pages_for(spec, workload),
         "hbm_share_of_working_set": round(hbm_pages_for(spec, workload) / workload.working_set_pages(), 3),
+        "session_hold_fraction": hold_fraction,
         "page_bytes": _page_bytes(WORKLOAD_MODEL_CONFIG, spec.page_size),
         "model": {k: WORKLOAD_MODEL_CONFIG[k] for k in ("num_hidden_layers", "hidden_size", "num_key_value_heads",
                                                          "head_dim", "intermediate_size", "vocab_size")},
@@ -977,6 +982,17 @@ def parse_hbm_sessions(text: str) -> float:
         raise argparse.ArgumentTypeError(f"--hbm-sessions takes a number of sessions (e.g. 5), got {text!r}") from None
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"--hbm-sessions must be a positive number, got {text!r}")
+    return value
+
+
+def parse_hold_fraction(text: str) -> float:
+    """``--hold-fraction F``: a share of HBM in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--hold-fraction takes a share of HBM (e.g. 0.7), got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"--hold-fraction must be in (0, 1], got {text!r}")
     return value
 
 
@@ -1036,7 +1052,8 @@ def table(result: dict[str, Any]) -> str:
         )
     w = result["workload"]
     lines.append(f"HBM {w['hbm_pages']} pages = {w['hbm_share_of_working_set']:.0%} of the working set "
-                 f"({w['working_set_pages']} pages of {w['page_bytes'] >> 10} KiB); lower tier {lower}")
+                 f"({w['working_set_pages']} pages of {w['page_bytes'] >> 10} KiB), session holds up to "
+                 f"{w['session_hold_fraction']:.0%} of it; lower tier {lower}")
     lines.append(f"kvtier/infinite-hbm p50: {_fmt(result['kvtier_over_infinite_hbm'], '.2f')}   "
                  f"kvtier/reactive p50: {_fmt(result['kvtier_over_reactive'], '.2f')}   "
                  f"prefetch on time: {_fmt(result['prefetch_on_time'], '.2f')}")
@@ -1114,6 +1131,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--margin-ms", type=float, help="orchestrator prefetch margin")
     parser.add_argument("--hbm-sessions", type=parse_hbm_sessions, metavar="N",
                         help="HBM holds this many sessions' longest context (default 5; 4 with --quick)")
+    parser.add_argument("--hold-fraction", type=parse_hold_fraction, metavar="F",
+                        help="the share of HBM paused sessions' holds may keep (the worker's "
+                             "session_hold_fraction; default its default, 0.7)")
     parser.add_argument("--tools", type=parse_tools, metavar="NAME,...",
                         help=f"the tool types the agents call (default all: {','.join(TOOL_NAMES)}; "
                              "search,code_exec,browse is the mix before session 10)")
@@ -1139,6 +1159,7 @@ def main(argv: list[str] | None = None) -> int:
         spec.hbm_sessions = args.hbm_sessions
     if args.tools is not None:
         spec.tools = args.tools
+    spec.hold_fraction = args.hold_fraction
     if args.margin_ms is not None:
         spec.margin_ms = args.margin_ms
     if args.emulate_link:

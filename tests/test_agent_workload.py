@@ -27,6 +27,7 @@ from loadtests.agent_workload import (
     make_workload,
     orchestrator_params,
     parse_hbm_sessions,
+    parse_hold_fraction,
     parse_link_gbps,
     parse_seeds,
     parse_tools,
@@ -230,6 +231,21 @@ def test_hbm_sessions_flag_takes_a_positive_number_and_sizes_hbm() -> None:
     five = hbm_pages_for(spec, workload)
     spec.hbm_sessions = 7.0
     assert abs(hbm_pages_for(spec, workload) - five * 7 / 5) <= 1  # whole pages, rounded up once
+
+
+def test_hold_fraction_flag_takes_a_share_of_hbm_and_reaches_every_worker(tmp_path) -> None:
+    assert parse_hold_fraction("1") == 1.0 and parse_hold_fraction("0.85") == 0.85
+    for bad in ("0", "-0.5", "1.2", "nan", "x", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="--hold-fraction"):
+            parse_hold_fraction(bad)
+    spec = WorkloadSpec.quick()
+    workload = make_workload(spec, WORKLOAD_MODEL_CONFIG["vocab_size"])
+    default, _ = _policy_options("kvtier", spec, workload, tmp_path / "model", tmp_path)
+    assert default.session_hold_fraction is None  # the worker's own default
+    spec.hold_fraction = 0.85
+    for policy in ("reactive", "kvtier", "infinite-hbm"):
+        options, _ = _policy_options(policy, spec, workload, tmp_path / "model", tmp_path)
+        assert options.session_hold_fraction == 0.85
 
 
 def test_pauses_join_the_turns_they_preceded() -> None:

@@ -247,6 +247,23 @@ def test_link_emulation_is_off_by_default_and_validated() -> None:
     assert exc.value.field == "emulated_nvme_link_bytes_per_s"
 
 
+def test_the_session_hold_fraction_defaults_to_the_engine_loops_and_is_validated() -> None:
+    from kvtier.worker.engine_loop import MAX_HELD_FRACTION
+
+    assert load_config(WorkerConfig, env={}).session_hold_fraction == MAX_HELD_FRACTION
+    config = load_config(WorkerConfig, env={"KVTIER_SESSION_HOLD_FRACTION": "0.9"})
+    assert config.session_hold_fraction == 0.9
+    for bad in ("0", "1.01", "nan"):
+        with pytest.raises(ConfigError, match=r"session_hold_fraction must be in \(0, 1\]") as exc:
+            load_config(WorkerConfig, env={"KVTIER_SESSION_HOLD_FRACTION": bad})
+        assert exc.value.field == "session_hold_fraction"
+    # Built directly (as kvtier.stack does), check() names the field too.
+    for bad in (0.0, 2, True):
+        with pytest.raises(ConfigError, match="session_hold_fraction must be in") as exc:
+            WorkerConfig(session_hold_fraction=bad).check()
+        assert exc.value.field == "session_hold_fraction"
+
+
 def test_worker_links_cover_both_directions() -> None:
     from kvtier.tiers import Tier
     from kvtier.worker.actor import emulated_links

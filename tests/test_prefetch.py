@@ -334,15 +334,18 @@ async def test_a_prefetch_that_brought_nothing_back_is_scored_late(worker, flush
 # --------------------------------------------------------------------------- promotion before admission
 
 
-def _loop_on_a_slow_link(tmp_path, pair=(Tier.HBM, Tier.DRAM), pages_per_s=20.0, num_pages=24, dram_pages=64):
-    """An engine loop whose ``pair`` link is emulated at ``pages_per_s`` (decision 0011)."""
+def _loop_on_a_slow_link(
+    tmp_path, pair=(Tier.HBM, Tier.DRAM), pages_per_s=20.0, num_pages=24, dram_pages=64, hold_pages=None
+):
+    """An engine loop whose ``pair`` link is emulated at ``pages_per_s`` (decision 0011), its
+    session holds capped at ``hold_pages`` (None: the default share of HBM)."""
     from kvtier.worker.engine_loop import EngineLoop
 
     ckpt = build_checkpoint(tmp_path / "llama", "llama", seed=6)
     page_bytes = Engine.from_pretrained(ckpt, page_size=PAGE_SIZE, num_pages=4).geometry.page_bytes
     slow = TierConfig(dram_pages=dram_pages, link_bytes_per_s={pair: pages_per_s * page_bytes})
     engine = Engine.from_pretrained(ckpt, page_size=PAGE_SIZE, num_pages=num_pages, tier_config=slow)
-    loop = EngineLoop(engine)
+    loop = EngineLoop(engine, hold_fraction=None if hold_pages is None else hold_pages / num_pages)
     loop.start()
     return engine, loop, page_bytes
 
@@ -665,9 +668,22 @@ async def test_requests_that_arrive_together_do_not_take_a_held_session_s_room_o
     assert await _outputs_without_holds(tmp_path, prompts) == outputs
 
 
+def test_a_hold_share_outside_0_to_1_is_refused_naming_the_setting(tmp_path):
+    from kvtier.errors import InvalidArgument
+    from kvtier.worker.engine_loop import EngineLoop
+
+    ckpt = build_checkpoint(tmp_path / "llama", "llama", seed=6)
+    engine = Engine.from_pretrained(ckpt, page_size=PAGE_SIZE, num_pages=8)
+    for bad in (0, -0.5, 1.5, float("nan"), True):
+        with pytest.raises(InvalidArgument, match="session_hold_fraction must be in") as exc:
+            EngineLoop(engine, hold_fraction=bad)
+        assert exc.value.field == "session_hold_fraction"
+    assert EngineLoop(engine, hold_fraction=0.25).hold_cap_pages == 2
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("spread", [0.4, None], ids=["with-spread", "without"])
-async def test_an_overdue_session_ranks_by_the_return_still_to_come(tmp_path, monkeypatch, spread):
+async def test_an_overdue_session_ranks_by_the_return_still_to_come(tmp_path, spread):
     """A hold ranks by when its session is expected back. Once the session is overdue that is
     not its passed median: given that it has not returned, the median of its return moves out
     with the tail (``ExpectedReturn``). Paused 10 s ago and expected back at 10.05 s (sigma
@@ -676,8 +692,8 @@ async def test_an_overdue_session_ranks_by_the_return_still_to_come(tmp_path, mo
     still ranks it first, and the session due back in 1 s is not held."""
     import kvtier.worker.engine_loop as engine_loop
 
-    engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0)
-    monkeypatch.setattr(engine_loop, "MAX_HELD_FRACTION", 6 / engine.pool.num_pages)  # one session's 4 pages
+    engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0, hold_pages=6)  # one session's 4 pages
+    assert loop.hold_cap_pages == 6
     try:
         digest = namespace_digest(engine.namespace)
         overdue_id, soon_id = engine_loop._hold_id("s-overdue"), engine_loop._hold_id("s-soon")

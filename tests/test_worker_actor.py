@@ -53,6 +53,7 @@ def test_vllm_flag_names_build_the_worker_config(tmp_path):
         (["--block-size", "12"], "page_size", "(from --block-size)"),
         (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization", "(from --gpu-memory-utilization)"),
         (["--heartbeat-interval-s", "0"], "heartbeat_interval_s", "(0, 60]"),
+        (["--session-hold-fraction", "0"], "session_hold_fraction", "(0, 1]"),
     ],
 )
 def test_bad_flags_name_the_field_and_the_flag(argv, field, says):
@@ -81,7 +82,7 @@ def restore_logging():
 
 
 async def test_phases_in_order_then_serve(tmp_path: Path, restore_logging):
-    config = WorkerConfig(device="cpu", hbm_bytes=4 << 20, page_size=16, state_dir=tmp_path)
+    config = WorkerConfig(device="cpu", hbm_bytes=4 << 20, page_size=16, state_dir=tmp_path, session_hold_fraction=0.5)
     actor = WorkerActor(config, worker_id="w-inproc", connect_controller=False)
     with pytest.raises(FailedPrecondition, match="init_device"):
         actor.load_model()
@@ -97,6 +98,7 @@ async def test_phases_in_order_then_serve(tmp_path: Path, restore_logging):
     address = actor.serve()
     try:
         assert actor.phase() == "serve" and actor.address() == address
+        assert actor._server.loop.hold_cap_pages == 0.5 * pools["num_pages"]  # the configured share
         actor.check_health()
         namespace = actor.namespace()
         with Client() as client:

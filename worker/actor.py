@@ -88,6 +88,7 @@ _FLAG_FIELDS: dict[str, str] = {
     "--gpu-memory-utilization": "gpu_memory_utilization",
     "--max-model-len": "max_model_len",
     "--eviction-policy": "eviction_policy",
+    "--session-hold-fraction": "session_hold_fraction",
     "--tenant-quotas": "tenant_quotas",
     "--namespace-ttls": "namespace_ttls",
     "--hbm-bytes": "hbm_bytes",
@@ -392,6 +393,7 @@ class WorkerActor:
                 tokens=tokens,
                 credentials=credentials,
                 allow_unauthenticated=config.allow_unauthenticated,
+                hold_fraction=config.session_hold_fraction,
             )
         )
         if self._connect_controller:

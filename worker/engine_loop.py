@@ -108,7 +108,14 @@ from opentelemetry.context import Context
 from kvtier import tracing
 from kvtier.engine.engine import Engine, GenerationResult, StepOutput
 from kvtier.epochs import EpochTable
-from kvtier.errors import FailedPrecondition, IntegrityError, KvtierError, NotFound, Unavailable
+from kvtier.errors import (
+    FailedPrecondition,
+    IntegrityError,
+    InvalidArgument,
+    KvtierError,
+    NotFound,
+    Unavailable,
+)
 from kvtier.hashing import NamespaceDigest, NamespaceIdentity, PageKey, next_key, page_keys, root_key, short
 from kvtier.log import get_logger, redact_tokens
 from kvtier.quotas import DEFAULT_TENANT
@@ -154,6 +161,7 @@ HOLD_PREFIX = "session-hold/"
 # hold due back sooner (``displaced``) or for room needed now (``yielded``); taken again, its
 # pages brought back up if they had left, once HBM had room (``retaken``: ``_retake``).
 HOLD_OUTCOMES = ("taken", "unheld", "refused", "displaced", "yielded", "retaken")
+# The default of ``WorkerConfig.session_hold_fraction`` (an EngineLoop built without one).
 MAX_HELD_FRACTION = 0.7
 # When step() makes no progress (nothing admissible, e.g. the pool is full of pinned
 # pages) the thread waits this long for news instead of spinning.
@@ -349,8 +357,17 @@ class EngineLoop:
         *,
         name: str = "kvtier-engine",
         on_failure: Callable[[BaseException], None] | None = None,
+        hold_fraction: float | None = None,
     ) -> None:
+        if hold_fraction is not None and not (
+            isinstance(hold_fraction, int | float) and not isinstance(hold_fraction, bool) and 0 < hold_fraction <= 1
+        ):
+            raise InvalidArgument(
+                f"session_hold_fraction must be in (0, 1], got {hold_fraction!r}", field="session_hold_fraction"
+            )
         self.engine = engine
+        # Share of HBM session holds may keep together (``hold_cap_pages``); None: the default.
+        self._hold_fraction = hold_fraction
         self._name = name
         self._on_failure = on_failure
         # Set by the server when the process exports metrics (kvtier.worker.metrics).
@@ -395,7 +412,7 @@ class EngineLoop:
         self.hold_deferrals: dict[str, int] = dict.fromkeys(HOLD_DEFERRAL_OUTCOMES, 0)
         self.hold_deferral_wait_s = 0.0
         # Pages session holds keep in HBM (their chains, shared ones once), as of the last load
-        # measurement: at their cap (``MAX_HELD_FRACTION``) for long, HBM is short for the
+        # measurement: at their cap (``hold_cap_pages``) for long, HBM is short for the
         # sessions due back (decision 0008, revision 5).
         self.num_held_pages = 0
         # Session holds yield before a running sequence is preempted (``_yield_hold``).
@@ -490,8 +507,10 @@ class EngineLoop:
 
     @property
     def hold_cap_pages(self) -> float:
-        """HBM pages session holds may keep together (``MAX_HELD_FRACTION``)."""
-        return MAX_HELD_FRACTION * self.engine.pool.num_pages
+        """HBM pages session holds may keep together: ``hold_fraction`` of HBM, by default
+        ``MAX_HELD_FRACTION`` (``WorkerConfig.session_hold_fraction``)."""
+        fraction = MAX_HELD_FRACTION if self._hold_fraction is None else self._hold_fraction
+        return fraction * self.engine.pool.num_pages
 
     @property
     def latest_load(self) -> EngineLoad:
@@ -1574,10 +1593,10 @@ class EngineLoop:
         (leaves leave first), in ``_pins`` under the session's hold id, so it lapses with the
         other pins, and goes when the session's next generation finishes or the session ends.
 
-        Holds together keep at most ``MAX_HELD_FRACTION`` of HBM: an HBM full of them leaves
-        every other page (the turns just finished, the prefetches still to come) to eviction,
-        and more holds yield on the engine thread (revision 13 of decision 0008 measured all
-        of HBM: half the waste, more resumes promoting). A hold is a prediction, so it yields
+        Holds together keep at most ``hold_cap_pages`` (70 % of HBM by default): an HBM full of
+        them leaves every other page (the turns just finished, the prefetches still to come) to
+        eviction, and more holds yield on the engine thread (revisions 13 and 14 of decision 0008
+        measured all of HBM: a third to a half of the waste, first turns slower). A hold is a prediction, so it yields
         when the room is needed for certain: a request waiting for admission, a prefetch for
         a session due back sooner (``_make_room``), a running sequence that would otherwise be
         preempted (``_yield_hold``), the weakest hold first (the session due back last:
