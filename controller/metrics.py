@@ -14,7 +14,9 @@ appends ``_seconds`` / ``_bytes`` for real units and ``_total`` to counters)::
     kvtier.controller.prefetches            {session}  closed parked pauses by outcome (on_time, late)
     kvtier.controller.prefetch_bytes        By         their bytes by outcome (on_time, late)
     kvtier.controller.prefetch_wasted       {session}  prefetches not used, by reason (ended, evicted)
-    kvtier.controller.prefetch_wasted_bytes By         their bytes, by reason
+    kvtier.controller.prefetch_wasted_bytes By         their bytes, by reason (as the directory shows it at
+                                                       the Route: a lower bound; the workers'
+                                                       kvtier.session_prefetch_pages count it exactly)
     kvtier.controller.prefetch_lead         s          how long before the return the pages were back
     kvtier.controller.prediction_abs_error  s          |actual − predicted| pause, by prediction source
     kvtier.controller.pages_moved           {page}     pages moved by the controller's commands (acks),
@@ -119,7 +121,8 @@ class ControllerMetrics:
         )
         m.create_observable_counter(
             "kvtier.controller.prefetch_wasted_bytes", callbacks=[self._wasted_bytes], unit="By",
-            description="prefetched bytes not used, by reason (ended, evicted)",
+            description="prefetched bytes not used, by reason (ended, evicted), as the directory shows them at the "
+            "session's Route (a lower bound: workers' kvtier.session_prefetch_pages counts them exactly)",
         )
         m.create_observable_counter(
             "kvtier.controller.pages_moved", callbacks=[self._pages_moved], unit="{page}",

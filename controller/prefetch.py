@@ -13,7 +13,10 @@ Waste is counted apart from timeliness (a prefetch can be on time and still wast
 
     wasted    bytes prefetched into HBM that were not there when the session came back: it
               ended before its next turn (``ended``), or its next Route found some of those
-              pages below HBM again or gone (``evicted``: the worker needed the room)
+              pages below HBM again or gone (``evicted``: the worker needed the room). Judged
+              from the directory, which hears of a page that left HBM up to an event batch
+              late: a lower bound. The worker counts it exactly when the session is back
+              (``kvtier.session_prefetch_pages``, ``EngineLoop._settle_prefetched``)
 
     on_time_fraction = on_time / (on_time + late)
     wasted_fraction  = wasted bytes / prefetched bytes (acknowledged prefetches only)

@@ -443,6 +443,17 @@ def _with_waste(prefetch: dict[str, Any], reason: str, wasted_bytes: int, *, pre
     return out
 
 
+def worker_counted_waste(waits: dict[str, Any], page_bytes: int) -> dict[str, Any]:
+    """The worker's own count of the prefetches' waste (``EngineLoop._settle_prefetched``): the
+    page moves that brought pages up for sessions due back (prefetches and retaken holds), and
+    those that were not used by the session's next request (or the session ended). A check on
+    the headline's, which joins the controller's count, the worker's retakes and the turns'
+    records (``with_unseen_waste``); both should agree to within the late prefetches' pages."""
+    moved = int(waits.get("session_prefetched_pages", 0)) * page_bytes
+    wasted = int(waits.get("session_prefetch_wasted_pages", 0)) * page_bytes
+    return {"moved_bytes": moved, "wasted_bytes": wasted, "wasted_fraction": wasted / moved if moved else None}
+
+
 def with_unseen_waste(prefetch: dict[str, Any]) -> dict[str, Any]:
     """``prefetch`` (``with_retaken``, joined with ``join_outcomes``) with the waste the
     controller did not see counted in: pages a prefetch brought up that the session's next turn
@@ -660,6 +671,9 @@ def _tier_counters(actor: Any) -> tuple[dict[str, int], dict[str, float]]:
             waits["session_holds"] = dict(server.loop.hold_outcomes)
             waits["retaken_pages"] = server.loop.retaken_pages
             waits["retaken_waste_pages"] = server.loop.retaken_waste_pages
+            # the worker's own count: page moves up for sessions due back, and those wasted
+            waits["session_prefetched_pages"] = server.loop.session_prefetched_pages
+            waits["session_prefetch_wasted_pages"] = server.loop.session_prefetch_wasted_pages
             # requests that waited rather than displace holds due back soon, by how it ended
             waits["hold_deferrals"] = dict(server.loop.hold_deferrals)
             waits["hold_deferral_wait_s"] = round(server.loop.hold_deferral_wait_s, 3)
@@ -863,6 +877,7 @@ async def run_policy(
             run.prefetch = with_retaken(prefetch_summary(orchestrator.stats),
                                         int(run.engine_waits.get("retaken_pages", 0)) * page_bytes,
                                         int(run.engine_waits.get("retaken_waste_pages", 0)) * page_bytes)
+            run.prefetch["worker_counted"] = worker_counted_waste(run.engine_waits, page_bytes)
             run.prefetch["planned_overhead_ms"] = {w: {"num_acks": n, "overhead_ms": round(ms, 1)}
                                                    for w, (n, ms) in orchestrator.prefetch_overheads().items()}
             run.outcomes = list(orchestrator.outcomes)
@@ -1065,6 +1080,10 @@ def table(result: dict[str, Any]) -> str:
             lines.append(f"{name}: resumes promoting {split['promoting']['n']} (p50 {_fmt(split['promoting']['p50'])} ms); "
                          f"not promoting {rest['n']} (p50 {_fmt(rest['p50'])} ms: worker {_fmt(rest['worker_p50'])}, "
                          f"outside it {_fmt(rest['outside_worker_p50'])})")
+    counted = result["policies"].get("kvtier", {}).get("prefetch", {}).get("worker_counted")
+    if counted and counted["moved_bytes"]:
+        lines.append(f"kvtier waste as the worker counts it: {counted['wasted_fraction']:.0%} of "
+                     f"{counted['moved_bytes'] / 2**20:.1f} MB brought up for sessions due back")
     demand = result["policies"].get("kvtier", {}).get("hold_demand")
     if demand:
         lines.append(f"kvtier hold demand (pages the sessions due back needed in HBM): p50 {demand['p50_pages']}, "

@@ -38,6 +38,7 @@ from loadtests.agent_workload import (
     tenant_tools,
     with_retaken,
     with_unseen_waste,
+    worker_counted_waste,
 )
 
 
@@ -157,6 +158,12 @@ def test_retaken_holds_count_as_prefetched_and_wasted_bytes() -> None:
     guards = with_retaken(prefetch_summary(stats), 25, 0)  # guards' pages: moved up once, used
     assert guards["wasted_fraction"] == pytest.approx(10 / 125) and "retaken" not in guards["wasted_bytes_by_reason"]
     assert with_retaken({}, 25, 20) == {}  # a policy without hints has no prefetch numbers
+
+
+def test_the_workers_own_count_of_waste_is_reported_in_bytes() -> None:
+    counted = worker_counted_waste({"session_prefetched_pages": 40, "session_prefetch_wasted_pages": 6}, 1024)
+    assert counted == {"moved_bytes": 40 * 1024, "wasted_bytes": 6 * 1024, "wasted_fraction": 0.15}
+    assert worker_counted_waste({}, 1024) == {"moved_bytes": 0, "wasted_bytes": 0, "wasted_fraction": None}
 
 
 def test_across_seeds_reports_each_seed_and_the_median_of_those_measured() -> None:

@@ -518,6 +518,61 @@ async def test_holds_yield_to_a_waiting_request_the_session_due_back_last_first(
         engine.tiers.close()
 
 
+@pytest.mark.asyncio
+async def test_the_worker_counts_the_pages_brought_up_for_a_session_and_those_it_did_not_find_in_hbm(tmp_path):
+    """The controller judges a prefetch's waste from the directory, which lags the worker: pages
+    given up just before the session's turn look in HBM to it. The worker counts it exactly when
+    the session's next request arrives (``_settle_prefetched``): of the page moves that brought
+    its pages up since its last generation, one per page still in HBM was used, every other
+    move was wasted (pages below again, or brought up twice); a session that ends wastes all."""
+    engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=400.0, num_pages=40)
+    try:
+        digest = namespace_digest(engine.namespace)
+        histories = {}
+        for i, session in enumerate(("s-used", "s-lost", "s-twice", "s-ended")):
+            prompt = tuple(range(1 + 50 * i, 1 + 50 * i + 3 * PAGE_SIZE))
+            histories[session] = prompt + tuple(await _session_turn(loop, engine, session, prompt))
+        await loop._call(lambda: engine.tiers.demote_all(Tier.DRAM))
+        counts = lambda: (loop.session_prefetched_pages, loop.session_prefetch_wasted_pages)  # noqa: E731
+
+        async def up(session: str) -> int:
+            moved = (await loop.prefetch(digest, (), session)).num_moved
+            assert moved == 3, session  # its three private pages
+            return moved
+
+        async def down(session: str) -> None:
+            await loop.demote(digest, (), session, Tier.DRAM)
+            assert Tier.HBM not in _tiers_in(engine, _keys(engine, histories[session]))
+
+        async def turn(session: str) -> None:
+            histories[session] += tuple(await _session_turn(loop, engine, session, histories[session] + (7,)))
+
+        await up("s-used")
+        assert counts() == (0, 0)  # settled when the session is back, not before
+        await turn("s-used")
+        assert counts() == (3, 0)
+        await up("s-lost")
+        await down("s-lost")  # given up before its turn: the turn promotes them again
+        await turn("s-lost")
+        assert counts() == (6, 3)
+        await up("s-twice")
+        await down("s-twice")
+        await up("s-twice")  # up again: the first move was wasted, the second used
+        await turn("s-twice")
+        assert counts() == (12, 6)
+        await up("s-ended")
+        await loop.drop_session(digest, "s-ended")
+        assert counts() == (15, 9)
+        # A turn with nothing brought up for it counts nothing.
+        await turn("s-used")
+        assert counts() == (15, 9)
+        assert not loop._prefetched
+        assert (await loop.check_integrity()).is_ok
+    finally:
+        await loop.close()
+        engine.tiers.close()
+
+
 async def _guard_due_soon(loop, engine, due_s: float) -> tuple[tuple[int, ...], str]:
     """One session (``s-soon``), its first turn done and held by a guard, due back in
     ``due_s``: its history and its hold's pin id."""

@@ -380,3 +380,32 @@ def test_without_nvml_there_are_no_gpu_families_and_one_info_line(caplog):
         pynvml.nvmlShutdown()
         gpus, text = gpu_scrape(pynvml, env={})
         assert gpus is not None and value(text, "kvtier_gpu_memory_total_bytes") > 0
+
+
+@in_module_loop
+async def test_pages_brought_up_for_a_session_and_those_its_turn_did_not_find_in_hbm_are_counted(served):
+    """``kvtier.session_prefetch_pages``: a prefetch brings a session's pages up; they go down
+    again before its turn (the watermark needed the room), so the turn finds them below: every
+    move was wasted, and the worker says so, whatever the directory still showed."""
+    server, engine, telemetry = served
+    ns = engine.namespace
+    digest = namespace_digest(ns)
+    prompt = [(5 * i + 2) % 256 for i in range(17)]  # 4 full private pages
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    loop = server.loop
+    async with AsyncClient() as client:
+        tokens, _ = await client.complete(ns, prompt, params, worker=server.address, session_id="s-wasted")
+        await loop._call(lambda: engine.tiers.demote_all(Tier.DRAM))
+        moved = (await loop.prefetch(digest, (), "s-wasted")).num_moved
+        assert moved >= 4
+        await loop.demote(digest, (), "s-wasted", Tier.DRAM)
+        before = scrape(telemetry.port)
+        await client.complete(ns, prompt + tokens, params, worker=server.address, session_id="s-wasted")
+    after = scrape(telemetry.port)
+
+    def delta(kind: str) -> float:
+        family = "kvtier_session_prefetch_pages_total"
+        return value(after, family, kind=kind) - value(before, family, kind=kind)
+
+    assert (delta("moved"), delta("wasted")) == (moved, moved)
+    assert "# HELP kvtier_session_prefetch_pages_total" in after

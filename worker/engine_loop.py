@@ -312,6 +312,16 @@ class SessionPages:
     page_keys: tuple[PageKey, ...]
 
 
+@dataclass(slots=True)
+class _Prefetched:
+    """Pages brought up into HBM for a session due back (commanded prefetches, retakes) since its
+    last generation finished: their keys, and how many page moves that took (a page that went
+    down and came up again moved twice)."""
+
+    keys: set[PageKey] = field(default_factory=set)
+    num_moved: int = 0
+
+
 @dataclass(slots=True, eq=False)
 class _Run:
     """One generation. Fields below the line are touched by the engine thread only."""
@@ -407,6 +417,13 @@ class EngineLoop:
         # Brought back up by ``_retake``, and of those, pages a prefetch had brought up before
         # (they went down unused: prefetched bytes wasted once).
         self.retaken_pages = self.retaken_waste_pages = 0
+        # Pages brought up for sessions due back, by session (``_note_prefetched``), settled when
+        # the session's next request arrives (``_settle_prefetched``): the page moves counted as
+        # ``session_prefetched_pages``, and those not in HBM when it arrived, or moved up more
+        # than once, as ``session_prefetch_wasted_pages``. Exact, where the controller's waste is
+        # judged from the directory, which lags (decision 0008, revision 15).
+        self._prefetched: dict[SessionId, _Prefetched] = {}
+        self.session_prefetched_pages = self.session_prefetch_wasted_pages = 0
         # Requests that waited for holds due back soon, by HOLD_DEFERRAL_OUTCOMES, and their
         # waits in all (``_end_deferral``).
         self.hold_deferrals: dict[str, int] = dict.fromkeys(HOLD_DEFERRAL_OUTCOMES, 0)
@@ -785,6 +802,7 @@ class EngineLoop:
         request = run.request
         if request.session_id is not None:
             self._lapsed.pop(request.session_id, None)  # back: its own admission brings its pages up
+            self._settle_prefetched(request.session_id)
         digest = run.digest = self.engine.digest_for(request.namespace)
         tiers = self.engine.tiers
         if tiers is not None and not tiers.config.simulate:
@@ -1397,20 +1415,24 @@ class EngineLoop:
         ):
             self._defer(lambda: self._prefetch(digest, keys, session, hold_s, done, since, expected=expected), done)
             return
+        rising = [n.key for n in chain if n.tier is not Tier.HBM]
         ticket = self._tiers().start_prefetch(chain)
-        if session is None or not hold_s:
+        if session is None:
             self._track(ticket, done)
             return
         pages = self._sessions.get(session)
 
-        def hold() -> None:
+        def landed() -> None:
             # Not once the session's next generation has finished (it released the hold and
             # cached its pages as usual) or the session ended meanwhile.
-            if self._sessions.get(session) is pages:
+            if self._sessions.get(session) is not pages:
+                return
+            self._note_prefetched(session, rising)
+            if hold_s:
                 self._hold_session(digest, session, chain, hold_s, num_moved=ticket.outcome.num_moved,
                                    expected=expected)
 
-        self._track(ticket, done, hold)
+        self._track(ticket, done, landed)
 
     def _needs_room(self, num_pages: int, *, rank: float | None = None) -> bool:
         """Fewer than ``num_pages`` HBM pages free to take (free, or clean: ``_free_hbm``), and room
@@ -1543,17 +1565,22 @@ class EngineLoop:
                 return  # no later session takes the room before this one
             del self._lapsed[session]
             held.update(n.key for n in chain)  # its hold comes once the pages land
+            rising = [n.key for n in chain if n.tier is not Tier.HBM]
             ticket = tiers.start_prefetch(chain)
             self.hold_outcomes["retaken"] += 1
             log.info("session hold retaken", extra={"session_id": session, "num_pages": len(chain)})
             if ticket.is_done:
-                self._hold_retaken(session, pages, pin, ticket.outcome)
+                self._hold_retaken(session, pages, pin, rising, ticket.outcome)
             else:
-                ticket.on_done = functools.partial(self._hold_retaken, session, pages, pin)
+                ticket.on_done = functools.partial(self._hold_retaken, session, pages, pin, rising)
 
-    def _hold_retaken(self, session: SessionId, pages: SessionPages, pin: _Pin, outcome: MoveOutcome) -> None:
+    def _hold_retaken(
+        self, session: SessionId, pages: SessionPages, pin: _Pin, rising: list[PageKey], outcome: MoveOutcome
+    ) -> None:
         self.retaken_pages += outcome.num_moved
         self.retaken_waste_pages += min(outcome.num_moved, pin.num_moved)
+        if self._sessions.get(session) is pages:
+            self._note_prefetched(session, rising)
         hold_s = ((pin.expires_at_ms or 0) - time.time() * 1000.0) / 1000.0
         # Not once its next generation has finished or the session ended meanwhile (``_prefetch``),
         # nor over a newer hold (a prefetch the controller sent meanwhile). Pages up for the
@@ -1562,6 +1589,37 @@ class EngineLoop:
         if self._sessions.get(session) is pages and hold_s > 0 and _hold_id(session) not in self._pins:
             self._hold_session(pin.digest, session, self._cached_chain(pages.page_keys), hold_s,
                                num_moved=max(outcome.num_moved, pin.num_moved), expected=pin.expected)
+
+    def _note_prefetched(self, session: SessionId, rising: list[PageKey]) -> None:
+        """Of ``rising`` (pages below HBM when a move up for ``session`` started), count those in
+        HBM now as brought up for it (``_prefetched``)."""
+        index = self.engine.index
+        landed = [k for k in rising if (node := index.get(k)) is not None and node.tier is Tier.HBM]
+        if landed:
+            tally = self._prefetched.setdefault(session, _Prefetched())
+            tally.keys.update(landed)
+            tally.num_moved += len(landed)
+
+    def _settle_prefetched(self, session: SessionId, why: str = "arrived") -> None:
+        """Count the page moves that brought pages up for ``session`` since its last generation
+        (``_prefetched``), and those wasted, as of ``why``:
+
+        arrived   its next request: a page in HBM now is used, once; every other move (pages
+                  below HBM again or gone, or brought up more than once) was wasted
+        finished  its generation: pages that landed after its request arrived (a late
+                  prefetch, which the request waited for): none wasted
+        gone      the session ended, or was forgotten: all wasted
+        """
+        tally = self._prefetched.pop(session, None)
+        if tally is None:
+            return
+        self.session_prefetched_pages += tally.num_moved
+        if why == "arrived":
+            index = self.engine.index
+            used = sum((node := index.get(k)) is not None and node.tier is Tier.HBM for k in tally.keys)
+            self.session_prefetch_wasted_pages += tally.num_moved - used
+        elif why == "gone":
+            self.session_prefetch_wasted_pages += tally.num_moved
 
     def _defer(self, retry: Callable[[], None], done: asyncio.Future[MoveOutcome]) -> None:
         """Run ``retry`` again on the loop's next pass (``_retry_deferred``); ``done`` stays a
@@ -1676,10 +1734,12 @@ class EngineLoop:
         assert digest is not None
         fed = [*prompt, *output[:-1]]  # the last sampled token is never fed back: no K/V
         keys = tuple(page_keys(digest, fed, self.engine.pool.page_size))
+        self._settle_prefetched(run.request.session_id, "finished")
         self._sessions[run.request.session_id] = SessionPages(digest, keys)
         self._sessions.move_to_end(run.request.session_id)
         while len(self._sessions) > MAX_SESSIONS:
-            self._sessions.popitem(last=False)
+            forgotten, _ = self._sessions.popitem(last=False)
+            self._settle_prefetched(forgotten, "gone")
 
     def _tiers(self) -> TierManager:
         if self.engine.tiers is None:
@@ -1739,6 +1799,7 @@ class EngineLoop:
             index.remove(node.key)
             num_dropped += 1
         del self._sessions[session]
+        self._settle_prefetched(session, "gone")
         return DropOutcome(num_dropped=num_dropped, num_kept=len(chain) - num_dropped, num_missing=num_missing)
 
 

@@ -118,6 +118,12 @@ class WorkerMetrics:
             "(kind=cap); held at the cap for long means HBM is short for the sessions due back",
         )
         m.create_observable_counter(
+            "kvtier.session_prefetch_pages", callbacks=[self._session_prefetch_pages], unit="{page}",
+            description="pages brought up into HBM for sessions due back (prefetches and retaken holds), counted "
+            "when the session's next request arrives (kind=moved), and of those the moves wasted: pages below "
+            "HBM again or gone by then, or brought up more than once, or the session ended (kind=wasted)",
+        )
+        m.create_observable_counter(
             "kvtier.tier_bytes_moved", callbacks=[self._bytes_moved], unit="By",
             description="bytes moved between tiers, by source and destination",
         )
@@ -203,6 +209,10 @@ class WorkerMetrics:
     def _session_hold_pages(self, _: CallbackOptions) -> Iterable[Observation]:
         yield Observation(self.loop.num_held_pages, {**self.attrs, "kind": "held"})
         yield Observation(round(self.loop.hold_cap_pages), {**self.attrs, "kind": "cap"})
+
+    def _session_prefetch_pages(self, _: CallbackOptions) -> Iterable[Observation]:
+        yield Observation(self.loop.session_prefetched_pages, {**self.attrs, "kind": "moved"})
+        yield Observation(self.loop.session_prefetch_wasted_pages, {**self.attrs, "kind": "wasted"})
 
     def _bytes_moved(self, _: CallbackOptions) -> Iterable[Observation]:
         tiers = self.engine.tiers
