@@ -65,7 +65,11 @@ was back; ``retaken_pages`` and ``retaken_waste_pages``, counted into kvtier's p
 bytes: ``with_retaken``, as are the pages a turn promoted again after its prefetch beyond what the
 controller saw: ``with_unseen_waste``; ``hold_deferrals`` and ``hold_deferral_wait_s``: requests
 that waited rather than displace holds due back within a second, by how the wait ended, and their
-waits in all). For kvtier, ``hold_demand`` says what HBM had to keep for the sessions
+waits in all; ``session_prefetched_pages`` and ``session_prefetch_wasted_pages``: the worker's
+own count of the page moves up for sessions due back and those their next request did not use,
+``prefetch.worker_counted``, which is the headline's waste since session 17; decision 0008,
+revision 15). ``--hold-fraction F`` sets the share of HBM those holds may keep (the worker's
+``session_hold_fraction``, default 0.7). For kvtier, ``hold_demand`` says what HBM had to keep for the sessions
 due back against the holds' cap and HBM itself (``hold_demand``'s doc): where it is over, some
 resume promotes whatever the policy (decision 0008, revision 5). Under emulation a round trip
 through NVMe (a 21 MiB private context: ~0.7 s) is longer than most of these tools' pauses, so kvtier
@@ -445,13 +449,22 @@ def _with_waste(prefetch: dict[str, Any], reason: str, wasted_bytes: int, *, pre
 
 def worker_counted_waste(waits: dict[str, Any], page_bytes: int) -> dict[str, Any]:
     """The worker's own count of the prefetches' waste (``EngineLoop._settle_prefetched``): the
-    page moves that brought pages up for sessions due back (prefetches and retaken holds), and
-    those that were not used by the session's next request (or the session ended). A check on
-    the headline's, which joins the controller's count, the worker's retakes and the turns'
-    records (``with_unseen_waste``); both should agree to within the late prefetches' pages."""
+    page moves that brought pages up for sessions due back (prefetches, guards, top-ups and
+    retaken holds), and those not used by the session's next request (or the session ended).
+    The headline's waste (``wasted_fraction_of``). The controller's count joined with the
+    worker's retakes and the turns' records (``with_unseen_waste``) moves the same bytes but
+    misses some waste: a guard's pages that went down again, pages a top-up brought up twice
+    (decision 0008, revision 15)."""
     moved = int(waits.get("session_prefetched_pages", 0)) * page_bytes
     wasted = int(waits.get("session_prefetch_wasted_pages", 0)) * page_bytes
     return {"moved_bytes": moved, "wasted_bytes": wasted, "wasted_fraction": wasted / moved if moved else None}
+
+
+def wasted_fraction_of(prefetch: dict[str, Any]) -> float | None:
+    """A policy's wasted prefetch fraction: the worker's count when the run has it, else the
+    controller's (joined with the retakes and the turns')."""
+    counted = (prefetch.get("worker_counted") or {}).get("wasted_fraction")
+    return counted if counted is not None else prefetch.get("wasted_fraction")
 
 
 def with_unseen_waste(prefetch: dict[str, Any]) -> dict[str, Any]:
@@ -590,7 +603,7 @@ def headline(policies: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "kvtier_over_infinite_hbm": ratio(p50("kvtier"), p50("infinite-hbm")),
         "kvtier_over_reactive": ratio(p50("kvtier"), p50("reactive")),
         "prefetch_on_time": kv.get("prefetch", {}).get("on_time_fraction"),
-        "wasted_prefetch_fraction": kv.get("prefetch", {}).get("wasted_fraction"),
+        "wasted_prefetch_fraction": wasted_fraction_of(kv.get("prefetch", {})),
         # The least kvtier_over_reactive a policy as fast as infinite HBM would reach in this
         # run: above 0.5, reactive pays too little at its median resume for that target to be
         # met by any policy (decision 0008, revision 13).
@@ -1063,7 +1076,7 @@ def table(result: dict[str, Any]) -> str:
             f"{_fmt(s['first_turn_ttft_ms']['p50']):>9} {s['recomputed_tokens']:>10} {s['cached_tokens']:>7} "
             f"{s['resumes_promoting']:>4}/{s['resume_requests']:<4} "
             f"{moved.get(down, 0) / 2**20:>12.1f} {moved.get(up, 0) / 2**20:>12.1f} "
-            f"{_fmt(pf.get('on_time_fraction'), '.2f'):>7} {_fmt(pf.get('wasted_fraction'), '.2f'):>7}"
+            f"{_fmt(pf.get('on_time_fraction'), '.2f'):>7} {_fmt(wasted_fraction_of(pf), '.2f'):>7}"
         )
     w = result["workload"]
     lines.append(f"HBM {w['hbm_pages']} pages = {w['hbm_share_of_working_set']:.0%} of the working set "
@@ -1080,10 +1093,10 @@ def table(result: dict[str, Any]) -> str:
             lines.append(f"{name}: resumes promoting {split['promoting']['n']} (p50 {_fmt(split['promoting']['p50'])} ms); "
                          f"not promoting {rest['n']} (p50 {_fmt(rest['p50'])} ms: worker {_fmt(rest['worker_p50'])}, "
                          f"outside it {_fmt(rest['outside_worker_p50'])})")
-    counted = result["policies"].get("kvtier", {}).get("prefetch", {}).get("worker_counted")
-    if counted and counted["moved_bytes"]:
-        lines.append(f"kvtier waste as the worker counts it: {counted['wasted_fraction']:.0%} of "
-                     f"{counted['moved_bytes'] / 2**20:.1f} MB brought up for sessions due back")
+    pf = result["policies"].get("kvtier", {}).get("prefetch", {})
+    if pf.get("worker_counted") and pf.get("wasted_fraction") is not None:
+        lines.append(f"kvtier waste as the worker counts it (the headline): {wasted_fraction_of(pf):.0%}; as the "
+                     f"controller saw it, with retakes and the turns' records: {pf['wasted_fraction']:.0%}")
     demand = result["policies"].get("kvtier", {}).get("hold_demand")
     if demand:
         lines.append(f"kvtier hold demand (pages the sessions due back needed in HBM): p50 {demand['p50_pages']}, "

@@ -164,6 +164,14 @@ def test_the_workers_own_count_of_waste_is_reported_in_bytes() -> None:
     counted = worker_counted_waste({"session_prefetched_pages": 40, "session_prefetch_wasted_pages": 6}, 1024)
     assert counted == {"moved_bytes": 40 * 1024, "wasted_bytes": 6 * 1024, "wasted_fraction": 0.15}
     assert worker_counted_waste({}, 1024) == {"moved_bytes": 0, "wasted_bytes": 0, "wasted_fraction": None}
+    # The headline's waste is the worker's count where the run has one, the controller's otherwise.
+    stats = PrefetchStats(num_prefetched=4, prefetched_bytes=40 * 1024)
+    stats.count_waste("evicted", 2 * 1024)
+    pf = prefetch_summary(stats)
+    assert headline({"kvtier": {"prefetch": pf}})["wasted_prefetch_fraction"] == pytest.approx(0.05)
+    pf["worker_counted"] = counted
+    assert headline({"kvtier": {"prefetch": pf}})["wasted_prefetch_fraction"] == 0.15
+    assert targets(headline({"kvtier": {"prefetch": pf}}))["wasted_prefetch<=0.10"] is False
 
 
 def test_across_seeds_reports_each_seed_and_the_median_of_those_measured() -> None:

@@ -525,7 +525,7 @@ async def test_the_worker_counts_the_pages_brought_up_for_a_session_and_those_it
     the session's next request arrives (``_settle_prefetched``): of the page moves that brought
     its pages up since its last generation, one per page still in HBM was used, every other
     move was wasted (pages below again, or brought up twice); a session that ends wastes all."""
-    engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=400.0, num_pages=40)
+    engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=100.0, num_pages=40)
     try:
         digest = namespace_digest(engine.namespace)
         histories = {}
@@ -547,7 +547,10 @@ async def test_the_worker_counts_the_pages_brought_up_for_a_session_and_those_it
         async def turn(session: str) -> None:
             histories[session] += tuple(await _session_turn(loop, engine, session, histories[session] + (7,)))
 
-        await up("s-used")
+        # Two prefetches at once (a top-up while the first is in flight): the pages move once,
+        # and count once.
+        first, second = await asyncio.gather(loop.prefetch(digest, (), "s-used"), loop.prefetch(digest, (), "s-used"))
+        assert sorted((first.num_moved, second.num_moved)) == [0, 3]
         assert counts() == (0, 0)  # settled when the session is back, not before
         await turn("s-used")
         assert counts() == (3, 0)

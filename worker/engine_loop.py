@@ -1415,7 +1415,7 @@ class EngineLoop:
         ):
             self._defer(lambda: self._prefetch(digest, keys, session, hold_s, done, since, expected=expected), done)
             return
-        rising = [n.key for n in chain if n.tier is not Tier.HBM]
+        rising = _rising_keys(chain)
         ticket = self._tiers().start_prefetch(chain)
         if session is None:
             self._track(ticket, done)
@@ -1565,7 +1565,7 @@ class EngineLoop:
                 return  # no later session takes the room before this one
             del self._lapsed[session]
             held.update(n.key for n in chain)  # its hold comes once the pages land
-            rising = [n.key for n in chain if n.tier is not Tier.HBM]
+            rising = _rising_keys(chain)
             ticket = tiers.start_prefetch(chain)
             self.hold_outcomes["retaken"] += 1
             log.info("session hold retaken", extra={"session_id": session, "num_pages": len(chain)})
@@ -1591,8 +1591,8 @@ class EngineLoop:
                                num_moved=max(outcome.num_moved, pin.num_moved), expected=pin.expected)
 
     def _note_prefetched(self, session: SessionId, rising: list[PageKey]) -> None:
-        """Of ``rising`` (pages below HBM when a move up for ``session`` started), count those in
-        HBM now as brought up for it (``_prefetched``)."""
+        """Of ``rising`` (the pages a move up for ``session`` took: ``_rising_keys``), count those
+        in HBM now as brought up for it (``_prefetched``)."""
         index = self.engine.index
         landed = [k for k in rising if (node := index.get(k)) is not None and node.tier is Tier.HBM]
         if landed:
@@ -1653,18 +1653,19 @@ class EngineLoop:
 
         Holds together keep at most ``hold_cap_pages`` (70 % of HBM by default): an HBM full of
         them leaves every other page (the turns just finished, the prefetches still to come) to
-        eviction, and more holds yield on the engine thread (revisions 13 and 14 of decision 0008
-        measured all of HBM: a third to a half of the waste, first turns slower). A hold is a prediction, so it yields
-        when the room is needed for certain: a request waiting for admission, a prefetch for
-        a session due back sooner (``_make_room``), a running sequence that would otherwise be
-        preempted (``_yield_hold``), the weakest hold first (the session due back last:
-        Belady's order, by prediction; with ``MAX_HELD_FRACTION`` 0.5 and no yielding, the full
-        emulated-DRAM agent run's resume p50 was 154-231 ms over 3 seeds, with 0.7 and yielding
-        39-109 ms over 6, median ~52; decision 0008). Within the capped room the same order
-        holds (``_Pin.hold_rank``): a new hold displaces those of sessions due back later until
-        it fits, or is not taken; a guard's hold (``num_moved`` 0: its pages never left) ranks
-        like a prefetch's, since a page that leaves HBM goes back onto its copy below without a
-        write (decision 0012; revision 3 of decision 0008 has the numbers).
+        eviction, and more holds yield on the engine thread (revisions 13-15 of decision 0008
+        measured all of HBM: about half the waste, first turns slower). A hold is a
+        prediction, so it yields when the room is needed for certain: a request waiting for
+        admission, a prefetch for a session due back sooner (``_make_room``), a running
+        sequence that would otherwise be preempted (``_yield_hold``), the weakest hold first
+        (the session due back last: Belady's order, by prediction; with holds capped at 0.5 of
+        HBM and no yielding, the full emulated-DRAM agent run's resume p50 was 154-231 ms over
+        3 seeds, with 0.7 and yielding 39-109 ms over 6, median ~52; decision 0008). Within the
+        capped room the same order holds (``_Pin.hold_rank``): a new hold displaces those of
+        sessions due back later until it fits, or is not taken; a guard's hold (``num_moved``
+        0: its pages never left) ranks like a prefetch's, since a page that leaves HBM goes
+        back onto its copy below without a write (decision 0012; revision 3 of decision 0008
+        has the numbers).
         """
         self._release_pin(_hold_id(session))
         index = self.engine.index
@@ -1801,6 +1802,20 @@ class EngineLoop:
         del self._sessions[session]
         self._settle_prefetched(session, "gone")
         return DropOutcome(num_dropped=num_dropped, num_kept=len(chain) - num_dropped, num_missing=num_missing)
+
+
+def _rising_keys(chain: Sequence[RadixNode]) -> list[PageKey]:
+    """The pages of ``chain`` a prefetch started now takes up (``TierManager.start_prefetch``):
+    those below HBM before the first one another transfer is moving. Pages past it may land by
+    that other move, which is not this prefetch's."""
+    keys: list[PageKey] = []
+    for node in chain:
+        if node.tier is Tier.HBM:
+            continue
+        if node.moving:
+            break
+        keys.append(node.key)
+    return keys
 
 
 def _num_in_hbm(chain: Sequence[RadixNode]) -> int:
