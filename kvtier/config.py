@@ -264,7 +264,7 @@ class WorkerConfig:
     session_hold_fraction: float = setting(
         0.7,
         "share of HBM the pages of paused sessions kept or prefetched for their next turn may hold together; "
-        "higher wastes fewer prefetches, lower leaves more room for new sessions (decision 0008)",
+        "higher can waste fewer prefetches, lower leaves more room for the other sessions' turns (decision 0008)",
         min=0, max=1, min_open=True,
     )
     # The names of kvtier.eviction.POLICY_NAMES (not imported here: that module loads torch).
