@@ -101,7 +101,7 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from statistics import NormalDist
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from opentelemetry.context import Context
 
@@ -1600,7 +1600,7 @@ class EngineLoop:
             tally.keys.update(landed)
             tally.num_moved += len(landed)
 
-    def _settle_prefetched(self, session: SessionId, why: str = "arrived") -> None:
+    def _settle_prefetched(self, session: SessionId, why: Literal["arrived", "finished", "gone"] = "arrived") -> None:
         """Count the page moves that brought pages up for ``session`` since its last generation
         (``_prefetched``), and those wasted, as of ``why``:
 
