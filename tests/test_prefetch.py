@@ -533,12 +533,11 @@ async def test_the_worker_counts_the_pages_brought_up_for_a_session_and_those_it
             prompt = tuple(range(1 + 50 * i, 1 + 50 * i + 3 * PAGE_SIZE))
             histories[session] = prompt + tuple(await _session_turn(loop, engine, session, prompt))
         await loop._call(lambda: engine.tiers.demote_all(Tier.DRAM))
-        counts = lambda: (loop.session_prefetched_pages, loop.session_prefetch_wasted_pages)  # noqa: E731
+        def counts() -> tuple[int, int]:
+            return loop.session_prefetched_pages, loop.session_prefetch_wasted_pages
 
-        async def up(session: str) -> int:
-            moved = (await loop.prefetch(digest, (), session)).num_moved
-            assert moved == 3, session  # its three private pages
-            return moved
+        async def up(session: str) -> None:
+            assert (await loop.prefetch(digest, (), session)).num_moved == 3, session  # its private pages
 
         async def down(session: str) -> None:
             await loop.demote(digest, (), session, Tier.DRAM)
