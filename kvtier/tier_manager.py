@@ -188,6 +188,7 @@ class MoveTicket:
     is_promotion: bool
     num_moved: int = 0
     num_skipped: int = 0
+    promoted: list[PageKey] = field(default_factory=list)  # a promotion's pages that went up, once applied
     transfer_ids: list[TransferId] = field(default_factory=list)
     num_open: int = 0  # transfers not completed yet
     hold: RadixNode | None = None  # a prefetch pins the chain's deepest HBM page meanwhile
@@ -976,6 +977,7 @@ class TierManager:
                 self.index.unpin(hold.key)
             self._settle_prefetched(promoted)
             ticket.num_moved, ticket.num_skipped = len(promoted), num_below - len(promoted)
+            ticket.promoted = [n.key for n in promoted]
             self._finish(ticket)
             return ticket
         # Making room for the pages coming up must not spill their ancestors (idle, and leaves
@@ -1068,6 +1070,7 @@ class TierManager:
         self._release_hold(ticket)
         self._settle_prefetched(promoted)
         ticket.num_moved = len(promoted)
+        ticket.promoted = [n.key for n in promoted]
         ticket.num_skipped += sum(len(p.nodes) for p in parts) - len(promoted)
 
     def _settle_prefetched(self, promoted: list[RadixNode]) -> None:

@@ -148,6 +148,7 @@ import statistics
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1002,26 +1003,27 @@ def parse_link_gbps(text: str) -> dict[str, float]:
     return {"dram": dram * 1e9, "nvme": nvme * 1e9}
 
 
-def parse_hbm_sessions(text: str) -> float:
-    """``--hbm-sessions N``: a positive number of sessions' longest context."""
+def _float_flag(text: str, flag: str, *, takes: str, must: str, ok: Callable[[float], bool]) -> float:
+    """``text`` as the number ``flag`` takes (``takes``, in words), refused unless ``ok`` (``must``)."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--hbm-sessions takes a number of sessions (e.g. 5), got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"--hbm-sessions must be a positive number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"{flag} takes {takes}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"{flag} must be {must}, got {text!r}")
     return value
+
+
+def parse_hbm_sessions(text: str) -> float:
+    """``--hbm-sessions N``: a positive number of sessions' longest context."""
+    return _float_flag(text, "--hbm-sessions", takes="a number of sessions (e.g. 5)", must="a positive number",
+                       ok=lambda v: math.isfinite(v) and v > 0)
 
 
 def parse_hold_fraction(text: str) -> float:
     """``--hold-fraction F``: a share of HBM in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--hold-fraction takes a share of HBM (e.g. 0.7), got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"--hold-fraction must be in (0, 1], got {text!r}")
-    return value
+    return _float_flag(text, "--hold-fraction", takes="a share of HBM (e.g. 0.7)", must="in (0, 1]",
+                       ok=lambda v: 0 < v <= 1)
 
 
 def parse_tools(text: str) -> tuple[str, ...]:

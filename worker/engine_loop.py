@@ -1415,7 +1415,6 @@ class EngineLoop:
         ):
             self._defer(lambda: self._prefetch(digest, keys, session, hold_s, done, since, expected=expected), done)
             return
-        rising = _rising_keys(chain)
         ticket = self._tiers().start_prefetch(chain)
         if session is None:
             self._track(ticket, done)
@@ -1427,7 +1426,7 @@ class EngineLoop:
             # cached its pages as usual) or the session ended meanwhile.
             if self._sessions.get(session) is not pages:
                 return
-            self._note_prefetched(session, rising)
+            self._note_prefetched(session, ticket.promoted)
             if hold_s:
                 self._hold_session(digest, session, chain, hold_s, num_moved=ticket.outcome.num_moved,
                                    expected=expected)
@@ -1565,22 +1564,22 @@ class EngineLoop:
                 return  # no later session takes the room before this one
             del self._lapsed[session]
             held.update(n.key for n in chain)  # its hold comes once the pages land
-            rising = _rising_keys(chain)
             ticket = tiers.start_prefetch(chain)
             self.hold_outcomes["retaken"] += 1
             log.info("session hold retaken", extra={"session_id": session, "num_pages": len(chain)})
             if ticket.is_done:
-                self._hold_retaken(session, pages, pin, rising, ticket.outcome)
+                self._hold_retaken(session, pages, pin, ticket)
             else:
-                ticket.on_done = functools.partial(self._hold_retaken, session, pages, pin, rising)
+                ticket.on_done = functools.partial(self._hold_retaken, session, pages, pin, ticket)
 
     def _hold_retaken(
-        self, session: SessionId, pages: SessionPages, pin: _Pin, rising: list[PageKey], outcome: MoveOutcome
+        self, session: SessionId, pages: SessionPages, pin: _Pin, ticket: MoveTicket, _: MoveOutcome | None = None
     ) -> None:
+        outcome = ticket.outcome
         self.retaken_pages += outcome.num_moved
         self.retaken_waste_pages += min(outcome.num_moved, pin.num_moved)
         if self._sessions.get(session) is pages:
-            self._note_prefetched(session, rising)
+            self._note_prefetched(session, ticket.promoted)
         hold_s = ((pin.expires_at_ms or 0) - time.time() * 1000.0) / 1000.0
         # Not once its next generation has finished or the session ended meanwhile (``_prefetch``),
         # nor over a newer hold (a prefetch the controller sent meanwhile). Pages up for the
@@ -1590,15 +1589,13 @@ class EngineLoop:
             self._hold_session(pin.digest, session, self._cached_chain(pages.page_keys), hold_s,
                                num_moved=max(outcome.num_moved, pin.num_moved), expected=pin.expected)
 
-    def _note_prefetched(self, session: SessionId, rising: list[PageKey]) -> None:
-        """Of ``rising`` (the pages a move up for ``session`` took: ``_rising_keys``), count those
-        in HBM now as brought up for it (``_prefetched``)."""
-        index = self.engine.index
-        landed = [k for k in rising if (node := index.get(k)) is not None and node.tier is Tier.HBM]
-        if landed:
+    def _note_prefetched(self, session: SessionId, promoted: list[PageKey]) -> None:
+        """Count the pages a move up for ``session`` promoted (``MoveTicket.promoted``) as
+        brought up for it (``_prefetched``)."""
+        if promoted:
             tally = self._prefetched.setdefault(session, _Prefetched())
-            tally.keys.update(landed)
-            tally.num_moved += len(landed)
+            tally.keys.update(promoted)
+            tally.num_moved += len(promoted)
 
     def _settle_prefetched(self, session: SessionId, why: Literal["arrived", "finished", "gone"] = "arrived") -> None:
         """Count the page moves that brought pages up for ``session`` since its last generation
@@ -1802,20 +1799,6 @@ class EngineLoop:
         del self._sessions[session]
         self._settle_prefetched(session, "gone")
         return DropOutcome(num_dropped=num_dropped, num_kept=len(chain) - num_dropped, num_missing=num_missing)
-
-
-def _rising_keys(chain: Sequence[RadixNode]) -> list[PageKey]:
-    """The pages of ``chain`` a prefetch started now takes up (``TierManager.start_prefetch``):
-    those below HBM before the first one another transfer is moving. Pages past it may land by
-    that other move, which is not this prefetch's."""
-    keys: list[PageKey] = []
-    for node in chain:
-        if node.tier is Tier.HBM:
-            continue
-        if node.moving:
-            break
-        keys.append(node.key)
-    return keys
 
 
 def _num_in_hbm(chain: Sequence[RadixNode]) -> int:
