@@ -59,6 +59,11 @@ class CleanPages:
             self._settle()
         return len(self._clean)
 
+    def contains(self, node: RadixNode) -> bool:
+        """Whether ``node`` is clean now."""
+        self.count()
+        return self._clean.get(id(node)) is node
+
     def _joined(self, node: RadixNode) -> None:
         self.touch(node)
         if node.parent is not None:  # a new child in HBM blocks it

@@ -274,6 +274,13 @@ class TierManager:
         index.release_lower = self._release_lower
         index.spill = self.spill
         index.reclaim = None if config.simulate else self.reclaim_clean
+        # Idle HBM pages brought up for a session due back and not used yet: ``awaited(node)``
+        # gives the rank of that session's expected return (a hold rank: lower is sooner), None
+        # for any other page. Set by the engine loop. While a prefetch for a session of rank r
+        # allocates (``start_prefetch(rank=r)``), the pages of sessions ranked r or sooner are
+        # not taken for it (``_spares``).
+        self.awaited: Callable[[RadixNode], float | None] | None = None
+        self._sparing: float | None = None
         index.on_remove.append(self._free_shadow)
         index.on_move.append(self._on_moved)
         if self.nvme is not None:
@@ -320,9 +327,22 @@ class TierManager:
         Exact at every call, and O(what changed since the last one) (``kvtier.clean_pages``)."""
         return self.hbm.num_free + (0 if self.clean is None else self.clean.count())
 
+    def is_clean(self, node: RadixNode) -> bool:
+        """Whether ``node`` is one of the clean HBM pages ``num_reclaimable`` counts."""
+        return self.clean is not None and self.clean.contains(node)
+
+    def _spares(self, node: RadixNode, rank: float | None) -> bool:
+        """Whether an allocation for a prefetch of ``rank`` leaves ``node`` alone: a page
+        brought up for a session due back no later (``awaited``)."""
+        if rank is None or self.awaited is None:
+            return False
+        awaited = self.awaited(node)
+        return awaited is not None and awaited <= rank
+
     def reclaim_clean(self, *, search: int = 32) -> bool:
         """Free one HBM page at no copy: the coldest of the ``search`` coldest idle pages whose
-        copy below is intact goes back onto it. False when none of them has one."""
+        copy below is intact goes back onto it (while a prefetch allocates, not one it spares:
+        ``start_prefetch``). False when none of them has one."""
         if self.clean is None or self.clean.count() == 0:
             return False  # an idle HBM leaf with a copy below would be clean: there is none to find
         skipped: list[RadixNode] = []
@@ -331,7 +351,7 @@ class TierManager:
             popped = self.index.pop_victims(Tier.HBM, 1)
             if not popped:
                 break
-            if self._shadow_of(popped[0].key) is not None:
+            if self._shadow_of(popped[0].key) is not None and not self._spares(popped[0], self._sparing):
                 chosen = popped[0]
             else:
                 skipped.append(popped[0])
@@ -498,7 +518,10 @@ class TierManager:
     def spill(self, node: RadixNode) -> bool:
         """Free an HBM victim's page now (allocation fallback): move it down a tier, or
         drop it with its subtree when no lower tier has room or works. False (keep it)
-        when that subtree holds a pinned page."""
+        when that subtree holds a pinned page, or while a prefetch allocates, a page it spares
+        (``start_prefetch``)."""
+        if self._spares(node, self._sparing):
+            return False
         for tier in (Tier.DRAM, Tier.NVME):
             if self._move_now(node, tier, allow_room=True):
                 return True
@@ -943,7 +966,9 @@ class TierManager:
             self.index.requeue(node)
         return target
 
-    def start_prefetch(self, chain: Sequence[RadixNode], *, for_request: bool = False) -> MoveTicket:
+    def start_prefetch(
+        self, chain: Sequence[RadixNode], *, for_request: bool = False, rank: float | None = None,
+    ) -> MoveTicket:
         """Start promoting the lower-tier pages of ``chain`` (root first) into HBM, where they
         stay cached and idle once applied (``for_request``: a request waits for them, the engine
         loop's promotion before admission, so a promotion on hit at its priority). Stops at the
@@ -955,7 +980,12 @@ class TierManager:
         it a moment before) is recalled, not a stop: the pin on the chain's deepest HBM page
         keeps it (and so every ancestor in the same demotion) in HBM when that transfer lands.
         The caller's own pin takes over once the ticket is applied (a session's hold, a waiting
-        request's pin); a caller that pins nothing lets it go down after all."""
+        request's pin); a caller that pins nothing lets it go down after all.
+
+        ``rank``: the prefetch is for a session expected back at that hold rank. Its pages do not
+        take the room of pages brought up for a session due back no later (``awaited``): those
+        would go down unused, and come up again or be promoted on arrival (decision 0008,
+        revision 16). Pages with no such room are skipped, as with no room at all."""
         ticket = MoveTicket(is_promotion=True)
         num_below = sum(1 for n in chain if n.tier is not Tier.HBM)
         lower: list[RadixNode] = []
@@ -986,7 +1016,11 @@ class TierManager:
         if hold is not None and lower:
             self.index.pin(hold.key)
             ticket.hold = hold
-        pages = self._allocate_hbm(lower)
+        self._sparing = rank
+        try:
+            pages = self._allocate_hbm(lower)
+        finally:
+            self._sparing = None
         lower = lower[: len(pages)]
         ticket.num_skipped = num_below - len(lower)
         groups: dict[Tier, list[int]] = {}

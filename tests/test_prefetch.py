@@ -575,6 +575,51 @@ async def test_the_worker_counts_the_pages_brought_up_for_a_session_and_those_it
         engine.tiers.close()
 
 
+@pytest.mark.asyncio
+async def test_a_prefetch_does_not_take_the_room_of_a_session_due_back_sooner(tmp_path):
+    """Pages brought up for a session due back stay in HBM after its hold is refused at the cap
+    (clean: their copy below is intact), free to take when room is needed. A prefetch for a
+    session due back *later* must not take them: that moves pages up only to send another
+    session's down unused, which it must bring up again or promote on arrival (decision 0008,
+    revision 16). With no other room, the later prefetch moves nothing (its top-ups or its turn
+    bring it); a prefetch for a session due back sooner still takes them."""
+    engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0, num_pages=8, hold_pages=1)
+    try:
+        digest = namespace_digest(engine.namespace)
+        prompts = {s: tuple(range(1 + 40 * i, 1 + 40 * i + 4 * PAGE_SIZE))
+                   for i, s in enumerate(("s-soon", "s-sooner", "s-late", "s-first"))}
+        keys = {}
+        for session, prompt in prompts.items():
+            history = prompt + tuple(await _session_turn(loop, engine, session, prompt))
+            keys[session] = _keys(engine, history)
+            assert len(keys[session]) == 4
+        await loop._call(lambda: engine.tiers.demote_all(Tier.DRAM))
+        assert engine.pool.num_free == 8
+        # Due back in 10 s and 5 s: both holds refused (a cap of one page), their pages in HBM.
+        for session, due_s in (("s-soon", 10.0), ("s-sooner", 5.0)):
+            assert (await loop.prefetch(digest, (), session, hold_s=30.0, due_s=due_s)).num_moved == 4
+        assert loop.hold_outcomes["refused"] == 2 and not list(loop._holds())
+        assert engine.tiers.num_reclaimable() == 8 and engine.pool.num_free == 0
+        # Due back in 20 s: HBM has no room but theirs, which it may not take.
+        late = await loop.prefetch(digest, (), "s-late", hold_s=30.0, due_s=20.0)
+        assert late.num_moved == 0
+        assert _tiers_in(engine, keys["s-late"]) == [Tier.DRAM] * 4
+        for session in ("s-soon", "s-sooner"):
+            assert _tiers_in(engine, keys[session]) == [Tier.HBM] * 4, session
+        # Due back in 1 s, before both: it takes their room.
+        assert (await loop.prefetch(digest, (), "s-first", hold_s=30.0, due_s=1.0)).num_moved == 4
+        assert _tiers_in(engine, keys["s-first"]) == [Tier.HBM] * 4
+        assert (_tiers_in(engine, keys["s-soon"]) + _tiers_in(engine, keys["s-sooner"])).count(Tier.HBM) == 4
+        # The turns settle what was brought up for them; nothing is awaited any more.
+        for session in prompts:
+            await _session_turn(loop, engine, session, prompts[session])
+        assert not loop._awaited
+        assert (await loop.check_integrity()).is_ok
+    finally:
+        await loop.close()
+        engine.tiers.close()
+
+
 async def _guard_due_soon(loop, engine, due_s: float) -> tuple[tuple[int, ...], str]:
     """One session (``s-soon``), its first turn done and held by a guard, due back in
     ``due_s``: its history and its hold's pin id."""

@@ -423,6 +423,7 @@ class EngineLoop:
         # than once, as ``session_prefetch_wasted_pages``. Exact, where the controller's waste is
         # judged from the directory, which lags (decision 0008, revision 15).
         self._prefetched: dict[SessionId, _Prefetched] = {}
+        self._awaited: dict[PageKey, SessionId] = {}  # those pages, until their session settles
         self.session_prefetched_pages = self.session_prefetch_wasted_pages = 0
         # Requests that waited for holds due back soon, by HOLD_DEFERRAL_OUTCOMES, and their
         # waits in all (``_end_deferral``).
@@ -447,6 +448,7 @@ class EngineLoop:
         engine.index.on_move.append(self._on_move)
         if engine.tiers is not None:
             engine.tiers.transfers.on_done = self._transfer_done
+            engine.tiers.awaited = self._awaited_rank
         # Pages indexed before the loop existed (restored from NVMe at start-up) carry their
         # namespace: learn them, so the first snapshot lists them and the directory routes to them.
         for node in sorted(engine.index.nodes(), key=lambda n: n.depth):
@@ -1415,7 +1417,7 @@ class EngineLoop:
         ):
             self._defer(lambda: self._prefetch(digest, keys, session, hold_s, done, since, expected=expected), done)
             return
-        ticket = self._tiers().start_prefetch(chain)
+        ticket = self._tiers().start_prefetch(chain, rank=rank)
         if session is None:
             self._track(ticket, done)
             return
@@ -1436,15 +1438,31 @@ class EngineLoop:
     def _needs_room(self, num_pages: int, *, rank: float | None = None) -> bool:
         """Fewer than ``num_pages`` HBM pages free to take (free, or clean: ``_free_hbm``), and room
         for them on its way (``_make_room``; ``rank``: that of the hold the pages will have, so only
-        weaker holds yield to them)."""
-        short = num_pages - self._free_hbm()
+        weaker holds yield to them, and pages brought up for sessions due back no later are not
+        free to take: ``TierManager.start_prefetch``)."""
+        short = num_pages - self._free_hbm(sparing=rank)
         return short > 0 and self._make_room(short, weaker_than=rank)
 
-    def _free_hbm(self) -> int:
+    def _free_hbm(self, *, sparing: float | None = None) -> int:
         """HBM pages free to take at no copy: free, or idle with an intact copy below
-        (``TierManager.num_reclaimable``)."""
+        (``TierManager.num_reclaimable``; ``sparing``: for a prefetch of that hold rank)."""
         tiers = self.engine.tiers
-        return self.engine.pool.num_free if tiers is None else tiers.num_reclaimable()
+        if tiers is None:
+            return self.engine.pool.num_free
+        return tiers.num_reclaimable() - (0 if sparing is None else self._num_spared(sparing))
+
+    def _num_spared(self, rank: float) -> int:
+        """Clean HBM pages a prefetch of hold rank ``rank`` may not take: those brought up for a
+        session due back no later (``TierManager.start_prefetch``)."""
+        tiers, index = self._tiers(), self.engine.index
+        ranks: dict[SessionId, float] = {}
+        num = 0
+        for key, session in self._awaited.items():
+            if session not in ranks:
+                ranks[session] = self._session_rank(session)
+            if ranks[session] <= rank and (node := index.get(key)) is not None and tiers.is_clean(node):
+                num += 1
+        return num
 
     def _lower_tier(self) -> Tier | None:
         tiers = self._tiers()
@@ -1596,6 +1614,19 @@ class EngineLoop:
             tally = self._prefetched.setdefault(session, _Prefetched())
             tally.keys.update(promoted)
             tally.num_moved += len(promoted)
+            self._awaited.update(dict.fromkeys(promoted, session))
+
+    def _awaited_rank(self, node: RadixNode) -> float | None:
+        """When the session ``node``'s page was brought up for is expected back (a hold rank:
+        lower is sooner; a lapsed hold's, else +inf), or None when no session awaits it."""
+        session = self._awaited.get(node.key)
+        if session is None:
+            return None
+        return self._session_rank(session)
+
+    def _session_rank(self, session: SessionId) -> float:
+        pin = self._lapsed.get(session)
+        return float("inf") if pin is None else pin.hold_rank()
 
     def _settle_prefetched(self, session: SessionId, why: Literal["arrived", "finished", "gone"] = "arrived") -> None:
         """Count the page moves that brought pages up for ``session`` since its last generation
@@ -1610,6 +1641,9 @@ class EngineLoop:
         tally = self._prefetched.pop(session, None)
         if tally is None:
             return
+        for key in tally.keys:
+            if self._awaited.get(key) == session:
+                del self._awaited[key]
         self.session_prefetched_pages += tally.num_moved
         if why == "arrived":
             index = self.engine.index
