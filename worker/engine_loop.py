@@ -1617,15 +1617,17 @@ class EngineLoop:
             self._awaited.update(dict.fromkeys(promoted, session))
 
     def _awaited_rank(self, node: RadixNode) -> float | None:
-        """When the session ``node``'s page was brought up for is expected back (a hold rank:
-        lower is sooner; a lapsed hold's, else +inf), or None when no session awaits it."""
+        """When the session ``node``'s page was brought up for is expected back (``_session_rank``:
+        lower is sooner), or None when no session awaits it."""
         session = self._awaited.get(node.key)
         if session is None:
             return None
         return self._session_rank(session)
 
     def _session_rank(self, session: SessionId) -> float:
-        pin = self._lapsed.get(session)
+        """``session``'s hold rank (``_Pin.hold_rank``): its hold's, held or lapsed; +inf without
+        one (a prefetch that held nothing, or a hold past its end)."""
+        pin = self._pins.get(_hold_id(session)) or self._lapsed.get(session)
         return float("inf") if pin is None else pin.hold_rank()
 
     def _settle_prefetched(self, session: SessionId, why: Literal["arrived", "finished", "gone"] = "arrived") -> None:
