@@ -278,7 +278,7 @@ class TierManager:
         # gives the rank of that session's expected return (a hold rank: lower is sooner), None
         # for any other page. Set by the engine loop. While a prefetch for a session of rank r
         # allocates (``start_prefetch(rank=r)``), the pages of sessions ranked r or sooner are
-        # not taken for it (``_spares``).
+        # not taken for it (``spares``).
         self.awaited: Callable[[RadixNode], float | None] | None = None
         self._sparing: float | None = None
         index.on_remove.append(self._free_shadow)
@@ -331,7 +331,7 @@ class TierManager:
         """Whether ``node`` is one of the clean HBM pages ``num_reclaimable`` counts."""
         return self.clean is not None and self.clean.contains(node)
 
-    def _spares(self, node: RadixNode, rank: float | None) -> bool:
+    def spares(self, node: RadixNode, rank: float | None) -> bool:
         """Whether an allocation for a prefetch of ``rank`` leaves ``node`` alone: a page
         brought up for a session due back no later (``awaited``)."""
         if rank is None or self.awaited is None:
@@ -351,7 +351,7 @@ class TierManager:
             popped = self.index.pop_victims(Tier.HBM, 1)
             if not popped:
                 break
-            if self._shadow_of(popped[0].key) is not None and not self._spares(popped[0], self._sparing):
+            if self._shadow_of(popped[0].key) is not None and not self.spares(popped[0], self._sparing):
                 chosen = popped[0]
             else:
                 skipped.append(popped[0])
@@ -520,7 +520,7 @@ class TierManager:
         drop it with its subtree when no lower tier has room or works. False (keep it)
         when that subtree holds a pinned page, or while a prefetch allocates, a page it spares
         (``start_prefetch``)."""
-        if self._spares(node, self._sparing):
+        if self.spares(node, self._sparing):
             return False
         for tier in (Tier.DRAM, Tier.NVME):
             if self._move_now(node, tier, allow_room=True):

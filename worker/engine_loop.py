@@ -1455,14 +1455,8 @@ class EngineLoop:
         """Clean HBM pages a prefetch of hold rank ``rank`` may not take: those brought up for a
         session due back no later (``TierManager.start_prefetch``)."""
         tiers, index = self._tiers(), self.engine.index
-        ranks: dict[SessionId, float] = {}
-        num = 0
-        for key, session in self._awaited.items():
-            if session not in ranks:
-                ranks[session] = self._session_rank(session)
-            if ranks[session] <= rank and (node := index.get(key)) is not None and tiers.is_clean(node):
-                num += 1
-        return num
+        nodes = (index.get(key) for key in self._awaited)
+        return sum(1 for node in nodes if node is not None and tiers.is_clean(node) and tiers.spares(node, rank))
 
     def _lower_tier(self) -> Tier | None:
         tiers = self._tiers()
@@ -1617,16 +1611,12 @@ class EngineLoop:
             self._awaited.update(dict.fromkeys(promoted, session))
 
     def _awaited_rank(self, node: RadixNode) -> float | None:
-        """When the session ``node``'s page was brought up for is expected back (``_session_rank``:
-        lower is sooner), or None when no session awaits it."""
+        """When the session ``node``'s page was brought up for is expected back, or None when no
+        session awaits it: its hold's rank (``_Pin.hold_rank``, lower is sooner), held or lapsed;
+        +inf without one (a prefetch that held nothing, or a hold past its end)."""
         session = self._awaited.get(node.key)
         if session is None:
             return None
-        return self._session_rank(session)
-
-    def _session_rank(self, session: SessionId) -> float:
-        """``session``'s hold rank (``_Pin.hold_rank``): its hold's, held or lapsed; +inf without
-        one (a prefetch that held nothing, or a hold past its end)."""
         pin = self._pins.get(_hold_id(session)) or self._lapsed.get(session)
         return float("inf") if pin is None else pin.hold_rank()
 
