@@ -424,8 +424,23 @@ def up_command(
         ".kvtier"
     ),
     port: Annotated[int, typer.Option(help="Controller gRPC port; 0 picks a free one.", min=0, max=65535)] = 50051,
+    hbm_gib: Annotated[
+        float | None,
+        typer.Option(help="HBM tier per worker, GiB; default 0.0625 (64 MiB), a CPU-sized cache."),
+    ] = None,
     dram_gib: Annotated[float, typer.Option(help="DRAM tier per worker, GiB.")] = 0.25,
     nvme_gib: Annotated[float, typer.Option(help="NVMe tier per worker, GiB (files under STATE_DIR/nvme).")] = 0.0,
+    eviction_policy: Annotated[
+        str | None,
+        typer.Option(envvar="KVTIER_EVICTION_POLICY", help="Which cached pages leave a tier first: value or lru."),
+    ] = None,
+    session_hold_fraction: Annotated[
+        float | None,
+        typer.Option(
+            envvar="KVTIER_SESSION_HOLD_FRACTION",
+            help="Share of HBM paused sessions' kept or prefetched pages may hold, in (0, 1]; default 0.7.",
+        ),
+    ] = None,
 ) -> None:
     """Start a local kvtier: Valkey, Ray, the controller and workers; Ctrl-C (or `kvtier down`) stops it.
 
@@ -433,14 +448,21 @@ def up_command(
 
       kvtier up
       kvtier up --workers 2 --model ./Llama-3.2-1B --nvme-gib 4
+      kvtier up --hbm-gib 60 --dram-gib 200 --session-hold-fraction 1.0
       kvtier up --redis-url redis://10.0.0.5:6379/0 --ray-address auto
     """
     import asyncio
     import signal
 
+    from kvtier.config import WorkerConfig, load_config
     from kvtier.stack import StackOptions, start_local_stack
 
     console = _console()
+    # The worker settings' own checks, before anything starts; their errors name the flag.
+    worker = load_config(
+        WorkerConfig, env={},
+        overrides={"eviction_policy": eviction_policy, "session_hold_fraction": session_hold_fraction},
+    )
     options = StackOptions(
         state_dir=state_dir,
         num_workers=workers,
@@ -448,8 +470,11 @@ def up_command(
         redis_url=redis_url,
         ray_address=ray_address,
         controller_port=port,
+        **({} if hbm_gib is None else {"hbm_bytes": _gib_to_bytes(hbm_gib, "--hbm-gib", positive=True)}),
         dram_bytes=_gib_to_bytes(dram_gib, "--dram-gib"),
         nvme_bytes=_gib_to_bytes(nvme_gib, "--nvme-gib"),
+        eviction_policy=worker.eviction_policy,
+        session_hold_fraction=worker.session_hold_fraction,
         auth=True,  # an admin token in STATE_DIR/auth/admin.token; kvtier commands pick it up
     )
 

@@ -11,7 +11,10 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+HBM_GIB = 1 / 32  # half the stack's default of 64 MiB: the flag must reach the worker
 
 
 def test_up_serves_and_down_stops_everything_it_started(tmp_path: Path):
@@ -19,7 +22,8 @@ def test_up_serves_and_down_stops_everything_it_started(tmp_path: Path):
     env = {**os.environ, "RAY_ADDRESS": ""}  # a fresh local Ray, never a stale one
     log = (tmp_path / "up.log").open("w")  # a file, not a pipe nobody drains
     up = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli", "up", "--state-dir", str(state), "--port", "0"],
+        [sys.executable, "-m", "kvtier.cli", "up", "--state-dir", str(state), "--port", "0",
+         "--hbm-gib", str(HBM_GIB), "--eviction-policy", "lru", "--session-hold-fraction", "1.0"],
         stdout=log, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
     )
     try:
@@ -42,6 +46,14 @@ def test_up_serves_and_down_stops_everything_it_started(tmp_path: Path):
         view = json.loads(shown.stdout)
         assert view["is_leader"] and view["leader_address"] == endpoints["controller"]
         assert view["num_live_workers"] == 1 and view["is_directory_reachable"]
+        tiers = subprocess.run(
+            [sys.executable, "-m", "kvtier.cli", "tiers", "--controller", endpoints["controller"], "--json"],
+            capture_output=True, text=True, timeout=60, env={**env, "KVTIER_STATE_DIR": str(state)},
+        )
+        assert tiers.returncode == 0, tiers.stderr
+        (hbm,) = [row for row in json.loads(tiers.stdout)["tiers"] if row["tier"] == "hbm"]
+        page_bytes = hbm["capacity_bytes"] // hbm["total_pages"]
+        assert HBM_GIB * 2**30 - page_bytes < hbm["capacity_bytes"] <= HBM_GIB * 2**30
 
         down = subprocess.run(
             [sys.executable, "-m", "kvtier.cli", "down", "--state-dir", str(state)],
@@ -73,3 +85,23 @@ def test_up_serves_and_down_stops_everything_it_started(tmp_path: Path):
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)
         log.close()
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--session-hold-fraction", "1.5"], "--session-hold-fraction"),
+        (["--session-hold-fraction", "0"], "--session-hold-fraction"),
+        (["--eviction-policy", "fifo"], "--eviction-policy"),
+        (["--hbm-gib", "0"], "--hbm-gib"),
+    ],
+)
+def test_up_refuses_a_bad_worker_setting_before_starting_anything(tmp_path: Path, flags: list[str], named: str):
+    state = tmp_path / "state"
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "up", "--state-dir", str(state), "--port", "0", *flags],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "RAY_ADDRESS": ""},
+    )
+    assert done.returncode == 2 and named in done.stderr and "Traceback" not in done.stderr
+    assert done.stderr.count("\n") == 1
+    assert not state.exists()  # no Valkey, no Ray, no state written
