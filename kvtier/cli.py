@@ -438,7 +438,7 @@ def up_command(
         float | None,
         typer.Option(
             envvar="KVTIER_SESSION_HOLD_FRACTION",
-            help="Share of HBM paused sessions' kept or prefetched pages may hold, in (0, 1]; default 0.7.",
+            help="Share of HBM paused sessions' kept or prefetched pages may hold, in (0, 1]; default 1.0.",
         ),
     ] = None,
 ) -> None:

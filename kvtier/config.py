@@ -262,7 +262,7 @@ class WorkerConfig:
         min=0, min_open=True,
     )
     session_hold_fraction: float = setting(
-        0.7,
+        1.0,
         "share of HBM the pages of paused sessions kept or prefetched for their next turn may hold together; "
         "higher can waste fewer prefetches, lower leaves more room for the other sessions' turns (decision 0008)",
         min=0, max=1, min_open=True,

@@ -69,7 +69,7 @@ waits in all; ``session_prefetched_pages`` and ``session_prefetch_wasted_pages``
 own count of the page moves up for sessions due back and those their next request did not use,
 ``prefetch.worker_counted``, which is the headline's waste since session 17; decision 0008,
 revision 15). ``--hold-fraction F`` sets the share of HBM those holds may keep (the worker's
-``session_hold_fraction``, default 0.7). For kvtier, ``hold_demand`` says what HBM had to keep for the sessions
+``session_hold_fraction``, default 1.0; 0.7 until session 20). For kvtier, ``hold_demand`` says what HBM had to keep for the sessions
 due back against the holds' cap and HBM itself (``hold_demand``'s doc): where it is over, some
 resume promotes whatever the policy (decision 0008, revision 5). Under emulation a round trip
 through NVMe (a 21 MiB private context: ~0.7 s) is longer than most of these tools' pauses, so kvtier
@@ -1167,7 +1167,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="HBM holds this many sessions' longest context (default 5; 4 with --quick)")
     parser.add_argument("--hold-fraction", type=parse_hold_fraction, metavar="F",
                         help="the share of HBM paused sessions' holds may keep (the worker's "
-                             "session_hold_fraction; default its default, 0.7)")
+                             "session_hold_fraction; default its default, 1.0)")
     parser.add_argument("--tools", type=parse_tools, metavar="NAME,...",
                         help=f"the tool types the agents call (default all: {','.join(TOOL_NAMES)}; "
                              "search,code_exec,browse is the mix before session 10)")
