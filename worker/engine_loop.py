@@ -1679,9 +1679,8 @@ class EngineLoop:
         prefetch stopped taking the room of sessions due back sooner (revision 16 of decision
         0008), all of HBM wasted less than 70 % in five paired runs (7.7 % against 11.1 % on
         average), resumes no slower (revision 17; revisions 13-15 measured a trade before it).
-        A hold is a
-        prediction, so it yields when the room is needed for certain: a request waiting for
-        admission, a prefetch for a session due back sooner (``_make_room``), a running
+        A hold is a prediction, so it yields when the room is needed for certain: a request
+        waiting for admission, a prefetch for a session due back sooner (``_make_room``), a running
         sequence that would otherwise be preempted (``_yield_hold``), the weakest hold first
         (the session due back last: Belady's order, by prediction; with holds capped at 0.5 of
         HBM and no yielding, the full emulated-DRAM agent run's resume p50 was 154-231 ms over
