@@ -49,6 +49,7 @@ from kvtier.capacity import (
     validate_headroom,
     validate_page_size,
 )
+from kvtier.config import WorkerConfig, load_config, settings_of
 from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.geometry import load_geometry, parse_dtype
 from kvtier.tiers import Tier
@@ -83,6 +84,12 @@ def _console() -> Console:
     # which would wrap the tier table.
     console = Console()
     return console if console.is_terminal else Console(width=160)
+
+
+def _worker_setting_help(name: str) -> str:
+    """A WorkerConfig setting's help, accepted values and default, as ``kvtier worker`` has them."""
+    info = next(i for i in settings_of(WorkerConfig) if i.name == name)
+    return f"{info.help[:1].upper()}{info.help[1:]}; {info.accepted or 'any'}, default {info.default}."
 
 
 def _gib_to_bytes(gib: float, flag: str, *, positive: bool = False) -> int:
@@ -157,7 +164,7 @@ class Remote:
         ``KVTIER_*`` variables (KVTIER_TLS_CA_FILE, KVTIER_AUTH_TOKEN_FILE, ...); --token wins."""
         from kvtier.auth import read_token_file
         from kvtier.client import AsyncClient
-        from kvtier.config import ClientConfig, load_config
+        from kvtier.config import ClientConfig
         from kvtier.rpc.tls import ClientTls
 
         config = load_config(ClientConfig, overrides={"controller_address": self.address, "timeout_s": self.timeout_s})
@@ -432,14 +439,11 @@ def up_command(
     nvme_gib: Annotated[float, typer.Option(help="NVMe tier per worker, GiB (files under STATE_DIR/nvme).")] = 0.0,
     eviction_policy: Annotated[
         str | None,
-        typer.Option(envvar="KVTIER_EVICTION_POLICY", help="Which cached pages leave a tier first: value or lru."),
+        typer.Option(envvar="KVTIER_EVICTION_POLICY", help=_worker_setting_help("eviction_policy")),
     ] = None,
     session_hold_fraction: Annotated[
         float | None,
-        typer.Option(
-            envvar="KVTIER_SESSION_HOLD_FRACTION",
-            help="Share of HBM paused sessions' kept or prefetched pages may hold, in (0, 1]; default 1.0.",
-        ),
+        typer.Option(envvar="KVTIER_SESSION_HOLD_FRACTION", help=_worker_setting_help("session_hold_fraction")),
     ] = None,
 ) -> None:
     """Start a local kvtier: Valkey, Ray, the controller and workers; Ctrl-C (or `kvtier down`) stops it.
@@ -454,7 +458,6 @@ def up_command(
     import asyncio
     import signal
 
-    from kvtier.config import WorkerConfig, load_config
     from kvtier.stack import StackOptions, start_local_stack
 
     console = _console()
