@@ -3,12 +3,14 @@
 Drain — take a worker out of service and empty it::
 
     Drain(w)  ─► registry: draining (Route skips it from now on) ─► DrainCommand(draining=True),
-              acknowledged: the worker refuses new Generate calls ─► answer DRAINING
+              acknowledged: the worker refuses new Generate calls and Prefetches and
+              has released its session holds ─► answer DRAINING
     background: wait for a heartbeat, newer than the ack, with nothing running or queued
               ─► RequestSnapshot (applied to the directory before its ack resolves)
               ─► Drop the snapshot's depth-1 pages of every namespace: their descendants go
                  too, in every tier, so the worker's cache is empty and its page events
                  clear its directory entries
+              ─► watch the heartbeats: pages no pin keeps (a TTL pin expired) get another pass
     Drain(w, resume=True) ─► stop the background work ─► DrainCommand(draining=False),
               acknowledged ─► registry: live (Route uses it again)
 
@@ -17,7 +19,10 @@ Pages are dropped rather than moved to another worker: a drained worker is leavi
 and whoever gets the worker's next requests recomputes or reuses its own cached prefix.
 Running requests finish where they are. A drop keeps (and counts) pages a sequence still
 holds; those get another pass after the next idle heartbeat, up to ``MAX_EMPTY_PASSES``, so
-only pinned pages stay.
+only pinned pages stay, and only while pinned. Session holds are not pins that stay: they keep
+pages for a session's next turn, which Route now sends elsewhere (a hold left standing, or taken
+by a prefetch that raced the drain, kept its pages past every pass, and ``drain --wait`` never
+saw the worker empty).
 
 The drain flag lives in the leader's registry and survives a reconnect of the same worker
 process; a restarted worker process, or a new leader, starts with the worker live.
@@ -55,6 +60,7 @@ COMMAND_TIMEOUT_S = 5.0
 IDLE_POLL_S = 0.05
 EMPTY_RETRY_S = 1.0
 MAX_EMPTY_PASSES = 3
+MAX_WATCH_BACKOFF_S = 30.0
 
 
 class WorkerAdmin:
@@ -128,12 +134,18 @@ class WorkerAdmin:
         return ack
 
     async def _empty(self, worker: WorkerId, ack_seen_s: float) -> None:
-        """Wait until the draining worker is idle, then drop its whole inventory; ends early
-        when the drain ends. Pages a pass had to keep (a sequence still held them: the load a
-        heartbeat carries can be a few ms old) get another pass after the next idle heartbeat;
-        pinned pages stay after ``MAX_EMPTY_PASSES``."""
+        """Drop the draining worker's whole inventory once it is idle, and again whenever pages
+        no pin keeps show up; ends when the drain ends. Pages a pass had to keep (a sequence
+        still held them: the load a heartbeat carries can be a few ms old) get another pass
+        after the next idle heartbeat, up to ``MAX_EMPTY_PASSES``; after that only pinned pages
+        are left, and they stay while pinned. Then the heartbeats are watched: pages no pin
+        keeps (an operator's TTL pin expired, a move started before the drain landed) get
+        another pass. A pass that drops nothing doubles the wait before the next one (up to
+        ``MAX_WATCH_BACKOFF_S``), so pages a pin keeps in a way the count cannot tell apart
+        cost a drop now and then, not a stream of them."""
         try:
-            for _ in range(MAX_EMPTY_PASSES):
+            passes, backoff_s = 0, EMPTY_RETRY_S
+            while True:
                 summary = await self._idle_snapshot(worker, ack_seen_s)
                 if summary is None:
                     return
@@ -146,12 +158,29 @@ class WorkerAdmin:
                         num_kept += ack.num_skipped_pages
                 log.info("drained worker emptied", extra={
                     "worker_id": worker, "num_dropped": num_dropped, "num_kept": num_kept})
-                if num_kept == 0:
-                    return
                 ack_seen_s = self._entry(worker).last_seen_s
+                passes = passes + 1 if num_kept else MAX_EMPTY_PASSES
+                if passes < MAX_EMPTY_PASSES:
+                    continue
+                backoff_s = EMPTY_RETRY_S if num_dropped else min(2 * backoff_s, MAX_WATCH_BACKOFF_S)
+                if not await self._wait_unpinned(worker, ack_seen_s, backoff_s):
+                    return
+                passes = 0
         except (KvtierError, TimeoutError) as exc:
             # The link closed or the worker stopped answering; Drain again to retry.
             log.warning("drained worker not emptied", extra={"worker_id": worker, "reason": str(exc)})
+
+    async def _wait_unpinned(self, worker: WorkerId, after_s: float, poll_s: float) -> bool:
+        """True once a heartbeat after ``after_s`` shows pages no pin keeps (cached or in use,
+        ``TierOccupancy.unpinned_pages``), looked for every ``poll_s``; False when the worker is
+        no longer draining."""
+        while True:
+            await asyncio.sleep(poll_s)
+            entry = self.registry.get(worker)
+            if entry is None or not entry.is_draining:
+                return False
+            if entry.last_seen_s > after_s and any(occ.unpinned_pages for occ in entry.tiers):
+                return True
 
     async def _idle_snapshot(self, worker: WorkerId, ack_seen_s: float) -> SnapshotSummary | None:
         """The worker's inventory once it is idle (None: it stopped draining), retrying while

@@ -649,7 +649,7 @@ def _requests(worker: WorkerInfo) -> int:
 
 def _held_pages(worker: WorkerInfo) -> int:
     """Pages with content the drain will drop: cached or in use, pins excepted (they stay)."""
-    return sum(max(0, occ.cached_pages + occ.in_use_pages - occ.pinned_pages) for occ in worker.tiers)
+    return sum(occ.unpinned_pages for occ in worker.tiers)
 
 
 async def drain_worker(

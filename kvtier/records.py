@@ -81,6 +81,11 @@ class TierOccupancy:
     reclaimable_pages: int = 0  # cached pages free to take at no copy (a copy lies below)
 
     @property
+    def unpinned_pages(self) -> int:
+        """Pages with content that no pin keeps (cached or in use): what a drain drops."""
+        return max(0, self.cached_pages + self.in_use_pages - self.pinned_pages)
+
+    @property
     def used_fraction(self) -> float:
         """(cached + in_use) / total — what watermarks compare against; 0 for an empty tier."""
         return (self.cached_pages + self.in_use_pages) / self.total_pages if self.total_pages else 0.0

@@ -989,6 +989,35 @@ async def test_a_yielded_hold_is_not_retaken_after_it_would_have_lapsed_or_once_
 
 
 @pytest.mark.asyncio
+async def test_a_drain_releases_the_session_holds_and_refuses_prefetches_until_it_ends(tmp_path):
+    """A draining worker's sessions come back elsewhere (Route skips it): their holds would only
+    keep pinned pages the drain's drops must leave, so starting a drain releases them and
+    forgets the lapsed ones, and a prefetch is refused until the drain ends."""
+    import kvtier.worker.engine_loop as engine_loop
+    from kvtier.errors import FailedPrecondition
+
+    engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0)
+    digest = namespace_digest(engine.namespace)
+    try:
+        _, late = await _yield_the_later_hold(loop, engine, late_hold_s=30.0, paid=True)
+        assert engine_loop._hold_id("s-soon") in loop._pins and "s-late" in loop._lapsed
+        assert engine.pool.counts().pinned > 0
+        assert await loop.set_draining(True) == 1
+        assert not any(pin_id.startswith(HOLD_PREFIX) for pin_id in loop._pins) and not loop._lapsed
+        assert engine.pool.counts().pinned == 0  # nothing keeps a page from the drain's drops
+        with pytest.raises(FailedPrecondition, match="draining"):
+            await loop.prefetch(digest, (), "s-late", hold_s=30.0, due_s=1.0)
+        assert Tier.DRAM in _tiers_in(engine, _keys(engine, late[:-1]))  # the refused prefetch moved nothing
+        assert await loop.set_draining(False) == 0
+        assert (await loop.prefetch(digest, (), "s-late", hold_s=30.0, due_s=1.0)).num_moved > 0
+        assert engine_loop._hold_id("s-late") in loop._pins
+        assert (await loop.check_integrity()).is_ok
+    finally:
+        await loop.close()
+        engine.tiers.close()
+
+
+@pytest.mark.asyncio
 async def test_a_park_waits_for_the_session_pages_a_demotion_was_taking_down_and_counts_them(
     tmp_path, monkeypatch
 ):

@@ -638,7 +638,11 @@ class EngineLoop:
         spread: float | None = None,
     ) -> asyncio.Future[MoveOutcome]:
         """Submit ``prefetch``'s transfers; the engine keeps stepping while they run. The
-        returned future resolves with the outcome once they are applied (and the hold taken)."""
+        returned future resolves with the outcome once they are applied (and the hold taken).
+        A draining worker refuses (``set_draining``): its sessions' next turns go elsewhere."""
+        if self.is_draining:
+            raise FailedPrecondition(
+                "this worker is draining and takes no prefetch: the session's next turn is routed to another worker")
         done: asyncio.Future[MoveOutcome] = asyncio.get_running_loop().create_future()
         expected = None
         if due_s is not None:
@@ -648,6 +652,26 @@ class EngineLoop:
                 expected = ExpectedReturn(expected.due_at_ms, now_ms - away_s * 1000.0, spread)
         await self._call(lambda: self._prefetch(digest, keys, session, hold_s, done, expected=expected))
         return done
+
+    async def set_draining(self, draining: bool) -> int:
+        """Start (or end) a drain: no new request is admitted (``submit``) and no prefetch
+        taken (``start_prefetch``) while it lasts. Starting one releases every session hold and
+        forgets the lapsed ones (nothing is retaken): a hold keeps pages for a session's next
+        turn, which Route now sends to another worker, and a held page is pinned, so the
+        drain's drops would keep it (only an operator's pins should). Returns the holds released."""
+        self.is_draining = draining
+        if not draining:
+            return 0
+        return await self._call(self._release_holds)
+
+    def _release_holds(self) -> int:
+        holds = [pin_id for pin_id in self._pins if pin_id.startswith(HOLD_PREFIX)]
+        for pin_id in holds:
+            self._release_pin(pin_id)
+        self._lapsed.clear()
+        if holds:
+            log.info("session holds released for a drain", extra={"num_holds": len(holds)})
+        return len(holds)
 
     async def drop_session(self, digest: NamespaceDigest, session: SessionId) -> DropOutcome:
         """Remove the session's private pages, deepest first; a shared prefix stays cached."""
@@ -1692,6 +1716,10 @@ class EngineLoop:
         has the numbers).
         """
         self._release_pin(_hold_id(session))
+        if self.is_draining:  # a prefetch sent before the drain landed after it (``set_draining``)
+            self.hold_outcomes["unheld"] += 1
+            log.info("session not held: the worker is draining", extra={"session_id": session})
+            return
         index = self.engine.index
         # The deepest page in HBM, on its way down or not: the pin recalls a demotion in flight
         # (a watermark demotion that took the session's idle pages just before its Pause).

@@ -429,8 +429,8 @@ class WorkerLink:
             await self._send_snapshot(body.snapshot_id)
             return CommandAck(command.command_id)
         if isinstance(body, DrainCommand):
-            self._loop.is_draining = body.draining
-            log.info("drain state changed", extra={"draining": body.draining})
+            released = await self._loop.set_draining(body.draining)
+            log.info("drain state changed", extra={"draining": body.draining, "num_holds_released": released})
             return CommandAck(command.command_id)
         if isinstance(body, InvalidateCommand):
             # Installed before anything awaits: no request admitted from now on derives a stale digest.

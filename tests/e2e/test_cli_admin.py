@@ -370,3 +370,31 @@ def test_drain_waits_until_the_worker_is_empty_then_resume(capsys, stack: Runnin
 
     code, _, err = cli(capsys, stack, "drain", "no-such-worker")
     assert code == 1 and "no-such-worker" in error_line(err)
+
+
+def test_a_drain_keeps_an_operator_pin_s_pages_until_it_expires_then_drops_them(capsys, stack: Running) -> None:
+    """Pinned pages stay on a draining worker only while pinned: once the pin's TTL passes, the
+    drain drops them too (it watches the heartbeats; it used to stop after its passes, leaving
+    the pages cached on the worker for good and ``drain --wait`` never seeing it empty)."""
+    rng = random.Random(23)
+    prompt = tokens(rng, 4 * PAGE)
+    complete(stack, "drain-pin", prompt + [1])
+    wait_for(lambda: hbm_tokens(capsys, stack, "drain-pin", prompt) == 4 * PAGE, "the prefix in HBM")
+    pin = cli_json(capsys, stack, "pin", "--tenant", "drain-pin", "--tokens", ",".join(map(str, prompt)),
+                   "--tier", "hbm", "--ttl-s", "6")
+    assert pin["num_pinned_pages"] == 4
+    try:
+        drained = cli_json(capsys, stack, "drain", stack.worker_id, "--wait", "--wait-s", "60")
+        # Empty but for the pinned pages, which stay while the pin stands.
+        assert sum(t["pinned_pages"] for t in drained["tiers"]) == 4
+        assert all(t["cached_pages"] + t["in_use_pages"] == t["pinned_pages"] for t in drained["tiers"])
+
+        def emptied() -> bool:
+            worker = cli_json(capsys, stack, "workers")["workers"][0]
+            return all(t["cached_pages"] + t["in_use_pages"] == 0 for t in worker["tiers"])
+
+        wait_for(emptied, "the pages the expired pin kept dropped", timeout_s=60)
+        assert time.time() * 1000.0 >= pin["expires_at_ms"]  # not before the pin expired
+        assert hbm_tokens(capsys, stack, "drain-pin", prompt) == 0
+    finally:
+        assert cli_json(capsys, stack, "drain", stack.worker_id, "--resume")["state"] == "live"
