@@ -3,7 +3,7 @@
     python -m loadtests.agent_workload [--json] [--plot PATH] [--quick] [--lower-tier nvme|dram]
                                        [--records PATH] [--emulate-link | --link-gbps DRAM,NVME]
                                        [--seed N | --seeds N,M,...] [--hbm-sessions N]
-                                       [--tools NAME,...] [--inline-clients]
+                                       [--tools NAME,...] [--inline-clients] [--slow-down F]
 
 Workload (``make_workload``, deterministic in ``seed``): ``num_tenants`` tenants, each with a
 shared system prompt; ``sessions_per_tenant`` sessions per tenant, staggered starts; each
@@ -54,7 +54,19 @@ class, PCIe 4 x16, one fast NVMe), scaled to this machine's "HBM": host memcpy m
 resume, as a several-GiB context over PCIe or NVMe is several times a resume's prefill on a GPU.
 ``--link-gbps DRAM,NVME`` sets other rates (GB/s). Everything else is unchanged, and the
 ``--json`` output carries ``emulated_link`` (null when off) so no emulated number passes for an
-unemulated one. Per turn, ``--records`` has the TTFTs; per policy, ``resume_ttft_ms_by_promotion``
+unemulated one.
+
+Machine speed (``--slow-down F``). The workload is open loop: sessions start, and come back
+from their tools, when it drew them to, however fast the engine is. It was sized on machines
+where a first turn takes ~0.2 s and a resume ~30 ms. On one several times slower the turns
+queue behind each other (session 21's machine, 4-5x slower per token: first turns' TTFT p50
+12-15 s, resumes ~300 ms even with infinite HBM), pauses start late, and every ratio measures the
+backlog. Each run reports ``saturated`` per policy (``saturation``: first turns' p50 over half
+the start window; the table and stderr say so). ``--slow-down F`` plays the same workload F
+times slower: tool durations, the callers' guesses, the predictor's warm history, session starts
+and the prefetch margin times F; the emulated links and the planner's recompute FLOP/s divided
+by F, so pauses, transfers and recompute keep their ratios to the engine. The worker's own
+fixed waits (a second for room, a hold due back within a second) are not stretched. Per turn, ``--records`` has the TTFTs; per policy, ``resume_ttft_ms_by_promotion``
 splits the resumes that promoted pages from those that did not, and the latter's time into the
 worker's and the rest (capacity apart from a session resume's fixed cost); ``engine_waits`` says how long
 the worker's engine thread waited on tier moves (``spill_link_wait_s``: synchronous spills'
@@ -236,6 +248,9 @@ class WorkloadSpec:
     seed: int = 0
     # Link emulation (module doc): bytes/s of HBM <-> DRAM and HBM <-> NVMe; None: off.
     emulated_link_bytes_per_s: dict[str, float] | None = None
+    # The same workload F times slower (``--slow-down``, module doc): every duration it sets
+    # times F, every rate it plans or emulates divided by F.
+    slow_down: float = 1.0
 
     def tool_types(self) -> tuple[ToolType, ...]:
         """The tool types of ``tools``, in ``TOOLS`` order (which the seeded draws depend on)."""
@@ -243,9 +258,21 @@ class WorkloadSpec:
 
     def link_rate(self) -> float:
         """Bytes/s between HBM and the lower tier, as the orchestrator plans with it."""
-        if self.emulated_link_bytes_per_s is not None:
-            return self.emulated_link_bytes_per_s[self.lower_tier]
+        links = self.emulated_links()
+        if links is not None:
+            return links[self.lower_tier]
         return CPU_LINK_BYTES_PER_S[self.lower_tier]
+
+    def emulated_links(self) -> dict[str, float] | None:
+        """The emulated links' bytes/s as the workers apply them (``slow_down`` taken in); None
+        when off. An unemulated link is the machine's own and is never slowed."""
+        if self.emulated_link_bytes_per_s is None:
+            return None
+        return {tier: rate / self.slow_down for tier, rate in self.emulated_link_bytes_per_s.items()}
+
+    def stretch_ms(self, ms: float) -> float:
+        """A tool duration of the workload's design, as this run plays it (``time_scale``, ``slow_down``)."""
+        return ms * self.time_scale * self.slow_down
 
     @classmethod
     def quick(cls) -> WorkloadSpec:
@@ -307,11 +334,12 @@ def make_workload(spec: WorkloadSpec, vocab: int) -> Workload:
                 tokens = tuple(rng.randrange(vocab) for _ in range(n))
                 if k + 1 < spec.turns:
                     tool = rng.choice(tools)
-                    ms = rng.lognormvariate(math.log(tool.median_ms), tool.sigma) * spec.time_scale
+                    ms = spec.stretch_ms(rng.lognormvariate(math.log(tool.median_ms), tool.sigma))
                     turns.append(TurnPlan(tokens, tool.name, ms))
                 else:
                     turns.append(TurnPlan(tokens, None, 0.0))
-            sessions.append(SessionPlan(tenant, f"{tenant}/s{s}", rng.uniform(0, spec.stagger_s), tuple(turns)))
+            start_s = rng.uniform(0, spec.stagger_s) * spec.slow_down
+            sessions.append(SessionPlan(tenant, f"{tenant}/s{s}", start_s, tuple(turns)))
     return Workload(spec, system_prompts, tuple(sorted(sessions, key=lambda p: p.start_s)))
 
 
@@ -319,7 +347,7 @@ def warm_history(spec: WorkloadSpec, tenants: list[str]) -> list[tuple[str, str,
     """Past durations for the kvtier predictor: same distributions, another seed."""
     rng = random.Random(spec.seed + 10_000)
     return [
-        (tenant, tool.name, rng.lognormvariate(math.log(tool.median_ms), tool.sigma) * spec.time_scale)
+        (tenant, tool.name, spec.stretch_ms(rng.lognormvariate(math.log(tool.median_ms), tool.sigma)))
         for tenant in tenants for tool in spec.tool_types() for _ in range(spec.warm_observations)
     ]
 
@@ -628,6 +656,21 @@ def targets(head: dict[str, Any]) -> dict[str, bool | None]:
     }
 
 
+def saturation(policies: dict[str, dict[str, Any]], spec: WorkloadSpec) -> dict[str, bool]:
+    """Per policy, whether its engine fell behind the arrivals: the first turns' TTFT p50 over
+    half the window the sessions start in (``stagger_s``, slowed down). The agents' turns then
+    queue behind each other, pauses start late and overlap the backlog, and every ratio
+    measures the queue, not the tiering: the machine is too slow for the workload as designed
+    (``--slow-down``, module doc). On the machines the README's numbers come from, the first
+    turns' p50 is ~0.2 s against this bound's 3 s."""
+    bound_ms = spec.stagger_s * spec.slow_down * 1000.0 / 2
+    out = {}
+    for name, summary in policies.items():
+        p50 = summary.get("first_turn_ttft_ms", {}).get("p50")
+        out[name] = p50 is not None and not math.isnan(p50) and p50 > bound_ms
+    return out
+
+
 HEADLINE_KEYS = ("kvtier_over_infinite_hbm", "kvtier_over_reactive", "prefetch_on_time", "wasted_prefetch_fraction",
                  "infinite_hbm_over_reactive")
 
@@ -644,6 +687,7 @@ def across_seeds(results: dict[int, dict[str, Any]]) -> dict[str, Any]:
         out[key] = {"per_seed": values, "median": statistics.median(measured) if measured else None}
     out["targets_met"] = {target: [results[seed]["targets_met"][target] for seed in seeds]
                           for target in results[seeds[0]]["targets_met"]} if seeds else {}
+    out["saturated_seeds"] = [seed for seed in seeds if any(results[seed].get("saturated", {}).values())]
     return out
 
 
@@ -764,7 +808,7 @@ async def _session(
         if hints:
             expected = None
             if policy == "hints-only":
-                expected = int(tools[turn.tool].caller_guess_ms * spec.time_scale)
+                expected = int(spec.stretch_ms(tools[turn.tool].caller_guess_ms))
             # The agent starts its tool at once; the hint goes alongside (its answer waits for
             # the worker to park the pages, which the tool need not wait for).
             pause = asyncio.create_task(client.pause(plan.session_id, tool=turn.tool, expected_ms=expected))
@@ -797,9 +841,10 @@ def orchestrator_params(spec: WorkloadSpec) -> Any:
     lower = Tier.NVME if spec.lower_tier == "nvme" else Tier.DRAM
     bandwidth = {**CostModel().bandwidth_bytes_per_s, (Tier.HBM, lower): rate, (lower, Tier.HBM): rate}
     cost = CostModel.for_model(geometry_from_config(WORKLOAD_MODEL_CONFIG), page_size=spec.page_size,
-                               kv_dtype="fp32", flops_per_s=CPU_FLOPS_PER_S)
+                               kv_dtype="fp32", flops_per_s=CPU_FLOPS_PER_S / spec.slow_down)
     cost = dataclasses.replace(cost, bandwidth_bytes_per_s=bandwidth)
-    return OrchestratorParams(margin_ms=spec.margin_ms, bandwidth_bytes_per_s=bandwidth, cost_model=cost)
+    return OrchestratorParams(margin_ms=spec.margin_ms * spec.slow_down, bandwidth_bytes_per_s=bandwidth,
+                              cost_model=cost)
 
 
 def _policy_options(policy: str, spec: WorkloadSpec, workload: Workload, model: Path, state_dir: Path) -> Any:
@@ -814,7 +859,7 @@ def _policy_options(policy: str, spec: WorkloadSpec, workload: Workload, model: 
         hbm_pages = 2 * (ws + len(workload.sessions) * session_pages)
     lower_bytes = 4 * ws * page_bytes if policy in TIERED_POLICIES else 0
     predictor = PredictorParams(min_samples=1e9) if policy == "hints-only" else PredictorParams()
-    links = spec.emulated_link_bytes_per_s or {}
+    links = spec.emulated_links() or {}
     return StackOptions(
         state_dir=state_dir / policy, model=model, page_size=spec.page_size, hbm_bytes=hbm_pages * page_bytes,
         dram_bytes=lower_bytes if spec.lower_tier == "dram" else 0,
@@ -949,6 +994,7 @@ async def run_all(
     result["clients"] = "inline" if inline_clients else "process"
     result["emulated_link"] = emulated_link_summary(spec)
     result["targets_met"] = targets(headline(result["policies"]))
+    result["saturated"] = saturation(result["policies"], spec)
     result["workload"] = {
         **dataclasses.asdict(spec), "num_sessions": len(workload.sessions),
         "num_pauses": sum(1 for p in workload.sessions for t in p.turns if t.tool),
@@ -984,7 +1030,8 @@ def emulated_link_summary(spec: WorkloadSpec) -> dict[str, Any] | None:
     if spec.emulated_link_bytes_per_s is None:
         return None
     return {
-        "bytes_per_s": dict(spec.emulated_link_bytes_per_s),
+        "bytes_per_s": spec.emulated_links(),
+        "slow_down": spec.slow_down,
         "gpu_ratio": {"hbm": GPU_HBM_BYTES_PER_S, "pcie": GPU_PCIE_BYTES_PER_S, "nvme": GPU_NVME_BYTES_PER_S},
         "host_memcpy_bytes_per_s": HOST_MEMCPY_BYTES_PER_S,
         "is_default_ratio": spec.emulated_link_bytes_per_s == EMULATED_LINK_BYTES_PER_S,
@@ -1012,6 +1059,12 @@ def _float_flag(text: str, flag: str, *, takes: str, must: str, ok: Callable[[fl
     if not ok(value):
         raise argparse.ArgumentTypeError(f"{flag} must be {must}, got {text!r}")
     return value
+
+
+def parse_slow_down(text: str) -> float:
+    """``--slow-down F``: a positive factor."""
+    return _float_flag(text, "--slow-down", takes="a factor (e.g. 4)", must="a positive number",
+                       ok=lambda v: math.isfinite(v) and v > 0)
 
 
 def parse_hbm_sessions(text: str) -> float:
@@ -1062,7 +1115,13 @@ def seeds_table(summary: dict[str, Any]) -> str:
             out_of_reach = sum(1 for f in floors if f is not None and f > 0.5)
             line += f"; out of reach in {out_of_reach} (infinite HBM itself above 0.5x reactive)"
         lines.append(line)
+    if summary.get("saturated_seeds"):
+        lines.append(f"  {SATURATED_WARNING} in seeds {', '.join(map(str, summary['saturated_seeds']))}")
     return "\n".join(lines)
+
+
+SATURATED_WARNING = ("ENGINE SATURATED: first turns queued past half the start window; the ratios measure the "
+                     "backlog, not the tiering (rerun with --slow-down F)")
 
 
 def table(result: dict[str, Any]) -> str:
@@ -1106,6 +1165,12 @@ def table(result: dict[str, Any]) -> str:
                      f"({demand['cap_pages']}) {demand['over_cap_share']:.0%} of the run; with the turns in "
                      f"flight p90 {demand['with_running_p90_pages']}, max {demand['with_running_max_pages']}, "
                      f"over HBM ({demand['hbm_pages']}) {demand['with_running_over_hbm_share']:.0%} of the run")
+    saturated = [name for name, flag in result.get("saturated", {}).items() if flag]
+    if saturated:
+        lines.append(f"{SATURATED_WARNING}: {', '.join(saturated)}")
+    if w.get("slow_down", 1.0) != 1.0:
+        lines.append(f"SLOWED DOWN {w['slow_down']:g}x: durations x{w['slow_down']:g}, planned and emulated rates "
+                     f"/{w['slow_down']:g}")
     link = result.get("emulated_link")
     lines.append("EMULATED LINK: " + ", ".join(f"hbm<->{t} {r / 1e6:.0f} MB/s" for t, r in link["bytes_per_s"].items())
                  if link else "link: not emulated (host memory speed)")
@@ -1184,6 +1249,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="emulate HBM<->DRAM and HBM<->NVMe links at these GB/s")
     parser.add_argument("--inline-clients", action="store_true",
                         help="run the agents on the controller's event loop, as before session 13 (module doc)")
+    parser.add_argument("--slow-down", type=parse_slow_down, metavar="F", default=1.0,
+                        help="play the same workload F times slower, for a machine whose engine is that much "
+                             "slower than the one it was designed on (module doc); default 1")
     parser.add_argument("--records", type=Path,
                         help="write every turn's record and every closed pause, per policy, to this JSON file")
     args = parser.parse_args(argv)
@@ -1194,6 +1262,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tools is not None:
         spec.tools = args.tools
     spec.hold_fraction = args.hold_fraction
+    spec.slow_down = args.slow_down
     if args.margin_ms is not None:
         spec.margin_ms = args.margin_ms
     if args.emulate_link:
@@ -1216,6 +1285,9 @@ def main(argv: list[str] | None = None) -> int:
             log(f"seed {seed}")
         results[seed] = asyncio.run(run_all(spec, policies, log=log, keep_turns=args.records is not None,
                                             inline_clients=args.inline_clients))
+        saturated = [name for name, flag in results[seed]["saturated"].items() if flag]
+        if saturated:
+            log(f"{SATURATED_WARNING}: {', '.join(saturated)}")
     if args.records:
         turns = {seed: r.pop("turns", {}) for seed, r in results.items()}
         args.records.parent.mkdir(parents=True, exist_ok=True)

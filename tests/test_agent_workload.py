@@ -30,12 +30,15 @@ from loadtests.agent_workload import (
     parse_hold_fraction,
     parse_link_gbps,
     parse_seeds,
+    parse_slow_down,
     parse_tools,
     prefetch_summary,
+    saturation,
     seeds_table,
     summarize,
     targets,
     tenant_tools,
+    warm_history,
     with_retaken,
     with_unseen_waste,
     worker_counted_waste,
@@ -349,3 +352,63 @@ def test_link_emulation_keeps_the_gpu_ratio_and_reaches_every_policy(tmp_path) -
     for bad in ("0.25", "0,1", "a,b", "1,-2"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_link_gbps(bad)
+
+
+def test_slow_down_plays_the_same_workload_slower(tmp_path) -> None:
+    """--slow-down F: the same draws with every duration times F and every rate divided by F,
+    so pauses, transfers and recompute keep their ratios to an engine F times slower."""
+    assert parse_slow_down("4") == 4.0 and parse_slow_down("0.5") == 0.5
+    for bad in ("0", "-2", "nan", "inf", "x", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="--slow-down"):
+            parse_slow_down(bad)
+    base, slow = WorkloadSpec(), WorkloadSpec(slow_down=4.0)
+    for spec in (base, slow):
+        spec.emulated_link_bytes_per_s = dict(EMULATED_LINK_BYTES_PER_S)
+    vocab = WORKLOAD_MODEL_CONFIG["vocab_size"]
+    a, b = make_workload(base, vocab), make_workload(slow, vocab)
+    assert [(p.session_id, p.tenant) for p in a.sessions] == [(p.session_id, p.tenant) for p in b.sessions]
+    for p, q in zip(a.sessions, b.sessions, strict=True):
+        assert q.start_s == pytest.approx(4 * p.start_s)
+        assert [t.user_tokens for t in p.turns] == [t.user_tokens for t in q.turns]  # the same prompts
+        assert [t.tool for t in p.turns] == [t.tool for t in q.turns]
+        assert [t.tool_ms for t in q.turns] == pytest.approx([4 * t.tool_ms for t in p.turns])
+    tenants = sorted({p.tenant for p in a.sessions})
+    assert [h[2] for h in warm_history(slow, tenants)] == pytest.approx([4 * h[2] for h in warm_history(base, tenants)])
+    assert a.working_set_pages() == b.working_set_pages() and hbm_pages_for(base, a) == hbm_pages_for(slow, b)
+    fast_options, _ = _policy_options("kvtier", base, a, tmp_path / "model", tmp_path)
+    slow_options, _ = _policy_options("kvtier", slow, b, tmp_path / "model", tmp_path)
+    assert slow_options.emulated_dram_link_bytes_per_s == pytest.approx(EMULATED_LINK_BYTES_PER_S["dram"] / 4)
+    assert slow_options.emulated_nvme_link_bytes_per_s == pytest.approx(EMULATED_LINK_BYTES_PER_S["nvme"] / 4)
+    fast_plan, slow_plan = fast_options.orchestrator_params, slow_options.orchestrator_params
+    assert slow_plan.margin_ms == 4 * fast_plan.margin_ms
+    assert slow_plan.bandwidth_bytes_per_s[(Tier.HBM, Tier.NVME)] == pytest.approx(
+        fast_plan.bandwidth_bytes_per_s[(Tier.HBM, Tier.NVME)] / 4)
+    assert slow_plan.cost_model.flops_per_s == pytest.approx(fast_plan.cost_model.flops_per_s / 4)
+    assert emulated_link_summary(slow)["bytes_per_s"] == pytest.approx(
+        {t: r / 4 for t, r in EMULATED_LINK_BYTES_PER_S.items()})
+    assert emulated_link_summary(slow)["slow_down"] == 4.0
+    # Unemulated, the link is the machine's own: not slowed.
+    plain = WorkloadSpec(slow_down=4.0)
+    assert plain.link_rate() == CPU_LINK_BYTES_PER_S[plain.lower_tier] and plain.emulated_links() is None
+
+
+def test_a_run_whose_first_turns_queue_past_half_the_start_window_is_flagged_saturated() -> None:
+    def policy(first_p50: float | None) -> dict:
+        return {"first_turn_ttft_ms": {"p50": first_p50, "p99": first_p50}}
+
+    policies = {"reactive": policy(210.0), "kvtier": policy(12_500.0), "infinite-hbm": policy(None)}
+    spec = WorkloadSpec()  # sessions start over 6 s: the bound is 3 s
+    assert saturation(policies, spec) == {"reactive": False, "kvtier": True, "infinite-hbm": False}
+    assert saturation({"kvtier": policy(2_999.0)}, spec) == {"kvtier": False}
+    spec.slow_down = 5.0  # the same workload played 5x slower: its starts spread over 30 s
+    assert saturation(policies, spec)["kvtier"] is False
+
+    def run(saturated: dict) -> dict:
+        head = {"kvtier_over_infinite_hbm": 1.0, "kvtier_over_reactive": 0.4, "prefetch_on_time": 1.0,
+                "wasted_prefetch_fraction": 0.05, "infinite_hbm_over_reactive": 0.4}
+        return {**head, "targets_met": targets(head), "saturated": saturated}
+
+    summary = across_seeds({0: run({"kvtier": False}), 1: run({"kvtier": True, "reactive": False})})
+    assert summary["saturated_seeds"] == [1]
+    assert "ENGINE SATURATED" in seeds_table(summary) and "in seeds 1" in seeds_table(summary)
+    assert "ENGINE SATURATED" not in seeds_table(across_seeds({0: run({"kvtier": False})}))
