@@ -54,19 +54,7 @@ class, PCIe 4 x16, one fast NVMe), scaled to this machine's "HBM": host memcpy m
 resume, as a several-GiB context over PCIe or NVMe is several times a resume's prefill on a GPU.
 ``--link-gbps DRAM,NVME`` sets other rates (GB/s). Everything else is unchanged, and the
 ``--json`` output carries ``emulated_link`` (null when off) so no emulated number passes for an
-unemulated one.
-
-Machine speed (``--slow-down F``). The workload is open loop: sessions start, and come back
-from their tools, when it drew them to, however fast the engine is. It was sized on machines
-where a first turn takes ~0.2 s and a resume ~30 ms. On one several times slower the turns
-queue behind each other (session 21's machine, 4-5x slower per token: first turns' TTFT p50
-12-15 s, resumes ~300 ms even with infinite HBM), pauses start late, and every ratio measures the
-backlog. Each run reports ``saturated`` per policy (``saturation``: first turns' p50 over half
-the start window; the table and stderr say so). ``--slow-down F`` plays the same workload F
-times slower: tool durations, the callers' guesses, the predictor's warm history, session starts
-and the prefetch margin times F; the emulated links and the planner's recompute FLOP/s divided
-by F, so pauses, transfers and recompute keep their ratios to the engine. The worker's own
-fixed waits (a second for room, a hold due back within a second) are not stretched. Per turn, ``--records`` has the TTFTs; per policy, ``resume_ttft_ms_by_promotion``
+unemulated one. Per turn, ``--records`` has the TTFTs; per policy, ``resume_ttft_ms_by_promotion``
 splits the resumes that promoted pages from those that did not, and the latter's time into the
 worker's and the rest (capacity apart from a session resume's fixed cost); ``engine_waits`` says how long
 the worker's engine thread waited on tier moves (``spill_link_wait_s``: synchronous spills'
@@ -88,6 +76,18 @@ through NVMe (a 21 MiB private context: ~0.7 s) is longer than most of these too
 keeps nearly every session in HBM, where they do not all fit: the NVMe-only configuration
 shows what a slow tier cannot hide. ``--lower-tier dram`` (PCIe, ~0.2 s) is the one where
 parking and prefetch fit inside the pauses (decision 0011 has the numbers).
+
+Machine speed (``--slow-down F``). The workload is open loop: sessions start, and come back
+from their tools, when it drew them to, however fast the engine is. It was sized on machines
+where a first turn takes ~0.2 s and a resume ~30 ms. On one several times slower the turns
+queue behind each other (session 21's machine, 2-5x slower per token: first turns' TTFT p50
+12-15 s, resumes ~300 ms even with infinite HBM), pauses start late, and every ratio measures the
+backlog. Each run reports ``saturated`` per policy (``saturation``: first turns' p50 over half
+the start window; the table and stderr say so). ``--slow-down F`` plays the same workload F
+times slower: tool durations, the callers' guesses, the predictor's warm history, session starts
+and the prefetch margin times F; the emulated links and the planner's recompute FLOP/s divided
+by F, so pauses, transfers and recompute keep their ratios to the engine. The worker's own
+fixed waits (a second for room, a hold due back within a second) are not stretched.
 
 How faithful this is to the issue, measured (``--records`` keeps every turn; issue #7 review,
 numbers in ``docs/decisions/0008-prefetch-timing.md``):

@@ -156,8 +156,8 @@ MAX_BUFFERED_PAGE_EVENTS = 1 << 16
 # Session holds (_hold_session): their pin ids, and the share of HBM they may keep together.
 HOLD_PREFIX = "session-hold/"
 # What became of session holds (``EngineLoop.hold_outcomes``, the ``kvtier.session_holds``
-# metric): taken; not taken because none of the session's pages was in HBM (``unheld``) or
-# holds were at their cap and all were due back sooner (``refused``); released early for a
+# metric): taken; not taken because none of the session's pages was in HBM or the worker is
+# draining (``unheld``), or holds were at their cap and all were due back sooner (``refused``); released early for a
 # hold due back sooner (``displaced``) or for room needed now (``yielded``); taken again, its
 # pages brought back up if they had left, once HBM had room (``retaken``: ``_retake``).
 HOLD_OUTCOMES = ("taken", "unheld", "refused", "displaced", "yielded", "retaken")
