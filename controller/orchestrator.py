@@ -785,6 +785,15 @@ class Orchestrator:
         source = self._source_tier(record)
         if record.worker_id is None or record.namespace_digest is None or source is None:
             return None
+        entry = self.registry.get(record.worker_id)
+        if entry is not None and entry.is_draining:
+            # Route sends the session's next turn elsewhere, and the worker takes no prefetch
+            # while draining: nothing to bring back (the turn's new worker computes or reuses).
+            if attempt == 0:
+                record.prefetch_state = PrefetchState.NONE
+            log.info("prefetch skipped: the worker is draining", extra={
+                "session_id": record.session_id, "worker_id": record.worker_id})
+            return None
         if record.parked_tier is Tier.HBM and reason == MoveReason.PREFETCH:
             reason = MoveReason.GUARD
         page_bytes = self._page_bytes(record.worker_id)

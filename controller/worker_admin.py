@@ -4,7 +4,8 @@ Drain — take a worker out of service and empty it::
 
     Drain(w)  ─► registry: draining (Route skips it from now on) ─► DrainCommand(draining=True),
               acknowledged: the worker refuses new Generate calls and Prefetches and
-              has released its session holds ─► answer DRAINING
+              has released its session holds (the orchestrator sends it no prefetch from
+              the moment the registry marks it) ─► answer DRAINING
     background: wait for a heartbeat, newer than the ack, with nothing running or queued
               ─► RequestSnapshot (applied to the directory before its ack resolves)
               ─► Drop the snapshot's depth-1 pages of every namespace: their descendants go

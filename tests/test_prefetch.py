@@ -144,6 +144,29 @@ async def test_a_prefetched_session_is_held_in_hbm_until_its_turn_then_released(
 
 
 @in_module_loop
+async def test_no_prefetch_goes_to_a_draining_worker(worker, flushed_redis_url, tmp_path):
+    """From the moment a drain marks the worker (before the worker hears of it), the session's
+    next turn is routed elsewhere: its scheduled prefetch is not sent, its pages stay below."""
+    namespace = worker.engine.namespace
+    async with cluster(worker, flushed_redis_url, tmp_path) as (controller, client):
+        prompt = [9, 18, 27, 36, 45, 54, 63, 72, 81, 90, 99]
+        out, _ = await client.complete(namespace, prompt, GREEDY, session_id="s-drained")
+        keys = history_keys(worker, prompt + out)
+        assert (await client.pause("s-drained", tool="slow", expected_ms=60_000)).parked_tier is Tier.DRAM
+        entry = controller.registry.get(worker.worker_id)
+        entry.is_draining = True  # what Drain does first
+        try:
+            await client.returning("s-drained", eta_ms=0)  # would prefetch at once
+            record = await controller.orchestrator.store.get("s-drained")
+            assert record.prefetch_state == PrefetchState.NONE
+            assert controller.orchestrator.stats.num_prefetched == 0 and not controller.orchestrator.stats.refused
+            assert Tier.DRAM in tiers_of(worker, keys)
+        finally:
+            entry.is_draining = False
+        await client.end("s-drained")
+
+
+@in_module_loop
 async def test_a_session_expected_back_after_its_hold_ends_is_ranked_by_the_hold_end(
     worker, flushed_redis_url, tmp_path
 ):
