@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvtier.controller.link_servicer import SNAPSHOT_ACK_TIMEOUT_S, SnapshotSummary, WorkerLinks
 from kvtier.controller.registry import Registry, WorkerEntry
@@ -162,7 +162,7 @@ class WorkerAdmin:
                 ack_seen_s = self._entry(worker).last_seen_s
                 passes = passes + 1 if num_kept else MAX_EMPTY_PASSES
                 if passes < MAX_EMPTY_PASSES:
-                    continue
+                    continue  # a sequence may have held some: again after the next idle heartbeat
                 backoff_s = EMPTY_RETRY_S if num_dropped else min(2 * backoff_s, MAX_WATCH_BACKOFF_S)
                 if not await self._wait_unpinned(worker, ack_seen_s, backoff_s):
                     return
@@ -175,13 +175,8 @@ class WorkerAdmin:
         """True once a heartbeat after ``after_s`` shows pages no pin keeps (cached or in use,
         ``TierOccupancy.unpinned_pages``), looked for every ``poll_s``; False when the worker is
         no longer draining."""
-        while True:
-            await asyncio.sleep(poll_s)
-            entry = self.registry.get(worker)
-            if entry is None or not entry.is_draining:
-                return False
-            if entry.last_seen_s > after_s and any(occ.unpinned_pages for occ in entry.tiers):
-                return True
+        return await self._wait_heartbeat(
+            worker, after_s, lambda entry: any(occ.unpinned_pages for occ in entry.tiers), poll_s)
 
     async def _idle_snapshot(self, worker: WorkerId, ack_seen_s: float) -> SnapshotSummary | None:
         """The worker's inventory once it is idle (None: it stopped draining), retrying while
@@ -198,13 +193,21 @@ class WorkerAdmin:
     async def _wait_idle(self, worker: WorkerId, ack_seen_s: float) -> bool:
         """True once a heartbeat after ``ack_seen_s`` shows nothing running or queued; False
         when the worker is no longer draining (resumed, restarted or forgotten)."""
+        return await self._wait_heartbeat(
+            worker, ack_seen_s, lambda entry: entry.num_running_seqs == 0 and entry.queue_depth == 0, IDLE_POLL_S)
+
+    async def _wait_heartbeat(
+        self, worker: WorkerId, after_s: float, shows: Callable[[WorkerEntry], bool], poll_s: float,
+    ) -> bool:
+        """True once a heartbeat after ``after_s`` ``shows`` what the caller waits for, looked
+        for every ``poll_s``; False when the worker is no longer draining."""
         while True:
             entry = self.registry.get(worker)
             if entry is None or not entry.is_draining:
                 return False
-            if entry.last_seen_s > ack_seen_s and entry.num_running_seqs == 0 and entry.queue_depth == 0:
+            if entry.last_seen_s > after_s and shows(entry):
                 return True
-            await asyncio.sleep(IDLE_POLL_S)
+            await asyncio.sleep(poll_s)
 
     # ---- snapshot ---------------------------------------------------------------------------
 

@@ -157,9 +157,10 @@ MAX_BUFFERED_PAGE_EVENTS = 1 << 16
 HOLD_PREFIX = "session-hold/"
 # What became of session holds (``EngineLoop.hold_outcomes``, the ``kvtier.session_holds``
 # metric): taken; not taken because none of the session's pages was in HBM or the worker is
-# draining (``unheld``), or holds were at their cap and all were due back sooner (``refused``); released early for a
-# hold due back sooner (``displaced``) or for room needed now (``yielded``); taken again, its
-# pages brought back up if they had left, once HBM had room (``retaken``: ``_retake``).
+# draining (``unheld``), or holds were at their cap and all were due back sooner (``refused``);
+# released early for a hold due back sooner (``displaced``) or for room needed now
+# (``yielded``); taken again, its pages brought back up if they had left, once HBM had room
+# (``retaken``: ``_retake``).
 HOLD_OUTCOMES = ("taken", "unheld", "refused", "displaced", "yielded", "retaken")
 # The default of ``WorkerConfig.session_hold_fraction`` (an EngineLoop built without one).
 MAX_HELD_FRACTION = 1.0
@@ -665,7 +666,7 @@ class EngineLoop:
         return await self._call(self._release_holds)
 
     def _release_holds(self) -> int:
-        holds = [pin_id for pin_id in self._pins if pin_id.startswith(HOLD_PREFIX)]
+        holds = [pin_id for pin_id, _ in self._holds()]
         for pin_id in holds:
             self._release_pin(pin_id)
         self._lapsed.clear()
