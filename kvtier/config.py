@@ -267,6 +267,13 @@ class WorkerConfig:
         "higher can waste fewer prefetches, lower leaves more room for the other sessions' turns (decision 0008)",
         min=0, max=1, min_open=True,
     )
+    wait_scale: float = setting(
+        1.0,
+        "multiplies the worker's fixed waits (a request's wait for room and pages, 5 s; a prefetch's for room, 1 s; "
+        "a demotion's for pages already leaving, 0.5 s; holds due back within 1 s spared for 2 s): for an engine "
+        "whose turns take that many times longer, e.g. a benchmark slowed down to a CPU's pace",
+        min=0, max=100, min_open=True,  # worker.engine_loop.MAX_WAIT_SCALE (not imported: torch)
+    )
     # The names of kvtier.eviction.POLICY_NAMES (not imported here: that module loads torch).
     eviction_policy: str = setting(
         "value", "which cached pages leave a tier first: value (restore cost x reuse, per byte) or lru",
@@ -315,12 +322,11 @@ class WorkerConfig:
                 isinstance(rate, int | float) and not isinstance(rate, bool) and math.isfinite(rate) and rate > 0
             ):
                 raise ConfigError(f"{name} must be a positive, finite number of bytes/s, got {rate!r}", field=name)
-        fraction = self.session_hold_fraction
-        spec = next(_setting(f) for f in dataclasses.fields(self) if f.name == "session_hold_fraction")
-        if not (isinstance(fraction, int | float) and not isinstance(fraction, bool) and spec.accepts(fraction)):
-            raise ConfigError(
-                f"session_hold_fraction must be {spec.describe()}, got {fraction!r}", field="session_hold_fraction"
-            )
+        for name in ("session_hold_fraction", "wait_scale"):
+            value = getattr(self, name)
+            spec = next(_setting(f) for f in dataclasses.fields(self) if f.name == name)
+            if not (isinstance(value, int | float) and not isinstance(value, bool) and spec.accepts(value)):
+                raise ConfigError(f"{name} must be {spec.describe()}, got {value!r}", field=name)
 
 
 @dataclass(frozen=True, slots=True)

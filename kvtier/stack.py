@@ -50,6 +50,7 @@ class StackOptions:
     # None (the default): no emulation.
     emulated_dram_link_bytes_per_s: float | None = None
     emulated_nvme_link_bytes_per_s: float | None = None
+    wait_scale: float = 1.0  # WorkerConfig.wait_scale of every worker
     max_restarts: int = 2
     # Bearer-token auth for the stack (DESIGN §8): an admin and a worker token under
     # state_dir/auth (0600). `kvtier up` and `kvtier demo` turn it on; off by default for
@@ -180,6 +181,7 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
                    else {"session_hold_fraction": options.session_hold_fraction}),
                 emulated_dram_link_bytes_per_s=options.emulated_dram_link_bytes_per_s,
                 emulated_nvme_link_bytes_per_s=options.emulated_nvme_link_bytes_per_s,
+                wait_scale=options.wait_scale,
                 state_dir=state_dir,
                 auth_token_file=auth.worker_token_file if auth else None,
                 auth_tokens_file=auth.table_file if auth else None,

@@ -86,8 +86,9 @@ backlog. Each run reports ``saturated`` per policy (``saturation``: first turns'
 the start window; the table and stderr say so). ``--slow-down F`` plays the same workload F
 times slower: tool durations, the callers' guesses, the predictor's warm history, session starts
 and the prefetch margin times F; the emulated links and the planner's recompute FLOP/s divided
-by F, so pauses, transfers and recompute keep their ratios to the engine. The worker's own
-fixed waits (a second for room, a hold due back within a second) are not stretched.
+by F, so pauses, transfers and recompute keep their ratios to the engine; the worker's own
+fixed waits (a second for room, a hold due back within a second: ``WorkerConfig.wait_scale``)
+times F too (since session 22; before, they were not stretched).
 
 How faithful this is to the issue, measured (``--records`` keeps every turn; issue #7 review,
 numbers in ``docs/decisions/0008-prefetch-timing.md``):
@@ -866,7 +867,7 @@ def _policy_options(policy: str, spec: WorkloadSpec, workload: Workload, model: 
         nvme_bytes=lower_bytes if spec.lower_tier == "nvme" else 0,
         eviction_policy="lru" if policy == "hbm-lru" else "value", session_hold_fraction=spec.hold_fraction,
         emulated_dram_link_bytes_per_s=links.get("dram"), emulated_nvme_link_bytes_per_s=links.get("nvme"),
-        orchestrator_params=orchestrator_params(spec), predictor_params=predictor,
+        wait_scale=spec.slow_down, orchestrator_params=orchestrator_params(spec), predictor_params=predictor,
     ), hbm_pages
 
 
@@ -1062,9 +1063,9 @@ def _float_flag(text: str, flag: str, *, takes: str, must: str, ok: Callable[[fl
 
 
 def parse_slow_down(text: str) -> float:
-    """``--slow-down F``: a positive factor."""
-    return _float_flag(text, "--slow-down", takes="a factor (e.g. 4)", must="a positive number",
-                       ok=lambda v: math.isfinite(v) and v > 0)
+    """``--slow-down F``: a positive factor, at most what ``WorkerConfig.wait_scale`` takes (100)."""
+    return _float_flag(text, "--slow-down", takes="a factor (e.g. 4)", must="in (0, 100]",
+                       ok=lambda v: 0 < v <= 100)
 
 
 def parse_hbm_sessions(text: str) -> float:

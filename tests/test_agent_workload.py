@@ -356,9 +356,10 @@ def test_link_emulation_keeps_the_gpu_ratio_and_reaches_every_policy(tmp_path) -
 
 def test_slow_down_plays_the_same_workload_slower(tmp_path) -> None:
     """--slow-down F: the same draws with every duration times F and every rate divided by F,
-    so pauses, transfers and recompute keep their ratios to an engine F times slower."""
+    so pauses, transfers, recompute and the worker's fixed waits keep their ratios to an engine F
+    times slower."""
     assert parse_slow_down("4") == 4.0 and parse_slow_down("0.5") == 0.5
-    for bad in ("0", "-2", "nan", "inf", "x", ""):
+    for bad in ("0", "-2", "nan", "inf", "x", "", "101"):
         with pytest.raises(argparse.ArgumentTypeError, match="--slow-down"):
             parse_slow_down(bad)
     base, slow = WorkloadSpec(), WorkloadSpec(slow_down=4.0)
@@ -379,6 +380,7 @@ def test_slow_down_plays_the_same_workload_slower(tmp_path) -> None:
     slow_options, _ = _policy_options("kvtier", slow, b, tmp_path / "model", tmp_path)
     assert slow_options.emulated_dram_link_bytes_per_s == pytest.approx(EMULATED_LINK_BYTES_PER_S["dram"] / 4)
     assert slow_options.emulated_nvme_link_bytes_per_s == pytest.approx(EMULATED_LINK_BYTES_PER_S["nvme"] / 4)
+    assert (fast_options.wait_scale, slow_options.wait_scale) == (1.0, 4.0)  # the worker's fixed waits x F
     fast_plan, slow_plan = fast_options.orchestrator_params, slow_options.orchestrator_params
     assert slow_plan.margin_ms == 4 * fast_plan.margin_ms
     assert slow_plan.bandwidth_bytes_per_s[(Tier.HBM, Tier.NVME)] == pytest.approx(

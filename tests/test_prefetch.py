@@ -358,17 +358,20 @@ async def test_a_prefetch_that_brought_nothing_back_is_scored_late(worker, flush
 
 
 def _loop_on_a_slow_link(
-    tmp_path, pair=(Tier.HBM, Tier.DRAM), pages_per_s=20.0, num_pages=24, dram_pages=64, hold_pages=None
+    tmp_path, pair=(Tier.HBM, Tier.DRAM), pages_per_s=20.0, num_pages=24, dram_pages=64, hold_pages=None,
+    wait_scale=1.0,
 ):
     """An engine loop whose ``pair`` link is emulated at ``pages_per_s`` (decision 0011), its
-    session holds capped at ``hold_pages`` (None: the default share of HBM)."""
+    session holds capped at ``hold_pages`` (None: the default share of HBM), its fixed waits
+    times ``wait_scale``."""
     from kvtier.worker.engine_loop import EngineLoop
 
     ckpt = build_checkpoint(tmp_path / "llama", "llama", seed=6)
     page_bytes = Engine.from_pretrained(ckpt, page_size=PAGE_SIZE, num_pages=4).geometry.page_bytes
     slow = TierConfig(dram_pages=dram_pages, link_bytes_per_s={pair: pages_per_s * page_bytes})
     engine = Engine.from_pretrained(ckpt, page_size=PAGE_SIZE, num_pages=num_pages, tier_config=slow)
-    loop = EngineLoop(engine, hold_fraction=None if hold_pages is None else hold_pages / num_pages)
+    loop = EngineLoop(engine, hold_fraction=None if hold_pages is None else hold_pages / num_pages,
+                      wait_scale=wait_scale)
     loop.start()
     return engine, loop, page_bytes
 
@@ -711,6 +714,53 @@ async def test_a_waiting_request_does_not_displace_a_session_due_back_within_a_s
         await loop.close()
         engine.tiers.close()
     assert await _outputs_without_holds(tmp_path, [big]) == [out] and final.usage.generated_tokens == 2
+
+
+@pytest.mark.asyncio
+async def test_the_wait_scale_stretches_the_window_of_holds_due_back_soon_and_the_wait_for_them(
+    tmp_path, monkeypatch
+):
+    """``wait_scale`` (``WorkerConfig.wait_scale``) multiplies the fixed waits: with the window
+    of holds due back soon and the wait for them both 0.5 s, a hold due back in 1 s is not due
+    soon and yields to a request at once; times 3 (1.5 s) it is spared, and the request waits
+    the stretched 1.5 s for it before it yields."""
+    import kvtier.worker.engine_loop as engine_loop
+
+    monkeypatch.setattr(engine_loop, "HOLD_DUE_SOON_S", 0.5)
+    monkeypatch.setattr(engine_loop, "HOLD_DEFER_S", 0.5)
+    outs = []
+    for scale in (1.0, 3.0):
+        engine, loop, _ = _loop_on_a_slow_link(tmp_path / f"x{scale:g}", pages_per_s=200.0, wait_scale=scale)
+        try:
+            _, held = await _guard_due_soon(loop, engine, 1.0)
+            big = tuple((40 + 3 * i) % 256 for i in range((engine.pool.num_free + 1) * PAGE_SIZE))
+            started = time.monotonic()
+            out, _ = await asyncio.wait_for(_session_run(loop, engine, "s-big", big), 30)
+            waited = time.monotonic() - started
+            assert loop.hold_outcomes["yielded"] == 1 and held not in loop._pins
+            if scale == 1.0:
+                assert loop.hold_deferrals == {"room": 0, "timed_out": 0}  # not due soon: no wait
+            else:
+                assert loop.hold_deferrals == {"room": 0, "timed_out": 1}
+                assert waited >= 0.5 * scale and loop.hold_deferral_wait_s > 0.5 * scale / 2
+            assert (await loop.check_integrity()).is_ok
+            outs.append(out)
+        finally:
+            await loop.close()
+            engine.tiers.close()
+    assert outs[0] == outs[1]  # the wait changes when, not what
+
+
+def test_a_wait_scale_outside_0_to_100_is_refused_naming_the_setting(tmp_path):
+    from kvtier.errors import InvalidArgument
+    from kvtier.worker.engine_loop import MAX_WAIT_SCALE, EngineLoop
+
+    ckpt = build_checkpoint(tmp_path / "llama", "llama", seed=6)
+    engine = Engine.from_pretrained(ckpt, page_size=PAGE_SIZE, num_pages=8)
+    for bad in (0, -1.0, MAX_WAIT_SCALE + 1, float("nan"), float("inf"), True, "2"):
+        with pytest.raises(InvalidArgument, match="wait_scale must be in") as exc:
+            EngineLoop(engine, wait_scale=bad)
+        assert exc.value.field == "wait_scale"
 
 
 @pytest.mark.asyncio

@@ -54,6 +54,7 @@ def test_vllm_flag_names_build_the_worker_config(tmp_path):
         (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization", "(from --gpu-memory-utilization)"),
         (["--heartbeat-interval-s", "0"], "heartbeat_interval_s", "(0, 60]"),
         (["--session-hold-fraction", "0"], "session_hold_fraction", "(0, 1]"),
+        (["--wait-scale", "101"], "wait_scale", "(0, 100]"),
     ],
 )
 def test_bad_flags_name_the_field_and_the_flag(argv, field, says):

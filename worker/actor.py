@@ -89,6 +89,7 @@ _FLAG_FIELDS: dict[str, str] = {
     "--max-model-len": "max_model_len",
     "--eviction-policy": "eviction_policy",
     "--session-hold-fraction": "session_hold_fraction",
+    "--wait-scale": "wait_scale",
     "--tenant-quotas": "tenant_quotas",
     "--namespace-ttls": "namespace_ttls",
     "--hbm-bytes": "hbm_bytes",
@@ -394,6 +395,7 @@ class WorkerActor:
                 credentials=credentials,
                 allow_unauthenticated=config.allow_unauthenticated,
                 hold_fraction=config.session_hold_fraction,
+                wait_scale=config.wait_scale,
             )
         )
         if self._connect_controller:

@@ -80,7 +80,10 @@ context would otherwise come back up on the request path. A request counts the p
 to the requests the engine has yet to admit (``_backlog_pages``): a burst measured against the
 same free pages would otherwise take its room from holds on the engine thread, whatever their
 rank. The wait is logged with the generation (``admission_wait_ms``; of it, ``hold_wait_ms``
-waited for holds due back soon, also the ``kvtier.hold_deferral_wait`` metric). A hold that
+waited for holds due back soon, also the ``kvtier.hold_deferral_wait`` metric). These waits are
+fixed in seconds; ``WorkerConfig.wait_scale`` multiplies them all, for an engine whose turns
+take that much longer than the ones they were tuned on (a benchmark played slower to fit a
+slower machine: ``loadtests.agent_workload --slow-down``). A hold that
 yielded (or was displaced, or refused at the cap) is retaken once HBM has free room again and
 nothing waits for it, before its session is back (``_retake``).
 
@@ -192,6 +195,8 @@ HOLD_DEFER_S = 2.0
 # their sessions' turns came and went, or other pages freed), or HOLD_DEFER_S ran out and a hold
 # yielded as before (``timed_out``).
 HOLD_DEFERRAL_OUTCOMES = ("room", "timed_out")
+# The most ``WorkerConfig.wait_scale`` may stretch the waits above.
+MAX_WAIT_SCALE = 100.0
 
 
 def new_run_id() -> RunId:
@@ -369,16 +374,22 @@ class EngineLoop:
         name: str = "kvtier-engine",
         on_failure: Callable[[BaseException], None] | None = None,
         hold_fraction: float | None = None,
+        wait_scale: float = 1.0,
     ) -> None:
-        if hold_fraction is not None and not (
-            isinstance(hold_fraction, int | float) and not isinstance(hold_fraction, bool) and 0 < hold_fraction <= 1
-        ):
+        if hold_fraction is not None and not _in_range(hold_fraction, 1.0):
             raise InvalidArgument(
                 f"session_hold_fraction must be in (0, 1], got {hold_fraction!r}", field="session_hold_fraction"
+            )
+        if not _in_range(wait_scale, MAX_WAIT_SCALE):
+            raise InvalidArgument(
+                f"wait_scale must be in (0, {MAX_WAIT_SCALE:g}], got {wait_scale!r}", field="wait_scale"
             )
         self.engine = engine
         # Share of HBM session holds may keep together (``hold_cap_pages``); None: the default.
         self._hold_fraction = hold_fraction
+        # Multiplies the fixed waits (MAX_ADMISSION_WAIT_S, MAX_PREFETCH_ROOM_WAIT_S,
+        # MAX_DEMOTE_WAIT_S, HOLD_DUE_SOON_S, HOLD_DEFER_S): ``WorkerConfig.wait_scale``.
+        self._wait_scale = float(wait_scale)
         self._name = name
         self._on_failure = on_failure
         # Set by the server when the process exports metrics (kvtier.worker.metrics).
@@ -597,7 +608,7 @@ class EngineLoop:
         now = time.monotonic()
         since = now if since is None else since
         going = frozenset(n.key for n in nodes if n.tier is Tier.HBM and n.moving)
-        if going and now - since < MAX_DEMOTE_WAIT_S:
+        if going and now - since < MAX_DEMOTE_WAIT_S * self._wait_scale:
             self._defer(lambda: self._demote(
                 digest, keys, session, dst, whole_namespace, done, since, leaving | going), done)
             return
@@ -917,7 +928,7 @@ class EngineLoop:
             below = [n for n in chain if n.tier is not Tier.HBM]
             for node in below:
                 run.below_hbm.setdefault(node.key, node.tier)
-            is_waiting = now - run.waiting_since < MAX_ADMISSION_WAIT_S
+            is_waiting = now - run.waiting_since < MAX_ADMISSION_WAIT_S * self._wait_scale
             if is_waiting and run.promotion is None and has_lower:
                 # Make room first, in the background: a spill on allocation waits on the link
                 # with the engine thread (module doc). One request at a time, as promotions.
@@ -930,8 +941,8 @@ class EngineLoop:
                     # A hold due back within HOLD_DUE_SOON_S keeps its pages while this request
                     # can still wait for them (HOLD_DEFER_S): displaced, its session's next turn
                     # would promote its whole context, on the link this request's room shares.
-                    deferring = now - run.waiting_since < HOLD_DEFER_S
-                    spared = time.time() * 1000.0 + HOLD_DUE_SOON_S * 1000.0 if deferring else None
+                    deferring = now - run.waiting_since < HOLD_DEFER_S * self._wait_scale
+                    spared = time.time() * 1000.0 + HOLD_DUE_SOON_S * self._wait_scale * 1000.0 if deferring else None
                     # Its own pages are not the room it makes: pinned before anything is demoted.
                     made = self._make_room(short, protect=functools.partial(self._pin_chain, run, chain),
                                            weaker_than=spared)
@@ -986,7 +997,7 @@ class EngineLoop:
             return
         waited, run.deferred_at = now - run.deferred_at, None
         run.hold_wait_s += waited  # a request may wait for such holds more than once
-        outcome = "timed_out" if now - run.waiting_since >= HOLD_DEFER_S else "room"
+        outcome = "timed_out" if now - run.waiting_since >= HOLD_DEFER_S * self._wait_scale else "room"
         self.hold_deferrals[outcome] += 1
         self.hold_deferral_wait_s += waited
         if self.metrics is not None:
@@ -1437,7 +1448,7 @@ class EngineLoop:
         rank = None  # the hold the pages will have: only weaker holds yield to them
         if session is not None and hold_s:
             rank = _hold_rank(expected, time.time() * 1000.0 + hold_s * 1000.0)
-        if now - since < MAX_PREFETCH_ROOM_WAIT_S and self._needs_room(
+        if now - since < MAX_PREFETCH_ROOM_WAIT_S * self._wait_scale and self._needs_room(
             sum(n.tier is not Tier.HBM for n in chain), rank=rank
         ):
             self._defer(lambda: self._prefetch(digest, keys, session, hold_s, done, since, expected=expected), done)
@@ -1860,6 +1871,11 @@ class EngineLoop:
 def _num_in_hbm(chain: Sequence[RadixNode]) -> int:
     """How many of ``chain``'s pages, from the root, are in HBM before the first one that is not."""
     return next((i for i, n in enumerate(chain) if n.tier is not Tier.HBM), len(chain))
+
+
+def _in_range(value: object, most: float) -> bool:
+    """``value`` is a number (not a bool) in (0, ``most``]; NaN is not."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= most
 
 
 def _hold_id(session: SessionId) -> PinId:

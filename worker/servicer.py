@@ -175,6 +175,7 @@ async def serve_worker(
     credentials: grpc.ServerCredentials | None = None,
     allow_unauthenticated: bool = False,
     hold_fraction: float | None = None,
+    wait_scale: float = 1.0,
 ) -> WorkerServer:
     """Start the engine thread and the gRPC server on ``host:port`` (0: a free port).
 
@@ -182,7 +183,8 @@ async def serve_worker(
     With ``tokens`` every call but health and reflection needs a bearer token of that table
     (``kvtier.rpc.auth_interceptor``); with ``credentials`` the server speaks TLS only.
     Without ``tokens`` it refuses a non-loopback ``host`` unless ``allow_unauthenticated``.
-    ``hold_fraction``: the share of HBM session holds may keep (``EngineLoop``; None: its default).
+    ``hold_fraction``: the share of HBM session holds may keep (``EngineLoop``; None: its default);
+    ``wait_scale``: multiplies the engine loop's fixed waits (``WorkerConfig.wait_scale``).
     """
     check_exposure(host, what="worker", is_authenticated=tokens is not None,
                    allow_unauthenticated=allow_unauthenticated)
@@ -202,7 +204,8 @@ async def serve_worker(
         with contextlib.suppress(RuntimeError):
             aloop.call_soon_threadsafe(mark_not_serving)
 
-    loop = EngineLoop(engine, on_failure=on_engine_failure, hold_fraction=hold_fraction)
+    loop = EngineLoop(engine, on_failure=on_engine_failure, hold_fraction=hold_fraction,
+                      wait_scale=wait_scale)
     loop.span_attributes["kvtier.worker_id"] = worker_id
     if telemetry is not None:
         loop.metrics = WorkerMetrics(telemetry, loop, worker_id)
