@@ -64,6 +64,8 @@ _SIZE_UNITS = {
     "ti": 2**40,
     "tib": 2**40,
 }
+# The most ``WorkerConfig.wait_scale`` may stretch the worker's fixed waits (worker.engine_loop).
+MAX_WAIT_SCALE = 100.0
 _SIZE_RE = re.compile(r"^\s*(-?[0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 C = TypeVar("C")
@@ -272,7 +274,7 @@ class WorkerConfig:
         "multiplies the worker's fixed waits (a request's wait for room and pages, 5 s; a prefetch's for room, 1 s; "
         "a demotion's for pages already leaving, 0.5 s; holds due back within 1 s spared for 2 s): for an engine "
         "whose turns take that many times longer, e.g. a benchmark slowed down to a CPU's pace",
-        min=0, max=100, min_open=True,  # worker.engine_loop.MAX_WAIT_SCALE (not imported: torch)
+        min=0, max=MAX_WAIT_SCALE, min_open=True,
     )
     # The names of kvtier.eviction.POLICY_NAMES (not imported here: that module loads torch).
     eviction_policy: str = setting(

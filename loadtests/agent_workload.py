@@ -1063,9 +1063,11 @@ def _float_flag(text: str, flag: str, *, takes: str, must: str, ok: Callable[[fl
 
 
 def parse_slow_down(text: str) -> float:
-    """``--slow-down F``: a positive factor, at most what ``WorkerConfig.wait_scale`` takes (100)."""
-    return _float_flag(text, "--slow-down", takes="a factor (e.g. 4)", must="in (0, 100]",
-                       ok=lambda v: 0 < v <= 100)
+    """``--slow-down F``: a positive factor, at most what ``WorkerConfig.wait_scale`` takes."""
+    from kvtier.config import MAX_WAIT_SCALE
+
+    return _float_flag(text, "--slow-down", takes="a factor (e.g. 4)", must=f"in (0, {MAX_WAIT_SCALE:g}]",
+                       ok=lambda v: 0 < v <= MAX_WAIT_SCALE)
 
 
 def parse_hbm_sessions(text: str) -> float:

@@ -109,6 +109,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from opentelemetry.context import Context
 
 from kvtier import tracing
+from kvtier.config import MAX_WAIT_SCALE
 from kvtier.engine.engine import Engine, GenerationResult, StepOutput
 from kvtier.epochs import EpochTable
 from kvtier.errors import (
@@ -195,8 +196,6 @@ HOLD_DEFER_S = 2.0
 # their sessions' turns came and went, or other pages freed), or HOLD_DEFER_S ran out and a hold
 # yielded as before (``timed_out``).
 HOLD_DEFERRAL_OUTCOMES = ("room", "timed_out")
-# The most ``WorkerConfig.wait_scale`` may stretch the waits above.
-MAX_WAIT_SCALE = 100.0
 
 
 def new_run_id() -> RunId:
