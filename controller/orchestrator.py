@@ -66,6 +66,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from kvtier.auth import Principal
+from kvtier.controller.lateness import LatenessBudget, LatenessParams
 from kvtier.controller.predictor import Prediction, ToolReturnPredictor
 from kvtier.controller.prefetch import MoveReason, Outcome, PauseOutcome, PrefetchStats, PromoteLatency
 from kvtier.controller.registry import Registry, WorkerEntry
@@ -141,6 +142,9 @@ class OrchestratorParams:
     topup_delay_ms: float = 100.0
     max_topups: int = 2
     num_outcomes_kept: int = 10_000  # recent PauseOutcomes (benchmarks read them)
+    # Which quantile of each tool's predicted return its prefetches aim at: the predictor's
+    # lo_quantile spent by equal hazard across the tenant's tools (``controller/lateness.py``).
+    lateness: LatenessParams = field(default_factory=LatenessParams)
 
 
 # --------------------------------------------------------------------------- pieces
@@ -340,6 +344,8 @@ class Orchestrator:
         self.clock_ms = clock_ms
         self.timers = TimerQueue(clock_ms)
         self.stats = PrefetchStats()
+        self.lateness = LatenessBudget(
+            self.params.lateness, lambda tenant, tool: predictor.model(tenant, tool, self.params.lateness.min_samples))
         self.outcomes: collections.deque[PauseOutcome] = collections.deque(maxlen=self.params.num_outcomes_kept)
         self.listeners: list[Callable[[PauseOutcome], None]] = []  # called as each pause closes
         self._buckets: dict[tuple[WorkerId, Tier], TokenBucket] = {}
@@ -585,7 +591,8 @@ class Orchestrator:
                 return record.info()
             record.require(SessionState.ACTIVE, action="Pause")
             now = self._now()
-            prediction = self.predictor.predict(record.tenant, request.tool_name, request.expected_ms)
+            prediction = self.predictor.predict(record.tenant, request.tool_name, request.expected_ms,
+                                                aim=self.lateness.aim(record.tenant, request.tool_name or ""))
             record.state = SessionState.PAUSED
             record.tool_name = request.tool_name
             record.paused_at_ms = now
@@ -618,9 +625,11 @@ class Orchestrator:
             self._guard(record)
             return
         record.parked_tier = choice.tier
-        # Aim at the early end of the predicted spread (the predictor's lo_quantile, 5 %), not
-        # the median: a prefetch that lands a little early costs HBM for a moment, one that
-        # lands late costs the user a transfer on the token path (decision 0008).
+        self.lateness.note_park(record.tenant, record.tool_name or "")
+        # Aim at the early end of the predicted spread (the predictor's lo_quantile, 5 %, or
+        # the tool's share of the tenant's lateness: controller/lateness.py), not the median:
+        # a prefetch that lands a little early costs HBM for a moment, one that lands late costs
+        # the user a transfer on the token path (decision 0008).
         at_ms = record.paused_at_ms + self._target_ms(prediction) - self._promote_ms(record) - self.params.margin_ms
         record.prefetch_at_ms = round(at_ms)
         record.prefetch_state = PrefetchState.SCHEDULED

@@ -81,6 +81,23 @@ class Prediction:
     source: PredictionSource
 
 
+@dataclass(frozen=True, slots=True)
+class ToolModel:
+    """A trusted history as the lognormal it predicts the next return from (mean and sd of
+    ln(duration_ms), the sd widened for one more observation, x sqrt(1 + 1/n)), and where a
+    prefetch aims without an aim of its own (``quantile_lo_ms`` at ``lo_quantile``)."""
+
+    mean: float
+    sd: float
+    default_aim_ms: float
+
+    def quantile_ms(self, q: float) -> float:
+        return math.exp(self.mean + self.sd * NormalDist().inv_cdf(q))
+
+    def cdf(self, duration_ms: float) -> float:
+        return NormalDist(self.mean, self.sd).cdf(math.log(duration_ms)) if self.sd > 0 else 0.5
+
+
 @dataclass(slots=True)
 class PredictorParams:
     default_ms: float = 5_000.0  # no history and no caller estimate
@@ -277,14 +294,22 @@ class ToolReturnPredictor:
                 raise
             self._on_error(exc)
 
-    def predict(self, tenant: str, tool: str | None, expected_ms: float | None = None) -> Prediction:
+    def predict(
+        self, tenant: str, tool: str | None, expected_ms: float | None = None, *, aim: float | None = None
+    ) -> Prediction:
+        """``aim``: for a tool with a trusted history, ``quantile_lo_ms`` is this quantile of
+        its ``model`` (the prefetch's aim, ``controller/lateness.py``) instead of the bound at
+        ``lo_quantile``; never past the median."""
         p = self.params
+        if aim is not None and not 0 < aim < 0.5:
+            raise InvalidArgument(f"aim {aim} outside (0, 0.5)", field="aim")
         history = self._histories.get((tenant, tool or ""))
         trusted = history is not None and history.effective_samples >= p.min_samples
         if trusted:
             assert history is not None
             median = history.quantile_ms(0.5)
-            lo, hi = min(history.lower_bound_ms(p.lo_quantile), median), history.upper_bound_ms(p.hi_quantile)
+            lo = history.lower_bound_ms(p.lo_quantile) if aim is None else self._model_of(history).quantile_ms(aim)
+            lo, hi = min(lo, median), history.upper_bound_ms(p.hi_quantile)
             n = history.effective_samples
             confidence = n / (n + p.min_samples)
         if expected_ms is not None:
@@ -295,6 +320,19 @@ class ToolReturnPredictor:
         if trusted:
             return Prediction(median, lo, hi, confidence, PredictionSource.HISTORY)
         return self._lognormal(p.default_ms, 0.1, PredictionSource.DEFAULT)
+
+    def model(self, tenant: str, tool: str, min_samples: float = 0.0) -> ToolModel | None:
+        """``ToolModel`` of a history worth ``min_samples`` returns (and the params'), else None."""
+        history = self._histories.get((tenant, tool))
+        if history is None or history.effective_samples < max(min_samples, self.params.min_samples):
+            return None
+        return self._model_of(history)
+
+    def _model_of(self, history: ToolHistory) -> ToolModel:
+        n = history.effective_samples
+        mean, sd = history.log_moments()
+        default_aim_ms = min(history.lower_bound_ms(self.params.lo_quantile), history.quantile_ms(0.5))
+        return ToolModel(mean, sd * math.sqrt(1.0 + 1.0 / n), default_aim_ms)
 
     def spread(self, prediction: Prediction) -> float | None:
         """The sigma (of ln duration) of the log-normal whose ``hi_quantile`` point is

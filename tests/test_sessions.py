@@ -10,6 +10,8 @@ pure pieces (tier choice, token bucket, timer queue) with a clock of their own."
 from __future__ import annotations
 
 import asyncio
+import math
+import random
 import time
 
 import pytest
@@ -17,6 +19,7 @@ import pytest_asyncio
 import torch
 
 from kvtier import errors
+from kvtier.controller.lateness import equal_hazard_aims
 from kvtier.controller.orchestrator import (
     Orchestrator,
     OrchestratorParams,
@@ -176,6 +179,51 @@ async def test_returning_promotes_at_once_and_end_cancels_and_frees(worker, flus
             await client.pause("s-nobody", tool="x")
         with pytest.raises(errors.NotFound):
             await client.end("s-nobody")
+        assert (await worker.loop.check_integrity()).is_ok
+
+
+@in_module_loop
+async def test_a_long_tools_prefetch_aims_later_once_a_short_tool_shares_the_lateness_budget(
+    worker, flushed_redis_url, tmp_path
+):
+    """With histories of a short and a long tool, once the tenant has parked sessions of both,
+    the long tool's next prefetch is scheduled for a later point of its return than the first
+    one (the prediction bound at 5 %), the short tool's for an earlier one: the same expected
+    late share between them, spent where it saves the most HBM time."""
+    namespace = worker.engine.namespace
+    async with cluster(worker, flushed_redis_url, tmp_path) as (controller, client):
+        orchestrator = controller.orchestrator
+        predictor = orchestrator.predictor
+        rng = random.Random(23)
+        for tool, median_ms in (("lookup", 3_000.0), ("build", 30_000.0)):
+            for _ in range(40):
+                await predictor.observe(namespace.tenant, tool, math.exp(rng.gauss(math.log(median_ms), 0.4)))
+        build, lookup = predictor.model(namespace.tenant, "build"), predictor.model(namespace.tenant, "lookup")
+        spent = (build.cdf(build.default_aim_ms) + lookup.cdf(lookup.default_aim_ms)) / 2
+
+        async def park(session: str, tool: str, first: int) -> float:
+            """Pause a 3-page session for ``tool``; how long after the pause its prefetch fires."""
+            prompt = [first + k for k in range(9)]
+            await client.complete(namespace, prompt, GREEDY, session_id=session)
+            info = await client.pause(session, tool=tool)
+            assert info.parked_tier is Tier.DRAM and orchestrator.timers.is_scheduled(session)
+            return info.prefetch_at_ms - info.paused_at_ms
+
+        at_budget = await park("s-b1", "build", 10)  # nothing parked before: every tool at 5 %
+        await park("s-l1", "lookup", 30)
+        later = await park("s-b2", "build", 50)
+        # s-b2 aimed with one park of each in the mix (tests/test_lateness.py checks the split).
+        bounds = orchestrator.params.lateness
+        aims = equal_hazard_aims({"build": 1.0, "lookup": 1.0}, {"build": build, "lookup": lookup}, spent,
+                                 bounds.floor, bounds.cap)
+        long_aim, short_aim = aims["build"], aims["lookup"]
+        assert short_aim < spent < long_aim and (long_aim + short_aim) / 2 == pytest.approx(spent, abs=1e-3)
+        # Same pages, same promote time: the prefetch moved by the gap between the two aims.
+        gap_ms = build.quantile_ms(long_aim) - build.default_aim_ms
+        assert gap_ms > 1_000
+        assert later - at_budget == pytest.approx(gap_ms, abs=5.0)
+        for session in ("s-b1", "s-l1", "s-b2"):
+            await client.end(session)
         assert (await worker.loop.check_integrity()).is_ok
 
 
