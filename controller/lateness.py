@@ -17,9 +17,10 @@ B is what the even aims spend: each tool's model (``ToolModel``: the lognormal i
 predicts the next return from) gives the probability of a return before its default aim
 (the prediction bound at ``lo_quantile``, below 5 % while history is short), and B is their
 mix-weighted mean. So the tenant's expected on-time share is the one it had; only where its
-late prefetches fall moves. On the agent workload's mix (tools of 1.2-10 s medians) that is
-~8 % less HBM time held overall and ~19 % less for the 10 s tool, whose prefetched pages were
-most of the waste (decision 0008, session 22).
+late prefetches fall moves. For the agent workload's parked tools (1.2, 2.5 and 10 s medians)
+the model gives ~8 % less HBM time held overall and ~19 % less for the 10 s tool when the three
+are parked equally often; on the workload's actual mix, half of it the 10 s tool, ~5 % and
+~8 % (there is less short-tool lateness to trade). Measured: decision 0008, revision 18.
 
 Bounded: no tool aims earlier than ``floor`` or later than ``cap`` of its return (a tool's
 users are never left with most of the lateness). Only tools whose history is worth

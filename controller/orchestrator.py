@@ -9,13 +9,16 @@ of the last turn's output), and schedules ``Prefetch`` into HBM at
 on a timer queue. ``promote_time`` is bytes over bandwidth plus the worker's measured
 overhead (a high quantile of recent Prefetch ack latencies beyond the copy: the wait for the
 engine step in progress and the round trip; ``controller/prefetch.py``); the low quantile is
-the predictor's ``lo_quantile`` (5 %). The Prefetch's ``deadline_ms`` asks the worker to hold
-the pages in HBM until the prediction's high quantile (99 %, at most ``max_hold_ms``): a prefetch
-lands early by design, and unheld pages are the first an eviction takes meanwhile. A prefetch
-that left pages below (a page of the chain in another move, or no room at that moment) is
-topped up ``topup_delay_ms`` later, up to ``max_topups`` times, while the session is away. A session
-kept in HBM gets a *guard* prefetch at once: it moves nothing, brings back what the worker's
-own demotion moved down meanwhile and holds the pages until the return. Why all of these:
+the predictor's ``lo_quantile`` (5 %) until the tenant has parked sessions of two tools with
+a history, then each tool's share of the same expected lateness, spent by equal hazard (long
+tools aim later, short ones earlier; ``controller/lateness.py``). The Prefetch's
+``deadline_ms`` asks the worker to hold the pages in HBM until the prediction's high quantile
+(99 %, at most ``max_hold_ms``): a prefetch lands early by design, and unheld pages are the
+first an eviction takes meanwhile. A prefetch that left pages below (a page of the chain in
+another move, or no room at that moment) is topped up ``topup_delay_ms`` later, up to
+``max_topups`` times, while the session is away. A session kept in HBM gets a *guard*
+prefetch at once: it moves nothing, brings back what the worker's own demotion moved down
+meanwhile and holds the pages until the return. Why all of these:
 ``docs/decisions/0008-prefetch-timing.md``.
 
 ``Returning`` pulls the prefetch forward (now, or ``eta − promote − margin``); ``End``
