@@ -84,11 +84,12 @@ queue behind each other (session 21's machine, 2-5x slower per token: first turn
 12-15 s, resumes ~300 ms even with infinite HBM), pauses start late, and every ratio measures the
 backlog. Each run reports ``saturated`` per policy (``saturation``: first turns' p50 over half
 the start window; the table and stderr say so). ``--slow-down F`` plays the same workload F
-times slower: tool durations, the callers' guesses, the predictor's warm history, session starts
-and the prefetch margin times F; the emulated links and the planner's recompute FLOP/s divided
-by F, so pauses, transfers and recompute keep their ratios to the engine; the worker's own
-fixed waits (a second for room, a hold due back within a second: ``WorkerConfig.wait_scale``)
-times F too (since session 22; before, they were not stretched).
+times slower: tool durations, the callers' guesses, the predictor's warm history, session starts,
+the prefetch margin and the bound on a prefetch's hold (``max_hold_ms``, since session 25) times
+F; the emulated links and the planner's recompute FLOP/s divided by F, so pauses, transfers and
+recompute keep their ratios to the engine; the worker's own fixed waits (a second for room, a
+hold due back within a second: ``WorkerConfig.wait_scale``) times F too (since session 22;
+before, they were not stretched).
 
 How faithful this is to the issue, measured (``--records`` keeps every turn; issue #7 review,
 numbers in ``docs/decisions/0008-prefetch-timing.md``):
@@ -844,8 +845,10 @@ def orchestrator_params(spec: WorkloadSpec) -> Any:
     cost = CostModel.for_model(geometry_from_config(WORKLOAD_MODEL_CONFIG), page_size=spec.page_size,
                                kv_dtype="fp32", flops_per_s=CPU_FLOPS_PER_S / spec.slow_down)
     cost = dataclasses.replace(cost, bandwidth_bytes_per_s=bandwidth)
+    # The hold bound is a duration the orchestrator plans with, like the margin: unstretched, a
+    # run F times slower holds a prefetch for 1/F of the pause it held in the workload's design.
     return OrchestratorParams(margin_ms=spec.margin_ms * spec.slow_down, bandwidth_bytes_per_s=bandwidth,
-                              cost_model=cost)
+                              cost_model=cost, max_hold_ms=OrchestratorParams().max_hold_ms * spec.slow_down)
 
 
 def _policy_options(policy: str, spec: WorkloadSpec, workload: Workload, model: Path, state_dir: Path) -> Any:
