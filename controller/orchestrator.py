@@ -69,6 +69,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from kvtier.auth import Principal
+from kvtier.config import DEFAULT_SESSION_HOLD_MAX_S
 from kvtier.controller.lateness import LatenessBudget, LatenessParams
 from kvtier.controller.predictor import Prediction, ToolReturnPredictor
 from kvtier.controller.prefetch import MoveReason, Outcome, PauseOutcome, PrefetchStats, PromoteLatency
@@ -138,8 +139,9 @@ class OrchestratorParams:
     # ack; a Route sooner than this after a prefetch does not judge its pages (no false waste).
     directory_lag_ms: float = 250.0
     # A Prefetch asks the worker to hold the pages in HBM until the predicted return's high
-    # quantile (a late return finds them still there), but never longer than this.
-    max_hold_ms: float = 10_000.0
+    # quantile (a late return finds them still there), but never longer than this (a controller
+    # takes it from ``ControllerConfig.session_hold_max_s``).
+    max_hold_ms: float = DEFAULT_SESSION_HOLD_MAX_S * 1000.0
     # A prefetch that left pages below (a page of the chain in the middle of another move, or no
     # room in HBM at that moment) is topped up this much later, at most this many times.
     topup_delay_ms: float = 100.0

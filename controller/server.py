@@ -264,7 +264,9 @@ async def serve_controller(
     orchestrator_params: OrchestratorParams | None = None,
     predictor_params: PredictorParams | None = None,
 ) -> ControllerServer:
-    """Start a controller; ``redis_url`` overrides ``config.redis_url`` (unset: embedded Valkey)."""
+    """Start a controller; ``redis_url`` overrides ``config.redis_url`` (unset: embedded Valkey).
+    ``orchestrator_params`` (benchmarks, tests) replaces the orchestrator's defaults, and with them
+    the setting they take from ``config`` (``session_hold_max_s``)."""
     # Authentication and TLS settings fail here, before anything starts (errors name the field).
     tokens = TokenTableFile(config.auth_token_file) if config.auth_token_file is not None else None
     check_exposure(config.host, what="controller", is_authenticated=tokens is not None,
@@ -324,6 +326,8 @@ async def serve_controller(
         )
 
         predictor = ToolReturnPredictor(client, predictor_params, on_error=access.report_failure)
+        if orchestrator_params is None:
+            orchestrator_params = OrchestratorParams(max_hold_ms=config.session_hold_max_s * 1000.0)
         orchestrator = Orchestrator(
             SessionStore(client), predictor, registry, controller.send_command, orchestrator_params
         )

@@ -66,6 +66,9 @@ _SIZE_UNITS = {
 }
 # The most ``WorkerConfig.wait_scale`` may stretch the worker's fixed waits (worker.engine_loop).
 MAX_WAIT_SCALE = 100.0
+# The longest hold on a prefetched session's pages (``ControllerConfig.session_hold_max_s``;
+# ``OrchestratorParams.max_hold_ms`` of an orchestrator built without a configuration).
+DEFAULT_SESSION_HOLD_MAX_S = 10.0
 _SIZE_RE = re.compile(r"^\s*(-?[0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 C = TypeVar("C")
@@ -199,6 +202,11 @@ class ControllerConfig:
     tier_weight_hbm: float = setting(1.0, "routing value of a matched token already in HBM", min=0, max=1)
     tier_weight_dram: float = setting(0.8, "routing value of a matched token in DRAM", min=0, max=1)
     tier_weight_nvme: float = setting(0.5, "routing value of a matched token on NVMe", min=0, max=1)
+    session_hold_max_s: float = setting(
+        DEFAULT_SESSION_HOLD_MAX_S, "longest a worker holds a paused session's prefetched pages in HBM for its return (the hold "
+        "ends at the predicted return's 99 % point, at most this); raise it for tools that run minutes; 0: no hold",
+        min=0, max=3600,
+    )
     auth_token_file: Path | None = setting(
         None, "token table (YAML/TOML: name, role, tenants, sha256 per token; see kvtier.auth); unset disables auth"
     )

@@ -126,6 +126,9 @@ def test_out_of_range_names_field_range_and_source(tmp_path: Path) -> None:
         load_config(WorkerConfig, env={"KVTIER_KV_CACHE_DTYPE": "int8"})
     with pytest.raises(ConfigError, match=r"lease_ttl_s must be in \(0, 600\], got 0.0"):
         load_config(ControllerConfig, env={"KVTIER_LEASE_TTL_S": "0"})
+    with pytest.raises(ConfigError, match=r"session_hold_max_s must be in \[0, 3600\], got -1.0 \(from KVTIER_SESSION_HOLD_MAX_S\)"):
+        load_config(ControllerConfig, env={"KVTIER_SESSION_HOLD_MAX_S": "-1"})
+    assert load_config(ControllerConfig, env={"KVTIER_SESSION_HOLD_MAX_S": "120"}).session_hold_max_s == 120.0
 
 
 @pytest.mark.parametrize(

@@ -379,6 +379,7 @@ def test_configmap_holds_real_kvtier_settings(
     assert worker.dram_bytes == values["kvCache"]["dramGiBPerGpu"] * GIB
     assert worker.nvme_bytes == values["kvCache"]["nvme"]["gibPerGpu"] * GIB
     assert worker.session_hold_fraction == values["kvCache"]["sessionHoldFraction"]
+    assert controller.session_hold_max_s == values["controller"]["sessionHoldMaxS"]
     valkey = f"{RELEASE}-kvtier-valkey.{NAMESPACE}.svc:6379/0"
     if values["redis"]["mode"] == "external":
         assert controller.redis_url is None  # the whole URL comes from a Secret: KVTIER_REDIS_URL
@@ -657,6 +658,7 @@ INVALID_VALUES = {
     "page size not a power of two": {"kvCache": {"pageSize": 12}},
     "session holds given no HBM": {"kvCache": {"sessionHoldFraction": 0}},
     "session holds given more than HBM": {"kvCache": {"sessionHoldFraction": 1.5}},
+    "negative session hold bound": {"controller": {"sessionHoldMaxS": -1}},
     "password inside the Redis URL": {
         "redis": {"mode": "external", "external": {"url": "redis://:hunter2@redis.example:6379/0"}}
     },

@@ -188,6 +188,25 @@ async def test_a_session_expected_back_after_its_hold_ends_is_ranked_by_the_hold
 
 
 @in_module_loop
+async def test_the_controllers_session_hold_max_s_bounds_every_hold(worker, flushed_redis_url, tmp_path):
+    """The operator's bound (``ControllerConfig.session_hold_max_s``) is the one the orchestrator
+    plans with when no parameters are given: a 60 s tool's hold would run tens of seconds (to the
+    prediction's 99 % point), it runs 0.5 s."""
+    namespace = worker.engine.namespace
+    async with orchestrated(worker, flushed_redis_url, tmp_path, session_hold_max_s=0.5) as (controller, client):
+        assert controller.orchestrator.params.max_hold_ms == 500.0
+        prompt = [7, 14, 21, 28, 35, 42, 49, 56, 63, 70, 77]
+        out, _ = await client.complete(namespace, prompt, GREEDY, session_id="s-bound")
+        await client.pause("s-bound", tool="test_run", expected_ms=60_000)
+        await client.returning("s-bound")  # the prefetch at once, its hold bounded from then
+        sent_ms = time.time() * 1000.0
+        await prefetched(controller.orchestrator, "s-bound")
+        pin = worker.loop._pins[HOLD_PREFIX + "s-bound"]
+        assert 0 < pin.expires_at_ms - sent_ms <= 500 + 250
+        await client.end("s-bound")
+
+
+@in_module_loop
 async def test_a_session_kept_in_hbm_is_held_there_until_its_turn(worker, flushed_redis_url, tmp_path):
     namespace = worker.engine.namespace
     # Copies weigh heavily here (copy_weight): holding a paused session in HBM is the cheaper choice.
