@@ -190,8 +190,8 @@ async def test_a_session_expected_back_after_its_hold_ends_is_ranked_by_the_hold
 @in_module_loop
 async def test_the_controllers_session_hold_max_s_bounds_every_hold(worker, flushed_redis_url, tmp_path):
     """The operator's bound (``ControllerConfig.session_hold_max_s``) is the one the orchestrator
-    plans with when no parameters are given: a 60 s tool's hold would run tens of seconds (to the
-    prediction's 99 % point), it runs 0.5 s."""
+    plans with when no parameters are given: a 60 s tool's hold, to the prediction's 99 % point
+    minutes away, runs 0.5 s (10 s with the default bound)."""
     namespace = worker.engine.namespace
     async with orchestrated(worker, flushed_redis_url, tmp_path, session_hold_max_s=0.5) as (controller, client):
         assert controller.orchestrator.params.max_hold_ms == 500.0
