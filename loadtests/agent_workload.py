@@ -834,6 +834,7 @@ def hbm_pages_for(spec: WorkloadSpec, workload: Workload) -> int:
 
 def orchestrator_params(spec: WorkloadSpec) -> Any:
     """The orchestrator's plan for this machine: its link rates and the model's recompute cost."""
+    from kvtier.config import DEFAULT_SESSION_HOLD_MAX_S
     from kvtier.controller.orchestrator import OrchestratorParams
     from kvtier.eviction import CostModel
     from kvtier.geometry import geometry_from_config
@@ -848,7 +849,7 @@ def orchestrator_params(spec: WorkloadSpec) -> Any:
     # The hold bound is a duration the orchestrator plans with, like the margin: unstretched, a
     # run F times slower holds a prefetch for 1/F of the pause it held in the workload's design.
     return OrchestratorParams(margin_ms=spec.margin_ms * spec.slow_down, bandwidth_bytes_per_s=bandwidth,
-                              cost_model=cost, max_hold_ms=OrchestratorParams().max_hold_ms * spec.slow_down)
+                              cost_model=cost, max_hold_ms=DEFAULT_SESSION_HOLD_MAX_S * 1000.0 * spec.slow_down)
 
 
 def _policy_options(policy: str, spec: WorkloadSpec, workload: Workload, model: Path, state_dir: Path) -> Any:
