@@ -32,6 +32,7 @@ from loadtests.agent_workload import (
     parse_seeds,
     parse_slow_down,
     parse_tools,
+    pct,
     prefetch_summary,
     saturation,
     seeds_table,
@@ -175,6 +176,41 @@ def test_the_workers_own_count_of_waste_is_reported_in_bytes() -> None:
     pf["worker_counted"] = counted
     assert headline({"kvtier": {"prefetch": pf}})["wasted_prefetch_fraction"] == 0.15
     assert targets(headline({"kvtier": {"prefetch": pf}}))["wasted_prefetch<=0.10"] is False
+
+
+def test_across_seeds_pools_every_resume_prefetch_and_byte() -> None:
+    def policies(kv: list[float], inf: list[float], on_time: int, late: int, moved: int, wasted: int,
+                 counted: bool = True) -> dict:
+        prefetch = {"num_on_time": on_time, "num_late": late, "prefetched_bytes": moved * 2, "wasted_bytes": 0}
+        if counted:
+            prefetch["worker_counted"] = {"moved_bytes": moved, "wasted_bytes": wasted,
+                                          "wasted_fraction": wasted / moved}
+        return {"kvtier": {"resume_ttft_ms_samples": kv, "prefetch": prefetch},
+                "infinite-hbm": {"resume_ttft_ms_samples": inf, "prefetch": {}}}
+
+    def run(pols: dict) -> dict:
+        head = headline({name: {**p, "resume_ttft_ms": {"p50": pct(p["resume_ttft_ms_samples"], 0.5)}}
+                         for name, p in pols.items()})
+        return {**head, "targets_met": targets(head), "policies": pols}
+
+    # Seed 0: few resumes, all fast, 1 of 10 late, 1 of 4 bytes wasted; seed 1: many, slower.
+    small = policies([100.0, 100.0, 100.0], [100.0, 100.0, 100.0], 9, 1, 400, 100)
+    large = policies([120.0] * 5 + [130.0] * 4, [110.0] * 9, 90, 0, 3600, 0)
+    summary = across_seeds({0: run(small), 1: run(large)})
+    assert summary["wasted_prefetch_fraction"]["per_seed"] == [0.25, 0.0]
+    assert summary["wasted_prefetch_fraction"]["median"] == 0.125  # each seed weighs the same
+    pooled = summary["pooled"]
+    assert pooled["wasted_prefetch_fraction"] == pytest.approx(100 / 4000)  # each byte does
+    assert pooled["prefetch_on_time"] == pytest.approx(99 / 100)
+    # The p50 of the 12 resumes together (the 7th smallest of kvtier's: 120) over infinite HBM's (110).
+    assert pooled["kvtier_over_infinite_hbm"] == pytest.approx(120 / 110)
+    assert pooled["targets_met"]["wasted_prefetch<=0.10"] is True
+    assert pooled["targets_met"]["kvtier_over_infinite_hbm<=1.1"] is True
+    assert pooled["targets_met"]["kvtier_over_reactive<=0.5"] is None  # no reactive run to compare with
+    assert "pooled targets: " in seeds_table(summary) and "wasted_prefetch_fraction 0.025" in seeds_table(summary)
+    # Without the worker's count in every run, the controller's bytes pool instead.
+    uncounted = policies([100.0], [100.0], 1, 0, 1000, 0, counted=False)
+    assert across_seeds({0: run(small), 1: run(uncounted)})["pooled"]["wasted_prefetch_fraction"] == 0.0
 
 
 def test_across_seeds_reports_each_seed_and_the_median_of_those_measured() -> None:
