@@ -109,7 +109,8 @@ class WorkerMetrics:
         m.create_observable_counter(
             "kvtier.session_holds", callbacks=[self._session_holds], unit="{hold}",
             description="prefetched sessions' HBM holds by outcome: taken, unheld (no page in HBM), "
-            "refused (at the cap), displaced (by a session due back sooner), yielded (room needed now), "
+            "refused (at the cap), displaced (by a session due back sooner), yielded (gave up its deepest pages, "
+            "or all, for room needed now; once per give-up), "
             "retaken (held again once room was back)",
         )
         m.create_observable_gauge(
