@@ -116,9 +116,10 @@ numbers in ``docs/decisions/0008-prefetch-timing.md``):
 Seeds (``--seeds 0,1,2``): the same run for each seed in turn (each its own workload draw, its
 own stacks), each seed's table, then every headline ratio per seed and its median
 (``across_seeds``; ``--json`` gives ``seeds``, the headline keys as ``per_seed`` and
-``median``, ``targets_met`` per seed, and every seed's full result under ``runs``). On a shared
-2-core machine the same code and seed moves by a factor of two between runs, so a claim rests
-on several seeds, not one.
+``median``, ``targets_met`` per seed, ``pooled``: the headline and its targets over every
+seed's resumes, prefetches and bytes together, and every seed's full result under ``runs``).
+On a shared 2-core machine the same code and seed moves by a factor of two between runs, so a
+claim rests on several seeds, not one.
 
 Policies, each on a fresh local stack (1 worker, same checkpoint, same HBM size):
 
