@@ -567,6 +567,40 @@ async def test_holds_yield_to_a_waiting_request_the_session_due_back_last_first(
 
 
 @pytest.mark.asyncio
+async def test_a_returning_sessions_request_takes_its_room_from_another_hold_not_its_own(tmp_path, monkeypatch):
+    """A session back earlier than expected ranks its own hold the weakest; its request, short
+    of room, must not make room by yielding that hold (worker/engine_loop.py ``_make_room``,
+    ``sparing``): its own pages are pinned for it, so that frees nothing, and the room would
+    then be taken on the engine thread. The next weakest hold gives up the pages still short,
+    in the background, and the output is the one a run without holds gives."""
+    import kvtier.worker.engine_loop as engine_loop
+
+    monkeypatch.setattr(engine_loop, "MAX_HELD_FRACTION", 1.0)
+    engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0)
+    try:
+        digest = namespace_digest(engine.namespace)
+        own, other = tuple(range(1, 1 + 4 * PAGE_SIZE)), tuple(range(101, 101 + 4 * PAGE_SIZE))
+        own += tuple(await _session_turn(loop, engine, "s-own", own))
+        await _session_turn(loop, engine, "s-other", other)
+        for session, due_s in (("s-own", 20.0), ("s-other", 4.0)):  # s-own expected back last
+            assert (await loop.prefetch(digest, (), session, hold_s=30.0, due_s=due_s)).num_moved == 0
+        # s-own is back: its history (4 pages in HBM) and new tokens needing two pages more than are free.
+        prompt = own + tuple((40 + 3 * i) % 256 for i in range((engine.pool.num_free + 1) * PAGE_SIZE - len(own) % PAGE_SIZE))
+        out, final = await _session_run(loop, engine, "s-own", prompt)
+        assert final.usage.cached_tokens == 4 * PAGE_SIZE
+        assert loop.hold_outcomes["yielded"] == 1  # s-other's, once
+        assert loop._pins[engine_loop._hold_id("s-other")].nodes[0].depth == 2
+        assert _tiers_in(engine, _keys(engine, other)) == [Tier.HBM] * 2 + [Tier.DRAM] * 2
+        assert engine.tiers.counters.spill_link_wait_s == 0.0  # never on the engine thread
+        assert engine.scheduler.num_preemptions == 0
+        assert (await loop.check_integrity()).is_ok
+    finally:
+        await loop.close()
+        engine.tiers.close()
+    assert await _outputs_without_holds(tmp_path, [prompt]) == [out]
+
+
+@pytest.mark.asyncio
 async def test_the_worker_counts_the_pages_brought_up_for_a_session_and_those_it_did_not_find_in_hbm(tmp_path):
     """The controller judges a prefetch's waste from the directory, which lags the worker: pages
     given up just before the session's turn look in HBM to it. The worker counts it exactly when

@@ -948,7 +948,7 @@ class EngineLoop:
                     spared = time.time() * 1000.0 + HOLD_DUE_SOON_S * self._wait_scale * 1000.0 if deferring else None
                     # Its own pages are not the room it makes: pinned before anything is demoted.
                     made = self._make_room(short, protect=functools.partial(self._pin_chain, run, chain),
-                                           weaker_than=spared)
+                                           weaker_than=spared, sparing=run.request.session_id)
                     if not made and spared is not None and self._holds_due_soon(spared):
                         if run.deferred_at is None:
                             run.deferred_at = now
@@ -1514,10 +1514,11 @@ class EngineLoop:
         weakest first (``_Pin.hold_rank``: the session due back last): a hold is a prediction,
         the pages asked for are needed now (a request waiting for admission) or sooner (a
         prefetch for a session due back first: only holds weaker than ``weaker_than``, a
-        ``_Pin.hold_rank``, yield to it, and never the hold of the session it is for,
-        ``sparing``: a top-up's prediction can rank a hair before the one its session is held
-        by, and that hold then yielded the pages the top-up was keeping). A hold gives up only
-        the pages still short (``_yield_hold``)."""
+        ``_Pin.hold_rank``, yield to it), and never the hold of the session they are for,
+        ``sparing`` (a top-up's prediction can rank a hair before the one its session is held
+        by, and that hold then yielded the pages the top-up was keeping; a request's own pages
+        are pinned by ``protect``, so its hold frees nothing). A hold gives up only the pages
+        still short (``_yield_hold``)."""
         tiers = self._tiers()
         more = short - tiers.num_leaving(Tier.HBM)  # pages on their way out free room too
         if more <= 0:
