@@ -529,9 +529,8 @@ def _tiers_in(engine, keys) -> list:
 async def test_holds_yield_to_a_waiting_request_the_session_due_back_last_first(tmp_path, monkeypatch):
     """A hold is a prediction (worker/engine_loop.py ``_make_room``): when a request waiting for
     admission needs room that the idle pages cannot give, held sessions yield it, the one due
-    back last first, only the pages asked for (its deepest: ``_trim``), and the room is still
-    made in the background (no spill on the engine thread). The session due back soon keeps
-    every page in HBM, the other keeps the rest of its pages held."""
+    back last first, and the room is still made in the background (no spill on the engine
+    thread). The session due back soon keeps every page in HBM."""
     import kvtier.worker.engine_loop as engine_loop
 
     monkeypatch.setattr(engine_loop, "MAX_HELD_FRACTION", 1.0)  # both holds fit: only yielding frees them
@@ -553,12 +552,10 @@ async def test_holds_yield_to_a_waiting_request_the_session_due_back_last_first(
         big = tuple((40 + 3 * i) % 256 for i in range((num_free + 1) * PAGE_SIZE))  # + its first output's page
         assert await _session_turn(loop, engine, "s-big", big)
         assert engine.scheduler.num_preemptions == 0
+        assert engine_loop._hold_id("s-late") not in loop._pins  # yielded
         assert engine_loop._hold_id("s-soon") in loop._pins
         assert _tiers_in(engine, _keys(engine, soon)) == [Tier.HBM] * 4
-        # s-late gave up its two deepest pages (moved down, not dropped) and holds the others.
-        assert _tiers_in(engine, _keys(engine, late)) == [Tier.HBM] * 2 + [Tier.DRAM] * 2
-        assert loop._pins[engine_loop._hold_id("s-late")].nodes[0].key == _keys(engine, late)[1]
-        assert loop.hold_outcomes["yielded"] == 1
+        assert Tier.DRAM in _tiers_in(engine, _keys(engine, late))  # moved down, not dropped
         assert engine.tiers.counters.spill_link_wait_s == 0.0
         assert (await loop.check_integrity()).is_ok
     finally:
@@ -571,8 +568,8 @@ async def test_a_returning_sessions_request_takes_its_room_from_another_hold_not
     """A session back earlier than expected ranks its own hold the weakest; its request, short
     of room, must not make room by yielding that hold (worker/engine_loop.py ``_make_room``,
     ``sparing``): its own pages are pinned for it, so that frees nothing, and the room would
-    then be taken on the engine thread. The next weakest hold gives up the pages still short,
-    in the background, and the output is the one a run without holds gives."""
+    then be taken on the engine thread. The next weakest hold yields, in the background, and
+    the output is the one a run without holds gives."""
     import kvtier.worker.engine_loop as engine_loop
 
     monkeypatch.setattr(engine_loop, "MAX_HELD_FRACTION", 1.0)
@@ -589,8 +586,8 @@ async def test_a_returning_sessions_request_takes_its_room_from_another_hold_not
         out, final = await _session_run(loop, engine, "s-own", prompt)
         assert final.usage.cached_tokens == 4 * PAGE_SIZE
         assert loop.hold_outcomes["yielded"] == 1  # s-other's, once
-        assert loop._pins[engine_loop._hold_id("s-other")].nodes[0].depth == 2
-        assert _tiers_in(engine, _keys(engine, other)) == [Tier.HBM] * 2 + [Tier.DRAM] * 2
+        assert engine_loop._hold_id("s-other") not in loop._pins
+        assert Tier.DRAM in _tiers_in(engine, _keys(engine, other))  # moved down, not dropped
         assert engine.tiers.counters.spill_link_wait_s == 0.0  # never on the engine thread
         assert engine.scheduler.num_preemptions == 0
         assert (await loop.check_integrity()).is_ok
@@ -761,9 +758,7 @@ async def test_a_waiting_request_does_not_displace_a_session_due_back_within_a_s
             assert 0.0 < loop.hold_deferral_wait_s < engine_loop.HOLD_DEFER_S
         else:
             assert time.monotonic() - started >= engine_loop.HOLD_DEFER_S
-            # It gave up the two pages asked for, its deepest, and holds the rest.
-            assert loop.hold_outcomes["yielded"] == 1
-            assert loop._pins[held].nodes[0].depth == len(soon) // PAGE_SIZE - 2
+            assert loop.hold_outcomes["yielded"] == 1 and held not in loop._pins
             assert loop.hold_deferrals == {"room": 0, "timed_out": 1}
             assert engine_loop.HOLD_DEFER_S / 2 < loop.hold_deferral_wait_s <= time.monotonic() - started
         assert engine.scheduler.num_preemptions == 0
@@ -790,14 +785,12 @@ async def test_the_wait_scale_stretches_the_window_of_holds_due_back_soon_and_th
     for scale in (1.0, 3.0):
         engine, loop, _ = _loop_on_a_slow_link(tmp_path / f"x{scale:g}", pages_per_s=200.0, wait_scale=scale)
         try:
-            soon, held = await _guard_due_soon(loop, engine, 1.0)
+            _, held = await _guard_due_soon(loop, engine, 1.0)
             big = tuple((40 + 3 * i) % 256 for i in range((engine.pool.num_free + 1) * PAGE_SIZE))
             started = time.monotonic()
             out, _ = await asyncio.wait_for(_session_run(loop, engine, "s-big", big), 30)
             waited = time.monotonic() - started
-            # It gave up the two pages asked for, its deepest, and holds the rest.
-            assert loop.hold_outcomes["yielded"] == 1
-            assert loop._pins[held].nodes[0].depth == len(soon) // PAGE_SIZE - 2
+            assert loop.hold_outcomes["yielded"] == 1 and held not in loop._pins
             if scale == 1.0:
                 assert loop.hold_deferrals == {"room": 0, "timed_out": 0}  # not due soon: no wait
             else:
@@ -986,9 +979,8 @@ def test_the_median_of_a_return_still_to_come():
 @pytest.mark.asyncio
 async def test_a_running_sequence_takes_a_held_page_instead_of_being_preempted(tmp_path, monkeypatch):
     """A sequence that outgrows the free pages while the rest of HBM is held (scheduler
-    ``release_pin``): the hold yields the pages it needs, a page at a time from its deepest,
-    and the sequence runs on, instead of being preempted and recomputed; its output is the one
-    a run without holds gives."""
+    ``release_pin``): the hold yields and the sequence runs on, instead of being preempted
+    and recomputed; its output is the one a run without holds gives."""
     import kvtier.worker.engine_loop as engine_loop
     from kvtier.worker.engine_loop import EngineLoop
 
@@ -1010,11 +1002,8 @@ async def test_a_running_sequence_takes_a_held_page_instead_of_being_preempted(t
             # Admitted with room for its prompt; its output then needs more pages than are free.
             grow_to = engine.pool.num_free + 2
             out = await _session_turn(loop, engine, "s-long", prompt, max_tokens=grow_to * PAGE_SIZE - len(prompt))
-            if held:  # it gave up its deepest pages, a page at a time, and holds the rest
-                hold = loop._pins[engine_loop._hold_id("s-held")]
-                assert 1 <= hold.nodes[0].depth <= 5 - 2
-                assert loop.hold_outcomes["yielded"] == 5 - hold.nodes[0].depth
-                assert _tiers_in(engine, _keys(engine, parked)[: hold.nodes[0].depth]) == [Tier.HBM] * hold.nodes[0].depth
+            if held:
+                assert engine_loop._hold_id("s-held") not in loop._pins
             assert (await loop.check_integrity()).is_ok
             return out, engine.scheduler.num_preemptions
         finally:
@@ -1032,8 +1021,7 @@ async def _yield_the_later_hold(
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Two held sessions (guards; ``s-late`` parked and prefetched when ``paid``), then a
     request that takes room from them: the one due back later (``s-late``, held
-    ``late_hold_s``) yields the two pages it asks for, its deepest, and holds the other two.
-    Returns both sessions' histories."""
+    ``late_hold_s``) yields. Returns both sessions' histories."""
     import kvtier.worker.engine_loop as engine_loop
 
     digest = namespace_digest(engine.namespace)
@@ -1047,14 +1035,13 @@ async def _yield_the_later_hold(
         assert moved == (4 if paid and session == "s-late" else 0)
     big = tuple((40 + 3 * i) % 256 for i in range((engine.pool.num_free + 1) * PAGE_SIZE))
     await _session_turn(loop, engine, "s-big", big)
-    assert loop.hold_outcomes["yielded"] == 1 and "s-late" in loop._lapsed  # to be retaken
-    assert loop._pins[engine_loop._hold_id("s-late")].nodes[0].depth == 2
+    assert engine_loop._hold_id("s-late") not in loop._pins and loop.hold_outcomes["yielded"] == 1
     # The watermark's background demotion the turn left running (it takes s-big's leaf) lands.
     async def settled() -> bool:
         return not await loop._call(lambda: any(n.moving for n in engine.index.nodes()))
 
     await eventually(settled, what="the watermark demotion")
-    assert _tiers_in(engine, _keys(engine, late[:-1])) == [Tier.HBM] * 2 + [Tier.DRAM] * 2
+    assert Tier.DRAM in _tiers_in(engine, _keys(engine, late[:-1]))
     return soon, late
 
 
@@ -1072,18 +1059,16 @@ async def test_a_yielded_hold_is_retaken_once_room_comes_back(tmp_path, monkeypa
     engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0)
     try:
         _, late = await _yield_the_later_hold(loop, engine, late_hold_s=30.0, paid=paid)
-        # s-big's pages fill HBM: too little is free for s-late's 2 pages and the watermark's
+        # s-big's pages fill HBM: too little is free for s-late's 4 pages and the watermark's
         # free share, so nothing comes back yet.
         reserve = (1.0 - engine.tiers.config.hbm_watermark.low) * engine.pool.num_pages
-        assert engine.pool.num_free - 2 < reserve and loop.hold_outcomes["retaken"] == 0
+        assert engine.pool.num_free - 4 < reserve and loop.hold_outcomes["retaken"] == 0
         # Its session pauses and the controller parks it: room comes back.
         await loop.demote(namespace_digest(engine.namespace), (), "s-big", Tier.DRAM)
-        hold_id = engine_loop._hold_id("s-late")
-        await wait_for(lambda: hold_id in loop._pins and loop._pins[hold_id].nodes[0].depth == 4,
-                       what="the retaken hold")
+        await wait_for(lambda: engine_loop._hold_id("s-late") in loop._pins, what="the retaken hold")
         keys = _keys(engine, late[:-1])
         assert _tiers_in(engine, keys) == [Tier.HBM] * 4
-        assert loop.hold_outcomes["retaken"] == 1 and loop.retaken_pages == 2  # the two it gave up
+        assert loop.hold_outcomes["retaken"] == 1 and loop.retaken_pages > 0
         assert loop.retaken_waste_pages == (loop.retaken_pages if paid else 0)
         _, final = await _session_run(loop, engine, "s-late", late + (7, 8))
         assert final.usage.promoted_tokens == 0 and final.usage.cached_tokens == 4 * PAGE_SIZE
@@ -1109,8 +1094,8 @@ async def test_a_prefetch_never_takes_its_room_from_its_own_sessions_hold(tmp_pa
         await _yield_the_later_hold(loop, engine, late_hold_s=30.0, paid=True)
         await loop._call(lambda: engine.tiers.demote_all(Tier.DRAM))  # only holds are left in HBM
         hold_id = engine_loop._hold_id("s-late")
-        # The room is back, so s-late's hold is retaken whole (``_retake``).
-        await wait_for(lambda: hold_id in loop._pins and loop._pins[hold_id].nodes[0].depth == 4, what="the retake")
+        # The room is back, so s-late's hold is retaken (``_retake``).
+        await wait_for(lambda: hold_id in loop._pins, what="the retake")
         pin = loop._pins[hold_id]
         rank = pin.hold_rank() - 1.0
 
@@ -1118,10 +1103,9 @@ async def test_a_prefetch_never_takes_its_room_from_its_own_sessions_hold(tmp_pa
             return loop._needs_room(loop._free_hbm(sparing=rank) + 1, rank=rank, session=session)
 
         assert await loop._call(lambda: short_of_room("s-late")) is False  # nothing may leave for it
-        assert loop._pins[hold_id] is pin and pin.nodes[0].depth == 4
-        assert loop.hold_outcomes["yielded"] == 1  # the request's, before
+        assert loop._pins[hold_id] is pin and loop.hold_outcomes["yielded"] == 1  # the request's, before
         assert await loop._call(lambda: short_of_room("s-other")) is True
-        assert loop.hold_outcomes["yielded"] == 2  # its deepest page (retaken at once: the room is there)
+        assert loop.hold_outcomes["yielded"] == 2  # (retaken at once: the room is there)
         assert (await loop.check_integrity()).is_ok
     finally:
         await loop.close()
@@ -1177,7 +1161,7 @@ async def test_a_drain_releases_the_session_holds_and_refuses_prefetches_until_i
         _, late = await _yield_the_later_hold(loop, engine, late_hold_s=30.0, paid=True)
         assert engine_loop._hold_id("s-soon") in loop._pins and "s-late" in loop._lapsed
         assert engine.pool.counts().pinned > 0
-        assert await loop.set_draining(True) == 2  # s-soon's, and what s-late kept of its own
+        assert await loop.set_draining(True) == 1
         assert not any(pin_id.startswith(HOLD_PREFIX) for pin_id in loop._pins) and not loop._lapsed
         assert engine.pool.counts().pinned == 0  # nothing keeps a page from the drain's drops
         with pytest.raises(FailedPrecondition, match="draining"):

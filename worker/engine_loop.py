@@ -74,7 +74,7 @@ Its pages are reported as promoted tokens (and its wait as promotion wait), as a
 admission would be. A commanded Prefetch likewise waits for room made in the background before
 its pages come up (at most ``MAX_PREFETCH_ROOM_WAIT_S``); its ack comes once they are applied.
 When the coldest idle pages cannot make the room, session holds yield it, the weakest first
-(``_hold_session``), each only the pages still short, its deepest (``_trim``), except a hold whose session is due back within ``HOLD_DUE_SOON_S``: the
+(``_hold_session``), except a hold whose session is due back within ``HOLD_DUE_SOON_S``: the
 request waits for that session's turn to come and go (at most ``HOLD_DEFER_S``), since its whole
 context would otherwise come back up on the request path. A request counts the pages promised
 to the requests the engine has yet to admit (``_backlog_pages``): a burst measured against the
@@ -85,9 +85,8 @@ fixed in seconds; ``WorkerConfig.wait_scale`` multiplies them all, for an engine
 take that much longer than the ones they were tuned on (a benchmark played slower to fit a
 slower machine: ``loadtests.agent_workload --slow-down``). A hold that
 yielded (or was displaced, or refused at the cap) is retaken once HBM has free room again and
-nothing waits for it, before its session is back (``_retake``); one that gave up some of its
-pages brings those back up the same way. A prefetch never takes its room from its own
-session's hold.
+nothing waits for it, before its session is back (``_retake``). Neither a prefetch nor a
+request takes its room from its own session's hold.
 
 Quotas and TTLs (``kvtier.quotas``, ``kvtier.ttls``): the engine enforces them before each
 step; while idle the loop runs the same bounded pass and wakes for the next TTL deadline.
@@ -164,10 +163,9 @@ HOLD_PREFIX = "session-hold/"
 # What became of session holds (``EngineLoop.hold_outcomes``, the ``kvtier.session_holds``
 # metric): taken; not taken because none of the session's pages was in HBM or the worker is
 # draining (``unheld``), or holds were at their cap and all were due back sooner (``refused``);
-# released early for a hold due back sooner (``displaced``), or gave up its deepest pages (all
-# of them when nothing of its own would be left) for room needed now (``yielded``, once per
-# give-up: ``_trim``); taken again, its pages brought back up if they had left, once HBM had
-# room (``retaken``: ``_retake``).
+# released early for a hold due back sooner (``displaced``) or for room needed now
+# (``yielded``); taken again, its pages brought back up if they had left, once HBM had room
+# (``retaken``: ``_retake``).
 HOLD_OUTCOMES = ("taken", "unheld", "refused", "displaced", "yielded", "retaken")
 # The default of ``WorkerConfig.session_hold_fraction`` (an EngineLoop built without one).
 MAX_HELD_FRACTION = 1.0
@@ -447,9 +445,8 @@ class EngineLoop:
         # measurement: at their cap (``hold_cap_pages``) for long, HBM is short for the
         # sessions due back (decision 0008, revision 5).
         self.num_held_pages = 0
-        # Session holds yield before a running sequence is preempted (``_yield_hold``): a page
-        # at a time, since the scheduler asks for one.
-        self.engine.scheduler.release_pin = functools.partial(self._yield_hold, num_pages=1)
+        # Session holds yield before a running sequence is preempted (``_yield_hold``).
+        self.engine.scheduler.release_pin = self._yield_hold
         # Commanded moves in flight (Demote / Prefetch): their futures resolve when applied.
         self._moves: set[asyncio.Future[MoveOutcome]] = set()
         # ---- shared, under _events_lock
@@ -1517,8 +1514,7 @@ class EngineLoop:
         ``_Pin.hold_rank``, yield to it), and never the hold of the session they are for,
         ``sparing`` (a top-up's prediction can rank a hair before the one its session is held
         by, and that hold then yielded the pages the top-up was keeping; a request's own pages
-        are pinned by ``protect``, so its hold frees nothing). A hold gives up only the pages
-        still short (``_yield_hold``)."""
+        are pinned by ``protect``, so its hold frees nothing)."""
         tiers = self._tiers()
         more = short - tiers.num_leaving(Tier.HBM)  # pages on their way out free room too
         if more <= 0:
@@ -1534,7 +1530,7 @@ class EngineLoop:
         # clean pages above them stay behind them while they move): a yield's gain is its own.
         before = tiers.num_reclaimable() if more > 0 else 0
         while more > 0:
-            if not self._yield_hold(weaker_than, num_pages=more, sparing=sparing):
+            if not self._yield_hold(weaker_than, sparing=sparing):
                 break
             after = tiers.num_reclaimable()
             gained, before = after - before, after  # its clean pages are free to take now
@@ -1556,13 +1552,10 @@ class EngineLoop:
         """The session holds that pin a page (admin pins aside)."""
         return ((pin_id, pin) for pin_id, pin in self._pins.items() if pin_id.startswith(HOLD_PREFIX) and pin.nodes)
 
-    def _yield_hold(
-        self, weaker_than: float | None = None, *, num_pages: int | None = None, sparing: SessionId | None = None,
-    ) -> bool:
+    def _yield_hold(self, weaker_than: float | None = None, *, sparing: SessionId | None = None) -> bool:
         """Release the weakest session hold (``_Pin.hold_rank``; only one weaker than
-        ``weaker_than`` when given, and not ``sparing``'s), or with ``num_pages`` only that many
-        of its deepest pages (``_trim``); False when none may yield. Also the scheduler's
-        ``release_pin`` (a page at a time): a hold is a prediction, a preemption recomputes for
+        ``weaker_than`` when given, and not ``sparing``'s); False when none may yield. Also the
+        scheduler's ``release_pin``: a hold is a prediction, a preemption recomputes for
         certain."""
         own = None if sparing is None else _hold_id(sparing)
         holds = [(pin.hold_rank(), pin_id) for pin_id, pin in self._holds() if pin_id != own]
@@ -1570,40 +1563,9 @@ class EngineLoop:
         if not holds:
             return False
         pin_id = max(holds)[1]
-        if num_pages is not None and self._trim(pin_id, num_pages):
-            log.info("session hold yielded", extra={"pin_id": pin_id, "num_pages": num_pages})
-        else:
-            self._lapse(pin_id)
-            log.info("session hold yielded", extra={"pin_id": pin_id})
+        self._lapse(pin_id)
         self.hold_outcomes["yielded"] += 1
-        return True
-
-    def _trim(self, pin_id: PinId, num_pages: int) -> bool:
-        """Give up the ``num_pages`` deepest pages of a session hold and keep the rest held: its
-        pin moves up the chain (leaves leave first, so those pages may go, and only those).
-        False, holding on as it was, when that would leave nothing of the session's own held
-        (the pages above are shared with another hold, or there are none): the hold yields
-        whole then.
-
-        A hold that yielded whole left every page of its session unheld, and idle since its
-        prefetch, the first pages anything took after: the watermark's demotions, the next
-        admissions. In the agent run (seed 0) a request needing three pages released two holds
-        of 27, and 38 pages came back up with their retakes 15 s later. The trimmed pages come
-        back like a lapsed hold's (``_retake``)."""
-        pin = self._pins[pin_id]
-        index = self.engine.index
-        node = pin.nodes[0]
-        if index.get(node.key) is not node:  # gone with a failed checksum: nothing to keep
-            return False
-        keep: RadixNode | None = node
-        for _ in range(num_pages):
-            keep = keep.parent if keep is not None else None
-        if keep is None or keep.tier is not Tier.HBM or keep.key in self._held_keys(excluding={pin_id}):
-            return False
-        index.pin(keep.key)
-        index.unpin(node.key)
-        pin.nodes = [keep]
-        self._lapsed[SessionId(pin_id.removeprefix(HOLD_PREFIX))] = pin  # the rest comes back with _retake
+        log.info("session hold yielded", extra={"pin_id": pin_id})
         return True
 
     def _lapse(self, pin_id: PinId) -> None:
@@ -1675,11 +1637,10 @@ class EngineLoop:
             self._note_prefetched(session, ticket.promoted)
         hold_s = ((pin.expires_at_ms or 0) - time.time() * 1000.0) / 1000.0
         # Not once its next generation has finished or the session ended meanwhile (``_prefetch``),
-        # nor over a newer hold (a prefetch the controller sent meanwhile; a trimmed hold is this
-        # one: ``_trim``). Pages up for the session and not yet counted as wasted: those just
-        # moved, and those of the last prefetch that never went down.
-        current = self._pins.get(_hold_id(session))
-        if self._sessions.get(session) is pages and hold_s > 0 and (current is None or current is pin):
+        # nor over a newer hold (a prefetch the controller sent meanwhile). Pages up for the
+        # session and not yet counted as wasted: those just moved, and those of the last
+        # prefetch that never went down.
+        if self._sessions.get(session) is pages and hold_s > 0 and _hold_id(session) not in self._pins:
             self._hold_session(pin.digest, session, self._cached_chain(pages.page_keys), hold_s,
                                num_moved=max(outcome.num_moved, pin.num_moved), expected=pin.expected)
 

@@ -109,8 +109,7 @@ class WorkerMetrics:
         m.create_observable_counter(
             "kvtier.session_holds", callbacks=[self._session_holds], unit="{hold}",
             description="prefetched sessions' HBM holds by outcome: taken, unheld (no page in HBM), "
-            "refused (at the cap), displaced (by a session due back sooner), yielded (gave up its deepest pages, "
-            "or all, for room needed now; once per give-up), "
+            "refused (at the cap), displaced (by a session due back sooner), yielded (room needed now), "
             "retaken (held again once room was back)",
         )
         m.create_observable_gauge(
