@@ -15,8 +15,9 @@ tools aim later, short ones earlier; ``controller/lateness.py``). The Prefetch's
 ``deadline_ms`` asks the worker to hold the pages in HBM until the prediction's high quantile
 (99 %, at most ``max_hold_ms``): a prefetch lands early by design, and unheld pages are the
 first an eviction takes meanwhile. A prefetch that left pages below (a page of the chain in
-another move, or no room at that moment) is topped up ``topup_delay_ms`` later, up to
-``max_topups`` times, while the session is away. A session kept in HBM gets a *guard*
+another move, or no room at that moment) is topped up ``topup_delay_ms`` later, then at
+delays growing ``topup_backoff``-fold, up to ``max_topups`` times, while the session is away
+and its hold would last. A session kept in HBM gets a *guard*
 prefetch at once: it moves nothing, brings back what the worker's own demotion moved down
 meanwhile and holds the pages until the return. Why all of these:
 ``docs/decisions/0008-prefetch-timing.md``.
@@ -143,9 +144,12 @@ class OrchestratorParams:
     # takes it from ``ControllerConfig.session_hold_max_s``).
     max_hold_ms: float = DEFAULT_SESSION_HOLD_MAX_S * 1000.0
     # A prefetch that left pages below (a page of the chain in the middle of another move, or no
-    # room in HBM at that moment) is topped up this much later, at most this many times.
+    # room in HBM at that moment) is topped up this much later, each next top-up
+    # ``topup_backoff`` times later than the one before, at most ``max_topups`` times and never
+    # after the hold would end (``_schedule_topup``).
     topup_delay_ms: float = 100.0
-    max_topups: int = 2
+    topup_backoff: float = 2.0
+    max_topups: int = 8
     num_outcomes_kept: int = 10_000  # recent PauseOutcomes (benchmarks read them)
     # Which quantile of each tool's predicted return its prefetches aim at: the predictor's
     # lo_quantile spent by equal hazard across the tenant's tools (``controller/lateness.py``).
@@ -738,15 +742,29 @@ class Orchestrator:
         self.timers.schedule(session, at_ms, fire)
 
     def _schedule_topup(self, session: SessionId, attempt: int) -> None:
-        """Bring up, a little later, what the pause's prefetch left below. The pause stays scored
-        by its first prefetch (on time: its ack came before the Route); the top-up adds its pages
-        to those the Route judges, and a Route or End meanwhile cancels it (same timer key)."""
+        """Bring up, later, what the pause's prefetch left below. The pause stays scored by its
+        first prefetch (on time: its ack came before the Route); the top-up adds its pages to
+        those the Route judges, and a Route or End meanwhile cancels it (same timer key).
+
+        The ``attempt``-th top-up waits ``topup_delay_ms × topup_backoff^(attempt − 1)``: the
+        first ones catch a page that was in another move; the later ones, spread over the pause,
+        catch the room that a prefetch ranked behind every hold in HBM could not take (it comes
+        back as turns finish and sessions due sooner return). Until revision 22 of decision
+        0008 two top-ups 100 ms apart gave up within the first second: the pauses of the agent
+        benchmark late for room (HEAD, seeds 0-3: returns at 0.72, 0.89 and 1.61 of the median)
+        had nothing in HBM when their sessions came back tens of seconds later. None is
+        scheduled past the hold's end (``_holds``): the pages would be unheld, the first an
+        eviction takes."""
+        at_ms = self.clock_ms() + self.params.topup_delay_ms * self.params.topup_backoff ** (attempt - 1)
+        plan = self._holds.get(session)
+        if plan is not None and at_ms > plan.until_ms:
+            return
 
         async def fire() -> None:
             await self._run_prefetch(session, attempt=attempt, may_start=self._is_topping_up,
                                      may_finish=self._is_topping_up)
 
-        self.timers.schedule(session, self.clock_ms() + self.params.topup_delay_ms, fire)
+        self.timers.schedule(session, at_ms, fire)
 
     async def _run_prefetch(
         self, session: SessionId, *, attempt: int,

@@ -879,10 +879,13 @@ def orchestrator_params(spec: WorkloadSpec) -> Any:
     cost = CostModel.for_model(geometry_from_config(WORKLOAD_MODEL_CONFIG), page_size=spec.page_size,
                                kv_dtype="fp32", flops_per_s=CPU_FLOPS_PER_S / spec.slow_down)
     cost = dataclasses.replace(cost, bandwidth_bytes_per_s=bandwidth)
-    # The hold bound is a duration the orchestrator plans with, like the margin: unstretched, a
-    # run F times slower holds a prefetch for 1/F of the pause it held in the workload's design.
+    # The hold bound and the top-ups' first delay are durations the orchestrator plans with, like
+    # the margin: unstretched, a run F times slower holds a prefetch for 1/F of the pause it held
+    # in the workload's design, and tops it up F times sooner.
+    defaults = OrchestratorParams()
     return OrchestratorParams(margin_ms=spec.margin_ms * spec.slow_down, bandwidth_bytes_per_s=bandwidth,
-                              cost_model=cost, max_hold_ms=DEFAULT_SESSION_HOLD_MAX_S * 1000.0 * spec.slow_down)
+                              cost_model=cost, max_hold_ms=DEFAULT_SESSION_HOLD_MAX_S * 1000.0 * spec.slow_down,
+                              topup_delay_ms=defaults.topup_delay_ms * spec.slow_down)
 
 
 def _policy_options(policy: str, spec: WorkloadSpec, workload: Workload, model: Path, state_dir: Path) -> Any:

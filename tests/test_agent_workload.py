@@ -420,6 +420,7 @@ def test_slow_down_plays_the_same_workload_slower(tmp_path) -> None:
     fast_plan, slow_plan = fast_options.orchestrator_params, slow_options.orchestrator_params
     assert slow_plan.margin_ms == 4 * fast_plan.margin_ms
     assert slow_plan.max_hold_ms == 4 * fast_plan.max_hold_ms  # a hold covers the same share of a pause
+    assert slow_plan.topup_delay_ms == 4 * fast_plan.topup_delay_ms  # top-ups at the same shares of a pause
     assert slow_plan.bandwidth_bytes_per_s[(Tier.HBM, Tier.NVME)] == pytest.approx(
         fast_plan.bandwidth_bytes_per_s[(Tier.HBM, Tier.NVME)] / 4)
     assert slow_plan.cost_model.flops_per_s == pytest.approx(fast_plan.cost_model.flops_per_s / 4)

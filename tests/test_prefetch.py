@@ -323,7 +323,6 @@ async def test_pages_a_prefetch_left_below_are_topped_up_before_the_turn(worker,
     """A page of the chain in the middle of another move stops a prefetch there (a child may not
     rise above its parent): the rest would be promoted on the request path. The orchestrator
     tops the prefetch up shortly after, and the turn finds its whole history in HBM."""
-    namespace = worker.engine.namespace
     async with cluster(worker, flushed_redis_url, tmp_path, margin_ms=1_500.0, topup_delay_ms=50.0) as (
         controller, client
     ):
@@ -334,17 +333,79 @@ async def test_pages_a_prefetch_left_below_are_topped_up_before_the_turn(worker,
         assert tiers_of(worker, keys) == [Tier.HBM, Tier.HBM, Tier.DRAM, Tier.DRAM]
         await end_the_move()
         await wait_for(lambda: tiers_of(worker, keys) == [Tier.HBM] * 4, what="the top-up of the skipped pages")
-        stats = controller.orchestrator.stats
-        # Its ack reaches the controller after the pages land on the worker; a Route before it
-        # would close the pause with only the first prefetch's pages (its traffic still counted).
-        await wait_for(lambda: stats.moved.get(("prefetch", "dram", "hbm"), (0,))[0] == 4, what="the top-up's ack")
+        await resume_after_the_top_up(worker, controller, client, "s-topup", history)  # 2 pages, then 2
 
-        _, final = await client.complete(namespace, history + [7, 8], GREEDY, session_id="s-topup")
-        assert final.usage.promoted_tokens == 0 and final.usage.cached_tokens == 16
-        assert (stats.num_on_time, stats.num_late, stats.wasted_bytes) == (1, 0, 0)
-        assert stats.moved[("prefetch", "dram", "hbm")][0] == 4  # 2 pages, then the other 2
-        assert controller.orchestrator.outcomes[-1].num_pages == 4
-        await client.end("s-topup")
+
+async def resume_after_the_top_up(worker, controller, client, session: str, history: list[int]) -> None:
+    """Once a top-up has brought the rest of ``session``'s 4 pages up: its next turn promotes
+    nothing and finds all 16 tokens cached, its pause is on time with nothing wasted, and the
+    pause's outcome counts every page its prefetch and top-ups moved (4)."""
+    stats = controller.orchestrator.stats
+    # The top-up's ack reaches the controller after the pages land on the worker; a Route before
+    # it would close the pause with only the first prefetch's pages (its traffic still counted).
+    await wait_for(lambda: stats.moved.get(("prefetch", "dram", "hbm"), (0,))[0] == 4, what="the top-up's ack")
+    _, final = await client.complete(worker.engine.namespace, history + [7, 8], GREEDY, session_id=session)
+    assert final.usage.promoted_tokens == 0 and final.usage.cached_tokens == 16
+    assert (stats.num_on_time, stats.num_late, stats.wasted_bytes) == (1, 0, 0)
+    assert stats.moved[("prefetch", "dram", "hbm")][0] == 4
+    assert controller.orchestrator.outcomes[-1].num_pages == 4
+    await client.end(session)
+    assert (await worker.loop.check_integrity()).is_ok
+
+
+@in_module_loop
+async def test_top_ups_back_off_and_bring_up_pages_whose_room_came_late(worker, flushed_redis_url, tmp_path):
+    """A prefetch that brought nothing back (here its first page is in another move; in the agent
+    benchmark, no room) keeps being topped up at growing delays (50, 100, 200, 400 ms, ...), so
+    pages that can move only after the first two top-ups gave up (two 50 ms apart, the rule
+    before revision 22 of decision 0008) are still in HBM for the turn, which is on time."""
+    async with cluster(worker, flushed_redis_url, tmp_path, margin_ms=1_500.0, topup_delay_ms=50.0) as (
+        controller, client
+    ):
+        history, keys, end_the_move = await park_with_a_page_in_another_move(
+            worker, client, "s-backoff", [7, 14, 28, 56, 112, 224, 202, 242, 17, 27, 37], page=0)
+        await client.returning("s-backoff", eta_ms=2_000)
+        await prefetched(controller.orchestrator, "s-backoff")
+        assert tiers_of(worker, keys) == [Tier.DRAM] * 4  # acknowledged, nothing moved
+        await asyncio.sleep(0.5)  # past the first top-ups (50 + 100 ms after the ack and theirs)
+        assert tiers_of(worker, keys) == [Tier.DRAM] * 4
+        await end_the_move()
+        await wait_for(lambda: tiers_of(worker, keys) == [Tier.HBM] * 4, what="a later top-up")
+        await resume_after_the_top_up(worker, controller, client, "s-backoff", history)
+
+
+@in_module_loop
+async def test_top_ups_stop_where_the_hold_would_end(worker, flushed_redis_url, tmp_path, caplog):
+    """Pages that can never come up are not topped up forever: none is scheduled past the hold's
+    end (Returning's eta + margin, 2 s here), so with 50 ms doubling the chain stops after the
+    top-up ~1.55 s in, not at ``max_topups``; the turn then promotes them and is late."""
+    namespace = worker.engine.namespace
+    async with cluster(worker, flushed_redis_url, tmp_path, margin_ms=1_500.0, topup_delay_ms=50.0,
+                       max_topups=20) as (controller, client):
+        history, keys, end_the_move = await park_with_a_page_in_another_move(
+            worker, client, "s-bound", [8, 16, 32, 64, 128, 255, 203, 243, 18, 28, 38], page=0)
+        orchestrator = controller.orchestrator
+        with caplog.at_level(logging.INFO, logger="kvtier.controller.orchestrator"):
+            await client.returning("s-bound", eta_ms=500)
+            await prefetched(orchestrator, "s-bound")
+            # Past the hold's end (2 s), with every top-up's ack in: unbounded, top-ups would go
+            # on (the next at ~3.15 s, then ~6.35 s, ...). Polling for an empty timer slot would
+            # not do: it is empty too while a top-up is in flight.
+            await asyncio.sleep(2.5)
+            assert not orchestrator.timers.is_scheduled("s-bound")
+        sent = [r for r in caplog.records
+                if r.getMessage() == "session prefetched" and getattr(r, "session_id", None) == "s-bound"]
+        # The prefetch, then top-ups at ~50, 150, 350, 750, 1550 ms (later by their acks' time:
+        # a slow machine may fit one fewer); the next would fire at ~3150 ms, past the hold's end.
+        assert 4 <= len(sent) <= 6, len(sent)
+        assert all(getattr(r, "num_skipped", None) == 4 for r in sent)
+        assert (await orchestrator.store.get("s-bound")).state is SessionState.RESUMING
+        await end_the_move()
+
+        _, final = await client.complete(namespace, history + [7, 8], GREEDY, session_id="s-bound")
+        assert final.usage.promoted_tokens == 16
+        assert (orchestrator.stats.num_on_time, orchestrator.stats.num_late) == (0, 1)
+        await client.end("s-bound")
         assert (await worker.loop.check_integrity()).is_ok
 
 
