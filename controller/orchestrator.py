@@ -751,8 +751,8 @@ class Orchestrator:
         catch the room that a prefetch ranked behind every hold in HBM could not take (it comes
         back as turns finish and sessions due sooner return). Until revision 22 of decision
         0008 two top-ups 100 ms apart gave up within the first second: the pauses of the agent
-        benchmark late for room (HEAD, seeds 0-3: returns at 0.72, 0.89 and 1.61 of the median)
-        had nothing in HBM when their sessions came back tens of seconds later. None is
+        benchmark late for room (seeds 0-3 before the change: returns at 0.72, 0.89 and 1.61 of
+        the median) had nothing in HBM when their sessions came back tens of seconds later. None is
         scheduled past the hold's end (``_holds``): the pages would be unheld, the first an
         eviction takes."""
         at_ms = self.clock_ms() + self.params.topup_delay_ms * self.params.topup_backoff ** (attempt - 1)
