@@ -749,11 +749,8 @@ class Orchestrator:
         The ``attempt``-th top-up waits ``topup_delay_ms × topup_backoff^(attempt − 1)``: the
         first ones catch a page that was in another move; the later ones, spread over the pause,
         catch the room that a prefetch ranked behind every hold in HBM could not take (it comes
-        back as turns finish and sessions due sooner return). Until revision 22 of decision
-        0008 two top-ups 100 ms apart gave up within the first second: the pauses of the agent
-        benchmark late for room (seeds 0-3 before the change: returns at 0.72, 0.89 and 1.61 of
-        the median) had nothing in HBM when their sessions came back tens of seconds later. None is
-        scheduled past the hold's end (``_holds``): the pages would be unheld, the first an
+        back as turns finish and sessions due sooner return; decision 0008, revision 22). None
+        is scheduled past the hold's end (``_holds``): the pages would be unheld, the first an
         eviction takes."""
         at_ms = self.clock_ms() + self.params.topup_delay_ms * self.params.topup_backoff ** (attempt - 1)
         plan = self._holds.get(session)
