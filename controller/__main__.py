@@ -14,10 +14,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvtier import tracing
-from kvtier.config import ControllerConfig, load_config, settings_of
-from kvtier.errors import KvtierError
-from kvtier.log import setup_logging
+from kvtier.domain.errors import KvtierError
+from kvtier.runtime import tracing
+from kvtier.runtime.config import ControllerConfig, load_config, settings_of
+from kvtier.runtime.log import setup_logging
 
 EXIT_BAD_INPUT = 2
 

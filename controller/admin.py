@@ -27,7 +27,7 @@ from kvtier.controller.policy_store import PolicyInForce
 from kvtier.controller.router import Router, principal_name, principal_tenant
 from kvtier.controller.sessions import SessionStore
 from kvtier.controller.worker_admin import WorkerAdmin
-from kvtier.records import ControllerStatus
+from kvtier.domain.records import ControllerStatus
 from kvtier.rpc import convert
 from kvtier.rpc._gen import admin_pb2, admin_pb2_grpc
 from kvtier.rpc.status import rpc_errors

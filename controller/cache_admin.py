@@ -39,13 +39,12 @@ import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, NamedTuple, TypeVar
 
-from kvtier.auth import Principal, Role
+from kvtier.cache.epochs import EpochTable
 from kvtier.controller.cache_store import CacheStore, PinSpec
 from kvtier.controller.link_servicer import WorkerLinks
 from kvtier.controller.resync import REDIS_ERRORS, describe
 from kvtier.controller.router import Router, prefix_page_keys, resolve_tenant
-from kvtier.epochs import EpochTable
-from kvtier.errors import (
+from kvtier.domain.errors import (
     Cancelled,
     DeadlineExceeded,
     FailedPrecondition,
@@ -56,9 +55,8 @@ from kvtier.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvtier.hashing import NamespaceDigest, NamespaceIdentity, PageKey, namespace_digest
-from kvtier.log import get_logger
-from kvtier.records import (
+from kvtier.domain.hashing import NamespaceDigest, NamespaceIdentity, PageKey, namespace_digest
+from kvtier.domain.records import (
     Command,
     CommandAck,
     DemoteCommand,
@@ -80,7 +78,9 @@ from kvtier.records import (
     UnpinResult,
     WorkerId,
 )
-from kvtier.tiers import Tier
+from kvtier.domain.tiers import Tier
+from kvtier.rpc.auth import Principal, Role
+from kvtier.runtime.log import get_logger
 
 log = get_logger("kvtier.controller.cache_admin")
 

@@ -2,13 +2,13 @@
 
 Controller-wide keys, under the leader lease's ``{g}`` hash tag (one Cluster slot)::
 
-    kvt:{g}:epochs      hash    scope key (kvtier.epochs.scope_key) -> "<epoch>:<scope as JSON>"
+    kvt:{g}:epochs      hash    scope key (kvtier.cache.epochs.scope_key) -> "<epoch>:<scope as JSON>"
     kvt:{g}:epoch_seq   string  the last policy epoch issued
     kvt:{g}:pins        set     pin ids
     kvt:{g}:pin:<id>    string  the pin as JSON; Redis expires it with the pin (PXAT)
 
 Epochs come from one counter, so every invalidation's epoch is above every epoch issued
-before it, for any scope (``kvtier.epochs``). The bump is one script that checks the
+before it, for any scope (``kvtier.cache.epochs``). The bump is one script that checks the
 leader's fencing token, so a deposed leader cannot issue an epoch. The caller passes a
 floor (the highest epoch it knows): should Redis lose the counter (a restart without
 persistence), new epochs still land above the ones workers already hold.
@@ -27,11 +27,11 @@ from typing import Any
 
 import redis.asyncio as aredis
 
+from kvtier.cache.epochs import EpochEntry, scope_key
 from kvtier.controller.leader import GLOBAL_PREFIX, LEADER_EPOCH_KEY
-from kvtier.epochs import EpochEntry, scope_key
-from kvtier.hashing import NamespaceDigest, NamespaceIdentity, PageKey
-from kvtier.records import InvalidationScope, PinId
-from kvtier.tiers import Tier
+from kvtier.domain.hashing import NamespaceDigest, NamespaceIdentity, PageKey
+from kvtier.domain.records import InvalidationScope, PinId
+from kvtier.domain.tiers import Tier
 
 EPOCHS_KEY = GLOBAL_PREFIX + "epochs"
 EPOCH_SEQ_KEY = GLOBAL_PREFIX + "epoch_seq"

@@ -48,9 +48,9 @@ from redis.exceptions import NoScriptError
 
 from kvtier.controller.directory_mirror import DirectoryMirror
 from kvtier.controller.leader import GLOBAL_PREFIX
-from kvtier.errors import IntegrityError, InvalidArgument
-from kvtier.hashing import KEY_BYTES, NamespaceDigest, PageKey, root_key
-from kvtier.tiers import Tier
+from kvtier.domain.errors import IntegrityError, InvalidArgument
+from kvtier.domain.hashing import KEY_BYTES, NamespaceDigest, PageKey, root_key
+from kvtier.domain.tiers import Tier
 
 WorkerId = NewType("WorkerId", str)
 

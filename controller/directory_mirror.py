@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kvtier.hashing import NamespaceDigest, PageKey
+from kvtier.domain.hashing import NamespaceDigest, PageKey
 
 INSERT, MOVE, DROP = 1, 2, 3  # directory.EventKind values (the wire's, as the Lua reads them)
 _MASK_BITS = 3

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 
 from kvtier.controller.predictor import ToolModel
-from kvtier.errors import InvalidArgument
+from kvtier.domain.errors import InvalidArgument
 
 _UNIT = NormalDist()
 GRID_POINTS = 48  # aims evaluated per tool, log-spaced from floor to cap

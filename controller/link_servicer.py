@@ -49,7 +49,7 @@ import grpc.aio
 from kvtier.controller import directory as dirmod
 from kvtier.controller.registry import Registry
 from kvtier.controller.resync import REDIS_ERRORS, DirectoryAccess
-from kvtier.errors import (
+from kvtier.domain.errors import (
     FailedPrecondition,
     InvalidArgument,
     KvtierError,
@@ -57,9 +57,8 @@ from kvtier.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvtier.hashing import NamespaceDigest, PageKey
-from kvtier.log import get_logger
-from kvtier.records import (
+from kvtier.domain.hashing import NamespaceDigest, PageKey
+from kvtier.domain.records import (
     Command,
     CommandAck,
     CommandId,
@@ -78,6 +77,7 @@ from kvtier.records import (
 from kvtier.rpc import convert
 from kvtier.rpc._gen import worker_link_pb2, worker_link_pb2_grpc
 from kvtier.rpc.status import rpc_errors
+from kvtier.runtime.log import get_logger
 
 log = get_logger("kvtier.controller.link")
 

@@ -1,7 +1,7 @@
 """The controller's metrics (DESIGN §9, issue #8), on its Prometheus endpoint.
 
 ``ControllerConfig.metrics_port`` turns the endpoint on (0 picks a free port); the
-instruments live on a per-instance registry (``kvtier.telemetry.Telemetry``), so two
+instruments live on a per-instance registry (``kvtier.runtime.telemetry.Telemetry``), so two
 controllers in one process never share series. Families (OpenTelemetry names; Prometheus
 appends ``_seconds`` / ``_bytes`` for real units and ``_total`` to counters)::
 
@@ -45,8 +45,8 @@ import grpc.aio
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from kvtier.controller.prefetch import Outcome, PauseOutcome
-from kvtier.log import get_logger
-from kvtier.telemetry import LATENCY_BUCKETS_S, Telemetry
+from kvtier.runtime.log import get_logger
+from kvtier.runtime.telemetry import LATENCY_BUCKETS_S, Telemetry
 
 if TYPE_CHECKING:
     from kvtier.controller.orchestrator import Orchestrator

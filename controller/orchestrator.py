@@ -69,18 +69,15 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 
-from kvtier.auth import Principal
-from kvtier.config import DEFAULT_SESSION_HOLD_MAX_S
+from kvtier.cache.eviction import CostModel
 from kvtier.controller.lateness import LatenessBudget, LatenessParams
 from kvtier.controller.predictor import Prediction, ToolReturnPredictor
 from kvtier.controller.prefetch import MoveReason, Outcome, PauseOutcome, PrefetchStats, PromoteLatency
 from kvtier.controller.registry import Registry, WorkerEntry
 from kvtier.controller.sessions import PrefetchState, SessionRecord, SessionStore
-from kvtier.errors import KvtierError, NotFound
-from kvtier.eviction import CostModel
-from kvtier.hashing import NamespaceDigest
-from kvtier.log import get_logger
-from kvtier.records import (
+from kvtier.domain.errors import KvtierError, NotFound
+from kvtier.domain.hashing import NamespaceDigest
+from kvtier.domain.records import (
     Command,
     CommandAck,
     DemoteCommand,
@@ -99,7 +96,10 @@ from kvtier.records import (
     Watermarks,
     WorkerId,
 )
-from kvtier.tiers import Tier
+from kvtier.domain.tiers import Tier
+from kvtier.rpc.auth import Principal
+from kvtier.runtime.config import DEFAULT_SESSION_HOLD_MAX_S
+from kvtier.runtime.log import get_logger
 
 log = get_logger("kvtier.controller.orchestrator")
 

@@ -44,10 +44,10 @@ import redis.asyncio as aredis
 
 from kvtier.controller.leader import GLOBAL_PREFIX
 from kvtier.controller.resync import REDIS_ERRORS, describe
-from kvtier.errors import FailedPrecondition, NotFound, Unavailable
-from kvtier.log import get_logger
-from kvtier.records import Policy, RollbackPolicyRequest, SetPolicyRequest, VersionedPolicy, Watermarks
-from kvtier.tiers import Tier
+from kvtier.domain.errors import FailedPrecondition, NotFound, Unavailable
+from kvtier.domain.records import Policy, RollbackPolicyRequest, SetPolicyRequest, VersionedPolicy, Watermarks
+from kvtier.domain.tiers import Tier
+from kvtier.runtime.log import get_logger
 
 log = get_logger("kvtier.controller.policy")
 

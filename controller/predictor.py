@@ -55,9 +55,9 @@ from statistics import NormalDist
 
 import redis.asyncio as aredis
 
-from kvtier.errors import InvalidArgument
-from kvtier.log import get_logger
-from kvtier.records import PredictionSource
+from kvtier.domain.errors import InvalidArgument
+from kvtier.domain.records import PredictionSource
+from kvtier.runtime.log import get_logger
 
 log = get_logger("kvtier.controller.predictor")
 

@@ -34,8 +34,8 @@ import collections
 import math
 from dataclasses import dataclass, field
 
-from kvtier.records import PredictionSource, SessionId
-from kvtier.tiers import Tier
+from kvtier.domain.records import PredictionSource, SessionId
+from kvtier.domain.tiers import Tier
 
 
 class Outcome:

@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtier.hashing import NamespaceIdentity
-from kvtier.records import (
+from kvtier.domain.hashing import NamespaceIdentity
+from kvtier.domain.records import (
     Heartbeat,
     Registration,
     SessionId,
@@ -30,7 +30,7 @@ from kvtier.records import (
     WorkerInfo,
     WorkerState,
 )
-from kvtier.tiers import Tier
+from kvtier.domain.tiers import Tier
 
 MAX_SESSIONS = 100_000
 """Sessions remembered for affinity; the least recently routed are forgotten first."""

@@ -41,8 +41,8 @@ from redis.exceptions import RedisError
 
 from kvtier.controller.directory import Directory, Outcome
 from kvtier.controller.leader import LeaderLease, Leadership
-from kvtier.errors import Unavailable
-from kvtier.log import get_logger
+from kvtier.domain.errors import Unavailable
+from kvtier.runtime.log import get_logger
 
 log = get_logger("kvtier.controller.resync")
 

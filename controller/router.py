@@ -32,16 +32,13 @@ from dataclasses import dataclass, field
 
 import grpc.aio
 
-from kvtier import tracing
-from kvtier.auth import Principal
+from kvtier.cache.epochs import EpochTable
 from kvtier.controller import directory as dirmod
 from kvtier.controller.registry import Registry, WorkerEntry
 from kvtier.controller.resync import REDIS_ERRORS, DirectoryAccess
-from kvtier.epochs import EpochTable
-from kvtier.errors import Unavailable
-from kvtier.hashing import NamespaceDigest, NamespaceIdentity, PageKey, namespace_digest, page_keys
-from kvtier.log import get_logger
-from kvtier.records import (
+from kvtier.domain.errors import Unavailable
+from kvtier.domain.hashing import NamespaceDigest, NamespaceIdentity, PageKey, namespace_digest, page_keys
+from kvtier.domain.records import (
     LookupRequest,
     LookupResult,
     Policy,
@@ -54,13 +51,16 @@ from kvtier.records import (
     WorkerId,
     WorkerMatch,
 )
+from kvtier.domain.tiers import Tier
 from kvtier.rpc import convert
 from kvtier.rpc._gen import router_pb2, router_pb2_grpc
+from kvtier.rpc.auth import Principal
 from kvtier.rpc.auth_interceptor import principal_name as principal_name
 from kvtier.rpc.auth_interceptor import principal_tenant as principal_tenant
 from kvtier.rpc.auth_interceptor import resolve_tenant as resolve_tenant
 from kvtier.rpc.status import rpc_errors
-from kvtier.tiers import Tier
+from kvtier.runtime import tracing
+from kvtier.runtime.log import get_logger
 
 log = get_logger("kvtier.controller.router")
 

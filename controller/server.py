@@ -28,8 +28,6 @@ from grpc_reflection.v1alpha import reflection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
-from kvtier.auth import TokenTableFile
-from kvtier.config import ControllerConfig
 from kvtier.controller.admin import AdminServicer
 from kvtier.controller.cache_admin import CacheAdmin
 from kvtier.controller.cache_store import CacheStore
@@ -44,10 +42,9 @@ from kvtier.controller.resync import REDIS_ERRORS, DirectoryAccess
 from kvtier.controller.router import Router, RouterParams, RouterServicer
 from kvtier.controller.sessions import SessionsServicer, SessionStore
 from kvtier.controller.worker_admin import WorkerAdmin
-from kvtier.embedded_redis import EmbeddedRedis
-from kvtier.errors import Unavailable
-from kvtier.log import get_logger
-from kvtier.records import Command, CommandAck, ControllerStatus, SessionState, TierOccupancy, WorkerId
+from kvtier.domain.errors import Unavailable
+from kvtier.domain.records import Command, CommandAck, ControllerStatus, SessionState, TierOccupancy, WorkerId
+from kvtier.domain.tiers import Tier
 from kvtier.rpc._gen import (
     admin_pb2,
     admin_pb2_grpc,
@@ -58,6 +55,7 @@ from kvtier.rpc._gen import (
     worker_link_pb2,
     worker_link_pb2_grpc,
 )
+from kvtier.rpc.auth import TokenTableFile
 from kvtier.rpc.auth_interceptor import server_interceptors
 from kvtier.rpc.server_options import (
     SERVER_OPTIONS,
@@ -69,9 +67,11 @@ from kvtier.rpc.server_options import (
 )
 from kvtier.rpc.status import MalformedRequestInterceptor
 from kvtier.rpc.tls import server_credentials
-from kvtier.shutdown import Step, run_steps
-from kvtier.telemetry import Telemetry
-from kvtier.tiers import Tier
+from kvtier.runtime.config import ControllerConfig
+from kvtier.runtime.embedded_redis import EmbeddedRedis
+from kvtier.runtime.log import get_logger
+from kvtier.runtime.shutdown import Step, run_steps
+from kvtier.runtime.telemetry import Telemetry
 
 log = get_logger("kvtier.controller.server")
 

@@ -25,11 +25,10 @@ from typing import Protocol
 import grpc.aio
 import redis.asyncio as aredis
 
-from kvtier.auth import Principal
 from kvtier.controller.resync import REDIS_ERRORS, describe
-from kvtier.errors import FailedPrecondition, InvalidArgument, Unavailable
-from kvtier.hashing import NamespaceDigest
-from kvtier.records import (
+from kvtier.domain.errors import FailedPrecondition, InvalidArgument, Unavailable
+from kvtier.domain.hashing import NamespaceDigest
+from kvtier.domain.records import (
     EndRequest,
     ListSessionsRequest,
     PauseRequest,
@@ -41,11 +40,12 @@ from kvtier.records import (
     SessionState,
     WorkerId,
 )
+from kvtier.domain.tiers import Tier
 from kvtier.rpc import convert
 from kvtier.rpc._gen import sessions_pb2, sessions_pb2_grpc
+from kvtier.rpc.auth import Principal
 from kvtier.rpc.auth_interceptor import principal_tenant
 from kvtier.rpc.status import rpc_errors
-from kvtier.tiers import Tier
 
 KEY_PREFIX = "kvt:session:"
 DEFAULT_TTL_S = 3600.0

@@ -41,9 +41,8 @@ from collections.abc import Callable, Sequence
 
 from kvtier.controller.link_servicer import SNAPSHOT_ACK_TIMEOUT_S, SnapshotSummary, WorkerLinks
 from kvtier.controller.registry import Registry, WorkerEntry
-from kvtier.errors import KvtierError, NotFound, Unavailable
-from kvtier.log import get_logger
-from kvtier.records import (
+from kvtier.domain.errors import KvtierError, NotFound, Unavailable
+from kvtier.domain.records import (
     CommandAck,
     DrainCommand,
     DrainRequest,
@@ -54,6 +53,7 @@ from kvtier.records import (
     WorkerSnapshot,
 )
 from kvtier.rpc.convert import MAX_COMMAND_PAGES
+from kvtier.runtime.log import get_logger
 
 log = get_logger("kvtier.controller.worker_admin")
 

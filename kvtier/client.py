@@ -10,7 +10,7 @@
 
 Deadlines: every call has one (``timeout_s``, per call or the client's default); a
 generation's ``deadline_s`` covers routing and the whole stream. Errors arrive as
-``kvtier.errors`` types (``error_from_rpc_error``), so callers never see grpc.
+``kvtier.domain.errors`` types (``error_from_rpc_error``), so callers never see grpc.
 
 Retries: only idempotent unary calls are retried, on ``UNAVAILABLE``, with exponential
 backoff inside the call's deadline: ``route`` (a read) and the session hints ``pause``,
@@ -37,13 +37,10 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 
-from kvtier.auth import read_token_file
-from kvtier.config import ClientConfig
-from kvtier.engine.params import SamplingParams
-from kvtier.errors import DeadlineExceeded, InvalidArgument, Unavailable
-from kvtier.hashing import NamespaceIdentity
-from kvtier.log import get_logger
-from kvtier.records import (
+from kvtier.domain.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from kvtier.domain.hashing import NamespaceIdentity
+from kvtier.domain.params import SamplingParams
+from kvtier.domain.records import (
     ControllerStatus,
     DrainRequest,
     EndRequest,
@@ -89,6 +86,7 @@ from kvtier.records import (
     WorkerSnapshot,
     WorkerStats,
 )
+from kvtier.domain.tiers import Tier
 from kvtier.rpc import convert
 from kvtier.rpc._gen import (
     admin_pb2,
@@ -98,9 +96,11 @@ from kvtier.rpc._gen import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from kvtier.rpc.auth import read_token_file
 from kvtier.rpc.status import error_from_rpc_error
 from kvtier.rpc.tls import ClientTls, secure_or_insecure_channel
-from kvtier.tiers import Tier
+from kvtier.runtime.config import ClientConfig
+from kvtier.runtime.log import get_logger
 
 log = get_logger("kvtier.client")
 

@@ -44,7 +44,7 @@ Pressure and geometry — what makes the comparison mean something on a CPU:
 
 Link emulation (``--emulate-link``; off by default; decision 0011). A hardware stand-in, like
 a tool that sleeps: every policy's worker acknowledges a transfer that touches HBM no sooner
-than ``bytes / rate`` after it started (``kvtier.transfer``'s doc; DRAM <-> NVMe stays the real
+than ``bytes / rate`` after it started (``kvtier.tiers.transfer``'s doc; DRAM <-> NVMe stays the real
 disk), and the orchestrator plans with the same rate. The rates keep a GPU's ratio of the
 bandwidth attention reads at to its links, HBM 3 TB/s : PCIe 25 GB/s : NVMe 7 GB/s (H100/H200
 class, PCIe 4 x16, one fast NVMe), scaled to this machine's "HBM": host memcpy measured at
@@ -583,7 +583,7 @@ def hold_demand(
     worker's cap on session holds (``cap_pages``), and, with the pages of the turns in flight
     (every prompt page, from the request to its first token), with HBM itself: where either is
     over, some session due back cannot be kept, whatever the policy, and its turn promotes."""
-    from kvtier.tiers import Tier
+    from kvtier.domain.tiers import Tier
 
     windows: list[tuple[float, float, str, int]] = []  # start, end (s), tenant, private pages
     running = [(r.sent_at_s, r.sent_at_s + r.ttft_ms / 1000.0, tenant_of[r.session],
@@ -787,9 +787,9 @@ async def _session(
     client: Any, namespace: Any, workload: Workload, plan: SessionPlan, policy: str,
     errors: list[str], out: list[TurnRecord], t0: float,
 ) -> None:
-    from kvtier.engine.params import SamplingParams
-    from kvtier.errors import KvtierError
-    from kvtier.records import GenerateFinal, TokenChunk
+    from kvtier.domain.errors import KvtierError
+    from kvtier.domain.params import SamplingParams
+    from kvtier.domain.records import GenerateFinal, TokenChunk
 
     spec = workload.spec
     ps = spec.page_size
@@ -867,11 +867,11 @@ def hbm_pages_for(spec: WorkloadSpec, workload: Workload) -> int:
 
 def orchestrator_params(spec: WorkloadSpec) -> Any:
     """The orchestrator's plan for this machine: its link rates and the model's recompute cost."""
-    from kvtier.config import DEFAULT_SESSION_HOLD_MAX_S
+    from kvtier.cache.eviction import CostModel
     from kvtier.controller.orchestrator import OrchestratorParams
-    from kvtier.eviction import CostModel
-    from kvtier.geometry import geometry_from_config
-    from kvtier.tiers import Tier
+    from kvtier.domain.geometry import geometry_from_config
+    from kvtier.domain.tiers import Tier
+    from kvtier.runtime.config import DEFAULT_SESSION_HOLD_MAX_S
 
     rate = spec.link_rate()
     lower = Tier.NVME if spec.lower_tier == "nvme" else Tier.DRAM
@@ -890,7 +890,7 @@ def orchestrator_params(spec: WorkloadSpec) -> Any:
 
 def _policy_options(policy: str, spec: WorkloadSpec, workload: Workload, model: Path, state_dir: Path) -> Any:
     from kvtier.controller.predictor import PredictorParams
-    from kvtier.stack import StackOptions
+    from kvtier.local.stack import StackOptions
 
     page_bytes = _page_bytes(WORKLOAD_MODEL_CONFIG, spec.page_size)
     ws = workload.working_set_pages()
@@ -957,7 +957,7 @@ async def _clients(
 async def run_policy(
     policy: str, workload: Workload, model: Path, state_dir: Path, *, inline_clients: bool = False,
 ) -> tuple[PolicyRun, int]:
-    from kvtier.stack import start_local_stack
+    from kvtier.local.stack import start_local_stack
 
     options, hbm_pages = _policy_options(policy, workload.spec, workload, model, state_dir)
     stack = await start_local_stack(options)
@@ -995,7 +995,7 @@ async def run_all(
     ``inline_clients``: the agents on this process's event loop (``_clients``)."""
     import ray
 
-    from kvtier.model.loader import write_random_checkpoint
+    from kvtier.engine.model.loader import write_random_checkpoint
     from kvtier.worker.engine_loop import MAX_HELD_FRACTION
 
     workload = make_workload(spec, WORKLOAD_MODEL_CONFIG["vocab_size"])
@@ -1104,7 +1104,7 @@ def _float_flag(text: str, flag: str, *, takes: str, must: str, ok: Callable[[fl
 
 def parse_slow_down(text: str) -> float:
     """``--slow-down F``: a positive factor, at most what ``WorkerConfig.wait_scale`` takes."""
-    from kvtier.config import MAX_WAIT_SCALE
+    from kvtier.runtime.config import MAX_WAIT_SCALE
 
     return _float_flag(text, "--slow-down", takes="a factor (e.g. 4)", must=f"in (0, {MAX_WAIT_SCALE:g}]",
                        ok=lambda v: 0 < v <= MAX_WAIT_SCALE)

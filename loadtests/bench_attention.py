@@ -32,8 +32,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kvtier.attention.base import AttentionBackend, AttentionMetadata, ReferenceBackend
-from kvtier.attention.registry import get_backend
+from kvtier.engine.attention.base import AttentionBackend, AttentionMetadata, ReferenceBackend
+from kvtier.engine.attention.registry import get_backend
 
 GEOMETRIES = (
     # (num_seqs, context_len, num_heads, num_kv_heads)

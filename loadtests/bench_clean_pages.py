@@ -23,11 +23,11 @@ import time
 
 import torch
 
-from kvtier.hashing import next_key, root_key
-from kvtier.page_pool import PagePool, PoolGeometry
-from kvtier.radix import RadixIndex
-from kvtier.tier_manager import TierConfig, TierManager
-from kvtier.tiers import Tier
+from kvtier.cache.page_pool import PagePool, PoolGeometry
+from kvtier.cache.radix import RadixIndex
+from kvtier.domain.hashing import next_key, root_key
+from kvtier.domain.tiers import Tier
+from kvtier.tiers.manager import TierConfig, TierManager
 
 GEOMETRY = PoolGeometry(num_layers=1, kv_heads=1, head_dim=8, page_size=16, dtype=torch.float32)
 CHAIN = 16

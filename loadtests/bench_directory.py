@@ -2,7 +2,7 @@
 
     python -m loadtests.bench_directory [--json] [--entries N] [--rounds N]
 
-Starts its own valkey-server on loopback (``kvtier.embedded_redis``) and measures, with one
+Starts its own valkey-server on loopback (``kvtier.runtime.embedded_redis``) and measures, with one
 ``redis.asyncio`` client (hiredis) for everything so the baseline is fair:
 
 * PING p50/p99 — the floor any single round trip pays from this client;
@@ -32,8 +32,8 @@ from collections.abc import Awaitable, Callable
 import redis.asyncio as aredis
 
 from kvtier.controller.directory import Directory, Outcome, PageEvent, WorkerId
-from kvtier.embedded_redis import EmbeddedRedis
-from kvtier.tiers import Tier
+from kvtier.domain.tiers import Tier
+from kvtier.runtime.embedded_redis import EmbeddedRedis
 
 NS = hashlib.blake2b(b"bench-directory", digest_size=16).digest()
 DEPTH = 64

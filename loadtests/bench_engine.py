@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from kvtier.engine import Engine, SamplingParams
-from kvtier.model.loader import write_random_checkpoint
+from kvtier.engine.model.loader import write_random_checkpoint
 from loadtests.bench_attention import measure_decode
 
 BENCH_CONFIG = {

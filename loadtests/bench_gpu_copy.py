@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from kvtier.dram_pool import make_dram_pool
-from kvtier.page_pool import PagePool, PoolGeometry
-from kvtier.tiers import Tier
-from kvtier.transfer import TransferEngine, TransferReason
+from kvtier.cache.page_pool import PagePool, PoolGeometry
+from kvtier.domain.tiers import Tier
+from kvtier.tiers.dram import make_dram_pool
+from kvtier.tiers.transfer import TransferEngine, TransferReason
 
 
 def _geometry(page_mib: int) -> PoolGeometry:

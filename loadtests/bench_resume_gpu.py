@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 
+from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
-from kvtier.model.loader import write_random_checkpoint
-from kvtier.tier_manager import TierConfig
-from kvtier.tiers import Tier
+from kvtier.engine.model.loader import write_random_checkpoint
+from kvtier.tiers.manager import TierConfig
 
 PAGE_SIZE = 16
 LLAMA_8B_LAYER = {

@@ -23,9 +23,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtier.client import AsyncClient
-from kvtier.engine.params import SamplingParams
-from kvtier.records import TokenChunk
-from kvtier.stack import StackOptions, start_local_stack
+from kvtier.domain.params import SamplingParams
+from kvtier.domain.records import TokenChunk
+from kvtier.local.stack import StackOptions, start_local_stack
 
 
 def _pct(values: list[float], q: float) -> float:

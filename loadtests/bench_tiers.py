@@ -49,17 +49,17 @@ from pathlib import Path
 
 import torch
 
-from kvtier import page_copy
-from kvtier.checksum import page_checksums
-from kvtier.dram_pool import DramPool, aligned_host_tensor, make_dram_pool
+from kvtier.cache.page_pool import PagePool, PoolGeometry
+from kvtier.domain.hashing import next_key, root_key
+from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
-from kvtier.hashing import next_key, root_key
-from kvtier.model.loader import write_random_checkpoint
-from kvtier.nvme_pool import NvmePool
-from kvtier.page_pool import PagePool, PoolGeometry
-from kvtier.tier_manager import TierConfig, Watermark
-from kvtier.tiers import Tier
-from kvtier.transfer import TransferEngine, TransferReason
+from kvtier.engine.model.loader import write_random_checkpoint
+from kvtier.tiers import copy as page_copy
+from kvtier.tiers.checksum import page_checksums
+from kvtier.tiers.dram import DramPool, aligned_host_tensor, make_dram_pool
+from kvtier.tiers.manager import TierConfig, Watermark
+from kvtier.tiers.nvme import NvmePool
+from kvtier.tiers.transfer import TransferEngine, TransferReason
 
 GEOMETRIES = {
     "tiny": PoolGeometry(num_layers=4, kv_heads=2, head_dim=32, page_size=16, dtype=torch.float32),

@@ -9,7 +9,7 @@ repository.
 
 The trace is Mooncake's (FAST'25): one request per line, ``hash_ids`` naming its 512-token
 blocks prefix-chained. One block is one page (page size 1 whose token is the block id,
-keys chained with ``kvtier.hashing.next_key``), so the replay runs the real
+keys chained with ``kvtier.domain.hashing.next_key``), so the replay runs the real
 ``RadixIndex``, eviction policies and ``TierManager`` (``simulate=True``: pools count
 pages, nothing is copied). Per request, in arrival order:
 
@@ -45,12 +45,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.eviction import CostModel, make_policy
-from kvtier.hashing import PageKey, next_key, root_key
-from kvtier.page_pool import PagePool, PoolGeometry
-from kvtier.radix import RadixIndex, RadixNode
-from kvtier.tier_manager import TierConfig, TierManager
-from kvtier.tiers import Tier
+from kvtier.cache.eviction import CostModel, make_policy
+from kvtier.cache.page_pool import PagePool, PoolGeometry
+from kvtier.cache.radix import RadixIndex, RadixNode
+from kvtier.domain.hashing import PageKey, next_key, root_key
+from kvtier.domain.tiers import Tier
+from kvtier.tiers.manager import TierConfig, TierManager
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 BLOCK_TOKENS = 512

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.client import AsyncClient
-from kvtier.engine.params import SamplingParams
-from kvtier.records import TokenChunk
+from kvtier.domain.params import SamplingParams
+from kvtier.domain.records import TokenChunk
 
 DEFAULT_DURATION_S = 300.0
 DEFAULT_SESSIONS = 32
@@ -229,7 +229,7 @@ async def soak(
     log: Any = None,
 ) -> dict[str, Any]:
     """Run the soak on a fresh local stack; the result (see the module docstring)."""
-    from kvtier.stack import StackOptions, start_local_stack
+    from kvtier.local.stack import StackOptions, start_local_stack
 
     say = log or (lambda message: None)
     with tempfile.TemporaryDirectory(prefix="kvtier-soak-") as tmp:

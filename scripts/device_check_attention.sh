@@ -35,7 +35,7 @@ step tests 100 env KVTIER_TEST_DEVICE=cuda python3 -m pytest --noconftest -q -rs
 step auto_choice 30 python3 -c '
 import logging
 logging.basicConfig(level=logging.INFO)
-from kvtier.attention import get_backend
+from kvtier.engine.attention import get_backend
 print("auto on cuda, page_size 16 ->", get_backend("auto", "cuda", page_size=16).name)
 '
 

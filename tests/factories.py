@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.hashing import NamespaceIdentity, namespace_digest, page_keys
-from kvtier.page_pool import PagePool, PoolGeometry
-from kvtier.radix import RadixIndex
+from kvtier.cache.page_pool import PagePool, PoolGeometry
+from kvtier.cache.radix import RadixIndex
+from kvtier.domain.hashing import NamespaceIdentity, namespace_digest, page_keys
 
 
 def make_pool(num_pages: int = 12, page_size: int = 4, num_layers: int = 2, kv_heads: int = 2, head_dim: int = 4):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import contextlib
 
 from kvtier.client import AsyncClient
-from kvtier.config import ControllerConfig
 from kvtier.controller.server import serve_controller
-from kvtier.tiers import Tier
+from kvtier.domain.tiers import Tier
+from kvtier.runtime.config import ControllerConfig
 from kvtier.worker.link import WorkerLink
 
 from polling import wait_for

@@ -18,12 +18,10 @@ import grpc.aio
 import pytest
 import pytest_asyncio
 
-from kvtier import errors
 from kvtier.client import AsyncClient
-from kvtier.engine import Engine, SamplingParams
-from kvtier.hashing import namespace_digest, page_keys
-from kvtier.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
-from kvtier.records import (
+from kvtier.domain import errors
+from kvtier.domain.hashing import namespace_digest, page_keys
+from kvtier.domain.records import (
     DrainRequest,
     ListSessionsRequest,
     LookupRequest,
@@ -35,10 +33,12 @@ from kvtier.records import (
     WorkerId,
     WorkerState,
 )
+from kvtier.domain.tiers import Tier
+from kvtier.engine import Engine, SamplingParams
+from kvtier.engine.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
 from kvtier.rpc import convert
 from kvtier.rpc._gen import admin_pb2, admin_pb2_grpc
 from kvtier.rpc.status import FIELD_METADATA_KEY
-from kvtier.tiers import Tier
 from kvtier.worker.servicer import serve_worker
 
 from live_controller import controller_at, linked

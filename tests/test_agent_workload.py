@@ -9,7 +9,7 @@ import statistics
 import pytest
 
 from kvtier.controller.prefetch import Outcome, PauseOutcome, PrefetchStats
-from kvtier.tiers import Tier
+from kvtier.domain.tiers import Tier
 from loadtests.agent_workload import (
     CPU_LINK_BYTES_PER_S,
     EMULATED_LINK_BYTES_PER_S,

@@ -15,12 +15,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvtier.attention import cpu_fused, get_backend
-from kvtier.attention.base import AttentionMetadata, ReferenceBackend, attention_reference, write_kv_reference
-from kvtier.attention.cpu_fused import CpuFusedBackend
-from kvtier.attention.cuda import flash_attn_installed
-from kvtier.attention.registry import ENV_VAR
-from kvtier.errors import FailedPrecondition, InvalidArgument
+from kvtier.domain.errors import FailedPrecondition, InvalidArgument
+from kvtier.engine.attention import cpu_fused, get_backend
+from kvtier.engine.attention.base import (
+    AttentionMetadata,
+    ReferenceBackend,
+    attention_reference,
+    write_kv_reference,
+)
+from kvtier.engine.attention.cpu_fused import CpuFusedBackend
+from kvtier.engine.attention.cuda import flash_attn_installed
+from kvtier.engine.attention.registry import ENV_VAR
 
 NUM_LAYERS = 3
 LAYER = 1  # a middle layer, so kv_layer's page stride spans other layers
@@ -279,7 +284,7 @@ def test_fused_falls_back_to_reference_with_one_warning(monkeypatch, caplog) -> 
     backend = CpuFusedBackend()
     batch = make_batch([2, 1], [6, 9])
     expected = attention_reference(batch.q, batch.kv_layer, batch.md, 0.25)
-    with caplog.at_level(logging.WARNING, logger="kvtier.attention"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.engine.attention"):
         got = backend.forward(batch.q, batch.kv_layer, batch.md, 0.25)
         backend.write_kv(batch.kv_layer, batch.q[:, :2], batch.q[:, :2], batch.md)
     torch.testing.assert_close(got, expected)
@@ -308,8 +313,8 @@ def test_env_var_replaces_auto_and_is_validated(monkeypatch) -> None:
 
 def test_auto_picks_cpu_fused_on_cpu_and_logs_once(fused, monkeypatch, caplog) -> None:
     monkeypatch.delenv(ENV_VAR, raising=False)
-    monkeypatch.setattr("kvtier.attention.registry._logged", set())
-    with caplog.at_level(logging.INFO, logger="kvtier.attention"):
+    monkeypatch.setattr("kvtier.engine.attention.registry._logged", set())
+    with caplog.at_level(logging.INFO, logger="kvtier.engine.attention"):
         assert get_backend("auto", "cpu").name == "cpu-fused"
         assert get_backend(device="cpu").name == "cpu-fused"
     assert sum("attention backend cpu-fused" in r.getMessage() for r in caplog.records) == 1

@@ -28,7 +28,7 @@ with pytest.MonkeyPatch.context() as _mp:
     if DEVICE == "cpu":
         _mp.setenv("TRITON_INTERPRET", "1")
     triton = pytest.importorskip("triton")
-    from kvtier.attention import triton_kernels
+    from kvtier.engine.attention import triton_kernels
 
 if DEVICE == "cpu" and type(triton.language.cdiv).__name__ != "InterpretedFunction":
     pytest.skip("triton was imported compiled before this module; run it alone", allow_module_level=True)
@@ -43,11 +43,11 @@ from test_attention import (  # noqa: E402
     poisoned_outside_context,
 )
 
-from kvtier.attention import get_backend  # noqa: E402
-from kvtier.attention.base import AttentionMetadata, attention_reference, write_kv_reference  # noqa: E402
-from kvtier.attention.registry import ENV_VAR  # noqa: E402
-from kvtier.attention.triton_paged import TritonPagedBackend  # noqa: E402
-from kvtier.errors import FailedPrecondition, InvalidArgument  # noqa: E402
+from kvtier.domain.errors import FailedPrecondition, InvalidArgument  # noqa: E402
+from kvtier.engine.attention import get_backend  # noqa: E402
+from kvtier.engine.attention.base import AttentionMetadata, attention_reference, write_kv_reference  # noqa: E402
+from kvtier.engine.attention.registry import ENV_VAR  # noqa: E402
+from kvtier.engine.attention.triton_paged import TritonPagedBackend  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -195,9 +195,9 @@ def test_auto_on_cuda_picks_triton_when_flash_attn_cannot_serve(
     flash_attn_present: bool, why: str, monkeypatch, caplog
 ) -> None:
     monkeypatch.delenv(ENV_VAR, raising=False)
-    monkeypatch.setattr("kvtier.attention.registry._logged", set())
-    monkeypatch.setattr("kvtier.attention.cuda.flash_attn_installed", lambda: flash_attn_present)
-    with caplog.at_level(logging.INFO, logger="kvtier.attention"):
+    monkeypatch.setattr("kvtier.engine.attention.registry._logged", set())
+    monkeypatch.setattr("kvtier.engine.attention.cuda.flash_attn_installed", lambda: flash_attn_present)
+    with caplog.at_level(logging.INFO, logger="kvtier.engine.attention"):
         assert get_backend("auto", "cuda", page_size=16).name == "triton"
     [record] = [r for r in caplog.records if "attention backend triton" in r.getMessage()]
     assert why in record.getMessage()
@@ -205,13 +205,13 @@ def test_auto_on_cuda_picks_triton_when_flash_attn_cannot_serve(
 
 def test_auto_on_cuda_falls_back_to_reference_without_triton(monkeypatch, caplog) -> None:
     monkeypatch.delenv(ENV_VAR, raising=False)
-    monkeypatch.setattr("kvtier.attention.registry._logged", set())
-    monkeypatch.setattr("kvtier.attention.cuda.flash_attn_installed", lambda: False)
+    monkeypatch.setattr("kvtier.engine.attention.registry._logged", set())
+    monkeypatch.setattr("kvtier.engine.attention.cuda.flash_attn_installed", lambda: False)
 
     def no_triton():
         raise FailedPrecondition("triton is not importable (test)")
 
-    monkeypatch.setattr("kvtier.attention.triton_paged.load_kernels", no_triton)
-    with caplog.at_level(logging.INFO, logger="kvtier.attention"):
+    monkeypatch.setattr("kvtier.engine.attention.triton_paged.load_kernels", no_triton)
+    with caplog.at_level(logging.INFO, logger="kvtier.engine.attention"):
         assert get_backend("auto", "cuda", page_size=16).name == "torch-reference"
     assert any("triton is not importable (test)" in r.getMessage() for r in caplog.records)

@@ -1,5 +1,5 @@
 """Token tables, principals and tenant binding, the method → role map, the `kvtier token`
-commands, and the rule that only loopback may go unauthenticated (kvtier.auth,
+commands, and the rule that only loopback may go unauthenticated (kvtier.rpc.auth,
 kvtier.rpc.auth_interceptor, kvtier.rpc.server_options). Over-the-wire checks of every
 service are in tests/e2e/test_auth_stack.py."""
 
@@ -14,12 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import auth
-from kvtier.auth import Principal, Role, TokenTableFile, bind_tenant, hash_token, load_token_table
-from kvtier.config import ControllerConfig, WorkerConfig, load_config
-from kvtier.errors import ConfigError, InvalidArgument, PermissionDenied, Unauthenticated
-from kvtier.hashing import NamespaceIdentity
+from kvtier.domain.errors import ConfigError, InvalidArgument, PermissionDenied, Unauthenticated
+from kvtier.domain.hashing import NamespaceIdentity
+from kvtier.rpc import auth
 from kvtier.rpc._gen import admin_pb2, common_pb2, router_pb2, sessions_pb2, worker_link_pb2, worker_pb2
+from kvtier.rpc.auth import Principal, Role, TokenTableFile, bind_tenant, hash_token, load_token_table
 from kvtier.rpc.auth_interceptor import (
     METHOD_ROLES,
     AuthInterceptor,
@@ -30,6 +29,7 @@ from kvtier.rpc.auth_interceptor import (
     required_roles,
 )
 from kvtier.rpc.server_options import check_exposure, is_loopback
+from kvtier.runtime.config import ControllerConfig, WorkerConfig, load_config
 
 GEN_MODULES = (admin_pb2, common_pb2, router_pb2, sessions_pb2, worker_link_pb2, worker_pb2)
 TOKENS = {"admin": "kvt_admin-secret", "fe-a": "kvt_fe-a-secret", "fe-ab": "kvt_fe-ab-secret",
@@ -264,7 +264,7 @@ def test_authorize_names_the_method_and_role_but_never_the_token(table_file):
 
 
 def run_cli(argv, monkeypatch, capsys, stdin: str = ""):
-    from kvtier.cli import main
+    from kvtier.cli.main import main
 
     monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
     with pytest.raises(SystemExit) as info:

@@ -22,19 +22,19 @@ import pytest
 import pytest_asyncio
 import redis
 
-from kvtier import errors
-from kvtier.auth import Principal, Role
 from kvtier.client import AsyncClient
-from kvtier.config import ControllerConfig
 from kvtier.controller.cache_admin import resolve_scope
 from kvtier.controller.server import serve_controller
+from kvtier.domain import errors
+from kvtier.domain.hashing import NamespaceIdentity, namespace_digest, page_keys
+from kvtier.domain.records import InvalidationScope, TokenChunk
+from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
-from kvtier.hashing import NamespaceIdentity, namespace_digest, page_keys
-from kvtier.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
-from kvtier.records import InvalidationScope, TokenChunk
+from kvtier.engine.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
 from kvtier.rpc._gen import admin_pb2, admin_pb2_grpc, common_pb2
-from kvtier.tier_manager import TierConfig
-from kvtier.tiers import Tier
+from kvtier.rpc.auth import Principal, Role
+from kvtier.runtime.config import ControllerConfig
+from kvtier.tiers.manager import TierConfig
 from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import serve_worker
 

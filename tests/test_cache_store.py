@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import time
 
+from kvtier.cache.epochs import EpochTable
 from kvtier.controller.cache_store import CacheStore, PinSpec
 from kvtier.controller.leader import LEADER_EPOCH_KEY
-from kvtier.epochs import EpochTable
-from kvtier.hashing import NamespaceDigest, NamespaceIdentity, PageKey, namespace_digest
-from kvtier.records import InvalidationScope, PinId
-from kvtier.tiers import Tier
+from kvtier.domain.hashing import NamespaceDigest, NamespaceIdentity, PageKey, namespace_digest
+from kvtier.domain.records import InvalidationScope, PinId
+from kvtier.domain.tiers import Tier
 
 NS = NamespaceIdentity(model_id="m", tenant="acme", adapter="lora", page_size=4, policy_epoch=3)
 SCOPES = [

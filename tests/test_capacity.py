@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.capacity import page_size_study, plan, read_lengths_csv
-from kvtier.errors import InvalidArgument
-from kvtier.geometry import ModelGeometry, geometry_from_config, load_geometry
+from kvtier.domain.errors import InvalidArgument
+from kvtier.domain.geometry import ModelGeometry, geometry_from_config, load_geometry
+from kvtier.policy.capacity import page_size_study, plan, read_lengths_csv
 
 REPO = Path(__file__).parents[1]
 EXAMPLE = REPO / "kvtier" / "examples" / "llama-3.1-8b.json"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.checksum import BLOCK_BYTES, page_checksum, page_checksums, to_unsigned
+from kvtier.tiers.checksum import BLOCK_BYTES, page_checksum, page_checksums, to_unsigned
 
 
 def _random_pages(n: int, page_bytes: int, seed: int = 0) -> torch.Tensor:
@@ -83,7 +83,7 @@ def test_swapped_blocks_and_zeroed_sectors_are_detected():
 
 
 def test_known_blind_spot_compensating_errors_inside_one_block():
-    # Documented trade (kvtier/checksum.py): +x in one word and -x in another word of
+    # Documented trade (kvtier/tiers/checksum.py): +x in one word and -x in another word of
     # the same 512-byte block cancel. A CRC would catch this; storage faults do not look like it.
     words = _random_pages(1, BLOCK_BYTES, seed=5)[0].view(torch.int64).clone()
     base = page_checksum(words)

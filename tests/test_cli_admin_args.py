@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import cli_policy
-from kvtier.cli import CommandFailed, Remote, jsonable, main, remote_error, resolve_controller
-from kvtier.cli_admin import NamespaceFlags, parse_tokens, tokens_from_flags
-from kvtier.errors import (
+from kvtier.cli import policy as cli_policy
+from kvtier.cli.admin import NamespaceFlags, parse_tokens, tokens_from_flags
+from kvtier.cli.common import CommandFailed, Remote, jsonable, remote_error, resolve_controller
+from kvtier.cli.main import main
+from kvtier.domain.errors import (
     DeadlineExceeded,
     InvalidArgument,
     KvtierError,
@@ -21,7 +22,7 @@ from kvtier.errors import (
     PermissionDenied,
     Unavailable,
 )
-from kvtier.records import (
+from kvtier.domain.records import (
     BootId,
     ModelIdentity,
     Policy,
@@ -35,7 +36,7 @@ from kvtier.records import (
     WorkerInfo,
     WorkerState,
 )
-from kvtier.tiers import Tier
+from kvtier.domain.tiers import Tier
 
 COMMANDS_WITH_HELP = [
     ["status"], ["workers"], ["tiers"], ["sessions"], ["lookup"], ["invalidate"], ["drain"], ["pin"], ["unpin"],

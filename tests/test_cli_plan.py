@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.cli import main
+from kvtier.cli.main import main
 
 REPO = Path(__file__).parents[1]
 EXAMPLE = REPO / "kvtier" / "examples" / "llama-3.1-8b.json"
@@ -208,7 +208,7 @@ def test_help_has_examples(capsys: pytest.CaptureFixture[str]) -> None:
 
 def kvtier(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "kvtier.cli.main", *args], cwd=REPO, capture_output=True, text=True, timeout=60
     )
 
 

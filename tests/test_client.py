@@ -15,11 +15,9 @@ import grpc.aio
 import pytest
 import pytest_asyncio
 
-from kvtier import errors
 from kvtier.client import AsyncClient, Client
-from kvtier.engine import Engine, FinishReason, SamplingParams
-from kvtier.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
-from kvtier.records import (
+from kvtier.domain import errors
+from kvtier.domain.records import (
     GenerateFinal,
     RankedWorker,
     RouteDecision,
@@ -29,6 +27,8 @@ from kvtier.records import (
     TokensByTier,
     WorkerId,
 )
+from kvtier.engine import Engine, FinishReason, SamplingParams
+from kvtier.engine.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
 from kvtier.rpc import convert
 from kvtier.rpc._gen import router_pb2_grpc, sessions_pb2_grpc, worker_pb2_grpc
 from kvtier.rpc.status import abort_with, rpc_errors

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.config import (
+from kvtier.domain.errors import ConfigError
+from kvtier.runtime.config import (
     ClientConfig,
     ControllerConfig,
     WorkerConfig,
@@ -15,7 +16,6 @@ from kvtier.config import (
     setting,
     settings_of,
 )
-from kvtier.errors import ConfigError
 
 
 def write(path: Path, text: str) -> Path:
@@ -244,7 +244,7 @@ def test_link_emulation_is_off_by_default_and_validated() -> None:
     with pytest.raises(ConfigError, match="positive, finite") as exc:
         load_config(WorkerConfig, env={"KVTIER_EMULATED_DRAM_LINK_BYTES_PER_S": "inf"})
     assert exc.value.field == "emulated_dram_link_bytes_per_s"
-    # Built directly (as kvtier.stack does), check() names the field too.
+    # Built directly (as kvtier.local.stack does), check() names the field too.
     with pytest.raises(ConfigError, match="positive, finite") as exc:
         WorkerConfig(emulated_nvme_link_bytes_per_s=0.0).check()
     assert exc.value.field == "emulated_nvme_link_bytes_per_s"
@@ -260,7 +260,7 @@ def test_the_session_hold_fraction_defaults_to_the_engine_loops_and_is_validated
         with pytest.raises(ConfigError, match=r"session_hold_fraction must be in \(0, 1\]") as exc:
             load_config(WorkerConfig, env={"KVTIER_SESSION_HOLD_FRACTION": bad})
         assert exc.value.field == "session_hold_fraction"
-    # Built directly (as kvtier.stack does), check() names the field too.
+    # Built directly (as kvtier.local.stack does), check() names the field too.
     for bad in (0.0, 2, True):
         with pytest.raises(ConfigError, match="session_hold_fraction must be in") as exc:
             WorkerConfig(session_hold_fraction=bad).check()
@@ -268,7 +268,7 @@ def test_the_session_hold_fraction_defaults_to_the_engine_loops_and_is_validated
 
 
 def test_worker_links_cover_both_directions() -> None:
-    from kvtier.tiers import Tier
+    from kvtier.domain.tiers import Tier
     from kvtier.worker.actor import emulated_links
 
     config = WorkerConfig(emulated_dram_link_bytes_per_s=2e8, emulated_nvme_link_bytes_per_s=5e7)

@@ -13,12 +13,12 @@ import urllib.request
 import pytest
 import pytest_asyncio
 
-from kvtier import errors
 from kvtier.controller.orchestrator import OrchestratorParams
+from kvtier.domain import errors
+from kvtier.domain.records import TokenPrefix
+from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
-from kvtier.records import TokenPrefix
-from kvtier.tier_manager import TierConfig
-from kvtier.tiers import Tier
+from kvtier.tiers.manager import TierConfig
 from kvtier.worker.servicer import serve_worker
 
 from hf_checkpoints import build_checkpoint

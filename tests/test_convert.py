@@ -13,13 +13,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier import records as r
-from kvtier.engine.params import MAX_STOP_SEQUENCE_TOKENS, MAX_STOP_SEQUENCES, FinishReason, SamplingParams
-from kvtier.errors import InvalidArgument, KvtierError, ResourceExhausted
-from kvtier.hashing import KEY_BYTES, KV_DTYPES, NamespaceIdentity
+from kvtier.domain import records as r
+from kvtier.domain.errors import InvalidArgument, KvtierError, ResourceExhausted
+from kvtier.domain.hashing import KEY_BYTES, KV_DTYPES, NamespaceIdentity
+from kvtier.domain.params import MAX_STOP_SEQUENCE_TOKENS, MAX_STOP_SEQUENCES, FinishReason, SamplingParams
+from kvtier.domain.tiers import Tier
 from kvtier.rpc import convert
 from kvtier.rpc._gen import admin_pb2, common_pb2, router_pb2, sessions_pb2, worker_link_pb2, worker_pb2
-from kvtier.tiers import Tier
 
 # --------------------------------------------------------------------------- strategies
 

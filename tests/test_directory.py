@@ -20,10 +20,10 @@ from kvtier.controller.directory import (
 )
 from kvtier.controller.leader import LeaderLease
 from kvtier.controller.resync import REDIS_ERRORS
-from kvtier.embedded_redis import EmbeddedRedis
-from kvtier.errors import InvalidArgument
-from kvtier.hashing import NamespaceIdentity, namespace_digest, page_keys, root_key
-from kvtier.tiers import Tier
+from kvtier.domain.errors import InvalidArgument
+from kvtier.domain.hashing import NamespaceIdentity, namespace_digest, page_keys, root_key
+from kvtier.domain.tiers import Tier
+from kvtier.runtime.embedded_redis import EmbeddedRedis
 
 H, D, N = Tier.HBM, Tier.DRAM, Tier.NVME
 W1, W2, W3 = WorkerId("w1"), WorkerId("w2"), WorkerId("w3")

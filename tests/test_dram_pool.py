@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.dram_pool import make_dram_pool
-from kvtier.errors import IntegrityError
-from kvtier.page_pool import PoolGeometry
+from kvtier.cache.page_pool import PoolGeometry
+from kvtier.domain.errors import IntegrityError
+from kvtier.tiers.dram import make_dram_pool
 
 GEOMETRY = PoolGeometry(num_layers=2, kv_heads=2, head_dim=4, page_size=4, dtype=torch.float32)
 

@@ -6,8 +6,8 @@ import stat
 import pytest
 import redis
 
-from kvtier.embedded_redis import ENV_BINARY, EmbeddedRedis, find_server_binary
-from kvtier.errors import ConfigError, Unavailable
+from kvtier.domain.errors import ConfigError, Unavailable
+from kvtier.runtime.embedded_redis import ENV_BINARY, EmbeddedRedis, find_server_binary
 
 
 def test_start_serves_on_loopback_and_stop_ends_the_process(tmp_path):

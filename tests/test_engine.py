@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvtier.domain.errors import InvalidArgument, ResourceExhausted
 from kvtier.engine import Engine, FinishReason, SamplingParams, SchedulerConfig
-from kvtier.errors import InvalidArgument, ResourceExhausted
 
 from hf_checkpoints import build_checkpoint, hf_logits, load_hf
 
@@ -213,8 +213,8 @@ def test_a_private_duplicate_keeps_running_when_the_cached_parent_goes_down_a_ti
     demotion (watermark, or a parked session) moves them to DRAM. B's next full page then has a
     parent below HBM: it stays private (a child may not be faster than its parent) instead of
     stopping the engine with "parent missing", and B's tokens are what they would have been."""
-    from kvtier.tier_manager import TierConfig
-    from kvtier.tiers import Tier
+    from kvtier.domain.tiers import Tier
+    from kvtier.tiers.manager import TierConfig
 
     prompt = list(range(10, 18))  # two full pages of 4
     reference = make_engine(checkpoints["llama"]).generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))

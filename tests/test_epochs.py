@@ -1,4 +1,4 @@
-"""kvtier.epochs: which scopes match a namespace, and epochs that only ever rise."""
+"""kvtier.cache.epochs: which scopes match a namespace, and epochs that only ever rise."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.epochs import EpochEntry, EpochTable, scope_key
-from kvtier.errors import InvalidArgument
-from kvtier.hashing import NamespaceIdentity, namespace_digest
-from kvtier.records import InvalidationScope
+from kvtier.cache.epochs import EpochEntry, EpochTable, scope_key
+from kvtier.domain.errors import InvalidArgument
+from kvtier.domain.hashing import NamespaceIdentity, namespace_digest
+from kvtier.domain.records import InvalidationScope
 
 BASE = NamespaceIdentity(model_id="m", tenant="acme", page_size=16)
 OTHER_TENANT = dataclasses.replace(BASE, tenant="globex")

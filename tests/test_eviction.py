@@ -11,14 +11,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.errors import InvalidArgument
-from kvtier.eviction import POLICY_NAMES, CostModel, ValuePolicy, make_policy
-from kvtier.geometry import geometry_from_config
-from kvtier.hashing import NamespaceIdentity, namespace_digest
-from kvtier.page_pool import PagePool, PoolGeometry
-from kvtier.radix import LRUPolicy, RadixIndex, RadixNode
-from kvtier.tier_manager import TierConfig, TierManager
-from kvtier.tiers import Tier
+from kvtier.cache.eviction import POLICY_NAMES, CostModel, ValuePolicy, make_policy
+from kvtier.cache.page_pool import PagePool, PoolGeometry
+from kvtier.cache.radix import LRUPolicy, RadixIndex, RadixNode
+from kvtier.domain.errors import InvalidArgument
+from kvtier.domain.geometry import geometry_from_config
+from kvtier.domain.hashing import NamespaceIdentity, namespace_digest
+from kvtier.domain.tiers import Tier
+from kvtier.tiers.manager import TierConfig, TierManager
 
 from factories import keys_for
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from kvtier.errors import InvalidArgument, NotFound
-from kvtier.geometry import SUPPORTED_ARCHITECTURES, geometry_from_config, load_geometry, parse_dtype
+from kvtier.domain.errors import InvalidArgument, NotFound
+from kvtier.domain.geometry import SUPPORTED_ARCHITECTURES, geometry_from_config, load_geometry, parse_dtype
 
 EXAMPLE = Path(__file__).parents[1] / "kvtier" / "examples" / "llama-3.1-8b.json"
 

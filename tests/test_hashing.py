@@ -2,8 +2,8 @@ import hashlib
 
 import pytest
 
-from kvtier.errors import InvalidArgument
-from kvtier.hashing import NamespaceIdentity, namespace_digest, next_key, page_keys, root_key, short
+from kvtier.domain.errors import InvalidArgument
+from kvtier.domain.hashing import NamespaceIdentity, namespace_digest, next_key, page_keys, root_key, short
 
 
 def test_page_keys_follow_the_documented_chain():

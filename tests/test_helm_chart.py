@@ -21,7 +21,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvtier.config import ControllerConfig, WorkerConfig, load_config
+from kvtier.runtime.config import ControllerConfig, WorkerConfig, load_config
 
 try:
     import helm_python as helm

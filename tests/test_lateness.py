@@ -11,7 +11,7 @@ import pytest
 
 from kvtier.controller.lateness import LatenessBudget, LatenessParams, equal_hazard_aims
 from kvtier.controller.predictor import ToolModel, ToolReturnPredictor
-from kvtier.errors import InvalidArgument
+from kvtier.domain.errors import InvalidArgument
 
 UNIT = __import__("statistics").NormalDist()
 BUDGET, FLOOR, CAP = 0.05, 0.01, 0.15

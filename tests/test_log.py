@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtier.errors import ConfigError
-from kvtier.log import bind_run_id, get_logger, redact_tokens, setup_logging
+from kvtier.domain.errors import ConfigError
+from kvtier.runtime.log import bind_run_id, get_logger, redact_tokens, setup_logging
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""kvtier.model against the Hugging Face oracle on tiny random-weight checkpoints.
+"""kvtier.engine.model against the Hugging Face oracle on tiny random-weight checkpoints.
 
 Every checkpoint is built here with transformers (never downloaded). Weights use
 ``initializer_range=0.3`` so greedy continuations are diverse, and biases and norm weights
@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvtier.attention.base import AttentionMetadata, ReferenceBackend
-from kvtier.errors import CheckpointError, InvalidArgument
-from kvtier.model import (
+from kvtier.domain.errors import CheckpointError, InvalidArgument
+from kvtier.engine.attention.base import AttentionMetadata, ReferenceBackend
+from kvtier.engine.model import (
     SUPPORTED_ARCHITECTURES,
     TINY_LLAMA_CONFIG,
     LlamaModel,
@@ -28,8 +28,8 @@ from kvtier.model import (
     load_model,
     write_random_checkpoint,
 )
-from kvtier.model.llama import RotaryEmbedding
-from kvtier.model.loader import expected_tensor_shapes
+from kvtier.engine.model.llama import RotaryEmbedding
+from kvtier.engine.model.loader import expected_tensor_shapes
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.checksum import page_checksum
-from kvtier.dram_pool import make_dram_pool
-from kvtier.errors import ConfigError, IntegrityError, InvalidArgument
-from kvtier.nvme_pool import (
+from kvtier.cache.page_pool import PoolGeometry
+from kvtier.domain.errors import ConfigError, IntegrityError, InvalidArgument
+from kvtier.tiers.checksum import page_checksum
+from kvtier.tiers.dram import make_dram_pool
+from kvtier.tiers.nvme import (
     ALIGN,
     HEADER_BYTES,
     NvmePool,
@@ -29,7 +30,6 @@ from kvtier.nvme_pool import (
     slot_bytes_for,
     slots_for_bytes,
 )
-from kvtier.page_pool import PoolGeometry
 
 REPO = Path(__file__).resolve().parents[1]
 # 32 KiB pages (4 KiB multiple: O_DIRECT straight into aligned memory) and 384-byte
@@ -312,9 +312,9 @@ def test_truncated_file_loses_the_tail_slots_only(tmp_path, pools):
 FREE_THEN_DIE_CHILD = PAGE_CODE + textwrap.dedent(
     """
     import os, sys
-    from kvtier.checksum import page_checksum
-    from kvtier.nvme_pool import NvmePool
-    from kvtier.page_pool import PoolGeometry
+    from kvtier.tiers.checksum import page_checksum
+    from kvtier.tiers.nvme import NvmePool
+    from kvtier.cache.page_pool import PoolGeometry
     g = PoolGeometry(4, 2, 32, 16, torch.float32)
     pool = NvmePool(sys.argv[1], 4, g)
     pages = [page_for(i, g) for i in range(3)]
@@ -440,9 +440,9 @@ def test_allocation_contract(tmp_path, pools):
 CRASH_CHILD = PAGE_CODE + textwrap.dedent(
     """
     import sys, time
-    from kvtier.checksum import page_checksum
-    from kvtier.nvme_pool import NvmePool
-    from kvtier.page_pool import PoolGeometry
+    from kvtier.tiers.checksum import page_checksum
+    from kvtier.tiers.nvme import NvmePool
+    from kvtier.cache.page_pool import PoolGeometry
     g = PoolGeometry(4, 2, 32, 16, torch.float32)
     pool = NvmePool(sys.argv[1], 64, g)
     for i in range(64):
@@ -493,9 +493,9 @@ def test_sigkilled_writer_leaves_recoverable_pages(tmp_path, pools):
 DISK_FULL_CHILD = textwrap.dedent(
     """
     import json, os, resource, signal, sys, torch
-    from kvtier.checksum import page_checksum
-    from kvtier.nvme_pool import DiskFull, NvmePool
-    from kvtier.page_pool import PoolGeometry
+    from kvtier.tiers.checksum import page_checksum
+    from kvtier.tiers.nvme import DiskFull, NvmePool
+    from kvtier.cache.page_pool import PoolGeometry
     g = PoolGeometry(4, 2, 32, 16, torch.float32)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death
     base, limit = sys.argv[1], int(sys.argv[2])

@@ -10,14 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier import page_copy
-from kvtier.checksum import page_checksum, page_checksums
-from kvtier.dram_pool import aligned_host_tensor, make_dram_pool
-from kvtier.errors import FailedPrecondition
-from kvtier.native import NativeExtension
-from kvtier.page_pool import PagePool, PoolGeometry
-from kvtier.tiers import Tier
-from kvtier.transfer import TransferEngine, TransferReason
+from kvtier.cache.page_pool import PagePool, PoolGeometry
+from kvtier.domain.errors import FailedPrecondition
+from kvtier.domain.tiers import Tier
+from kvtier.tiers import copy as page_copy
+from kvtier.tiers.checksum import page_checksum, page_checksums
+from kvtier.tiers.dram import aligned_host_tensor, make_dram_pool
+from kvtier.tiers.native import NativeExtension
+from kvtier.tiers.transfer import TransferEngine, TransferReason
 
 DTYPES = [torch.uint8, torch.float16, torch.bfloat16, torch.float32, torch.int64]
 
@@ -168,7 +168,7 @@ def test_unbuildable_kernel_falls_back_with_one_warning(monkeypatch, tmp_path, c
     monkeypatch.setattr(page_copy, "_EXTENSION", missing)
     monkeypatch.setattr(page_copy, "_warned", False)
     src = random_pages(2, 100, torch.float32, seed=8)
-    with caplog.at_level(logging.WARNING, logger="kvtier.page_copy"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.copy"):
         for _ in range(3):
             dst = torch.zeros_like(src)
             assert torch.equal(page_copy.copy_with_checksums(src, dst), page_checksums(src))
@@ -297,7 +297,7 @@ def test_a_lock_file_left_by_a_killed_builder_does_not_block_loading():
     would wait on it forever. The flock kvtier takes first proves it stale and removes it."""
     import threading
 
-    from kvtier.native import NativeExtension, build_directory, cpu_tag
+    from kvtier.tiers.native import NativeExtension, build_directory, cpu_tag
 
     ext = page_copy._EXTENSION
     directory = build_directory(f"{ext.name}_{cpu_tag()}")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kvtier.errors import IntegrityError
+from kvtier.domain.errors import IntegrityError
 
 from factories import make_index, make_pool
 

@@ -23,9 +23,9 @@ from kvtier.controller.policy_store import (
     PolicyStore,
     seed_policy,
 )
-from kvtier.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from kvtier.records import Policy, RollbackPolicyRequest, SetPolicyRequest, Watermarks
-from kvtier.tiers import Tier
+from kvtier.domain.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from kvtier.domain.records import Policy, RollbackPolicyRequest, SetPolicyRequest, Watermarks
+from kvtier.domain.tiers import Tier
 
 
 def weights(hbm: float, dram: float = 0.5, nvme: float = 0.25) -> Policy:

@@ -17,8 +17,8 @@ from kvtier.controller.predictor import (
     bin_of,
     history_key,
 )
-from kvtier.errors import InvalidArgument
-from kvtier.records import PredictionSource
+from kvtier.domain.errors import InvalidArgument
+from kvtier.domain.records import PredictionSource
 
 
 def lognormal_ms(rng: random.Random, median_ms: float, sigma: float) -> float:

@@ -17,11 +17,11 @@ import pytest_asyncio
 from kvtier.controller.orchestrator import OrchestratorParams
 from kvtier.controller.prefetch import Outcome, PauseOutcome, PrefetchStats, PromoteLatency
 from kvtier.controller.sessions import PrefetchState
+from kvtier.domain.hashing import namespace_digest, page_keys
+from kvtier.domain.records import SessionState
+from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
-from kvtier.hashing import namespace_digest, page_keys
-from kvtier.records import SessionState
-from kvtier.tier_manager import TierConfig
-from kvtier.tiers import Tier
+from kvtier.tiers.manager import TierConfig
 from kvtier.worker.engine_loop import HOLD_PREFIX
 from kvtier.worker.servicer import serve_worker
 
@@ -461,7 +461,7 @@ async def test_a_request_waits_for_its_pages_outside_the_engine_while_others_dec
     """Promotion before admission (worker/engine_loop.py, decision 0011): with a slow (emulated)
     DRAM -> HBM link, a request whose prompt was demoted waits for its pages while a running
     sequence keeps decoding; it then reports them as promoted and generates what it would have."""
-    from kvtier.records import GenerateFinal, GenerateRequest, TokenChunk
+    from kvtier.domain.records import GenerateFinal, GenerateRequest, TokenChunk
 
     # A DRAM -> HBM link of 4 pages a second: the 3 demoted pages take at least 0.75 s.
     engine, loop, _ = _loop_on_a_slow_link(tmp_path, (Tier.DRAM, Tier.HBM), 4.0, num_pages=256, dram_pages=128)
@@ -507,7 +507,7 @@ async def test_a_request_waits_for_its_pages_outside_the_engine_while_others_dec
 
 
 async def _generate(loop, engine, prompt: tuple[int, ...]) -> None:
-    from kvtier.records import GenerateRequest
+    from kvtier.domain.records import GenerateRequest
 
     request = GenerateRequest(namespace=engine.namespace, prompt_token_ids=prompt,
                               sampling=SamplingParams(max_tokens=2, ignore_eos=True))
@@ -561,7 +561,7 @@ async def test_a_commanded_prefetch_makes_room_in_the_background(tmp_path):
 
 async def _session_run(loop, engine, session: str, prompt: tuple[int, ...], max_tokens: int = 2):
     """One generation of ``session`` on the loop: its tokens and its final event."""
-    from kvtier.records import GenerateFinal, GenerateRequest, TokenChunk
+    from kvtier.domain.records import GenerateFinal, GenerateRequest, TokenChunk
 
     request = GenerateRequest(namespace=engine.namespace, prompt_token_ids=prompt, session_id=session,
                               sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
@@ -866,7 +866,7 @@ async def test_the_wait_scale_stretches_the_window_of_holds_due_back_soon_and_th
 
 
 def test_a_wait_scale_outside_0_to_100_is_refused_naming_the_setting(tmp_path):
-    from kvtier.errors import InvalidArgument
+    from kvtier.domain.errors import InvalidArgument
     from kvtier.worker.engine_loop import MAX_WAIT_SCALE, EngineLoop
 
     ckpt = build_checkpoint(tmp_path / "llama", "llama", seed=6)
@@ -958,7 +958,7 @@ async def test_requests_that_arrive_together_do_not_take_a_held_session_s_room_o
 
 
 def test_a_hold_share_outside_0_to_1_is_refused_naming_the_setting(tmp_path):
-    from kvtier.errors import InvalidArgument
+    from kvtier.domain.errors import InvalidArgument
     from kvtier.worker.engine_loop import EngineLoop
 
     ckpt = build_checkpoint(tmp_path / "llama", "llama", seed=6)
@@ -1214,7 +1214,7 @@ async def test_a_drain_releases_the_session_holds_and_refuses_prefetches_until_i
     keep pinned pages the drain's drops must leave, so starting a drain releases them and
     forgets the lapsed ones, and a prefetch is refused until the drain ends."""
     import kvtier.worker.engine_loop as engine_loop
-    from kvtier.errors import FailedPrecondition
+    from kvtier.domain.errors import FailedPrecondition
 
     engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0)
     digest = namespace_digest(engine.namespace)
@@ -1248,7 +1248,7 @@ async def test_a_park_waits_for_the_session_pages_a_demotion_was_taking_down_and
     for its whole pause, holding it. The Demote now waits for the page to land, counts it, and
     takes the rest of the chain down."""
     import kvtier.worker.engine_loop as engine_loop
-    from kvtier.transfer import TransferReason
+    from kvtier.tiers.transfer import TransferReason
 
     engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=20.0)  # a page takes 50 ms down
     digest = namespace_digest(engine.namespace)
@@ -1286,7 +1286,7 @@ async def test_a_hold_recalls_the_session_pages_a_demotion_was_taking_down(tmp_p
     The hold recalls them: the demotion in flight leaves the pinned chain in HBM, the copies it
     made stay as shadows, and the next turn promotes nothing. Once the session is back and
     done, its pages go down onto those copies without a second one."""
-    from kvtier.transfer import TransferReason
+    from kvtier.tiers.transfer import TransferReason
 
     engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=20.0)  # 4 pages take 0.2 s down
     try:

@@ -1,4 +1,4 @@
-"""Per-tenant page quotas per tier and per-namespace TTLs (kvtier/quotas.py, kvtier/ttls.py).
+"""Per-tenant page quotas per tier and per-namespace TTLs (kvtier/cache/quotas.py, kvtier/cache/ttls.py).
 
 Unit level: a tiny engine (random-weight model, 4-token pages, LRU eviction so the order is
 known) with a controllable clock. End to end: a real controller (real valkey-server, gRPC on
@@ -18,17 +18,17 @@ import pytest
 import pytest_asyncio
 import redis
 
+from kvtier.cache.quotas import QuotaTable
+from kvtier.cache.ttls import TtlTable
 from kvtier.client import AsyncClient
-from kvtier.config import ControllerConfig, WorkerConfig, load_config
 from kvtier.controller.server import serve_controller
+from kvtier.domain.errors import ConfigError
+from kvtier.domain.hashing import NamespaceIdentity, namespace_digest, page_keys
+from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
-from kvtier.errors import ConfigError
-from kvtier.hashing import NamespaceIdentity, namespace_digest, page_keys
-from kvtier.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
-from kvtier.quotas import QuotaTable
-from kvtier.tier_manager import TierConfig
-from kvtier.tiers import Tier
-from kvtier.ttls import TtlTable
+from kvtier.engine.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
+from kvtier.runtime.config import ControllerConfig, WorkerConfig, load_config
+from kvtier.tiers.manager import TierConfig
 from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import serve_worker
 

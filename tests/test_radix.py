@@ -1,6 +1,6 @@
 import pytest
 
-from kvtier.errors import IntegrityError
+from kvtier.domain.errors import IntegrityError
 
 from factories import keys_for, make_index
 

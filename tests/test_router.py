@@ -23,8 +23,8 @@ from kvtier.controller.router import (
     prefix_value,
     rank_workers,
 )
-from kvtier.hashing import NamespaceIdentity, namespace_digest, page_keys
-from kvtier.records import (
+from kvtier.domain.hashing import NamespaceIdentity, namespace_digest, page_keys
+from kvtier.domain.records import (
     BootId,
     Heartbeat,
     ModelIdentity,
@@ -37,7 +37,7 @@ from kvtier.records import (
     TokensByTier,
     WorkerId,
 )
-from kvtier.tiers import Tier
+from kvtier.domain.tiers import Tier
 
 PARAMS = RouterParams()  # HBM 1.0, DRAM 0.8, NVMe 0.5; 256 / queued, 16 / running, 512 at no HBM left
 A, B, C = WorkerId("a"), WorkerId("b"), WorkerId("c")

@@ -37,11 +37,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.config import ControllerConfig
 from kvtier.controller.server import serve_controller
+from kvtier.domain.hashing import NamespaceIdentity
+from kvtier.domain.records import GenerateRequest, RouteRequest, TokenPrefix
 from kvtier.engine import Engine, SamplingParams
-from kvtier.hashing import NamespaceIdentity
-from kvtier.records import GenerateRequest, RouteRequest, TokenPrefix
 from kvtier.rpc import convert
 from kvtier.rpc._gen import (
     admin_pb2,
@@ -53,6 +52,7 @@ from kvtier.rpc._gen import (
     worker_pb2_grpc,
 )
 from kvtier.rpc.status import FIELD_METADATA_KEY
+from kvtier.runtime.config import ControllerConfig
 from kvtier.worker.actor import WorkerRuntime
 from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import serve_worker

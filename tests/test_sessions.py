@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from kvtier import errors
+from kvtier.cache.eviction import CostModel
 from kvtier.controller.lateness import equal_hazard_aims
 from kvtier.controller.orchestrator import (
     Orchestrator,
@@ -30,12 +30,12 @@ from kvtier.controller.orchestrator import (
 from kvtier.controller.predictor import ToolReturnPredictor
 from kvtier.controller.registry import Registry
 from kvtier.controller.sessions import ENDED_TTL_S, KEY_PREFIX, SessionRecord, SessionStore
+from kvtier.domain import errors
+from kvtier.domain.hashing import NamespaceDigest, namespace_digest, page_keys
+from kvtier.domain.records import PauseRequest, SessionId, SessionState, TierOccupancy
+from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
-from kvtier.eviction import CostModel
-from kvtier.hashing import NamespaceDigest, namespace_digest, page_keys
-from kvtier.records import PauseRequest, SessionId, SessionState, TierOccupancy
-from kvtier.tier_manager import TierConfig
-from kvtier.tiers import Tier
+from kvtier.tiers.manager import TierConfig
 from kvtier.worker.engine_loop import HOLD_PREFIX
 from kvtier.worker.servicer import serve_worker
 

@@ -1,5 +1,5 @@
 """Stopping a controller or a worker finishes every step even when one fails or the stop is
-cancelled (``kvtier.shutdown.run_steps``): real servers on loopback, a real valkey-server.
+cancelled (``kvtier.runtime.shutdown.run_steps``): real servers on loopback, a real valkey-server.
 
 A stop that gave up half-way used to leave the gRPC server running on a bound port (and a
 finalizer later tried to shut it down on a closed event loop)."""
@@ -14,10 +14,10 @@ import grpc.aio
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvtier.config import ControllerConfig
 from kvtier.controller.server import serve_controller
 from kvtier.engine import Engine
-from kvtier.shutdown import run_steps, run_steps_sync
+from kvtier.runtime.config import ControllerConfig
+from kvtier.runtime.shutdown import run_steps, run_steps_sync
 from kvtier.worker.servicer import serve_worker
 
 from hf_checkpoints import build_checkpoint

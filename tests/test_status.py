@@ -10,8 +10,8 @@ import grpc
 import grpc.aio
 import pytest
 
-from kvtier import errors
-from kvtier.errors import KvtierError
+from kvtier.domain import errors
+from kvtier.domain.errors import KvtierError
 from kvtier.rpc import convert
 from kvtier.rpc._gen import sessions_pb2, sessions_pb2_grpc
 from kvtier.rpc.status import (

@@ -9,9 +9,9 @@ import asyncio
 import random
 
 from kvtier.controller.directory import Directory, Outcome, PageEvent
-from kvtier.hashing import NamespaceIdentity, namespace_digest, page_keys, root_key
-from kvtier.records import WorkerId
-from kvtier.tiers import Tier
+from kvtier.domain.hashing import NamespaceIdentity, namespace_digest, page_keys, root_key
+from kvtier.domain.records import WorkerId
+from kvtier.domain.tiers import Tier
 
 PAGE_SIZE = 4
 NUM_LOOKUPS = 100_000

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvtier.domain.hashing import page_keys
+from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams, SchedulerConfig
-from kvtier.hashing import page_keys
-from kvtier.tier_manager import MoveOutcome, TierConfig, Watermark
-from kvtier.tiers import Tier
-from kvtier.transfer import TransferReason
+from kvtier.tiers.manager import MoveOutcome, TierConfig, Watermark
+from kvtier.tiers.transfer import TransferReason
 
 from hf_checkpoints import build_checkpoint, hf_logits, load_hf
 
@@ -218,8 +218,8 @@ DISK_FULL = textwrap.dedent(
     import torch
     from pathlib import Path
     from kvtier.engine import Engine, SamplingParams
-    from kvtier.tier_manager import TierConfig
-    from kvtier.tiers import Tier
+    from kvtier.tiers.manager import TierConfig
+    from kvtier.domain.tiers import Tier
     ckpt, nvme_dir = sys.argv[1], Path(sys.argv[2])
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death
     cfg = TierConfig(nvme_slots=32, nvme_dir=nvme_dir)

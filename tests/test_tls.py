@@ -16,15 +16,15 @@ import pytest_asyncio
 import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvtier import errors
-from kvtier.auth import hash_token
 from kvtier.client import AsyncClient
-from kvtier.config import ClientConfig, ControllerConfig, WorkerConfig
 from kvtier.controller.server import serve_controller
+from kvtier.domain import errors
+from kvtier.domain.errors import ConfigError
 from kvtier.engine import Engine
-from kvtier.errors import ConfigError
-from kvtier.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
+from kvtier.engine.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
+from kvtier.rpc.auth import hash_token
 from kvtier.rpc.tls import ClientTls, server_credentials
+from kvtier.runtime.config import ClientConfig, ControllerConfig, WorkerConfig
 from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import serve_worker
 

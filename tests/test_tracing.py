@@ -1,4 +1,4 @@
-"""Spans (kvtier.tracing) from a real worker and a real controller, into an in-memory exporter:
+"""Spans (kvtier.runtime.tracing) from a real worker and a real controller, into an in-memory exporter:
 ``generate`` with its admission / promote / prefill / decode children, ``transfer`` per job,
 ``route`` in the controller; the run id is the final event's; a caller's ``traceparent``
 parents them; no attribute carries token ids; nothing is recorded with tracing off; and
@@ -18,19 +18,19 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from kvtier import tracing
 from kvtier.client import AsyncClient
-from kvtier.config import ControllerConfig
 from kvtier.controller.server import serve_controller
+from kvtier.domain.errors import ConfigError
+from kvtier.domain.records import GenerateFinal, GenerateRequest, RouteRequest, TokenPrefix
+from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
-from kvtier.errors import ConfigError
-from kvtier.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
-from kvtier.records import GenerateFinal, GenerateRequest, RouteRequest, TokenPrefix
+from kvtier.engine.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
 from kvtier.rpc import convert
 from kvtier.rpc._gen import router_pb2_grpc, worker_pb2_grpc
-from kvtier.telemetry import Telemetry
-from kvtier.tier_manager import TierConfig
-from kvtier.tiers import Tier
+from kvtier.runtime import tracing
+from kvtier.runtime.config import ControllerConfig
+from kvtier.runtime.telemetry import Telemetry
+from kvtier.tiers.manager import TierConfig
 from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import serve_worker
 

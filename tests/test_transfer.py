@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.checksum import page_checksum
-from kvtier.dram_pool import make_dram_pool
-from kvtier.errors import InvalidArgument
-from kvtier.nvme_pool import NvmePool, SlotId
-from kvtier.page_pool import PagePool, PoolGeometry
-from kvtier.tiers import Tier
-from kvtier.transfer import (
+from kvtier.cache.page_pool import PagePool, PoolGeometry
+from kvtier.domain.errors import InvalidArgument
+from kvtier.domain.tiers import Tier
+from kvtier.tiers.checksum import page_checksum
+from kvtier.tiers.dram import make_dram_pool
+from kvtier.tiers.nvme import NvmePool, SlotId
+from kvtier.tiers.transfer import (
     CancelOutcome,
     TransferDone,
     TransferEngine,

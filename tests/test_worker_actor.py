@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from kvtier.client import Client
-from kvtier.config import WorkerConfig
+from kvtier.domain.errors import ConfigError, FailedPrecondition
 from kvtier.engine import SamplingParams
-from kvtier.errors import ConfigError, FailedPrecondition
+from kvtier.runtime.config import WorkerConfig
 from kvtier.worker.actor import WorkerActor, ensure_tiny_model, worker_args
 
 
@@ -124,8 +124,8 @@ def test_the_worker_radix_uses_the_configured_eviction_policy(tmp_path: Path, re
 
 
 def test_an_unknown_eviction_policy_is_refused_naming_the_field():
-    from kvtier.config import settings_of
-    from kvtier.eviction import POLICY_NAMES
+    from kvtier.cache.eviction import POLICY_NAMES
+    from kvtier.runtime.config import settings_of
 
     with pytest.raises(ConfigError) as caught:
         worker_args(["--eviction-policy", "lfu"], env={})

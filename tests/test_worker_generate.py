@@ -17,8 +17,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from kvtier.domain.records import GenerateFinal, GenerateRequest, TokenChunk
 from kvtier.engine import Engine, FinishReason, SamplingParams, SchedulerConfig
-from kvtier.records import GenerateFinal, GenerateRequest, TokenChunk
 from kvtier.rpc import convert
 from kvtier.rpc._gen import worker_pb2, worker_pb2_grpc
 from kvtier.rpc.status import FIELD_METADATA_KEY
@@ -320,7 +320,7 @@ async def test_namespaces_per_tenant_are_bounded_and_an_invalidation_frees_them(
     the tenant's known namespaces and other tenants keep working; invalidating the tenant
     frees the places once its pages are reclaimed."""
     import kvtier.engine.engine as engine_module
-    from kvtier.records import InvalidationScope
+    from kvtier.domain.records import InvalidationScope
 
     monkeypatch.setattr(engine_module, "MAX_NAMESPACES_PER_TENANT", 3)
     prompt = [9, 8, 7, 6, 5]

@@ -1,6 +1,6 @@
 """The worker's WorkerLink client against an in-test recording WorkerLink servicer (a test
 peer on loopback): registration first, heartbeats, page events whose keys, parents and
-depths match kvtier.hashing, commands acknowledged by id, and re-registration plus a
+depths match kvtier.domain.hashing, commands acknowledged by id, and re-registration plus a
 fresh snapshot after the controller restarts."""
 
 from __future__ import annotations
@@ -13,12 +13,10 @@ import grpc.aio
 import pytest
 import pytest_asyncio
 
-from kvtier import errors
 from kvtier.client import AsyncClient
-from kvtier.engine import Engine, SamplingParams
-from kvtier.hashing import namespace_digest, page_keys, root_key
-from kvtier.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
-from kvtier.records import (
+from kvtier.domain import errors
+from kvtier.domain.hashing import namespace_digest, page_keys, root_key
+from kvtier.domain.records import (
     CommandAck,
     CommandId,
     ControllerCommand,
@@ -36,10 +34,12 @@ from kvtier.records import (
     SnapshotId,
     TokenChunk,
 )
+from kvtier.domain.tiers import Tier
+from kvtier.engine import Engine, SamplingParams
+from kvtier.engine.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
 from kvtier.rpc import convert
 from kvtier.rpc._gen import worker_link_pb2_grpc
-from kvtier.tier_manager import TierConfig
-from kvtier.tiers import Tier
+from kvtier.tiers.manager import TierConfig
 from kvtier.worker.link import WorkerLink, snapshot_chunks
 from kvtier.worker.servicer import serve_worker
 

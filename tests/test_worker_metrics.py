@@ -16,14 +16,14 @@ import pynvml
 import pytest
 import pytest_asyncio
 
+from kvtier.cache.quotas import QuotaTable
+from kvtier.cache.ttls import TtlTable
 from kvtier.client import AsyncClient
+from kvtier.domain.hashing import namespace_digest
+from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
-from kvtier.hashing import namespace_digest
-from kvtier.quotas import QuotaTable
-from kvtier.telemetry import Telemetry
-from kvtier.tier_manager import TierConfig
-from kvtier.tiers import Tier
-from kvtier.ttls import TtlTable
+from kvtier.runtime.telemetry import Telemetry
+from kvtier.tiers.manager import TierConfig
 from kvtier.worker.engine_loop import ExpectedReturn
 from kvtier.worker.metrics import GpuMetrics
 from kvtier.worker.servicer import serve_worker
@@ -193,7 +193,7 @@ async def test_demotions_a_hold_recalled_and_those_onto_a_kept_copy_are_counted(
     import asyncio
 
     import kvtier.worker.engine_loop as engine_loop
-    from kvtier.hashing import page_keys
+    from kvtier.domain.hashing import page_keys
 
     server, engine, telemetry = served
     ns = engine.namespace

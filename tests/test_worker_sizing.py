@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pynvml
 import pytest
 
-from kvtier.errors import ConfigError
+from kvtier.domain.errors import ConfigError
 from kvtier.worker import sizing
 from kvtier.worker.sizing import DEFAULT_CPU_HBM_BYTES, GIB, DeviceMemory, hbm_budget, size_hbm_pool
 

@@ -1,6 +1,6 @@
 """A real Redis-protocol server for tests: one per session, a clean database per test.
 
-By default one bundled ``valkey-server`` (``kvtier.embedded_redis``) is started for the whole
+By default one bundled ``valkey-server`` (``kvtier.runtime.embedded_redis``) is started for the whole
 session. ``KVTIER_TEST_REDIS_URL=redis://host:port/db`` points the tests at an existing server
 instead (e.g. Redis 7); its database is flushed before every test, so never give it one that
 holds data you want to keep.
@@ -18,8 +18,8 @@ import pytest
 import redis
 import redis.asyncio as aredis
 
-from kvtier.embedded_redis import EmbeddedRedis
-from kvtier.errors import Unavailable
+from kvtier.domain.errors import Unavailable
+from kvtier.runtime.embedded_redis import EmbeddedRedis
 
 ENV_URL = "KVTIER_TEST_REDIS_URL"
 

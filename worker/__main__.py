@@ -10,7 +10,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from kvtier.errors import KvtierError
+from kvtier.domain.errors import KvtierError
 from kvtier.worker.actor import WorkerActor, worker_args
 
 EXIT_BAD_INPUT = 2

@@ -32,24 +32,24 @@ from typing import Any, TypeVar
 import torch
 from opentelemetry.sdk.trace import TracerProvider
 
-from kvtier import tracing
-from kvtier.auth import TokenTableFile, read_token_file
-from kvtier.config import WorkerConfig, load_config, settings_of
+from kvtier.cache.page_pool import PoolGeometry
+from kvtier.domain.errors import ConfigError, FailedPrecondition, Unavailable
+from kvtier.domain.hashing import NamespaceIdentity
+from kvtier.domain.records import WorkerStats
+from kvtier.domain.tiers import Tier
 from kvtier.engine.engine import Engine, default_namespace
-from kvtier.errors import ConfigError, FailedPrecondition, Unavailable
-from kvtier.hashing import NamespaceIdentity
-from kvtier.log import get_logger, setup_logging
-from kvtier.model import LlamaModel
-from kvtier.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
-from kvtier.nvme_pool import slots_for_bytes
-from kvtier.page_pool import PoolGeometry
-from kvtier.records import WorkerStats
+from kvtier.engine.model import LlamaModel, load_model
+from kvtier.engine.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
+from kvtier.rpc.auth import TokenTableFile, read_token_file
 from kvtier.rpc.server_options import advertised_host
 from kvtier.rpc.tls import ClientTls, secure_or_insecure_channel, server_credentials
-from kvtier.shutdown import run_steps_sync
-from kvtier.telemetry import Telemetry
-from kvtier.tier_manager import TierConfig
-from kvtier.tiers import Tier
+from kvtier.runtime import tracing
+from kvtier.runtime.config import WorkerConfig, load_config, settings_of
+from kvtier.runtime.log import get_logger, setup_logging
+from kvtier.runtime.shutdown import run_steps_sync
+from kvtier.runtime.telemetry import Telemetry
+from kvtier.tiers.manager import TierConfig
+from kvtier.tiers.nvme import slots_for_bytes
 from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import WorkerServer, default_worker_id, serve_worker
 from kvtier.worker.sizing import size_hbm_pool
@@ -114,7 +114,7 @@ _FLAG_FIELDS: dict[str, str] = {
 
 def emulated_links(config: WorkerConfig) -> dict[tuple[Tier, Tier], float]:
     """The config's emulated links as the transfer engine takes them: both directions of
-    HBM <-> DRAM (PCIe) and of HBM <-> NVMe (kvtier.transfer's doc)."""
+    HBM <-> DRAM (PCIe) and of HBM <-> NVMe (kvtier.tiers.transfer's doc)."""
     lower = {"dram": Tier.DRAM, "nvme": Tier.NVME}
     links: dict[tuple[Tier, Tier], float] = {}
     for name, rate in config.emulated_link_bytes_per_s.items():
@@ -294,7 +294,7 @@ class WorkerActor:
             if self.config.model
             else ensure_tiny_model(self.config.state_dir)
         )
-        self._model = LlamaModel.from_pretrained(path, dtype=self._dtype, device=self._device)
+        self._model = load_model(path, dtype=self._dtype, device=self._device)
         self._model_path = path
         info = {"model_id": path.name, "path": str(path), "weights_bytes": module_bytes(self._model)}
         log.info("model loaded", extra=info)

@@ -14,7 +14,7 @@ operation posted to the thread's inbox; results and generated tokens travel back
 
 The thread runs ``step()`` while there is work and blocks on a condition when idle.
 
-Usage accounting (``kvtier.records.Usage``; P prompt tokens, C cached, G generated)::
+Usage accounting (``kvtier.domain.records.Usage``; P prompt tokens, C cached, G generated)::
 
     prompt_tokens     = P
     cached_tokens     = C: prompt tokens served from the prefix cache at first admission
@@ -88,7 +88,7 @@ yielded (or was displaced, or refused at the cap) is retaken once HBM has free r
 nothing waits for it, before its session is back (``_retake``). Neither a prefetch nor a
 request takes its room from its own session's hold.
 
-Quotas and TTLs (``kvtier.quotas``, ``kvtier.ttls``): the engine enforces them before each
+Quotas and TTLs (``kvtier.cache.quotas``, ``kvtier.cache.ttls``): the engine enforces them before each
 step; while idle the loop runs the same bounded pass and wakes for the next TTL deadline.
 Pages they demote or drop leave as MOVE / DROP page events, like any other.
 """
@@ -109,11 +109,10 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from opentelemetry.context import Context
 
-from kvtier import tracing
-from kvtier.config import MAX_WAIT_SCALE
-from kvtier.engine.engine import Engine, GenerationResult, StepOutput
-from kvtier.epochs import EpochTable
-from kvtier.errors import (
+from kvtier.cache.epochs import EpochTable
+from kvtier.cache.quotas import DEFAULT_TENANT
+from kvtier.cache.radix import RadixNode
+from kvtier.domain.errors import (
     FailedPrecondition,
     IntegrityError,
     InvalidArgument,
@@ -121,11 +120,16 @@ from kvtier.errors import (
     NotFound,
     Unavailable,
 )
-from kvtier.hashing import NamespaceDigest, NamespaceIdentity, PageKey, next_key, page_keys, root_key, short
-from kvtier.log import get_logger, redact_tokens
-from kvtier.quotas import DEFAULT_TENANT
-from kvtier.radix import RadixNode
-from kvtier.records import (
+from kvtier.domain.hashing import (
+    NamespaceDigest,
+    NamespaceIdentity,
+    PageKey,
+    next_key,
+    page_keys,
+    root_key,
+    short,
+)
+from kvtier.domain.records import (
     GenerateEvent,
     GenerateFinal,
     GenerateRequest,
@@ -144,9 +148,13 @@ from kvtier.records import (
     TokensByTier,
     Usage,
 )
-from kvtier.tier_manager import MoveOutcome, MoveTicket, TierManager
-from kvtier.tiers import Tier
-from kvtier.transfer import TransferDone, TransferReason
+from kvtier.domain.tiers import Tier
+from kvtier.engine.engine import Engine, GenerationResult, StepOutput
+from kvtier.runtime import tracing
+from kvtier.runtime.config import MAX_WAIT_SCALE
+from kvtier.runtime.log import get_logger, redact_tokens
+from kvtier.tiers.manager import MoveOutcome, MoveTicket, TierManager
+from kvtier.tiers.transfer import TransferDone, TransferReason
 
 if TYPE_CHECKING:
     from kvtier.worker.metrics import WorkerMetrics
@@ -337,7 +345,7 @@ class _Run:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[GenerateEvent | BaseException]
     submitted_at: float
-    trace_parent: Context | None = None  # the caller's trace context (kvtier.tracing), if any
+    trace_parent: Context | None = None  # the caller's trace context (kvtier.runtime.tracing), if any
     is_done: bool = False  # asyncio side: the final event (or an error) was received
     # ---- engine thread
     first_token_at: float | None = None
@@ -394,7 +402,7 @@ class EngineLoop:
         self._on_failure = on_failure
         # Set by the server when the process exports metrics (kvtier.worker.metrics).
         self.metrics: WorkerMetrics | None = None
-        # Attributes of every ``generate`` span (kvtier.tracing), e.g. the worker id.
+        # Attributes of every ``generate`` span (kvtier.runtime.tracing), e.g. the worker id.
         self.span_attributes: dict[str, str] = {}
         self._cond = threading.Condition()
         self._inbox = _Inbox()
@@ -498,7 +506,7 @@ class EngineLoop:
         ``__anext__``, before any token. Closing or cancelling the iterator aborts the
         request in the engine; its pages are released exactly once. Use it under
         ``contextlib.aclosing`` so that an early exit closes it at once. ``trace_parent``
-        parents the request's spans when tracing is on (``kvtier.tracing``).
+        parents the request's spans when tracing is on (``kvtier.runtime.tracing``).
         """
         if self.is_draining:
             raise Unavailable("this worker is draining and admits no new requests; route to another worker")

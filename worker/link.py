@@ -49,9 +49,8 @@ from collections.abc import Sequence
 import grpc
 import grpc.aio
 
-from kvtier.errors import InvalidArgument, KvtierError
-from kvtier.log import get_logger
-from kvtier.records import (
+from kvtier.domain.errors import InvalidArgument, KvtierError
+from kvtier.domain.records import (
     BootId,
     CommandAck,
     CommandId,
@@ -75,11 +74,12 @@ from kvtier.records import (
     WorkerEvent,
     WorkerId,
 )
+from kvtier.domain.tiers import Tier
 from kvtier.rpc import convert
 from kvtier.rpc._gen import worker_link_pb2, worker_link_pb2_grpc
 from kvtier.rpc.tls import ClientTls, secure_or_insecure_channel
-from kvtier.tier_manager import MoveOutcome
-from kvtier.tiers import Tier
+from kvtier.runtime.log import get_logger
+from kvtier.tiers.manager import MoveOutcome
 from kvtier.worker.engine_loop import EngineLoop
 
 log = get_logger("kvtier.worker.link")

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 import pynvml
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from kvtier.log import get_logger
-from kvtier.telemetry import LATENCY_BUCKETS_S, Telemetry
-from kvtier.transfer import TransferDone
+from kvtier.runtime.log import get_logger
+from kvtier.runtime.telemetry import LATENCY_BUCKETS_S, Telemetry
+from kvtier.tiers.transfer import TransferDone
 
 if TYPE_CHECKING:
     from kvtier.engine.engine import GenerationResult
@@ -239,7 +239,7 @@ class WorkerMetrics:
         yield Observation(counters.demotions_abandoned - counters.demotions_kept, {**self.attrs, "reason": "reused"})
         yield Observation(counters.demotions_kept, {**self.attrs, "reason": "kept"})
 
-    # ---- tenant quotas and namespace TTLs (kvtier.quotas, kvtier.ttls) -------------------
+    # ---- tenant quotas and namespace TTLs (kvtier.cache.quotas, kvtier.cache.ttls) -------------------
     def _quota_families(self, m: Any) -> None:
         m.create_observable_counter(
             "kvtier.quota.pages_demoted", callbacks=[self._counter("quotas", "pages_demoted")], unit="{page}",

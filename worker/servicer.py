@@ -26,15 +26,13 @@ from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvtier import tracing
-from kvtier.auth import TokenTable, TokenTableFile
+from kvtier.domain.errors import InvalidArgument, NotFound
+from kvtier.domain.hashing import NamespaceIdentity
+from kvtier.domain.records import BootId, WorkerId, WorkerStats
 from kvtier.engine.engine import Engine
-from kvtier.errors import InvalidArgument, NotFound
-from kvtier.hashing import NamespaceIdentity
-from kvtier.log import get_logger
-from kvtier.records import BootId, WorkerId, WorkerStats
 from kvtier.rpc import convert
 from kvtier.rpc._gen import worker_pb2, worker_pb2_grpc
+from kvtier.rpc.auth import TokenTable, TokenTableFile
 from kvtier.rpc.auth_interceptor import principal_tenant, resolve_tenant, server_interceptors
 from kvtier.rpc.server_options import (
     SERVER_OPTIONS,
@@ -44,8 +42,10 @@ from kvtier.rpc.server_options import (
     join_host_port,
 )
 from kvtier.rpc.status import MalformedRequestInterceptor, rpc_errors
-from kvtier.shutdown import run_steps
-from kvtier.telemetry import Telemetry
+from kvtier.runtime import tracing
+from kvtier.runtime.log import get_logger
+from kvtier.runtime.shutdown import run_steps
+from kvtier.runtime.telemetry import Telemetry
 from kvtier.worker.engine_loop import EngineLoop
 from kvtier.worker.metrics import WorkerMetrics
 

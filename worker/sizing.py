@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from kvtier.errors import ConfigError
-from kvtier.log import get_logger
+from kvtier.domain.errors import ConfigError
+from kvtier.runtime.log import get_logger
 
 log = get_logger("kvtier.worker.sizing")
 

@@ -1,6 +1,6 @@
 """The paged engine: sequences, scheduler, model runner, sampler, and the Engine API.
 
-Exports load lazily so that ``kvtier.engine.params`` (used by the wire layer and the
+Exports load lazily so that ``kvtier.domain.params`` (used by the wire layer and the
 CLI) does not pull in the model and torch kernels.
 """
 
@@ -12,8 +12,8 @@ _EXPORTS = {
     "Engine": "kvtier.engine.engine",
     "GenerationResult": "kvtier.engine.engine",
     "StepOutput": "kvtier.engine.engine",
-    "FinishReason": "kvtier.engine.params",
-    "SamplingParams": "kvtier.engine.params",
+    "FinishReason": "kvtier.domain.params",
+    "SamplingParams": "kvtier.domain.params",
     "SchedulerConfig": "kvtier.engine.scheduler",
 }
 

@@ -22,22 +22,22 @@ from pathlib import Path
 
 import torch
 
-from kvtier.attention.registry import get_backend
-from kvtier.engine.params import FinishReason, SamplingParams
+from kvtier.cache.eviction import DEFAULT_POLICY, CostModel, make_engine_policy
+from kvtier.cache.page_pool import PagePool, PoolGeometry
+from kvtier.cache.quotas import QuotaTable, QuotaTracker
+from kvtier.cache.radix import EvictionPolicy, RadixIndex
+from kvtier.cache.ttls import TtlSweeper, TtlTable
+from kvtier.domain.errors import IntegrityError, InvalidArgument, NotFound, ResourceExhausted
+from kvtier.domain.hashing import NamespaceDigest, NamespaceIdentity, namespace_digest
+from kvtier.domain.params import FinishReason, SamplingParams
+from kvtier.domain.tiers import Tier
+from kvtier.engine.attention.registry import get_backend
+from kvtier.engine.model import LlamaModel, load_model
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampler import make_generator, sample
 from kvtier.engine.scheduler import Scheduler, SchedulerConfig
 from kvtier.engine.sequence import Sequence, SequenceStatus
-from kvtier.errors import IntegrityError, InvalidArgument, NotFound, ResourceExhausted
-from kvtier.eviction import DEFAULT_POLICY, CostModel, make_engine_policy
-from kvtier.hashing import NamespaceDigest, NamespaceIdentity, namespace_digest
-from kvtier.model import LlamaModel
-from kvtier.page_pool import PagePool, PoolGeometry
-from kvtier.quotas import QuotaTable, QuotaTracker
-from kvtier.radix import EvictionPolicy, RadixIndex
-from kvtier.tier_manager import TierConfig, TierManager
-from kvtier.tiers import Tier
-from kvtier.ttls import TtlSweeper, TtlTable
+from kvtier.tiers.manager import TierConfig, TierManager
 
 log = logging.getLogger("kvtier.engine")
 
@@ -129,7 +129,7 @@ class Engine:
         self.geometry = PoolGeometry(num_layers, kv_heads, head_dim, page_size, param.dtype)
         self.pool = PagePool(num_pages, self.geometry, device=param.device)
         if eviction_policy is None or isinstance(eviction_policy, str):
-            # A policy by name (kvtier.eviction.POLICY_NAMES) gets this engine's cost model and
+            # A policy by name (kvtier.cache.eviction.POLICY_NAMES) gets this engine's cost model and
             # tiers. Value-based eviction is the default (LRU stays selectable): the trace replay
             # shows it at or above LRU at every capacity (loadtests/replay.py).
             tiers = [Tier.HBM]
@@ -178,7 +178,7 @@ class Engine:
         **kwargs,
     ) -> Engine:
         path = Path(path)
-        model = LlamaModel.from_pretrained(path, dtype=dtype, device=device)
+        model = load_model(path, dtype=dtype, device=device)
         num_layers, kv_heads, head_dim = model.kv_geometry
         geometry = PoolGeometry(num_layers, kv_heads, head_dim, page_size, dtype)
         if num_pages is None:
@@ -402,7 +402,7 @@ class Engine:
     # ---- quotas and TTLs ------------------------------------------------------------
     def enforce_limits(self, max_pages: int = LIMIT_PAGES_PER_STEP) -> int:
         """Drop pages whose namespace TTL passed, then bring tenants over a quota back
-        under it (``kvtier.ttls``, ``kvtier.quotas``); at most ``max_pages`` pages each.
+        under it (``kvtier.cache.ttls``, ``kvtier.cache.quotas``); at most ``max_pages`` pages each.
         Returns the pages handled."""
         done = 0
         if self.ttls is not None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.attention.base import AttentionBackend, AttentionMetadata
+from kvtier.cache.page_pool import PagePool
+from kvtier.engine.attention.base import AttentionBackend, AttentionMetadata
 from kvtier.engine.sequence import Sequence
-from kvtier.page_pool import PagePool
 
 
 class ModelRunner:

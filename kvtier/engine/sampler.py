@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from kvtier.engine.params import SamplingParams
+from kvtier.domain.params import SamplingParams
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:

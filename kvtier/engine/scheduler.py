@@ -20,12 +20,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvtier.cache.page_pool import PageId, PagePool
+from kvtier.cache.radix import RadixIndex
+from kvtier.domain.errors import IntegrityError, ResourceExhausted
+from kvtier.domain.tiers import Tier
 from kvtier.engine.sequence import Sequence, SequenceStatus
-from kvtier.errors import IntegrityError, ResourceExhausted
-from kvtier.page_pool import PageId, PagePool
-from kvtier.radix import RadixIndex
-from kvtier.tier_manager import TierManager
-from kvtier.tiers import Tier
+from kvtier.tiers.manager import TierManager
 
 
 @dataclass(slots=True)

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.engine.params import FinishReason, SamplingParams
-from kvtier.hashing import NamespaceDigest, PageKey, next_key, root_key
-from kvtier.page_pool import PageId
-from kvtier.tiers import Tier
+from kvtier.cache.page_pool import PageId
+from kvtier.domain.hashing import NamespaceDigest, PageKey, next_key, root_key
+from kvtier.domain.params import FinishReason, SamplingParams
+from kvtier.domain.tiers import Tier
 
 
 class SequenceStatus(enum.Enum):

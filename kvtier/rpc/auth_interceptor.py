@@ -1,7 +1,7 @@
 """Bearer-token authentication on every kvtier gRPC server, and who the caller is (DESIGN §8).
 
     client ── authorization: Bearer <token> ──► AuthInterceptor ──► servicer
-                                                   │ token → Principal (kvtier.auth.TokenTable)
+                                                   │ token → Principal (kvtier.rpc.auth.TokenTable)
                                                    │ method → roles (METHOD_ROLES)
                                                    ├─ no / malformed header, unknown token → UNAUTHENTICATED
                                                    ├─ role not allowed for the method    → PERMISSION_DENIED
@@ -29,11 +29,11 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from kvtier.auth import Principal, Role, TokenTable, TokenTableFile, bind_tenant
-from kvtier.errors import KvtierError, PermissionDenied, Unauthenticated
-from kvtier.hashing import NamespaceIdentity
-from kvtier.log import get_logger
+from kvtier.domain.errors import KvtierError, PermissionDenied, Unauthenticated
+from kvtier.domain.hashing import NamespaceIdentity
+from kvtier.rpc.auth import Principal, Role, TokenTable, TokenTableFile, bind_tenant
 from kvtier.rpc.status import abort_with
+from kvtier.runtime.log import get_logger
 
 log = get_logger("kvtier.rpc.auth")
 

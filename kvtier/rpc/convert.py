@@ -1,7 +1,7 @@
 """The only module that turns protobuf messages into domain records and back.
 
 Naming: ``to_proto_<record>(record) -> message`` and ``from_proto_<record>(message) ->
-record``, one pair per record in ``kvtier.records`` (plus ``NamespaceIdentity`` and
+record``, one pair per record in ``kvtier.domain.records`` (plus ``NamespaceIdentity`` and
 ``SamplingParams``). Response messages that only wrap one record or a list of records
 have their own pair named after the response (``to_proto_pause_response(info)``), so
 servicers never build messages themselves.
@@ -30,10 +30,10 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from typing import Any
 
-from kvtier.engine.params import FinishReason, SamplingParams
-from kvtier.errors import InvalidArgument, ResourceExhausted
-from kvtier.hashing import KEY_BYTES, KV_DTYPES, NamespaceDigest, NamespaceIdentity, PageKey
-from kvtier.records import (
+from kvtier.domain.errors import InvalidArgument, ResourceExhausted
+from kvtier.domain.hashing import KEY_BYTES, KV_DTYPES, NamespaceDigest, NamespaceIdentity, PageKey
+from kvtier.domain.params import FinishReason, SamplingParams
+from kvtier.domain.records import (
     MAX_PRIORITY,
     BootId,
     Command,
@@ -115,8 +115,8 @@ from kvtier.records import (
     WorkerState,
     WorkerStats,
 )
+from kvtier.domain.tiers import Tier
 from kvtier.rpc._gen import admin_pb2, common_pb2, router_pb2, sessions_pb2, worker_link_pb2, worker_pb2
-from kvtier.tiers import Tier
 
 # Data-volume limits (ResourceExhausted when exceeded).
 MAX_PROMPT_TOKENS = 1 << 20  # prompt and prefix token ids per request

@@ -9,7 +9,7 @@ import socket
 import grpc
 import grpc.aio
 
-from kvtier.errors import ConfigError, Unavailable
+from kvtier.domain.errors import ConfigError, Unavailable
 from kvtier.rpc.convert import MAX_MESSAGE_BYTES
 
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (

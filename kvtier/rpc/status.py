@@ -30,8 +30,8 @@ import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError
 
-from kvtier import errors
-from kvtier.errors import InvalidArgument, KvtierError
+from kvtier.domain import errors
+from kvtier.domain.errors import InvalidArgument, KvtierError
 
 logger = logging.getLogger(__name__)
 

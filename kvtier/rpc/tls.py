@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import grpc.aio
 
-from kvtier.errors import ConfigError
+from kvtier.domain.errors import ConfigError
 
 
 def read_pem(path: Path, field: str) -> bytes:

@@ -23,15 +23,11 @@ import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvtier import errors
-from kvtier.auth import hash_token
 from kvtier.client import AsyncClient
-from kvtier.config import ControllerConfig
 from kvtier.controller.server import serve_controller
-from kvtier.engine import Engine, SamplingParams
-from kvtier.errors import ConfigError
-from kvtier.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
-from kvtier.records import (
+from kvtier.domain import errors
+from kvtier.domain.errors import ConfigError
+from kvtier.domain.records import (
     BootId,
     EndRequest,
     GenerateRequest,
@@ -46,6 +42,9 @@ from kvtier.records import (
     TokenPrefix,
     WorkerId,
 )
+from kvtier.domain.tiers import Tier
+from kvtier.engine import Engine, SamplingParams
+from kvtier.engine.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
 from kvtier.rpc import convert
 from kvtier.rpc._gen import (
     admin_pb2,
@@ -56,8 +55,9 @@ from kvtier.rpc._gen import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from kvtier.rpc.auth import hash_token
 from kvtier.rpc.status import FIELD_METADATA_KEY
-from kvtier.tiers import Tier
+from kvtier.runtime.config import ControllerConfig
 from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import serve_worker
 
@@ -110,7 +110,7 @@ def table(tmp_path_factory):
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def cluster(redis_url, checkpoint, table, tmp_path_factory):
     """An authenticated controller and worker, the worker linked with its worker token."""
-    from kvtier.auth import TokenTableFile
+    from kvtier.rpc.auth import TokenTableFile
 
     controller = await serve_controller(
         ControllerConfig(port=0, state_dir=tmp_path_factory.mktemp("ctl"), auth_token_file=table,
@@ -360,7 +360,7 @@ async def test_non_loopback_without_auth_refuses_to_start_and_the_override_start
 
 
 async def test_local_stack_makes_an_admin_token_that_kvtier_status_picks_up(local_ray, tmp_path):
-    from kvtier.stack import StackOptions, start_local_stack
+    from kvtier.local.stack import StackOptions, start_local_stack
 
     state = tmp_path / "state"
     stack = await start_local_stack(StackOptions(state_dir=state, controller_port=0, auth=True, max_restarts=0))
@@ -374,7 +374,7 @@ async def test_local_stack_makes_an_admin_token_that_kvtier_status_picks_up(loca
 
         # `kvtier status` with no flags: address and token from the state directory.
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvtier.cli", "status", "--json",
+            sys.executable, "-m", "kvtier.cli.main", "status", "--json",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             env={**os.environ, "KVTIER_STATE_DIR": str(state), "KVTIER_CONTROLLER": "", "KVTIER_TOKEN": ""},
         )

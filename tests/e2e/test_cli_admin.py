@@ -1,5 +1,5 @@
 """The operator CLI end to end against one local stack: real Valkey, a real Ray worker actor,
-the controller on loopback, and ``kvtier.cli.main`` invoked as a user would (in-process,
+the controller on loopback, and ``kvtier.cli.main.main`` invoked as a user would (in-process,
 stdout and stderr captured). Each test uses its own tenant, so they do not share cache.
 
 The stack's event loop runs on a background thread: the controller must keep serving
@@ -20,13 +20,13 @@ from typing import Any
 
 import pytest
 
-from kvtier.cli import main
+from kvtier.cli.main import main
 from kvtier.client import Client
-from kvtier.engine.params import SamplingParams
-from kvtier.errors import InvalidArgument, Unavailable
-from kvtier.records import Policy, Watermarks
-from kvtier.stack import LocalStack, StackOptions, start_local_stack
-from kvtier.tiers import Tier
+from kvtier.domain.errors import InvalidArgument, Unavailable
+from kvtier.domain.params import SamplingParams
+from kvtier.domain.records import Policy, Watermarks
+from kvtier.domain.tiers import Tier
+from kvtier.local.stack import LocalStack, StackOptions, start_local_stack
 
 PAGE = 16
 PAGE_BYTES = 32 << 10  # the built-in model in fp32: 2 x 4 layers x 2 KV heads x 32 dims x 4 B x 16 tokens

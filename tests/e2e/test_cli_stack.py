@@ -22,7 +22,7 @@ def test_up_serves_and_down_stops_everything_it_started(tmp_path: Path):
     env = {**os.environ, "RAY_ADDRESS": ""}  # a fresh local Ray, never a stale one
     log = (tmp_path / "up.log").open("w")  # a file, not a pipe nobody drains
     up = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli", "up", "--state-dir", str(state), "--port", "0",
+        [sys.executable, "-m", "kvtier.cli.main", "up", "--state-dir", str(state), "--port", "0",
          "--hbm-gib", str(HBM_GIB), "--eviction-policy", "lru", "--session-hold-fraction", "1.0"],
         stdout=log, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
     )
@@ -39,7 +39,7 @@ def test_up_serves_and_down_stops_everything_it_started(tmp_path: Path):
         assert status.status == health_pb2.HealthCheckResponse.SERVING
         # `kvtier up` turned auth on; status finds the admin token in the state directory.
         shown = subprocess.run(
-            [sys.executable, "-m", "kvtier.cli", "status", "--controller", endpoints["controller"], "--json"],
+            [sys.executable, "-m", "kvtier.cli.main", "status", "--controller", endpoints["controller"], "--json"],
             capture_output=True, text=True, timeout=60, env={**env, "KVTIER_STATE_DIR": str(state)},
         )
         assert shown.returncode == 0, shown.stderr
@@ -47,7 +47,7 @@ def test_up_serves_and_down_stops_everything_it_started(tmp_path: Path):
         assert view["is_leader"] and view["leader_address"] == endpoints["controller"]
         assert view["num_live_workers"] == 1 and view["is_directory_reachable"]
         tiers = subprocess.run(
-            [sys.executable, "-m", "kvtier.cli", "tiers", "--controller", endpoints["controller"], "--json"],
+            [sys.executable, "-m", "kvtier.cli.main", "tiers", "--controller", endpoints["controller"], "--json"],
             capture_output=True, text=True, timeout=60, env={**env, "KVTIER_STATE_DIR": str(state)},
         )
         assert tiers.returncode == 0, tiers.stderr
@@ -56,7 +56,7 @@ def test_up_serves_and_down_stops_everything_it_started(tmp_path: Path):
         assert HBM_GIB * 2**30 - page_bytes < hbm["capacity_bytes"] <= HBM_GIB * 2**30
 
         down = subprocess.run(
-            [sys.executable, "-m", "kvtier.cli", "down", "--state-dir", str(state)],
+            [sys.executable, "-m", "kvtier.cli.main", "down", "--state-dir", str(state)],
             capture_output=True, text=True, timeout=60,
         )
         assert down.returncode == 0, down.stderr
@@ -71,12 +71,12 @@ def test_up_serves_and_down_stops_everything_it_started(tmp_path: Path):
             sock.settimeout(1)
             assert sock.connect_ex((host, int(port))) != 0, f"valkey still serving ({valkey})"
         again = subprocess.run(
-            [sys.executable, "-m", "kvtier.cli", "down", "--state-dir", str(state)],
+            [sys.executable, "-m", "kvtier.cli.main", "down", "--state-dir", str(state)],
             capture_output=True, text=True, timeout=60,
         )
         assert again.returncode == 2 and "no running stack" in again.stderr and "Traceback" not in again.stderr
         gone = subprocess.run(
-            [sys.executable, "-m", "kvtier.cli", "status", "--controller", endpoints["controller"]],
+            [sys.executable, "-m", "kvtier.cli.main", "status", "--controller", endpoints["controller"]],
             capture_output=True, text=True, timeout=60,
         )
         assert gone.returncode == 2 and "Traceback" not in gone.stderr
@@ -99,7 +99,7 @@ def test_up_serves_and_down_stops_everything_it_started(tmp_path: Path):
 def test_up_refuses_a_bad_worker_setting_before_starting_anything(tmp_path: Path, flags: list[str], named: str):
     state = tmp_path / "state"
     done = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "up", "--state-dir", str(state), "--port", "0", *flags],
+        [sys.executable, "-m", "kvtier.cli.main", "up", "--state-dir", str(state), "--port", "0", *flags],
         capture_output=True, text=True, timeout=60, env={**os.environ, "RAY_ADDRESS": ""},
     )
     assert done.returncode == 2 and named in done.stderr and "Traceback" not in done.stderr

@@ -29,14 +29,11 @@ import redis.asyncio as aredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtier.client import AsyncClient
-from kvtier.config import ControllerConfig
 from kvtier.controller.directory import Directory, Outcome, PageEvent
 from kvtier.controller.leader import LEADER_KEY, LeaderLease
 from kvtier.controller.server import serve_controller
-from kvtier.engine import Engine, SamplingParams
-from kvtier.hashing import namespace_digest, page_keys, root_key
-from kvtier.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
-from kvtier.records import (
+from kvtier.domain.hashing import namespace_digest, page_keys, root_key
+from kvtier.domain.records import (
     BootId,
     Heartbeat,
     ModelIdentity,
@@ -47,7 +44,10 @@ from kvtier.records import (
     TokenPrefix,
     WorkerId,
 )
-from kvtier.records import PageEvent as WirePageEvent
+from kvtier.domain.records import PageEvent as WirePageEvent
+from kvtier.domain.tiers import Tier
+from kvtier.engine import Engine, SamplingParams
+from kvtier.engine.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
 from kvtier.rpc import convert
 from kvtier.rpc._gen import (
     admin_pb2,
@@ -57,7 +57,7 @@ from kvtier.rpc._gen import (
     sessions_pb2_grpc,
     worker_link_pb2_grpc,
 )
-from kvtier.tiers import Tier
+from kvtier.runtime.config import ControllerConfig
 from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import serve_worker
 
@@ -268,7 +268,7 @@ async def test_standby_takes_over_when_the_leader_is_killed(flushed_redis_url, t
 
 
 def _namespace():
-    from kvtier.hashing import NamespaceIdentity
+    from kvtier.domain.hashing import NamespaceIdentity
 
     return NamespaceIdentity(model_id="tiny", page_size=PAGE_SIZE)
 

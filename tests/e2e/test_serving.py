@@ -14,9 +14,9 @@ import ray
 import torch
 
 from kvtier.client import AsyncClient
-from kvtier.engine.params import SamplingParams
-from kvtier.errors import Unavailable
-from kvtier.stack import StackOptions, start_local_stack
+from kvtier.domain.errors import Unavailable
+from kvtier.domain.params import SamplingParams
+from kvtier.local.stack import StackOptions, start_local_stack
 
 from hf_checkpoints import hf_logits, load_hf
 

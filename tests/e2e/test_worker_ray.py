@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import ray
 
-from kvtier import errors
 from kvtier.client import Client
-from kvtier.config import WorkerConfig
+from kvtier.domain import errors
+from kvtier.domain.records import TokenChunk
 from kvtier.engine import SamplingParams
-from kvtier.records import TokenChunk
+from kvtier.runtime.config import WorkerConfig
 from kvtier.worker.actor import call_actor, run_phases, start_worker_actor
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fault_harness import Oracle
 
-from kvtier.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
+from kvtier.engine.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -44,10 +44,10 @@ import torch
 
 from kvtier.client import AsyncClient
 from kvtier.controller.directory import Directory
+from kvtier.domain.hashing import NamespaceIdentity
+from kvtier.domain.records import GenerateFinal, NamespaceInventory
+from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
-from kvtier.hashing import NamespaceIdentity
-from kvtier.records import GenerateFinal, NamespaceInventory
-from kvtier.tiers import Tier
 from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import WorkerServer, serve_worker
 
@@ -420,7 +420,7 @@ def worker_args(
     nvme_pages: int = 0,
     nvme_dir: Path | None = None,
 ) -> list[str]:
-    from kvtier.nvme_pool import slot_bytes_for
+    from kvtier.tiers.nvme import slot_bytes_for
 
     geometry = page_geometry()
     args = [
@@ -435,8 +435,8 @@ def worker_args(
 
 
 def page_geometry():
-    from kvtier.model.loader import TINY_LLAMA_CONFIG
-    from kvtier.page_pool import PoolGeometry
+    from kvtier.cache.page_pool import PoolGeometry
+    from kvtier.engine.model.loader import TINY_LLAMA_CONFIG
 
     c = TINY_LLAMA_CONFIG
     return PoolGeometry(c["num_hidden_layers"], c["num_key_value_heads"], c["head_dim"], PAGE_SIZE, torch.float32)
@@ -447,7 +447,7 @@ def page_geometry():
 
 @dataclass(frozen=True)
 class SlotOnDisk:
-    """A slot holding a complete page, found by reading the slot files (format: kvtier.nvme_pool)."""
+    """A slot holding a complete page, found by reading the slot files (format: kvtier.tiers.nvme)."""
 
     path: Path
     offset: int  # of the slot's payload
@@ -455,7 +455,7 @@ class SlotOnDisk:
 
 
 def complete_slots(nvme_dir: Path) -> list[SlotOnDisk]:
-    from kvtier.nvme_pool import ALIGN, HEADER_BYTES, SlotState, group_layout
+    from kvtier.tiers.nvme import ALIGN, HEADER_BYTES, SlotState, group_layout
 
     layout = group_layout(page_geometry())
     found = []

@@ -41,10 +41,10 @@ from fault_harness import (
 )
 
 from kvtier.client import AsyncClient
-from kvtier.config import ControllerConfig
 from kvtier.controller.server import serve_controller
+from kvtier.domain.hashing import namespace_digest
 from kvtier.engine import Engine
-from kvtier.hashing import namespace_digest
+from kvtier.runtime.config import ControllerConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 STEPS = 40

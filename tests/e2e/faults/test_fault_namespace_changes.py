@@ -36,17 +36,17 @@ from fault_harness import (
     within,
 )
 
-from kvtier.auth import TokenTableFile, hash_token, new_token
 from kvtier.client import AsyncClient
-from kvtier.config import ControllerConfig
 from kvtier.controller.server import serve_controller
+from kvtier.domain.errors import Unauthenticated
+from kvtier.domain.hashing import namespace_digest, page_keys
+from kvtier.domain.records import DemoteCommand, InvalidationScope, WorkerId
+from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine
-from kvtier.errors import Unauthenticated
-from kvtier.hashing import namespace_digest, page_keys
-from kvtier.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
-from kvtier.records import DemoteCommand, InvalidationScope, WorkerId
-from kvtier.tier_manager import TierConfig
-from kvtier.tiers import Tier
+from kvtier.engine.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
+from kvtier.rpc.auth import TokenTableFile, hash_token, new_token
+from kvtier.runtime.config import ControllerConfig
+from kvtier.tiers.manager import TierConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 STEPS = 6

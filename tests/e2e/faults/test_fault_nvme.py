@@ -3,7 +3,7 @@ full disk (ENOSPC / EFBIG).
 
 Pages reach NVMe the way the orchestrator sends them: a ``Demote`` command from the
 controller down the worker's WorkerLink. Faults hit the real slot files (format in
-``kvtier.nvme_pool``): bytes are flipped or zeroed on disk, the disk is slowed by wrapping
+``kvtier.tiers.nvme``): bytes are flipped or zeroed on disk, the disk is slowed by wrapping
 the pool's positional I/O (a fake of the device, not of kvtier), and the disk fills up
 through a file size limit (RLIMIT_FSIZE) set inside a worker process (a full tmpfs would
 need root). After each: the oracle, no leaked page, bounded calls, a converged directory.
@@ -41,16 +41,16 @@ from fault_harness import (
     worker_args,
 )
 
-from kvtier import nvme_pool
 from kvtier.client import AsyncClient
-from kvtier.config import ControllerConfig
 from kvtier.controller.server import serve_controller
+from kvtier.domain.errors import DeadlineExceeded
+from kvtier.domain.hashing import namespace_digest, page_keys
+from kvtier.domain.records import DemoteCommand, WorkerId
+from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine
-from kvtier.errors import DeadlineExceeded
-from kvtier.hashing import namespace_digest, page_keys
-from kvtier.records import DemoteCommand, WorkerId
-from kvtier.tier_manager import TierConfig
-from kvtier.tiers import Tier
+from kvtier.runtime.config import ControllerConfig
+from kvtier.tiers import nvme as nvme_pool
+from kvtier.tiers.manager import TierConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 STEPS = 6

@@ -37,12 +37,12 @@ from fault_harness import (
 )
 
 from kvtier.client import AsyncClient
-from kvtier.config import ControllerConfig
 from kvtier.controller.server import serve_controller
+from kvtier.domain.hashing import namespace_digest
+from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SchedulerConfig
-from kvtier.hashing import namespace_digest
-from kvtier.tier_manager import TierConfig, Watermark
-from kvtier.tiers import Tier
+from kvtier.runtime.config import ControllerConfig
+from kvtier.tiers.manager import TierConfig, Watermark
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 TIGHT_PAGES = 32  # 128 tokens of HBM for 8 concurrent requests of ~40 tokens each

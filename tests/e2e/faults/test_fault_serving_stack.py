@@ -40,12 +40,12 @@ from fault_harness import (
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtier.client import AsyncClient
-from kvtier.config import ControllerConfig
 from kvtier.controller.server import serve_controller
+from kvtier.domain.errors import DeadlineExceeded, Unavailable
+from kvtier.domain.hashing import namespace_digest
+from kvtier.domain.records import GenerateFinal, TokenChunk
 from kvtier.engine import Engine
-from kvtier.errors import DeadlineExceeded, Unavailable
-from kvtier.hashing import namespace_digest
-from kvtier.records import GenerateFinal, TokenChunk
+from kvtier.runtime.config import ControllerConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 TENANTS = ("storm", "deadline", "redis", "kill")

@@ -1,0 +1,95 @@
+"""Paged attention on CPU through a small C++/OpenMP kernel that reads pages in place.
+
+The kernel (``csrc/paged_attention_cpu.cpp``) is compiled on first use and cached
+(``kvtier.tiers.native``: ``torch.utils.cpp_extension`` + ``ninja``, ``-march=native``, one
+binary per CPU feature set).
+
+If the build fails, the backend logs one warning naming the cause and serves every call
+with the reference implementation, so a worker without a compiler is slow, not down.
+``load_kernel()`` raises instead, for callers (tests, ``get_backend("auto")``) that must
+know.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from kvtier.domain.errors import FailedPrecondition
+from kvtier.engine.attention.base import AttentionMetadata, attention_reference, write_kv_reference
+from kvtier.tiers.native import NativeExtension
+
+logger = logging.getLogger("kvtier.engine.attention")
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_EXTENSION = NativeExtension(
+    "kvtier_paged_attention",
+    Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp",
+    what="paged-attention kernel",
+    fallback_hint="set KVTIER_ATTENTION_BACKEND=torch-reference",
+)
+
+
+def load_kernel() -> None:
+    """Build or load the extension once per process; raise ``FailedPrecondition`` if impossible.
+
+    Thread-safe: concurrent first callers wait for one build. A failure is remembered, so
+    the compiler is not retried on every call.
+    """
+    _EXTENSION.load()
+
+
+class CpuFusedBackend:
+    """The ``AttentionBackend`` for CPU pools: decode and prefill-with-prefix in one kernel.
+
+    Reads K/V straight from the strided ``kv_layer`` view (no gather), parallel over
+    (sequence, kv head, query tile) on torch's intra-op threads, with an online softmax in
+    fp32. fp16/bf16 pools are read and accumulated in fp32. Tensors it cannot handle (not on
+    the CPU, another dtype, a non-contiguous head_dim) go to the reference implementation.
+
+    ``partition_size``: 0 lets the kernel split long key ranges across threads only when
+    there are too few (sequence, kv head) items to keep every thread busy; a positive value
+    forces splits of that many keys; -1 never splits.
+    """
+
+    name = "cpu-fused"
+
+    def __init__(self, partition_size: int = 0) -> None:
+        self.partition_size = partition_size
+        self._warned = False
+
+    def _kernel_ready(self) -> bool:
+        try:
+            load_kernel()
+        except FailedPrecondition as exc:
+            if not self._warned:
+                self._warned = True
+                logger.warning("cpu-fused attention falls back to torch-reference: %s", exc)
+            return False
+        return True
+
+    @staticmethod
+    def _can_handle(kv_layer: torch.Tensor) -> bool:
+        return (
+            kv_layer.device.type == "cpu" and kv_layer.dtype in _SUPPORTED_DTYPES and kv_layer.stride(-1) == 1
+        )
+
+    def write_kv(
+        self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
+    ) -> None:
+        if self._can_handle(kv_layer) and self._kernel_ready():
+            torch.ops.kvtier_attn.write_kv(kv_layer, k, v, md.slot_mapping)
+        else:
+            write_kv_reference(kv_layer, k, v, md)
+
+    def forward(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        if not (self._can_handle(kv_layer) and q.device.type == "cpu" and self._kernel_ready()):
+            return attention_reference(q, kv_layer, md, scale)
+        out = torch.ops.kvtier_attn.paged_attention(
+            q, kv_layer, md.block_tables, md.query_start, md.context_lens, scale, self.partition_size
+        )
+        return out if out.dtype == q.dtype else out.to(q.dtype)

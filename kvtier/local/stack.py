@@ -1,0 +1,328 @@
+"""A whole kvtier on one machine: Valkey, Ray, the controller and workers (``kvtier up``).
+
+Everything has an embedded default and every default is a flag away from a real
+deployment: ``redis_url`` for an existing Redis, ``ray_address`` for a Ray cluster,
+``model`` for a checkpoint. The controller runs in this process; workers are Ray actors.
+Stopping the stack stops exactly what it started (an external Redis or Ray is left alone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier.domain.errors import FailedPrecondition, NotFound, Unavailable
+from kvtier.domain.hashing import NamespaceIdentity
+from kvtier.runtime.config import ControllerConfig, WorkerConfig
+from kvtier.runtime.log import get_logger
+
+log = get_logger("kvtier.local.stack")
+
+STATE_FILE = "stack.json"
+AUTH_DIR = "auth"
+ADMIN_TOKEN_FILE = "admin.token"
+WORKER_TOKEN_FILE = "worker.token"
+TOKEN_TABLE_FILE = "tokens.yaml"
+
+
+@dataclass(slots=True)
+class StackOptions:
+    state_dir: Path = Path(".kvtier")
+    num_workers: int = 1
+    model: Path | None = None
+    redis_url: str | None = None
+    ray_address: str | None = None
+    controller_port: int = 0
+    page_size: int = 16
+    hbm_bytes: int | None = 64 << 20
+    dram_bytes: int = 256 << 20
+    nvme_bytes: int = 0
+    eviction_policy: str = "value"  # WorkerConfig.eviction_policy of every worker
+    # WorkerConfig.session_hold_fraction of every worker; None: its default.
+    session_hold_fraction: float | None = None
+    # Link emulation, benchmarks without a GPU only (WorkerConfig.emulated_*_link_bytes_per_s,
+    # decision 0011): every worker's HBM <-> DRAM / HBM <-> NVMe links at these bytes/s.
+    # None (the default): no emulation.
+    emulated_dram_link_bytes_per_s: float | None = None
+    emulated_nvme_link_bytes_per_s: float | None = None
+    wait_scale: float = 1.0  # WorkerConfig.wait_scale of every worker
+    max_restarts: int = 2
+    # Bearer-token auth for the stack (DESIGN §8): an admin and a worker token under
+    # state_dir/auth (0600). `kvtier up` and `kvtier demo` turn it on; off by default for
+    # library use (tests, benchmarks), where clients dial without a token.
+    auth: bool = False
+    lease_ttl_s: float = 3.0  # a worker silent this long leaves the directory
+    # Passed to serve_controller as-is (None: its defaults): OrchestratorParams, PredictorParams.
+    orchestrator_params: Any = None
+    predictor_params: Any = None
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return min(1.0, self.lease_ttl_s / 3)
+
+
+@dataclass(slots=True)
+class WorkerHandle:
+    worker_id: str
+    address: str
+    actor: Any = field(repr=False)
+
+
+@dataclass(slots=True)
+class LocalStack:
+    options: StackOptions
+    controller: Any  # kvtier.controller.server.ControllerServer
+    workers: list[WorkerHandle]
+    namespace: NamespaceIdentity
+    started_ray: bool
+    vocab_size: int
+    admin_token: str | None = None  # set when options.auth: acts for any tenant (the demo's client uses it)
+
+    @property
+    def controller_address(self) -> str:
+        return self.controller.address
+
+    def endpoints(self) -> dict[str, Any]:
+        return {
+            "controller": self.controller_address,
+            "redis": self.controller.redis_url,
+            "workers": {w.worker_id: w.address for w in self.workers},
+            "model_id": self.namespace.model_id,
+            "pid": os.getpid(),
+        }
+
+    async def stop(self) -> None:
+        import ray
+
+        for w in self.workers:
+            try:
+                ray.kill(w.actor, no_restart=True)
+            except Exception as exc:  # already gone: nothing to stop
+                log.debug("worker %s already stopped: %s", w.worker_id, type(exc).__name__)
+        try:
+            await asyncio.wait_for(self.controller.stop(), timeout=30)
+        except TimeoutError:
+            log.error("the controller did not stop within 30 s; leaving it to process exit")
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
+        (self.options.state_dir / STATE_FILE).unlink(missing_ok=True)
+
+
+async def start_local_stack(options: StackOptions) -> LocalStack:
+    """Start (or join) Redis and Ray, then the controller, then ``num_workers`` workers."""
+    import ray
+
+    from kvtier.controller.server import serve_controller
+    from kvtier.worker.actor import call_actor, start_worker_actor
+
+    state_dir = options.state_dir.expanduser().resolve()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    options.state_dir = state_dir
+    auth = ensure_local_tokens(state_dir) if options.auth else None
+    # Ray first, before this process has gRPC's threads (the controller's server): Ray starts
+    # its GCS and raylet by fork + exec with Python in between, and a child forked while other
+    # threads hold locks can hang before its exec; the raylet then never comes up.
+    started_ray = False
+    if not ray.is_initialized():
+        try:
+            if options.ray_address:
+                ray.init(address=options.ray_address, include_dashboard=False, log_to_driver=False)
+            else:
+                # "local" starts a fresh instance rather than joining a stale session.
+                ray.init(
+                    address="local",
+                    num_cpus=max(2, options.num_workers),
+                    object_store_memory=200 << 20,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                )
+                started_ray = True
+        except Exception as exc:  # Ray reports start-up failures as bare Exceptions
+            ray.shutdown()
+            where = options.ray_address or "a local instance"
+            raise Unavailable(f"Ray did not start ({where}): {exc}; retry, or pass --ray-address") from exc
+    try:
+        controller = await serve_controller(
+            ControllerConfig(
+                port=options.controller_port,
+                state_dir=state_dir,
+                redis_url=options.redis_url,
+                lease_ttl_s=options.lease_ttl_s,
+                heartbeat_interval_s=options.heartbeat_interval_s,
+                auth_token_file=auth.table_file if auth else None,
+            ),
+            redis_url=options.redis_url,
+            orchestrator_params=options.orchestrator_params,
+            predictor_params=options.predictor_params,
+        )
+    except BaseException:
+        if started_ray:
+            ray.shutdown()
+        raise
+    try:
+        workers: list[WorkerHandle] = []
+        loop = asyncio.get_running_loop()
+        for i in range(options.num_workers):
+            config = WorkerConfig(
+                controller_address=controller.address,
+                model=options.model,
+                device="auto",
+                page_size=options.page_size,
+                hbm_bytes=options.hbm_bytes,
+                dram_bytes=options.dram_bytes,
+                nvme_bytes=options.nvme_bytes,
+                eviction_policy=options.eviction_policy,
+                **({} if options.session_hold_fraction is None
+                   else {"session_hold_fraction": options.session_hold_fraction}),
+                emulated_dram_link_bytes_per_s=options.emulated_dram_link_bytes_per_s,
+                emulated_nvme_link_bytes_per_s=options.emulated_nvme_link_bytes_per_s,
+                wait_scale=options.wait_scale,
+                state_dir=state_dir,
+                auth_token_file=auth.worker_token_file if auth else None,
+                auth_tokens_file=auth.table_file if auth else None,
+            )
+            config.check()  # built directly, not by load_config: the field checks run here
+            worker_id = f"worker-{i}"
+            actor, address = await loop.run_in_executor(
+                None,
+                lambda c=config, w=worker_id: start_worker_actor(
+                    c, worker_id=w, max_restarts=options.max_restarts,
+                    heartbeat_interval_s=options.heartbeat_interval_s,
+                ),
+            )
+            workers.append(WorkerHandle(worker_id, address, actor))
+        namespace = await loop.run_in_executor(None, lambda: call_actor(workers[0].actor, "namespace"))
+        admin_token = auth.admin_token if auth else None
+        await _wait_until_routable(controller.address, namespace, len(workers), token=admin_token)
+    except BaseException:
+        await controller.stop()
+        if started_ray:
+            ray.shutdown()
+        raise
+    stack = LocalStack(
+        options, controller, workers, namespace, started_ray, _vocab_size(options.model), admin_token=admin_token
+    )
+    (state_dir / STATE_FILE).write_text(json.dumps(stack.endpoints(), indent=2))
+    return stack
+
+
+async def _wait_until_routable(
+    address: str, namespace: NamespaceIdentity, num_workers: int, *, token: str | None = None
+) -> None:
+    """Workers register over their WorkerLink asynchronously; wait until Route sees them all."""
+    import time
+
+    from kvtier.client import AsyncClient
+
+    deadline = time.monotonic() + 60
+    async with AsyncClient(address, token=token) as client:
+        while True:
+            decision = await client.route(namespace, [0])
+            if len(decision.workers) >= num_workers:
+                return
+            if time.monotonic() > deadline:
+                raise FailedPrecondition(
+                    f"only {len(decision.workers)} of {num_workers} workers registered with the controller "
+                    "within 60 s; see the worker logs"
+                )
+            await asyncio.sleep(0.1)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalTokens:
+    """The local stack's credentials, all under ``state_dir/auth`` (directory 0700, files 0600)."""
+
+    admin_token: str
+    admin_token_file: Path
+    worker_token_file: Path
+    table_file: Path  # the controller's and workers' token table (hashes only)
+
+
+def ensure_local_tokens(state_dir: Path) -> LocalTokens:
+    """An admin and a worker token for a local stack, kept across restarts of the same
+    ``state_dir`` (a client holding the admin token keeps working), and the token table
+    that admits exactly these two."""
+    from kvtier.rpc.auth import Role, TokenEntry, dump_token_table, hash_token, new_token, write_secret_file
+
+    auth_dir = state_dir / AUTH_DIR
+    auth_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(auth_dir, 0o700)
+    tokens = {}
+    for role, name in ((Role.ADMIN, ADMIN_TOKEN_FILE), (Role.WORKER, WORKER_TOKEN_FILE)):
+        path = auth_dir / name
+        try:
+            token = path.read_text(encoding="utf-8").strip()
+        except OSError:
+            token = ""
+        if not token:
+            token = new_token()
+        write_secret_file(path, token + "\n")  # (re)asserts 0600 on a kept file too
+        tokens[role] = token
+    table = auth_dir / TOKEN_TABLE_FILE
+    entries = [TokenEntry(f"local-{role.value}", role, frozenset(), hash_token(t)) for role, t in tokens.items()]
+    dump_token_table(entries, table)
+    os.chmod(table, 0o600)
+    return LocalTokens(tokens[Role.ADMIN], auth_dir / ADMIN_TOKEN_FILE, auth_dir / WORKER_TOKEN_FILE, table)
+
+
+def local_admin_token(state_dir: Path, controller: str) -> str | None:
+    """The admin token of the stack `kvtier up` runs from ``state_dir``, when ``controller`` is
+    that stack's address (a local token is never sent to another controller); else None."""
+    state_dir = state_dir.expanduser()
+    try:
+        recorded = json.loads((state_dir / STATE_FILE).read_text())["controller"]
+        token = (state_dir / AUTH_DIR / ADMIN_TOKEN_FILE).read_text(encoding="utf-8").strip()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return token if recorded == controller and token else None
+
+
+def _vocab_size(model: Path | None) -> int:
+    from kvtier.engine.model.config import ModelConfig
+    from kvtier.engine.model.loader import TINY_LLAMA_CONFIG
+
+    return TINY_LLAMA_CONFIG["vocab_size"] if model is None else ModelConfig.from_file(model).vocab_size
+
+
+def _is_running(pid: int) -> bool:
+    """Alive and not a zombie (an exited child its parent has not reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no procfs: trust the signal probe
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def read_state(state_dir: Path) -> dict[str, Any]:
+    path = state_dir.expanduser() / STATE_FILE
+    if not path.exists():
+        raise NotFound(f"no running stack recorded in {path}; start one with `kvtier up`", field="state_dir")
+    return json.loads(path.read_text())
+
+
+def stop_recorded_stack(state_dir: Path, timeout_s: float = 30.0) -> int:
+    """Signal the ``kvtier up`` process recorded in ``state_dir`` to stop; returns its pid."""
+    import time
+
+    state = read_state(state_dir)
+    pid = int(state["pid"])
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        (state_dir.expanduser() / STATE_FILE).unlink(missing_ok=True)
+        raise FailedPrecondition(f"the stack's process {pid} is not running (stale state removed)") from None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _is_running(pid):
+            return pid
+        time.sleep(0.2)
+    raise FailedPrecondition(f"the stack's process {pid} did not stop within {timeout_s:.0f} s")
