@@ -304,8 +304,8 @@ def test_rope_table_grows_on_demand_and_matches_a_full_build():
     assert torch.equal(cos, full_cos) and torch.equal(sin, full_sin)
 
 
-def test_from_pretrained_is_load_model(cases):
-    model = LlamaModel.from_pretrained(cases["mistral_linear_rope"].path, dtype=torch.float32)
+def test_load_model_gives_an_inference_model(cases):
+    model = load_model(cases["mistral_linear_rope"].path, dtype=torch.float32)
     assert not any(p.requires_grad for p in model.parameters()) and not model.training
     assert model.config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
 
