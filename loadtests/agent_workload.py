@@ -16,11 +16,9 @@ agent frameworks' static estimates are; the predictor learns the real distributi
 Tools (``TOOLS``, medians of the real durations): ``search`` 0.4 s, ``code_exec`` 1.2 s,
 ``browse`` 2.5 s, ``test_suite`` 10 s, each lognormal with sigma 0.4-0.5: the issue's range from
 sub-second to tens of seconds (a slow test run reaches 20-25 s). Coding agents (tenants a, c)
-call search, code_exec and test_suite; the research agent (b) browse as well. Until session 10
-the mix had no tool past a few seconds (``--tools search,code_exec,browse`` draws exactly those
-workloads again): then nearly every pause was too short to park over the emulated link, kvtier
-was mostly a policy of holds in HBM, and no number it measured stands for the pauses the issue
-is about (decision 0008, revision 8).
+call search, code_exec and test_suite; the research agent (b) browse as well. A mix with no
+tool past a few seconds (``--tools search,code_exec,browse``) makes nearly every pause too short
+to park over the emulated link, so kvtier becomes mostly a policy of holds in HBM (decision 0008).
 
 Pressure and geometry — what makes the comparison mean something on a CPU:
 
@@ -28,7 +26,7 @@ Pressure and geometry — what makes the comparison mean something on a CPU:
   sessions (10): about 45 % (55 %) of the working set, every session's final context with
   system prompts once. Paused sessions' pages must leave HBM while others run.
   ``--hbm-sessions N`` sizes it otherwise: the targets pull in opposite directions on it
-  (decision 0008, revision 6: reactive pays a transfer at its median resume only while HBM
+  (decision 0008: reactive pays a transfer at its median resume only while HBM
   is short, and kvtier keeps up with infinite HBM only once the holds of the sessions due
   back fit; here 5-6 and 7 sessions).
 * The model (``WORKLOAD_MODEL_CONFIG``) has the KV of a big model and the compute of a small
@@ -67,11 +65,11 @@ controller saw: ``with_unseen_waste``; ``hold_deferrals`` and ``hold_deferral_wa
 that waited rather than displace holds due back within a second, by how the wait ended, and their
 waits in all; ``session_prefetched_pages`` and ``session_prefetch_wasted_pages``: the worker's
 own count of the page moves up for sessions due back and those their next request did not use,
-``prefetch.worker_counted``, which is the headline's waste since session 17; decision 0008,
-revision 15). ``--hold-fraction F`` sets the share of HBM those holds may keep (the worker's
-``session_hold_fraction``, default 1.0; 0.7 until session 20). For kvtier, ``hold_demand`` says what HBM had to keep for the sessions
+``prefetch.worker_counted``, which is the headline's waste; decision 0008).
+``--hold-fraction F`` sets the share of HBM those holds may keep (the worker's
+``session_hold_fraction``, default 1.0). For kvtier, ``hold_demand`` says what HBM had to keep for the sessions
 due back against the holds' cap and HBM itself (``hold_demand``'s doc): where it is over, some
-resume promotes whatever the policy (decision 0008, revision 5). Under emulation a round trip
+resume promotes whatever the policy (decision 0008). Under emulation a round trip
 through NVMe (a 21 MiB private context: ~0.7 s) is longer than most of these tools' pauses, so kvtier
 keeps nearly every session in HBM, where they do not all fit: the NVMe-only configuration
 shows what a slow tier cannot hide. ``--lower-tier dram`` (PCIe, ~0.2 s) is the one where
@@ -80,16 +78,15 @@ parking and prefetch fit inside the pauses (decision 0011 has the numbers).
 Machine speed (``--slow-down F``). The workload is open loop: sessions start, and come back
 from their tools, when it drew them to, however fast the engine is. It was sized on machines
 where a first turn takes ~0.2 s and a resume ~30 ms. On one several times slower the turns
-queue behind each other (session 21's machine, 2-5x slower per token: first turns' TTFT p50
+queue behind each other (on a machine 2-5x slower per token: first turns' TTFT p50
 12-15 s, resumes ~300 ms even with infinite HBM), pauses start late, and every ratio measures the
 backlog. Each run reports ``saturated`` per policy (``saturation``: first turns' p50 over half
 the start window; the table and stderr say so). ``--slow-down F`` plays the same workload F
 times slower: tool durations, the callers' guesses, the predictor's warm history, session starts,
-the prefetch margin and the bound on a prefetch's hold (``max_hold_ms``, since session 25) times
+the prefetch margin and the bound on a prefetch's hold (``max_hold_ms``) times
 F; the emulated links and the planner's recompute FLOP/s divided by F, so pauses, transfers and
 recompute keep their ratios to the engine; the worker's own fixed waits (a second for room, a
-hold due back within a second: ``WorkerConfig.wait_scale``) times F too (since session 22;
-before, they were not stretched).
+hold due back within a second: ``WorkerConfig.wait_scale``) times F too.
 
 How faithful this is to the issue, measured (``--records`` keeps every turn; issue #7 review,
 numbers in ``docs/decisions/0008-prefetch-timing.md``):
@@ -132,8 +129,8 @@ Policies, each on a fresh local stack (1 worker, same checkpoint, same HBM size)
   infinite-hbm  HBM holds everything (reference)
 
 Clients. The agents run in a process of their own, as a serving frontend does, and reach the
-stack over loopback gRPC (``_clients``). Until session 13 they ran on the event loop that also
-runs the controller (``--inline-clients`` still does): there every piece of controller work
+stack over loopback gRPC (``_clients``). ``--inline-clients`` runs them on the event loop that
+also runs the controller: there every piece of controller work
 delays the agents' requests and the tokens they read. Most of that work is the hinted policies'
 (a Route's session bookkeeping: three Redis round trips; the orchestrator's timers, commands and
 acks), so it counted against the hinted policies alone: on an idle stack, a turn sent with its session id took
@@ -418,7 +415,7 @@ def resume_split(records: list[TurnRecord]) -> dict[str, dict[str, float | int]]
     latter's time split into the worker's (admission to first token) and the rest (Route,
     RPCs, scheduling). It tells capacity from fixed cost: a policy's median moves with how
     many resumes promote, and, among those that do not, with what a session resume costs
-    anyway (decision 0008, revision 7)."""
+    anyway (decision 0008)."""
     promoting = [r for r in records if r.is_resume and r.promoted_tokens > 0]
     other = [r for r in records if r.is_resume and r.promoted_tokens == 0]
     return {
@@ -486,7 +483,7 @@ def worker_counted_waste(waits: dict[str, Any], page_bytes: int) -> dict[str, An
     The headline's waste (``wasted_fraction_of``). The controller's count joined with the
     worker's retakes and the turns' records (``with_unseen_waste``) moves the same bytes but
     misses some waste: a guard's pages that went down again, pages a top-up brought up twice
-    (decision 0008, revision 15)."""
+    (decision 0008)."""
     moved = int(waits.get("session_prefetched_pages", 0)) * page_bytes
     wasted = int(waits.get("session_prefetch_wasted_pages", 0)) * page_bytes
     return {"moved_bytes": moved, "wasted_bytes": wasted, "wasted_fraction": wasted / moved if moved else None}
@@ -505,7 +502,7 @@ def with_unseen_waste(prefetch: dict[str, Any]) -> dict[str, Any]:
     promoted again (``wasted_bytes_unseen_by_controller``, reason ``unseen``). The controller
     scores a pause at its Route by the directory, which lags the worker by up to an event batch
     (and is not asked at all within ``directory_lag_ms`` of the prefetch): pages given up just
-    before the turn look in HBM to it. Until session 16 the headline waste left them out."""
+    before the turn look in HBM to it; the headline waste counts them."""
     unseen = prefetch.get("wasted_bytes_unseen_by_controller", 0)
     return _with_waste(prefetch, "unseen", unseen) if unseen else prefetch
 
@@ -572,7 +569,7 @@ def hold_demand(
     page_size: int, cap_pages: float, hbm_pages: int, step_s: float = 0.01,
 ) -> dict[str, Any] | None:
     """What HBM had to keep for the sessions due back, against what it could: the capacity
-    bound on kvtier's resumes (decision 0008, revision 5).
+    bound on kvtier's resumes (decision 0008).
 
     A session's context must be in HBM when its next turn arrives. One kept in HBM (``tier``
     HBM) needs it there for its whole pause; one parked below and prefetched, from the moment
@@ -638,7 +635,7 @@ def headline(policies: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "wasted_prefetch_fraction": wasted_fraction_of(kv.get("prefetch", {})),
         # The least kvtier_over_reactive a policy as fast as infinite HBM would reach in this
         # run: above 0.5, reactive pays too little at its median resume for that target to be
-        # met by any policy (decision 0008, revision 13).
+        # met by any policy (decision 0008).
         "infinite_hbm_over_reactive": ratio(p50("infinite-hbm"), p50("reactive")),
     }
 
@@ -680,7 +677,7 @@ def pooled_policies(runs: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str
     and wasted summed (the worker's count where every run has it, else the controller's). A
     median of per-seed ratios weighs a seed of 16 prefetches like one of 30, and a per-seed
     waste fraction swings by +-5 points with one yielded hold; pooled, each resume and each
-    byte counts once (decision 0008, revision 20)."""
+    byte counts once (decision 0008)."""
     out: dict[str, dict[str, Any]] = {}
     for name in dict.fromkeys(name for policies in runs for name in policies):
         summaries = [policies[name] for policies in runs if name in policies]
@@ -1283,7 +1280,7 @@ def main(argv: list[str] | None = None) -> int:
                              "session_hold_fraction; default its default, 1.0)")
     parser.add_argument("--tools", type=parse_tools, metavar="NAME,...",
                         help=f"the tool types the agents call (default all: {','.join(TOOL_NAMES)}; "
-                             "search,code_exec,browse is the mix before session 10)")
+                             "search,code_exec,browse: a mix of short tools only)")
     parser.add_argument("--lower-tier", choices=LOWER_TIERS, default="nvme",
                         help="the tiered policies' tier below HBM (default nvme: see the module doc)")
     seeds = parser.add_mutually_exclusive_group()
@@ -1296,7 +1293,7 @@ def main(argv: list[str] | None = None) -> int:
     link.add_argument("--link-gbps", type=parse_link_gbps, metavar="DRAM,NVME",
                       help="emulate HBM<->DRAM and HBM<->NVMe links at these GB/s")
     parser.add_argument("--inline-clients", action="store_true",
-                        help="run the agents on the controller's event loop, as before session 13 (module doc)")
+                        help="run the agents on the controller's event loop (module doc)")
     parser.add_argument("--slow-down", type=parse_slow_down, metavar="F", default=1.0,
                         help="play the same workload F times slower, for a machine whose engine is that much "
                              "slower than the one it was designed on (module doc); default 1")

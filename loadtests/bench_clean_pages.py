@@ -9,7 +9,7 @@ every one is clean (idle, with its copy below as a shadow) — the worst case fo
 (each page's holders change twice), and the step asks for ``num_reclaimable``.
 
 Baseline, in the same run: the walk from the leaves over every page (``CleanPages.walk``, the
-oracle; session 12's count walked the shadows the same way, once per engine step). The ratio is
+oracle; a per-step count that walks the shadows does the same work). The ratio is
 walk time over kept-count time per step, the median of ``--steps`` steps (bounded).
 """
 
