@@ -3,7 +3,7 @@
     python -m loadtests.agent_workload [--json] [--plot PATH] [--quick] [--lower-tier nvme|dram]
                                        [--records PATH] [--emulate-link | --link-gbps DRAM,NVME]
                                        [--seed N | --seeds N,M,...] [--hbm-sessions N]
-                                       [--tools NAME,...] [--inline-clients] [--slow-down F]
+                                       [--tools NAME,...] [--inline-clients] [--slow-down F] [--busy]
 
 Workload (``make_workload``, deterministic in ``seed``): ``num_tenants`` tenants, each with a
 shared system prompt; ``sessions_per_tenant`` sessions per tenant, staggered starts; each
@@ -166,6 +166,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.bench_engine import BENCH_CONFIG
+from loadtests.busy import add_busy_flag, busy_core
 
 POLICIES = ("recompute", "hbm-lru", "reactive", "hints-only", "kvtier", "infinite-hbm")
 HINT_POLICIES = ("hints-only", "kvtier")
@@ -1299,6 +1300,7 @@ def main(argv: list[str] | None = None) -> int:
                              "slower than the one it was designed on (module doc); default 1")
     parser.add_argument("--records", type=Path,
                         help="write every turn's record and every closed pause, per policy, to this JSON file")
+    add_busy_flag(parser)
     args = parser.parse_args(argv)
     spec = WorkloadSpec.quick() if args.quick else WorkloadSpec()
     spec.lower_tier = args.lower_tier
@@ -1328,8 +1330,10 @@ def main(argv: list[str] | None = None) -> int:
         spec.seed = seed
         if args.seeds:
             log(f"seed {seed}")
-        results[seed] = asyncio.run(run_all(spec, policies, log=log, keep_turns=args.records is not None,
-                                            inline_clients=args.inline_clients))
+        with busy_core(args.busy):
+            results[seed] = asyncio.run(run_all(spec, policies, log=log, keep_turns=args.records is not None,
+                                                inline_clients=args.inline_clients))
+        results[seed]["busy"] = args.busy
         saturated = [name for name, flag in results[seed]["saturated"].items() if flag]
         if saturated:
             log(f"{SATURATED_WARNING}: {', '.join(saturated)}")

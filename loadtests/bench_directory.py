@@ -1,6 +1,6 @@
 """The Redis directory against Redis itself: lookup latency vs PING, ingest rate, scaling, memory.
 
-    python -m loadtests.bench_directory [--json] [--entries N] [--rounds N]
+    python -m loadtests.bench_directory [--json] [--entries N] [--rounds N] [--busy]
 
 Starts its own valkey-server on loopback (``kvtier.runtime.embedded_redis``) and measures, with one
 ``redis.asyncio`` client (hiredis) for everything so the baseline is fair:
@@ -34,6 +34,7 @@ import redis.asyncio as aredis
 from kvtier.controller.directory import Directory, Outcome, PageEvent, WorkerId
 from kvtier.domain.tiers import Tier
 from kvtier.runtime.embedded_redis import EmbeddedRedis
+from loadtests.busy import add_busy_flag, busy_core
 
 NS = hashlib.blake2b(b"bench-directory", digest_size=16).digest()
 DEPTH = 64
@@ -169,8 +170,11 @@ def main() -> None:
     parser.add_argument("--entries", type=int, default=1_000_000, help="directory size for the scaling check")
     parser.add_argument("--rounds", type=int, default=7, help="alternating PING/lookup blocks per size")
     parser.add_argument("--per-round", type=int, default=800, help="operations per block")
+    add_busy_flag(parser)
     args = parser.parse_args()
-    result = asyncio.run(run(args.entries, args.rounds, args.per_round))
+    with busy_core(args.busy):
+        result = asyncio.run(run(args.entries, args.rounds, args.per_round))
+    result["busy"] = args.busy
     if args.json:
         print(json.dumps(result, indent=2, sort_keys=True))
         return

@@ -1,6 +1,6 @@
 """Serving benchmark on the local stack (built-in model): TTFT, TPOT, tokens/s, Route latency.
 
-    python -m loadtests.bench_serving [--json] [--quick]
+    python -m loadtests.bench_serving [--json] [--quick] [--busy]
 
 Starts Valkey, Ray, the controller and one worker on loopback (the same code as
 ``kvtier up``), then for 1, 8 and 32 concurrent sessions runs bounded rounds of
@@ -26,6 +26,7 @@ from kvtier.client import AsyncClient
 from kvtier.domain.params import SamplingParams
 from kvtier.domain.records import TokenChunk
 from kvtier.local.stack import StackOptions, start_local_stack
+from loadtests.busy import add_busy_flag, busy_core
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -134,8 +135,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m loadtests.bench_serving", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--quick", action="store_true")
+    add_busy_flag(parser)
     args = parser.parse_args(argv)
-    result = asyncio.run(run(args.quick))
+    with busy_core(args.busy):
+        result = asyncio.run(run(args.quick))
+    result["busy"] = args.busy
     if args.json:
         print(json.dumps(result, indent=2))
         return

@@ -1,6 +1,6 @@
 """Tier moves against what the hardware gives: kvtier's page transfers vs `dd` and memcpy.
 
-    python -m loadtests.bench_tiers [--json] [--dir PATH] [--mib N] [--repeats N]
+    python -m loadtests.bench_tiers [--json] [--dir PATH] [--mib N] [--repeats N] [--busy]
 
 Baselines, measured in the same run on the same directory:
 
@@ -60,6 +60,7 @@ from kvtier.tiers.dram import DramPool, aligned_host_tensor, make_dram_pool
 from kvtier.tiers.manager import TierConfig, Watermark
 from kvtier.tiers.nvme import NvmePool
 from kvtier.tiers.transfer import TransferEngine, TransferReason
+from loadtests.busy import add_busy_flag, busy_core
 
 GEOMETRIES = {
     "tiny": PoolGeometry(num_layers=4, kv_heads=2, head_dim=32, page_size=16, dtype=torch.float32),
@@ -476,10 +477,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--mib", type=int, default=256, help="bytes moved per measurement, in MiB")
     parser.add_argument("--repeats", type=int, default=3, help="iterations; ratios are per-iteration medians")
+    add_busy_flag(parser)
     args = parser.parse_args(argv)
     directory, direct = pick_directory(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
-    result = run(directory, direct, args.mib, args.repeats)
+    with busy_core(args.busy):
+        result = run(directory, direct, args.mib, args.repeats)
+    result["busy"] = args.busy
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     else:
