@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 
 from kvtier.domain.hashing import NamespaceDigest, PageKey
 
-INSERT, MOVE, DROP = 1, 2, 3  # directory.EventKind values (the wire's, as the Lua reads them)
+INSERT, MOVE, DROP = 1, 2, 3  # directory_scripts.KIND_CODES (the numbers the Lua reads)
 _MASK_BITS = 3
 _MASK = (1 << _MASK_BITS) - 1
 FASTEST = (0, 1, 2, 1, 3, 1, 2, 1)  # tier mask -> fastest tier (0: none), as namespace_keys.lua

@@ -46,7 +46,7 @@ from typing import TypeVar
 
 import grpc.aio
 
-from kvtier.controller import directory as dirmod
+from kvtier.controller.directory_records import Outcome, RejectReason
 from kvtier.controller.registry import Registry
 from kvtier.controller.resync import REDIS_ERRORS, DirectoryAccess
 from kvtier.domain.errors import (
@@ -67,7 +67,6 @@ from kvtier.domain.records import (
     InventorySnapshotChunk,
     PageEvent,
     PageEventBatch,
-    PageEventKind,
     Registration,
     RequestSnapshotCommand,
     SnapshotId,
@@ -93,32 +92,15 @@ MAX_SNAPSHOT_SUMMARIES = 16
 SNAPSHOT_ACK_TIMEOUT_S = 30.0
 RESYNC_POLL_S = 0.1
 MAX_RESYNC_BACKOFF_S = 5.0
-_DIVERGENCE = frozenset({dirmod.RejectReason.MISSING_PARENT, dirmod.RejectReason.NOT_HELD})
-_KINDS = {
-    PageEventKind.INSERT: dirmod.EventKind.INSERT,
-    PageEventKind.MOVE: dirmod.EventKind.MOVE,
-    PageEventKind.DROP: dirmod.EventKind.DROP,
-}
+_DIVERGENCE = frozenset({RejectReason.MISSING_PARENT, RejectReason.NOT_HELD})
 _MEMBERS = {Heartbeat: "heartbeat", PageEventBatch: "page_events", InventorySnapshotChunk: "snapshot",
             CommandAck: "ack", Registration: "register"}
 
 
-def to_directory_event(event: PageEvent) -> dirmod.PageEvent:
-    return dirmod.PageEvent(
-        kind=_KINDS[event.kind],
-        namespace=event.namespace_digest,
-        key=event.page_key,
-        tier=event.tier,
-        parent=event.parent_key,
-        depth=event.depth or 0,
-        from_tier=event.from_tier,
-    )
-
-
-def snapshot_inserts(chunk: InventorySnapshotChunk) -> list[dirmod.PageEvent]:
+def snapshot_inserts(chunk: InventorySnapshotChunk) -> list[PageEvent]:
     """The chunk's pages as INSERT events, shallowest first (a parent before its children)."""
     events = [
-        dirmod.PageEvent.insert(inv.namespace_digest, page.page_key, page.parent_key, page.depth, inv.tier)
+        PageEvent.insert(inv.namespace_digest, page.page_key, page.parent_key, page.depth, inv.tier)
         for inv in chunk.inventories
         for page in inv.pages
     ]
@@ -153,7 +135,7 @@ class _Snapshot:
     next_chunk: int = 0
     num_pages: int = 0
     roots: dict[NamespaceDigest, list[PageKey]] = field(default_factory=dict)
-    deferred: list[dirmod.PageEvent] = field(default_factory=list)  # parent not applied yet
+    deferred: list[PageEvent] = field(default_factory=list)  # parent not applied yet
     batches: list[PageEventBatch] = field(default_factory=list)  # arrived meanwhile
 
 
@@ -423,9 +405,9 @@ class WorkerLinks:
         if not (session.is_registered and self.access.can_write):
             return
         outcome = await self._guard(session, self.access.directory.heartbeat(session.worker_id))
-        if outcome is dirmod.Outcome.FENCED:
+        if outcome is Outcome.FENCED:
             await self.access.fenced()
-        elif outcome in (dirmod.Outcome.LEASE_EXPIRED, dirmod.Outcome.UNKNOWN_WORKER):
+        elif outcome in (Outcome.LEASE_EXPIRED, Outcome.UNKNOWN_WORKER):
             self._lost_incarnation(session, outcome)
 
     async def _on_batch(self, session: LinkSession, batch: PageEventBatch) -> None:
@@ -456,7 +438,7 @@ class WorkerLinks:
             self.counters["batches.dropped"] += 1
             session.needs_resync = True
             return
-        if await self._apply(session, [to_directory_event(e) for e in batch.events]):
+        if await self._apply(session, batch.events):
             self.counters["batches.applied"] += 1
 
     async def _on_chunk(self, session: LinkSession, chunk: InventorySnapshotChunk) -> None:
@@ -509,7 +491,7 @@ class WorkerLinks:
             if len(snapshot.deferred) == len(retry):
                 break
         for _ in snapshot.deferred:
-            self.reject(session, dirmod.RejectReason.MISSING_PARENT.value,
+            self.reject(session, RejectReason.MISSING_PARENT.value,
                         f"snapshot {snapshot.snapshot_id!r}")
         session.snapshot = None
         session.last_batch_seq = max(session.last_batch_seq or 0, snapshot.as_of_seq)
@@ -528,8 +510,8 @@ class WorkerLinks:
                 await self._apply_batch(session, batch)
 
     async def _apply(
-        self, session: LinkSession, events: Sequence[dirmod.PageEvent], *,
-        deferred: list[dirmod.PageEvent] | None = None,
+        self, session: LinkSession, events: Sequence[PageEvent], *,
+        deferred: list[PageEvent] | None = None,
     ) -> bool:
         """Apply events in directory-sized batches; False when the session lost its incarnation.
 
@@ -547,13 +529,13 @@ class WorkerLinks:
             result = await self._guard(session, call)
             if result is None:
                 return False
-            if result.outcome is dirmod.Outcome.FENCED:
+            if result.outcome is Outcome.FENCED:
                 await self.access.fenced()
                 return False
-            if result.outcome in (dirmod.Outcome.LEASE_EXPIRED, dirmod.Outcome.UNKNOWN_WORKER):
+            if result.outcome in (Outcome.LEASE_EXPIRED, Outcome.UNKNOWN_WORKER):
                 self._lost_incarnation(session, result.outcome)
                 return False
-            if result.outcome is not dirmod.Outcome.OK:  # our own numbering went wrong: a bug
+            if result.outcome is not Outcome.OK:  # our own numbering went wrong: a bug
                 self.counters[f"directory.{result.outcome.value}"] += 1
                 log.error("directory refused a batch", extra={"worker_id": session.worker_id,
                                                               "outcome": result.outcome.value})
@@ -562,7 +544,7 @@ class WorkerLinks:
             session.has_entries = session.has_entries or result.num_applied > 0
             divergent = False
             for rejected in result.rejected:
-                if deferred is not None and rejected.reason is dirmod.RejectReason.MISSING_PARENT:
+                if deferred is not None and rejected.reason is RejectReason.MISSING_PARENT:
                     deferred.append(part[rejected.index])
                     continue
                 divergent = divergent or rejected.reason in _DIVERGENCE
@@ -585,13 +567,13 @@ class WorkerLinks:
         registration = await self._guard(session, self.access.directory.register_worker(session.worker_id))
         if registration is None:
             return False
-        if registration.outcome is dirmod.Outcome.FENCED:
+        if registration.outcome is Outcome.FENCED:
             await self.access.fenced()
             return False
         session.new_incarnation()
         return True
 
-    def _lost_incarnation(self, session: LinkSession, outcome: dirmod.Outcome) -> None:
+    def _lost_incarnation(self, session: LinkSession, outcome: Outcome) -> None:
         self.counters["leases.lost"] += 1
         session.is_registered, session.needs_resync = False, True
         log.warning("worker lease lost; resyncing",

@@ -6,12 +6,13 @@ of the last turn's output), and schedules ``Prefetch`` into HBM at
 
     prefetch_at = paused_at + predicted_return_low_quantile − promote_time − margin
 
-on a timer queue. ``promote_time`` is bytes over bandwidth plus the worker's measured
-overhead (a high quantile of recent Prefetch ack latencies beyond the copy: the wait for the
-engine step in progress and the round trip; ``controller/prefetch.py``); the low quantile is
+on a timer queue (``controller/timer_queue.py``). ``promote_time`` is bytes over bandwidth
+plus the worker's measured overhead (a high quantile of recent Prefetch ack latencies beyond
+the copy: the wait for the engine step in progress and the round trip;
+``controller/prefetch.py``); the low quantile is
 the predictor's ``lo_quantile`` (5 %) until the tenant has parked sessions of two tools with
 a history, then each tool's share of the same expected lateness, spent by equal hazard (long
-tools aim later, short ones earlier; ``controller/lateness.py``). The Prefetch's
+tools aim later, short ones earlier; ``kvtier/policy/lateness.py``). The Prefetch's
 ``deadline_ms`` asks the worker to hold the pages in HBM until the prediction's high quantile
 (99 %, at most ``max_hold_ms``): a prefetch lands early by design, and unheld pages are the
 first an eviction takes meanwhile. A prefetch that left pages below (a page of the chain in
@@ -29,24 +30,15 @@ measured duration to the predictor. The Route does not wait for that (``route_se
 in the background, as of the Route's time); the session's next Pause, Returning, End or
 prefetch waits for it instead.
 
-Where to wait — the cheapest of the tiers that can be back in time (seconds of GPU time,
-per pause; T = predicted pause, B = the session's bytes):
-
-    HBM     B / hbm_bytes × T × (hbm_idle_price + hbm_occupancy)   memory others can't use
-    DRAM    copy_weight × (demote_s + promote_s) + B / dram_bytes × T × dram_price
-    NVMe    copy_weight × (demote_s + promote_s)
-    a lower tier qualifies only when the pages would wait there at all (demote + promote +
-    overhead + margin before the low-quantile return: otherwise the prefetch would fire as
-    soon as the demotion lands, two copies for nothing), and
-    promote_s < recompute_s (otherwise dropping would be cheaper than the round trip), and
-    the session's pages leave the tier at or below its policy ``high`` watermark
-    (hbm_occupancy counts HBM pages with an intact copy below as free, ``reclaimable_pages``:
-    any allocation takes them at no copy, decision 0012 revision 2)
+Where to wait is the cheapest of the tiers that can be back in time, holding HBM against
+the round trip's copies (``kvtier/policy/placement.py``, which also gives the prefetch's start
+and the hold it asks for).
 
 Transfer seconds come from configured/measured bandwidth; recompute seconds from the
-model geometry (``CostModel``). Anti-thrash: a token bucket of bytes per (worker, lower
-tier) shared by demotions and prefetches. A demotion needs tokens (and, once the bucket
-ran dry, waits until it refilled to ``resume_fraction`` — hysteresis); a prefetch always
+model geometry (``CostModel``). Anti-thrash: a token bucket (``controller/token_bucket.py``)
+of bytes per (worker, lower tier) shared by demotions and prefetches. A demotion needs
+tokens (and, once the bucket ran dry, waits until it refilled to ``resume_fraction`` —
+hysteresis); a prefetch always
 goes (a late session costs more than a busy link) and takes its bytes, possibly into debt.
 Rates per tier come from the policy in force (``apply_policy``); a tier without one is
 unlimited.
@@ -63,18 +55,17 @@ import asyncio
 import collections
 import contextlib
 import functools
-import heapq
-import itertools
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from kvtier.cache.eviction import CostModel
-from kvtier.controller.lateness import LatenessBudget, LatenessParams
-from kvtier.controller.predictor import Prediction, ToolReturnPredictor
+from kvtier.controller.lateness import LatenessBudget
+from kvtier.controller.predictor import ToolReturnPredictor
 from kvtier.controller.prefetch import MoveReason, Outcome, PauseOutcome, PrefetchStats, PromoteLatency
 from kvtier.controller.registry import Registry, WorkerEntry
 from kvtier.controller.sessions import PrefetchState, SessionRecord, SessionStore
+from kvtier.controller.timer_queue import TimerQueue, wall_clock_ms
+from kvtier.controller.token_bucket import TokenBucket
 from kvtier.domain.errors import KvtierError, NotFound
 from kvtier.domain.hashing import NamespaceDigest
 from kvtier.domain.records import (
@@ -91,12 +82,25 @@ from kvtier.domain.records import (
     SessionId,
     SessionInfo,
     SessionState,
-    TierOccupancy,
     TokensByTier,
     Watermarks,
     WorkerId,
 )
 from kvtier.domain.tiers import Tier
+from kvtier.policy.lateness import LatenessParams
+from kvtier.policy.placement import (
+    HoldPlan,
+    ParkPrices,
+    choose_tier,
+    eta_hold,
+    hold_terms,
+    lower_tier,
+    predicted_hold,
+    prefetch_start_ms,
+    prefetch_target_ms,
+    topup_delay_ms,
+)
+from kvtier.policy.prediction import Prediction
 from kvtier.rpc.auth import Principal
 from kvtier.runtime.config import DEFAULT_SESSION_HOLD_MAX_S
 from kvtier.runtime.log import get_logger
@@ -108,17 +112,11 @@ SendCommand = Callable[[WorkerId, Command], Awaitable[CommandAck]]
 FORGET_INTERVAL_S = 60.0
 
 
-def wall_clock_ms() -> float:
-    return time.time() * 1000.0
-
-
 @dataclass(slots=True)
 class OrchestratorParams:
     margin_ms: float = 100.0  # prefetch this much before the predicted return
     prefetch_at_low_quantile: bool = True  # schedule for the predictor's low quantile, not its median
-    hbm_idle_price: float = 0.05  # worth of idle HBM (what holding costs at occupancy 0)
-    dram_price: float = 0.005
-    copy_weight: float = 0.1  # share of a copy's seconds that slows serving (copy engines overlap)
+    prices: ParkPrices = field(default_factory=ParkPrices)  # what choose_tier weighs
     bandwidth_bytes_per_s: dict[tuple[Tier, Tier], float] = field(
         default_factory=lambda: dict(CostModel().bandwidth_bytes_per_s)
     )
@@ -152,160 +150,11 @@ class OrchestratorParams:
     max_topups: int = 8
     num_outcomes_kept: int = 10_000  # recent PauseOutcomes (benchmarks read them)
     # Which quantile of each tool's predicted return its prefetches aim at: the predictor's
-    # lo_quantile spent by equal hazard across the tenant's tools (``controller/lateness.py``).
+    # lo_quantile spent by equal hazard across the tenant's tools (``kvtier/policy/lateness.py``).
     lateness: LatenessParams = field(default_factory=LatenessParams)
 
 
 # --------------------------------------------------------------------------- pieces
-
-
-class TimerQueue:
-    """Callbacks due at wall-clock times (ms), one per key; a new schedule replaces the
-    key's old one. ``run`` fires due callbacks every ``tick_s``; tests call ``fire_due``
-    with a clock of their own."""
-
-    def __init__(self, clock_ms: Callable[[], float] = wall_clock_ms) -> None:
-        self.clock_ms = clock_ms
-        self._heap: list[tuple[float, int, str]] = []
-        self._entries: dict[str, tuple[int, Callable[[], Awaitable[None]]]] = {}
-        self._seq = itertools.count()
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def schedule(self, key: str, at_ms: float, callback: Callable[[], Awaitable[None]]) -> None:
-        seq = next(self._seq)
-        self._entries[key] = (seq, callback)
-        heapq.heappush(self._heap, (at_ms, seq, key))
-
-    def cancel(self, key: str) -> bool:
-        return self._entries.pop(key, None) is not None
-
-    def is_scheduled(self, key: str) -> bool:
-        return key in self._entries
-
-    def pop_due(self, now_ms: float) -> list[Callable[[], Awaitable[None]]]:
-        due = []
-        while self._heap and self._heap[0][0] <= now_ms:
-            _, seq, key = heapq.heappop(self._heap)
-            entry = self._entries.get(key)
-            if entry is not None and entry[0] == seq:  # not cancelled or replaced since
-                del self._entries[key]
-                due.append(entry[1])
-        return due
-
-    async def fire_due(self) -> int:
-        callbacks = self.pop_due(self.clock_ms())
-        for callback in callbacks:
-            await callback()
-        return len(callbacks)
-
-    async def run(self, tick_s: float) -> None:
-        while True:
-            for callback in self.pop_due(self.clock_ms()):
-                task = asyncio.create_task(callback())
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-            await asyncio.sleep(tick_s)
-
-
-class TokenBucket:
-    """Bytes per second with a burst; ``try_take`` for optional moves (with hysteresis),
-    ``take`` for moves that must happen (may go into debt)."""
-
-    def __init__(self, rate: float, burst: float, resume_fraction: float, clock_s: Callable[[], float]) -> None:
-        self.rate, self.burst, self.resume_fraction = rate, burst, resume_fraction
-        self._clock_s = clock_s
-        self.level = burst
-        self.is_throttled = False
-        self._at = clock_s()
-
-    def _refill(self) -> None:
-        now = self._clock_s()
-        self.level = min(self.burst, self.level + (now - self._at) * self.rate)
-        self._at = now
-
-    def try_take(self, num_bytes: float) -> bool:
-        self._refill()
-        if self.is_throttled and self.level < self.resume_fraction * self.burst:
-            return False
-        if self.level >= num_bytes:
-            self.is_throttled = False
-            self.level -= num_bytes
-            return True
-        self.is_throttled = True
-        return False
-
-    def take(self, num_bytes: float) -> None:
-        self._refill()
-        self.level -= num_bytes
-        if self.level < 0:
-            self.is_throttled = True
-
-
-@dataclass(frozen=True, slots=True)
-class TierChoice:
-    tier: Tier
-    costs_s: dict[Tier, float]  # every qualifying tier's cost
-    promote_s: float  # time to bring the pages back from ``tier`` (0 for HBM)
-
-
-def choose_tier(
-    *,
-    num_pages: int,
-    page_bytes: int,
-    pause_ms: float,
-    occupancy: dict[Tier, TierOccupancy],
-    params: OrchestratorParams,
-    cost_model: CostModel,
-    earliest_return_ms: float | None = None,
-    overhead_ms: float = 0.0,
-) -> TierChoice:
-    """Where a paused session's pages should wait (see the module doc for the costs).
-
-    ``pause_ms``: the expected pause; ``earliest_return_ms``: the early end the prefetch aims
-    at (default ``pause_ms``); ``overhead_ms``: the worker's measured prefetch overhead."""
-    pause_s = pause_ms / 1000.0
-    earliest_ms = pause_ms if earliest_return_ms is None else min(earliest_return_ms, pause_ms)
-    num_bytes = num_pages * page_bytes
-    hbm = occupancy.get(Tier.HBM)
-    hbm_bytes = max(1, (hbm.total_pages if hbm else num_pages) * page_bytes)
-    # Pages with an intact copy below are as good as free: any allocation takes them at no copy.
-    hbm_free = hbm.free_pages + hbm.reclaimable_pages if hbm else 0
-    hbm_busy = 1.0 - hbm_free / hbm.total_pages if hbm and hbm.total_pages else 0.0
-    costs = {Tier.HBM: num_bytes / hbm_bytes * pause_s * (params.hbm_idle_price + hbm_busy)}
-    promote = {Tier.HBM: 0.0}
-    recompute_s = cost_model.prefix_recompute_s(max(num_pages, 1))
-    bandwidth = params.bandwidth_bytes_per_s
-    for tier in (Tier.DRAM, Tier.NVME):
-        occ = occupancy.get(tier)
-        if occ is None or occ.total_pages == 0 or num_pages == 0:
-            continue
-        marks = params.watermarks.get(tier)
-        if marks is not None and (occ.cached_pages + occ.in_use_pages + num_pages) / occ.total_pages > marks.high:
-            continue  # above its high watermark the worker is busy demoting out of it
-        demote_s = num_bytes / bandwidth[(Tier.HBM, tier)]
-        promote_s = num_bytes / bandwidth[(tier, Tier.HBM)]
-        round_trip_ms = (demote_s + promote_s) * 1000.0 + overhead_ms + params.margin_ms
-        if round_trip_ms >= earliest_ms or promote_s >= recompute_s:
-            continue
-        hold = num_bytes / (occ.total_pages * page_bytes) * pause_s * params.dram_price if tier is Tier.DRAM else 0.0
-        costs[tier] = params.copy_weight * (demote_s + promote_s) + hold
-        promote[tier] = promote_s
-    best = min(costs, key=lambda t: (costs[t], t))
-    return TierChoice(tier=best, costs_s=costs, promote_s=promote[best])
-
-
-@dataclass(frozen=True, slots=True)
-class _HoldPlan:
-    """How a paused session's prefetched pages are to be held in HBM: until ``until_ms`` (clock
-    ms; the prediction's high quantile, or the caller's ETA), and the spread of the predicted
-    return (sigma of ln duration; None after a caller's ETA), which ranks the hold once the
-    session is overdue."""
-
-    until_ms: float
-    spread: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,7 +215,7 @@ class Orchestrator:
         self._states: dict[SessionId, tuple[SessionState, float]] = {}
         # How a prefetch of a paused session should hold its pages in HBM (until the
         # prediction's high quantile). In memory only: after a restart the median is used.
-        self._holds: dict[SessionId, _HoldPlan] = {}
+        self._holds: dict[SessionId, HoldPlan] = {}
         # Pages a session's last prefetch left below HBM (moving, or no room): not its waste.
         self._skipped_pages: dict[SessionId, int] = {}
         self._task: asyncio.Task[None] | None = None
@@ -607,8 +456,7 @@ class Orchestrator:
             record.paused_at_ms = now
             record.predicted_return_at_ms = now + round(prediction.return_in_ms)
             record.prediction_source = prediction.source
-            self._holds[record.session_id] = _HoldPlan(now + max(prediction.quantile_hi_ms, prediction.return_in_ms),
-                                                       self.predictor.spread(prediction))
+            self._holds[record.session_id] = predicted_hold(now, prediction, self.predictor.spread(prediction))
             record.parked_tier = Tier.HBM
             await self._park(record, prediction)
             await self._save(record)
@@ -624,10 +472,12 @@ class Orchestrator:
         num_pages = max(1, record.num_cached_tokens // page_size)
         cost_model = replace(self.params.cost_model, page_size=page_size, page_bytes=page_bytes)
         overhead_ms = self._latency_of(entry.worker_id).overhead_ms()
+        p = self.params
         choice = choose_tier(
             num_pages=num_pages, page_bytes=page_bytes, pause_ms=prediction.return_in_ms,
-            occupancy={o.tier: o for o in entry.tiers}, params=self.params, cost_model=cost_model,
-            earliest_return_ms=self._target_ms(prediction), overhead_ms=overhead_ms,
+            occupancy={o.tier: o for o in entry.tiers}, bandwidth_bytes_per_s=p.bandwidth_bytes_per_s,
+            recompute_s=cost_model.prefix_recompute_s(num_pages), margin_ms=p.margin_ms, prices=p.prices,
+            watermarks=p.watermarks, earliest_return_ms=self._target_ms(prediction), overhead_ms=overhead_ms,
         )
         if choice.tier is Tier.HBM or not await self._demote(record, entry.worker_id, choice.tier, num_pages):
             self.stats.num_kept_in_hbm += 1
@@ -636,10 +486,9 @@ class Orchestrator:
         record.parked_tier = choice.tier
         self.lateness.note_park(record.tenant, record.tool_name or "")
         # Aim at the early end of the predicted spread (the predictor's lo_quantile, 5 %, or
-        # the tool's share of the tenant's lateness: controller/lateness.py), not the median:
-        # a prefetch that lands a little early costs HBM for a moment, one that lands late costs
-        # the user a transfer on the token path (decision 0008).
-        at_ms = record.paused_at_ms + self._target_ms(prediction) - self._promote_ms(record) - self.params.margin_ms
+        # the tool's share of the tenant's lateness: kvtier/policy/lateness.py), not the median.
+        at_ms = prefetch_start_ms(record.paused_at_ms + self._target_ms(prediction), self._promote_ms(record),
+                                  self.params.margin_ms)
         record.prefetch_at_ms = round(at_ms)
         record.prefetch_state = PrefetchState.SCHEDULED
         self._schedule(record.session_id, record.prefetch_at_ms)
@@ -694,10 +543,10 @@ class Orchestrator:
             record.state = SessionState.RESUMING
             record.predicted_return_at_ms = now + eta_ms
             record.prediction_source = PredictionSource.CALLER_ETA
-            self._holds[record.session_id] = _HoldPlan(now + eta_ms + self.params.margin_ms)
+            self._holds[record.session_id] = eta_hold(now, eta_ms, self.params.margin_ms)
             if record.prefetch_state == PrefetchState.SCHEDULED:
                 promote_ms = self._promote_ms(record)
-                at_ms = now + eta_ms - promote_ms - self.params.margin_ms
+                at_ms = prefetch_start_ms(now + eta_ms, promote_ms, self.params.margin_ms)
                 if at_ms <= now:
                     await self._prefetch_locked(record, MoveReason.RETURNING)
                 else:
@@ -749,10 +598,10 @@ class Orchestrator:
         The ``attempt``-th top-up waits ``topup_delay_ms × topup_backoff^(attempt − 1)``: the
         first ones catch a page that was in another move; the later ones, spread over the pause,
         catch the room that a prefetch ranked behind every hold in HBM could not take (it comes
-        back as turns finish and sessions due sooner return; decision 0008, revision 22). None
-        is scheduled past the hold's end (``_holds``): the pages would be unheld, the first an
-        eviction takes."""
-        at_ms = self.clock_ms() + self.params.topup_delay_ms * self.params.topup_backoff ** (attempt - 1)
+        back as turns finish and sessions due sooner return; decision 0008). None is scheduled
+        past the hold's end (``_holds``): the pages would be unheld, the first an eviction takes."""
+        p = self.params
+        at_ms = self.clock_ms() + topup_delay_ms(attempt, p.topup_delay_ms, p.topup_backoff)
         plan = self._holds.get(session)
         if plan is not None and at_ms > plan.until_ms:
             return
@@ -832,27 +681,15 @@ class Orchestrator:
             bucket.take(num_pages * page_bytes)
         if attempt == 0:
             record.prefetch_state = PrefetchState.SENT
-        # The deadline tells the worker how long to hold the pages in HBM (until the session is
-        # expected back at the latest: see _holds); without it an eviction in the
-        # meantime takes them first, and the prefetch is wasted.
-        # When it is expected back (the prediction's median) ranks the hold against others on
-        # the worker: the session due back last yields first when room is needed. How long it
-        # has been away and the prediction's spread keep that rank true once it is overdue.
-        now = self._now()
         plan = self._holds.get(record.session_id)
-        hold_until = plan.until_ms if plan is not None else record.predicted_return_at_ms
-        deadline_ms = return_in_ms = away_ms = spread = None
-        if hold_until is not None:
-            deadline_ms = round(min(max(0.0, hold_until - now), self.params.max_hold_ms))
-        if record.predicted_return_at_ms is not None:
-            return_in_ms = round(max(0.0, record.predicted_return_at_ms - now))
-            if deadline_ms is not None and return_in_ms > deadline_ms:  # back after the hold ends:
-                return_in_ms = deadline_ms  # the hold's end ranks it
-            elif plan is not None and plan.spread is not None and record.paused_at_ms is not None:
-                away_ms, spread = max(0, now - record.paused_at_ms), plan.spread
-        command = PrefetchCommand(record.namespace_digest, (), Tier.HBM, deadline_ms=deadline_ms,
-                                  session_id=record.session_id, return_in_ms=return_in_ms, away_ms=away_ms,
-                                  return_spread=spread)
+        terms = hold_terms(
+            self._now(), hold_until_ms=plan.until_ms if plan is not None else record.predicted_return_at_ms,
+            predicted_return_at_ms=record.predicted_return_at_ms, paused_at_ms=record.paused_at_ms,
+            spread=plan.spread if plan is not None else None, max_hold_ms=self.params.max_hold_ms,
+        )
+        command = PrefetchCommand(record.namespace_digest, (), Tier.HBM, deadline_ms=terms.deadline_ms,
+                                  session_id=record.session_id, return_in_ms=terms.return_in_ms,
+                                  away_ms=terms.away_ms, return_spread=terms.return_spread)
         return _SentPrefetch(record.worker_id, command, reason, source, page_bytes, self.clock_ms(),
                              record.paused_at_ms, attempt)
 
@@ -938,9 +775,7 @@ class Orchestrator:
 
     def _target_ms(self, prediction: Prediction) -> float:
         """When, after the pause, the pages must be back: the low quantile of the prediction."""
-        if not self.params.prefetch_at_low_quantile:
-            return prediction.return_in_ms
-        return min(prediction.quantile_lo_ms, prediction.return_in_ms)
+        return prefetch_target_ms(prediction, at_low_quantile=self.params.prefetch_at_low_quantile)
 
     def prefetch_overheads(self) -> dict[WorkerId, tuple[int, float]]:
         """Per worker: acknowledged prefetches measured, and the overhead planned with (ms)."""
@@ -951,8 +786,7 @@ class Orchestrator:
         entry = self._entry(worker)
         if entry is None:
             return None
-        present = {o.tier for o in entry.tiers if o.total_pages}  # as of its last heartbeat
-        return next((t for t in (Tier.DRAM, Tier.NVME) if t in present), None)
+        return lower_tier({o.tier for o in entry.tiers if o.total_pages})  # as of its last heartbeat
 
     def _source_tier(self, record: SessionRecord) -> Tier | None:
         """Where a prefetch of ``record`` brings pages from: the tier they were parked in, or,

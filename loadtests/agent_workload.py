@@ -889,8 +889,8 @@ def orchestrator_params(spec: WorkloadSpec) -> Any:
 
 
 def _policy_options(policy: str, spec: WorkloadSpec, workload: Workload, model: Path, state_dir: Path) -> Any:
-    from kvtier.controller.predictor import PredictorParams
     from kvtier.local.stack import StackOptions
+    from kvtier.policy.prediction import PredictorParams
 
     page_bytes = _page_bytes(WORKLOAD_MODEL_CONFIG, spec.page_size)
     ws = workload.working_set_pages()

@@ -21,6 +21,7 @@ from kvtier.domain.hashing import namespace_digest, page_keys
 from kvtier.domain.records import SessionState
 from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
+from kvtier.policy.placement import ParkPrices
 from kvtier.tiers.manager import TierConfig
 from kvtier.worker.engine_loop import HOLD_PREFIX
 from kvtier.worker.servicer import serve_worker
@@ -174,7 +175,7 @@ async def test_a_session_expected_back_after_its_hold_ends_is_ranked_by_the_hold
     the hold's end, and the Prefetch carries no spread: the worker would otherwise take the
     hold's end for the session's median and rank it by a tail that is not its own."""
     namespace = worker.engine.namespace
-    async with cluster(worker, flushed_redis_url, tmp_path, copy_weight=1e6, max_hold_ms=500.0) as (controller, client):
+    async with cluster(worker, flushed_redis_url, tmp_path, prices=ParkPrices(copy_weight=1e6), max_hold_ms=500.0) as (controller, client):
         prompt = [5, 10, 15, 20, 25, 30, 35, 40, 45, 50, 55]
         out, _ = await client.complete(namespace, prompt, GREEDY, session_id="s-long")
         sent_ms = time.time() * 1000.0
@@ -209,8 +210,8 @@ async def test_the_controllers_session_hold_max_s_bounds_every_hold(worker, flus
 @in_module_loop
 async def test_a_session_kept_in_hbm_is_held_there_until_its_turn(worker, flushed_redis_url, tmp_path):
     namespace = worker.engine.namespace
-    # Copies weigh heavily here (copy_weight): holding a paused session in HBM is the cheaper choice.
-    async with cluster(worker, flushed_redis_url, tmp_path, copy_weight=1e6) as (controller, client):
+    # Copies weigh heavily here (ParkPrices.copy_weight): holding a paused session in HBM is the cheaper choice.
+    async with cluster(worker, flushed_redis_url, tmp_path, prices=ParkPrices(copy_weight=1e6)) as (controller, client):
         orchestrator = controller.orchestrator
         prompt = [3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 33]
         out, _ = await client.complete(namespace, prompt, GREEDY, session_id="s-guard")

@@ -18,23 +18,18 @@ import pytest
 import pytest_asyncio
 import torch
 
-from kvtier.cache.eviction import CostModel
-from kvtier.controller.lateness import equal_hazard_aims
-from kvtier.controller.orchestrator import (
-    Orchestrator,
-    OrchestratorParams,
-    TimerQueue,
-    TokenBucket,
-    choose_tier,
-)
+from kvtier.controller.orchestrator import Orchestrator, OrchestratorParams
 from kvtier.controller.predictor import ToolReturnPredictor
 from kvtier.controller.registry import Registry
 from kvtier.controller.sessions import ENDED_TTL_S, KEY_PREFIX, SessionRecord, SessionStore
+from kvtier.controller.timer_queue import TimerQueue
+from kvtier.controller.token_bucket import TokenBucket
 from kvtier.domain import errors
 from kvtier.domain.hashing import NamespaceDigest, namespace_digest, page_keys
-from kvtier.domain.records import PauseRequest, SessionId, SessionState, TierOccupancy
+from kvtier.domain.records import PauseRequest, SessionId, SessionState
 from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
+from kvtier.policy.lateness import equal_hazard_aims
 from kvtier.tiers.manager import TierConfig
 from kvtier.worker.engine_loop import HOLD_PREFIX
 from kvtier.worker.servicer import serve_worker
@@ -270,31 +265,6 @@ async def test_a_route_does_not_wait_for_the_session_bookkeeping_but_the_next_pa
 
 
 # --------------------------------------------------------------------------- pure pieces
-
-
-def occupancy(hbm_free_fraction: float, dram: bool = True) -> dict[Tier, TierOccupancy]:
-    total = 40_000  # 80 GB of 2 MiB pages
-    free = round(total * hbm_free_fraction)
-    occ = {Tier.HBM: TierOccupancy(Tier.HBM, total, free, total - free, 0)}
-    if dram:
-        occ[Tier.DRAM] = TierOccupancy(Tier.DRAM, 4000, 4000, 0, 0)
-    return occ
-
-
-def test_choose_tier_weighs_holding_against_the_round_trip():
-    cost = CostModel()  # 8B-class model, 2 MiB pages, 25 GB/s PCIe
-    params = OrchestratorParams()
-    choose = dict(num_pages=100, page_bytes=2 << 20, params=params, cost_model=cost)
-    # A 2 s pause on an idle GPU: the round trip costs more than holding 0.25 % of HBM.
-    assert choose_tier(pause_ms=2_000, occupancy=occupancy(0.9), **choose).tier is Tier.HBM
-    # The same pause on a busy GPU: demote.
-    assert choose_tier(pause_ms=2_000, occupancy=occupancy(0.05), **choose).tier is Tier.DRAM
-    # A long pause even on an idle GPU: demote.
-    assert choose_tier(pause_ms=30_000, occupancy=occupancy(0.9), **choose).tier is Tier.DRAM
-    # Too short to be back in time (promotion + margin exceed the pause): stay.
-    assert choose_tier(pause_ms=105, occupancy=occupancy(0.0), **choose).tier is Tier.HBM
-    # No lower tier on the worker: stay.
-    assert choose_tier(pause_ms=30_000, occupancy=occupancy(0.0, dram=False), **choose).tier is Tier.HBM
 
 
 def test_token_bucket_has_hysteresis():
