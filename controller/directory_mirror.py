@@ -11,7 +11,7 @@ snapshots its workers send when they register (every registration is a new incar
 
 The mirror answers for an incarnation only if it saw every write of it (``Directory``
 tracks that: incarnations registered by this object, none of whose writes failed midway);
-otherwise Route reads Redis as before. The answer is the Lua lookup's, liveness filtered by
+otherwise Route reads Redis (``Directory.lookup``). The answer is the Lua lookup's, liveness filtered by
 the caller alike; ``tests/test_directory_mirror.py`` checks the two agree over random event
 streams.
 

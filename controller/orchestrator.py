@@ -53,25 +53,22 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
-import functools
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import replace
 
-from kvtier.cache.eviction import CostModel
 from kvtier.controller.lateness import LatenessBudget
+from kvtier.controller.orchestrator_params import OrchestratorParams
 from kvtier.controller.predictor import ToolReturnPredictor
-from kvtier.controller.prefetch import MoveReason, Outcome, PauseOutcome, PrefetchStats, PromoteLatency
-from kvtier.controller.registry import Registry, WorkerEntry
+from kvtier.controller.prefetch import MoveReason, Outcome, PauseOutcome, PrefetchStats
+from kvtier.controller.registry import Registry
+from kvtier.controller.session_serial import SessionSerial
 from kvtier.controller.sessions import PrefetchState, SessionRecord, SessionStore
+from kvtier.controller.tier_moves import SendCommand, SentPrefetch, TierMoves
 from kvtier.controller.timer_queue import TimerQueue, wall_clock_ms
-from kvtier.controller.token_bucket import TokenBucket
-from kvtier.domain.errors import KvtierError, NotFound
+from kvtier.domain.errors import NotFound
 from kvtier.domain.hashing import NamespaceDigest
 from kvtier.domain.records import (
-    Command,
     CommandAck,
-    DemoteCommand,
     DropCommand,
     EndRequest,
     PauseRequest,
@@ -83,18 +80,14 @@ from kvtier.domain.records import (
     SessionInfo,
     SessionState,
     TokensByTier,
-    Watermarks,
     WorkerId,
 )
 from kvtier.domain.tiers import Tier
-from kvtier.policy.lateness import LatenessParams
 from kvtier.policy.placement import (
     HoldPlan,
-    ParkPrices,
     choose_tier,
     eta_hold,
     hold_terms,
-    lower_tier,
     predicted_hold,
     prefetch_start_ms,
     prefetch_target_ms,
@@ -102,94 +95,28 @@ from kvtier.policy.placement import (
 )
 from kvtier.policy.prediction import Prediction
 from kvtier.rpc.auth import Principal
-from kvtier.runtime.config import DEFAULT_SESSION_HOLD_MAX_S
 from kvtier.runtime.log import get_logger
 
 log = get_logger("kvtier.controller.orchestrator")
 
-SendCommand = Callable[[WorkerId, Command], Awaitable[CommandAck]]
 # How often the orchestrator forgets sessions idle past the store's TTL (``forget_idle``).
 FORGET_INTERVAL_S = 60.0
-
-
-@dataclass(slots=True)
-class OrchestratorParams:
-    margin_ms: float = 100.0  # prefetch this much before the predicted return
-    prefetch_at_low_quantile: bool = True  # schedule for the predictor's low quantile, not its median
-    prices: ParkPrices = field(default_factory=ParkPrices)  # what choose_tier weighs
-    bandwidth_bytes_per_s: dict[tuple[Tier, Tier], float] = field(
-        default_factory=lambda: dict(CostModel().bandwidth_bytes_per_s)
-    )
-    cost_model: CostModel = field(default_factory=CostModel)  # page_size/page_bytes come from the worker
-    # Anti-thrash bucket per (worker, lower tier); a tier without an entry is unlimited. The
-    # policy in force (``apply_policy``) replaces these and ``watermarks``.
-    budget_bytes_per_s: Mapping[Tier, float] = field(default_factory=lambda: {Tier.DRAM: 2e9, Tier.NVME: 2e9})
-    budget_burst_s: float = 2.0  # a bucket holds this many seconds of its rate
-    # A lower tier qualifies for parking only while it stays at or below its ``high`` mark.
-    watermarks: Mapping[Tier, Watermarks] = field(default_factory=dict)
-    resume_fraction: float = 0.5
-    command_timeout_s: float = 5.0
-    tick_s: float = 0.01
-    # Prefetch timing (docs/decisions/0008-prefetch-timing.md): the overhead assumed before a
-    # worker's first Prefetch ack, and the quantile of measured overheads planned for after it.
-    prefetch_overhead_ms: float = 50.0
-    overhead_quantile: float = 0.9
-    # The directory hears of a worker's moves up to one event batch (+ a Redis write) after the
-    # ack; a Route sooner than this after a prefetch does not judge its pages (no false waste).
-    directory_lag_ms: float = 250.0
-    # A Prefetch asks the worker to hold the pages in HBM until the predicted return's high
-    # quantile (a late return finds them still there), but never longer than this (a controller
-    # takes it from ``ControllerConfig.session_hold_max_s``).
-    max_hold_ms: float = DEFAULT_SESSION_HOLD_MAX_S * 1000.0
-    # A prefetch that left pages below (a page of the chain in the middle of another move, or no
-    # room in HBM at that moment) is topped up this much later, each next top-up
-    # ``topup_backoff`` times later than the one before, at most ``max_topups`` times and never
-    # after the hold would end (``_schedule_topup``).
-    topup_delay_ms: float = 100.0
-    topup_backoff: float = 2.0
-    max_topups: int = 8
-    num_outcomes_kept: int = 10_000  # recent PauseOutcomes (benchmarks read them)
-    # Which quantile of each tool's predicted return its prefetches aim at: the predictor's
-    # lo_quantile spent by equal hazard across the tenant's tools (``kvtier/policy/lateness.py``).
-    lateness: LatenessParams = field(default_factory=LatenessParams)
-
-
-# --------------------------------------------------------------------------- pieces
-
-
-@dataclass(frozen=True, slots=True)
-class _SentPrefetch:
-    """A Prefetch on its way: what its ack is counted against."""
-
-    worker: WorkerId
-    command: PrefetchCommand
-    reason: str
-    source: Tier
-    page_bytes: int
-    sent_at_ms: float
-    paused_at_ms: int | None  # identifies the pause it serves
-    attempt: int = 0  # 0: the pause's prefetch; k > 0: its k-th top-up
 
 
 # --------------------------------------------------------------------------- orchestrator
 
 
-@dataclass(slots=True)
-class _SessionLock:
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    users: int = 0  # holding or waiting
-
-
 class Orchestrator:
-    """Drives session transitions and the tier moves they imply; one lock per session
-    serialises Pause/Returning/End/Route/timer work on that session."""
+    """Drives session transitions and the tier moves they imply. ``moves`` (``TierMoves``) sends
+    the commands and knows their costs; ``serial`` (``SessionSerial``) runs Pause, Returning,
+    End, Route and timer work on one session one at a time; ``timers`` holds the prefetches."""
 
     def __init__(
         self,
         store: SessionStore,
         predictor: ToolReturnPredictor,
         registry: Registry,
-        send_command: Callable[[WorkerId, Command], Awaitable[CommandAck]],
+        send_command: SendCommand,
         params: OrchestratorParams | None = None,
         *,
         clock_ms: Callable[[], float] = wall_clock_ms,
@@ -197,7 +124,6 @@ class Orchestrator:
         self.store = store
         self.predictor = predictor
         self.registry = registry
-        self._send_command = send_command
         self.params = params or OrchestratorParams()
         self.clock_ms = clock_ms
         self.timers = TimerQueue(clock_ms)
@@ -206,10 +132,8 @@ class Orchestrator:
             self.params.lateness, lambda tenant, tool: predictor.model(tenant, tool, self.params.lateness.min_samples))
         self.outcomes: collections.deque[PauseOutcome] = collections.deque(maxlen=self.params.num_outcomes_kept)
         self.listeners: list[Callable[[PauseOutcome], None]] = []  # called as each pause closes
-        self._buckets: dict[tuple[WorkerId, Tier], TokenBucket] = {}
-        self._latency: dict[WorkerId, PromoteLatency] = {}
-        # One lock per session in use (``_locked``): gone once no one holds or waits for it.
-        self._locks: dict[SessionId, _SessionLock] = {}
+        self.moves = TierMoves(registry, send_command, self.params, self.stats, clock_ms)
+        self.serial = SessionSerial()  # per-session locks, Route bookkeeping in the background
         # State and last write (clock ms) per session, for counts without a Redis scan; a
         # session untouched for the store's TTL has expired there and is not counted.
         self._states: dict[SessionId, tuple[SessionState, float]] = {}
@@ -220,8 +144,6 @@ class Orchestrator:
         self._skipped_pages: dict[SessionId, int] = {}
         self._task: asyncio.Task[None] | None = None
         self._forget_task: asyncio.Task[None] | None = None
-        # Route bookkeeping running in the background (``route_seen``), the latest per session.
-        self._route_tasks: dict[SessionId, asyncio.Task[None]] = {}
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -258,8 +180,7 @@ class Orchestrator:
 
     async def settled(self) -> None:
         """Wait for the Route bookkeeping still running in the background (``route_seen``)."""
-        while self._route_tasks:
-            await asyncio.wait(set(self._route_tasks.values()))
+        await self.serial.settled()
 
     async def recover(self) -> int:
         """Reschedule the prefetches of parked sessions (after a restart or takeover)."""
@@ -276,24 +197,7 @@ class Orchestrator:
         Buckets restart full at the new rates."""
         self.params = replace(self.params, budget_bytes_per_s=dict(policy.budget_bytes_per_s),
                               watermarks=dict(policy.watermarks))
-        self._buckets.clear()
-
-    @contextlib.asynccontextmanager
-    async def _locked(self, session: SessionId) -> AsyncIterator[None]:
-        """Hold ``session``'s lock: Route, Pause, Returning, End and timer work on a session go
-        one at a time. The lock exists while someone holds or waits for it, so sessions that
-        are never ended leave no lock behind."""
-        entry = self._locks.get(session)
-        if entry is None:
-            entry = self._locks[session] = _SessionLock()
-        entry.users += 1
-        try:
-            async with entry.lock:
-                yield
-        finally:
-            entry.users -= 1
-            if not entry.users:
-                del self._locks[session]
+        self.moves.apply_params(self.params)
 
     async def _get(self, session: SessionId, caller: Principal | None = None) -> SessionRecord:
         """The session's record; NOT_FOUND when there is none or it belongs to a tenant the
@@ -336,29 +240,10 @@ class Orchestrator:
         of now. A Route does not wait for the session's bookkeeping (Redis round trips: ~0.5 ms
         of a resume's time to first token in the agent workload, and however long a slow Redis
         takes); the session's next Pause, Returning, End or prefetch waits for it instead
-        (``_after_route``), so each still sees the turn."""
+        (``SessionSerial.after_route``), so each still sees the turn."""
         bookkeeping = self.on_route(session, tenant=tenant, worker=worker, digest=digest, num_tokens=num_tokens,
                                     matched=matched, now_ms=self._now())
-        task = asyncio.create_task(self._logged(session, bookkeeping), name="kvtier-session-route")
-        self._route_tasks[session] = task
-        task.add_done_callback(functools.partial(self._route_task_done, session))
-
-    def _route_task_done(self, session: SessionId, task: asyncio.Task[None]) -> None:
-        if self._route_tasks.get(session) is task:
-            del self._route_tasks[session]
-
-    @staticmethod
-    async def _logged(session: SessionId, bookkeeping: Awaitable[object]) -> None:
-        try:
-            await bookkeeping
-        except Exception as exc:  # session bookkeeping must never fail a Route
-            log.warning("session bookkeeping on Route failed", extra={"session_id": session, "reason": str(exc)})
-
-    async def _after_route(self, session: SessionId) -> None:
-        """Wait for the session's Route bookkeeping, if some is still running."""
-        task = self._route_tasks.get(session)
-        if task is not None:
-            await asyncio.wait({task})
+        self.serial.run_after_route(session, bookkeeping)
 
     async def on_route(
         self, session: SessionId, *, tenant: str, worker: WorkerId | None, digest: NamespaceDigest,
@@ -370,7 +255,7 @@ class Orchestrator:
         unknown, e.g. a degraded Route); it tells whether prefetched pages were still in HBM.
         ``now_ms``: when the Route came (default: now), which a prefetch's ack must precede to
         be on time."""
-        async with self._locked(session):
+        async with self.serial.locked(session):
             now = self._now() if now_ms is None else now_ms
             record = await self.store.get(session)
             if record is not None and record.state is not SessionState.ENDED and record.tenant != tenant:
@@ -393,7 +278,7 @@ class Orchestrator:
         self.timers.cancel(record.session_id)
         self._holds.pop(record.session_id, None)
         skipped = self._skipped_pages.pop(record.session_id, 0)
-        page_bytes = self._page_bytes(record.worker_id)
+        page_bytes = self.moves.page_bytes(record.worker_id)
         num_pages = record.num_parked_pages
         outcome, wasted_bytes, lead_ms = Outcome.KEPT, 0, None
         done = record.prefetch_state == PrefetchState.DONE and (record.prefetch_done_at_ms or 0) <= now
@@ -431,7 +316,7 @@ class Orchestrator:
         HBM again (beyond the ``skipped`` ones the prefetch left there), or gone (the prefix it
         matches is shorter than the previous turn's). 0 when the directory cannot tell yet (no
         match given, or the prefetch is too recent)."""
-        entry = self._entry(record.worker_id)
+        entry = self.moves.entry(record.worker_id)
         done_at = record.prefetch_done_at_ms
         if matched is None or entry is None or done_at is None or now - done_at < self.params.directory_lag_ms:
             return 0
@@ -442,8 +327,8 @@ class Orchestrator:
 
     # ---- Pause -----------------------------------------------------------------------------
     async def pause(self, request: PauseRequest, *, caller: Principal | None = None) -> SessionInfo:
-        await self._after_route(request.session_id)
-        async with self._locked(request.session_id):
+        await self.serial.after_route(request.session_id)
+        async with self.serial.locked(request.session_id):
             record = await self._get(request.session_id, caller)
             if record.state is SessionState.PAUSED:
                 return record.info()
@@ -467,11 +352,11 @@ class Orchestrator:
         if entry is None or record.namespace_digest is None:
             self.stats.num_kept_in_hbm += 1
             return
-        page_bytes = self._page_bytes(record.worker_id)
+        page_bytes = self.moves.page_bytes(record.worker_id)
         page_size = entry.registration.page_size
         num_pages = max(1, record.num_cached_tokens // page_size)
         cost_model = replace(self.params.cost_model, page_size=page_size, page_bytes=page_bytes)
-        overhead_ms = self._latency_of(entry.worker_id).overhead_ms()
+        overhead_ms = self.moves.latency_of(entry.worker_id).overhead_ms()
         p = self.params
         choice = choose_tier(
             num_pages=num_pages, page_bytes=page_bytes, pause_ms=prediction.return_in_ms,
@@ -479,7 +364,7 @@ class Orchestrator:
             recompute_s=cost_model.prefix_recompute_s(num_pages), margin_ms=p.margin_ms, prices=p.prices,
             watermarks=p.watermarks, earliest_return_ms=self._target_ms(prediction), overhead_ms=overhead_ms,
         )
-        if choice.tier is Tier.HBM or not await self._demote(record, entry.worker_id, choice.tier, num_pages):
+        if choice.tier is Tier.HBM or not await self.moves.demote(record, entry.worker_id, choice.tier, num_pages):
             self.stats.num_kept_in_hbm += 1
             self._guard(record)
             return
@@ -487,7 +372,7 @@ class Orchestrator:
         self.lateness.note_park(record.tenant, record.tool_name or "")
         # Aim at the early end of the predicted spread (the predictor's lo_quantile, 5 %, or
         # the tool's share of the tenant's lateness: kvtier/policy/lateness.py), not the median.
-        at_ms = prefetch_start_ms(record.paused_at_ms + self._target_ms(prediction), self._promote_ms(record),
+        at_ms = prefetch_start_ms(record.paused_at_ms + self._target_ms(prediction), self.moves.promote_ms(record),
                                   self.params.margin_ms)
         record.prefetch_at_ms = round(at_ms)
         record.prefetch_state = PrefetchState.SCHEDULED
@@ -495,24 +380,6 @@ class Orchestrator:
         log.info("session parked", extra={
             "session_id": record.session_id, "tier": choice.tier.label, "num_pages": record.num_parked_pages,
             "prefetch_in_ms": round(at_ms - self._now())})
-
-    async def _demote(self, record: SessionRecord, worker: WorkerId, tier: Tier, num_pages: int) -> bool:
-        """Send the park's Demote within the anti-thrash budget; True when pages moved (counted)."""
-        assert record.namespace_digest is not None
-        page_bytes = self._page_bytes(worker)
-        bucket = self._bucket(worker, tier)
-        if bucket is not None and not bucket.try_take(num_pages * page_bytes):
-            self.stats.num_throttled += 1
-            log.info("demotion throttled", extra={"session_id": record.session_id, "tier": tier.label})
-            return False
-        ack = await self._send(worker, DemoteCommand(record.namespace_digest, (), tier, session_id=record.session_id))
-        if ack is None or not ack.ok or ack.num_pages == 0:
-            return False
-        record.num_parked_pages = ack.num_pages
-        self.stats.num_demoted += 1
-        self.stats.demoted_bytes += ack.num_pages * page_bytes
-        self.stats.count_move(MoveReason.PARK, Tier.HBM.label, tier.label, ack.num_pages, ack.num_pages * page_bytes)
-        return True
 
     def _guard(self, record: SessionRecord) -> None:
         """A guard prefetch for a session kept in HBM, at once (from the timer task: Pause
@@ -523,7 +390,7 @@ class Orchestrator:
         policy pays). Kept has to mean held: the guard's Prefetch moves nothing (the pages
         are in HBM) and holds them until the predicted return's high quantile, like a
         prefetched session's; whatever already left comes back."""
-        if self._lower_tier(record.worker_id) is None:
+        if self.moves.lower_tier_of(record.worker_id) is None:
             return
         record.prefetch_at_ms = self._now()
         record.prefetch_state = PrefetchState.SCHEDULED
@@ -531,8 +398,8 @@ class Orchestrator:
 
     # ---- Returning -------------------------------------------------------------------------
     async def returning(self, request: ReturningRequest, *, caller: Principal | None = None) -> SessionInfo:
-        await self._after_route(request.session_id)
-        async with self._locked(request.session_id):
+        await self.serial.after_route(request.session_id)
+        async with self.serial.locked(request.session_id):
             record = await self._get(request.session_id, caller)
             record.require(SessionState.PAUSED, SessionState.RESUMING, action="Returning")
             now = self._now()
@@ -545,7 +412,7 @@ class Orchestrator:
             record.prediction_source = PredictionSource.CALLER_ETA
             self._holds[record.session_id] = eta_hold(now, eta_ms, self.params.margin_ms)
             if record.prefetch_state == PrefetchState.SCHEDULED:
-                promote_ms = self._promote_ms(record)
+                promote_ms = self.moves.promote_ms(record)
                 at_ms = prefetch_start_ms(now + eta_ms, promote_ms, self.params.margin_ms)
                 if at_ms <= now:
                     await self._prefetch_locked(record, MoveReason.RETURNING)
@@ -557,19 +424,19 @@ class Orchestrator:
 
     # ---- End ---------------------------------------------------------------------------------
     async def end(self, request: EndRequest, *, caller: Principal | None = None) -> SessionInfo:
-        await self._after_route(request.session_id)
-        async with self._locked(request.session_id):
+        await self.serial.after_route(request.session_id)
+        async with self.serial.locked(request.session_id):
             record = await self._get(request.session_id, caller)
             if record.state is SessionState.ENDED:
                 return record.info()
             self.timers.cancel(record.session_id)
             self._holds.pop(record.session_id, None)
             self._skipped_pages.pop(record.session_id, None)
-            page_bytes = self._page_bytes(record.worker_id)
+            page_bytes = self.moves.page_bytes(record.worker_id)
             if record.prefetch_state == PrefetchState.DONE and record.state is not SessionState.ACTIVE:
                 self.stats.count_waste("ended", record.num_parked_pages * page_bytes)
             if record.worker_id is not None and record.namespace_digest is not None:
-                ack = await self._send(record.worker_id, DropCommand(record.namespace_digest, (), record.session_id))
+                ack = await self.moves.send(record.worker_id, DropCommand(record.namespace_digest, (), record.session_id))
                 if ack is not None and ack.num_pages:
                     self.stats.count_move(MoveReason.END, "any", "none", ack.num_pages, ack.num_pages * page_bytes)
             record.clear_pause()
@@ -624,8 +491,8 @@ class Orchestrator:
         transfer, and the prefetch would be scored on time). It closes the pause as late; the
         ack then finds the pause gone and only its traffic is counted."""
         try:
-            await self._after_route(session)
-            async with self._locked(session):
+            await self.serial.after_route(session)
+            async with self.serial.locked(session):
                 record = await self.store.get(session)
                 if record is None or not may_start(record):
                     return
@@ -633,8 +500,8 @@ class Orchestrator:
                 await self._save(record)
             if sent is None:
                 return
-            ack = await self._send(sent.worker, sent.command)
-            async with self._locked(session):
+            ack = await self.moves.send(sent.worker, sent.command)
+            async with self.serial.locked(session):
                 record = await self.store.get(session)
                 if record is not None and may_finish(record) and record.paused_at_ms == sent.paused_at_ms:
                     self._prefetch_end(sent, ack, record)
@@ -654,13 +521,13 @@ class Orchestrator:
         asked for the pages now). The caller holds the session's lock and saves the record."""
         sent = self._prefetch_begin(record, reason)
         if sent is not None:
-            self._prefetch_end(sent, await self._send(sent.worker, sent.command), record)
+            self._prefetch_end(sent, await self.moves.send(sent.worker, sent.command), record)
 
-    def _prefetch_begin(self, record: SessionRecord, reason: str, *, attempt: int = 0) -> _SentPrefetch | None:
+    def _prefetch_begin(self, record: SessionRecord, reason: str, *, attempt: int = 0) -> SentPrefetch | None:
         """Mark ``record``'s prefetch SENT and build its command (None: nothing to prefetch); a
         top-up (``attempt`` > 0) leaves the state DONE."""
         self.timers.cancel(record.session_id)
-        source = self._source_tier(record)
+        source = self.moves.source_tier(record)
         if record.worker_id is None or record.namespace_digest is None or source is None:
             return None
         entry = self.registry.get(record.worker_id)
@@ -674,8 +541,8 @@ class Orchestrator:
             return None
         if record.parked_tier is Tier.HBM and reason == MoveReason.PREFETCH:
             reason = MoveReason.GUARD
-        page_bytes = self._page_bytes(record.worker_id)
-        bucket = self._bucket(record.worker_id, source)
+        page_bytes = self.moves.page_bytes(record.worker_id)
+        bucket = self.moves.bucket(record.worker_id, source)
         if bucket is not None:  # a top-up moves at most what the last ack left below
             num_pages = self._skipped_pages.get(record.session_id, 0) if attempt else record.num_parked_pages
             bucket.take(num_pages * page_bytes)
@@ -690,10 +557,10 @@ class Orchestrator:
         command = PrefetchCommand(record.namespace_digest, (), Tier.HBM, deadline_ms=terms.deadline_ms,
                                   session_id=record.session_id, return_in_ms=terms.return_in_ms,
                                   away_ms=terms.away_ms, return_spread=terms.return_spread)
-        return _SentPrefetch(record.worker_id, command, reason, source, page_bytes, self.clock_ms(),
+        return SentPrefetch(record.worker_id, command, reason, source, page_bytes, self.clock_ms(),
                              record.paused_at_ms, attempt)
 
-    def _prefetch_end(self, sent: _SentPrefetch, ack: CommandAck | None, record: SessionRecord | None) -> None:
+    def _prefetch_end(self, sent: SentPrefetch, ack: CommandAck | None, record: SessionRecord | None) -> None:
         """Count a prefetch's ack; with ``record`` (still the same pause) mark it DONE or not.
 
         On the ack, ``num_parked_pages`` becomes the pages that came back (the rest stayed
@@ -703,14 +570,7 @@ class Orchestrator:
             if record is not None and sent.attempt == 0:
                 record.prefetch_state = PrefetchState.NONE  # the worker promotes on hit instead
             return
-        latency_ms = self.clock_ms() - sent.sent_at_ms
-        moved_bytes = ack.num_pages * sent.page_bytes
-        rate = self.params.bandwidth_bytes_per_s[(sent.source, Tier.HBM)]
-        self._latency_of(sent.worker).observe(latency_ms, moved_bytes, rate)
-        if ack.num_pages:  # a guard that found every page still in HBM moved nothing
-            self.stats.num_prefetched += 1
-            self.stats.prefetched_bytes += moved_bytes
-            self.stats.count_move(sent.reason, sent.source.label, Tier.HBM.label, ack.num_pages, moved_bytes)
+        latency_ms = self.moves.count_prefetch(sent, ack)
         session = sent.command.session_id
         log.info("session prefetched", extra={
             "session_id": session, "reason": sent.reason, "num_pages": ack.num_pages,
@@ -724,86 +584,6 @@ class Orchestrator:
         if ack.num_skipped_pages and sent.attempt < self.params.max_topups:
             self._schedule_topup(record.session_id, sent.attempt + 1)
 
-    # ---- helpers -------------------------------------------------------------------------------
-    async def _send(self, worker: WorkerId, command: Command) -> CommandAck | None:
-        try:
-            ack = await asyncio.wait_for(self._send_command(worker, command), self.params.command_timeout_s)
-        except (KvtierError, TimeoutError) as exc:
-            log.warning("tier command not carried out", extra={
-                "worker_id": worker, "command": type(command).__name__, "reason": str(exc)})
-            key = f"{type(command).__name__}:{getattr(exc, 'code', 'TIMEOUT')}"
-            self.stats.refused[key] = self.stats.refused.get(key, 0) + 1
-            return None
-        if not ack.ok:
-            key = f"{type(command).__name__}:{ack.error_code}"
-            self.stats.refused[key] = self.stats.refused.get(key, 0) + 1
-            log.warning("tier command refused", extra={
-                "worker_id": worker, "command": type(command).__name__, "error_code": ack.error_code,
-                "reason": ack.error_message})
-        return ack
-
-    def _bucket(self, worker: WorkerId, tier: Tier) -> TokenBucket | None:
-        """The (worker, tier) link's bucket; None when the tier's budget is unlimited."""
-        rate = self.params.budget_bytes_per_s.get(tier)
-        if rate is None:
-            return None
-        bucket = self._buckets.get((worker, tier))
-        if bucket is None:
-            p = self.params
-            bucket = self._buckets[(worker, tier)] = TokenBucket(
-                rate, rate * p.budget_burst_s, p.resume_fraction, lambda: self.clock_ms() / 1000.0)
-        return bucket
-
-    def _entry(self, worker: WorkerId | None) -> WorkerEntry | None:
-        return self.registry.get(worker) if worker else None
-
-    def _page_bytes(self, worker: WorkerId | None) -> int:
-        entry = self._entry(worker)
-        if entry is None:
-            return 0
-        for capacity in entry.registration.capacities:
-            if capacity.tier is Tier.HBM and capacity.capacity_pages:
-                return capacity.capacity_bytes // capacity.capacity_pages
-        return 0
-
-    def _latency_of(self, worker: WorkerId) -> PromoteLatency:
-        latency = self._latency.get(worker)
-        if latency is None:
-            p = self.params
-            latency = self._latency[worker] = PromoteLatency(p.prefetch_overhead_ms, quantile=p.overhead_quantile)
-        return latency
-
     def _target_ms(self, prediction: Prediction) -> float:
         """When, after the pause, the pages must be back: the low quantile of the prediction."""
         return prefetch_target_ms(prediction, at_low_quantile=self.params.prefetch_at_low_quantile)
-
-    def prefetch_overheads(self) -> dict[WorkerId, tuple[int, float]]:
-        """Per worker: acknowledged prefetches measured, and the overhead planned with (ms)."""
-        return {w: (latency.num_samples, latency.overhead_ms()) for w, latency in self._latency.items()}
-
-    def _lower_tier(self, worker: WorkerId | None) -> Tier | None:
-        """The worker's first tier below HBM (where its own demotions go), if it has one."""
-        entry = self._entry(worker)
-        if entry is None:
-            return None
-        return lower_tier({o.tier for o in entry.tiers if o.total_pages})  # as of its last heartbeat
-
-    def _source_tier(self, record: SessionRecord) -> Tier | None:
-        """Where a prefetch of ``record`` brings pages from: the tier they were parked in, or,
-        for a session kept in HBM (a guard), the tier the worker's own demotions use."""
-        if record.parked_tier is None:
-            return None
-        return record.parked_tier if record.parked_tier is not Tier.HBM else self._lower_tier(record.worker_id)
-
-    def _promote_ms(self, record: SessionRecord) -> float:
-        """How long a Prefetch of the session's pages takes on their worker, ack included (a
-        guard assumes every page of the session's history has to come back)."""
-        source = self._source_tier(record)
-        entry = self._entry(record.worker_id)
-        if source is None or entry is None or record.worker_id is None:
-            return 0.0
-        num_pages = record.num_parked_pages
-        if record.parked_tier is Tier.HBM:
-            num_pages = record.num_cached_tokens // max(1, entry.registration.page_size)
-        rate = self.params.bandwidth_bytes_per_s[(source, Tier.HBM)]
-        return self._latency_of(record.worker_id).estimate_ms(num_pages * self._page_bytes(record.worker_id), rate)

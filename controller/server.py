@@ -35,7 +35,8 @@ from kvtier.controller.directory import Directory
 from kvtier.controller.directory_records import Outcome
 from kvtier.controller.link_servicer import WorkerLinks, WorkerLinkServicer
 from kvtier.controller.metrics import ControllerMetrics
-from kvtier.controller.orchestrator import Orchestrator, OrchestratorParams
+from kvtier.controller.orchestrator import Orchestrator
+from kvtier.controller.orchestrator_params import OrchestratorParams
 from kvtier.controller.policy_store import PolicyInForce, PolicyStore, seed_policy
 from kvtier.controller.predictor import ToolReturnPredictor
 from kvtier.controller.registry import Registry

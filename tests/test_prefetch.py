@@ -14,7 +14,7 @@ import time
 import pytest
 import pytest_asyncio
 
-from kvtier.controller.orchestrator import OrchestratorParams
+from kvtier.controller.orchestrator_params import OrchestratorParams
 from kvtier.controller.prefetch import Outcome, PauseOutcome, PrefetchStats, PromoteLatency
 from kvtier.controller.sessions import PrefetchState
 from kvtier.domain.hashing import namespace_digest, page_keys

@@ -10,6 +10,7 @@ pure pieces (tier choice, token bucket, timer queue) with a clock of their own."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import random
 import time
@@ -18,15 +19,23 @@ import pytest
 import pytest_asyncio
 import torch
 
-from kvtier.controller.orchestrator import Orchestrator, OrchestratorParams
+from kvtier.controller.orchestrator import Orchestrator
+from kvtier.controller.orchestrator_params import OrchestratorParams
 from kvtier.controller.predictor import ToolReturnPredictor
 from kvtier.controller.registry import Registry
-from kvtier.controller.sessions import ENDED_TTL_S, KEY_PREFIX, SessionRecord, SessionStore
+from kvtier.controller.sessions import ENDED_TTL_S, KEY_PREFIX, PrefetchState, SessionRecord, SessionStore
 from kvtier.controller.timer_queue import TimerQueue
 from kvtier.controller.token_bucket import TokenBucket
 from kvtier.domain import errors
 from kvtier.domain.hashing import NamespaceDigest, namespace_digest, page_keys
-from kvtier.domain.records import PauseRequest, SessionId, SessionState
+from kvtier.domain.records import (
+    PauseRequest,
+    PredictionSource,
+    SessionId,
+    SessionInfo,
+    SessionState,
+    WorkerId,
+)
 from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
 from kvtier.policy.lateness import equal_hazard_aims
@@ -240,7 +249,7 @@ async def test_a_route_does_not_wait_for_the_session_bookkeeping_but_the_next_pa
         held, release = asyncio.Event(), asyncio.Event()
 
         async def hold_the_session() -> None:
-            async with orchestrator._locked(SessionId("s-slow")):
+            async with orchestrator.serial.locked(SessionId("s-slow")):
                 held.set()
                 await release.wait()
 
@@ -261,10 +270,27 @@ async def test_a_route_does_not_wait_for_the_session_bookkeeping_but_the_next_pa
         assert [o.session_id for o in orchestrator.outcomes] == ["s-slow"]  # the first pause, closed
         await client.end("s-slow")
         await orchestrator.settled()
-        assert not orchestrator._route_tasks
+        assert not orchestrator.serial.num_route_tasks
 
 
 # --------------------------------------------------------------------------- pure pieces
+
+
+def test_a_record_holds_every_session_info_field_and_shows_a_pause_only_while_it_means_something():
+    assert {f.name for f in dataclasses.fields(SessionInfo)} <= {f.name for f in dataclasses.fields(SessionRecord)}
+    record = SessionRecord(
+        session_id=SessionId("s"), state=SessionState.PAUSED, worker_id=WorkerId("w"), tool_name="build",
+        paused_at_ms=1_000, predicted_return_at_ms=3_000, prediction_source=PredictionSource.HISTORY,
+        prefetch_at_ms=2_500, parked_tier=Tier.DRAM, num_cached_tokens=64, tenant="acme",
+        num_parked_pages=4, prefetch_state=PrefetchState.SCHEDULED,
+    )
+    assert record.info() == SessionInfo(
+        SessionId("s"), SessionState.PAUSED, WorkerId("w"), "build", 1_000, 3_000, PredictionSource.HISTORY,
+        2_500, Tier.DRAM, 64,
+    )
+    record.state, record.prefetch_state, record.predicted_return_at_ms = SessionState.ACTIVE, PrefetchState.DONE, None
+    info = record.info()
+    assert (info.tool_name, info.prediction_source, info.prefetch_at_ms) == (None, None, None)
 
 
 def test_token_bucket_has_hysteresis():
@@ -329,7 +355,7 @@ async def test_sessions_nobody_ends_leave_nothing_behind_in_the_orchestrator(red
         await orchestrator.on_route(SessionId(f"s-{i}"), tenant="t", worker=None, digest=digest, num_tokens=64)
     for i in range(10):  # half of them pause (their tool never returns)
         await orchestrator.pause(PauseRequest(SessionId(f"s-{i}"), tool_name="search", expected_ms=500))
-    assert not orchestrator._locks
+    assert not orchestrator.serial.num_locks
     assert len(orchestrator._states) == 20 and len(orchestrator._holds) == 10
     assert orchestrator.session_counts()[SessionState.PAUSED] == 10
 
@@ -339,5 +365,5 @@ async def test_sessions_nobody_ends_leave_nothing_behind_in_the_orchestrator(red
     now[0] += 31_000  # past the TTL for all but s-0
     assert orchestrator.forget_idle() == 19
     assert list(orchestrator._states) == ["s-0"] and not orchestrator._holds
-    assert orchestrator.session_counts()[SessionState.ACTIVE] == 1 and not orchestrator._locks
+    assert orchestrator.session_counts()[SessionState.ACTIVE] == 1 and not orchestrator.serial.num_locks
 
