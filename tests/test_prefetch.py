@@ -358,8 +358,8 @@ async def resume_after_the_top_up(worker, controller, client, session: str, hist
 async def test_top_ups_back_off_and_bring_up_pages_whose_room_came_late(worker, flushed_redis_url, tmp_path):
     """A prefetch that brought nothing back (here its first page is in another move; in the agent
     benchmark, no room) keeps being topped up at growing delays (50, 100, 200, 400 ms, ...), so
-    pages that can move only after the first two top-ups gave up (two 50 ms apart, the rule
-    before revision 22 of decision 0008) are still in HBM for the turn, which is on time."""
+    pages that can move only after two top-ups 50 ms apart would have given up are still in HBM
+    for the turn, which is on time (decision 0008)."""
     async with cluster(worker, flushed_redis_url, tmp_path, margin_ms=1_500.0, topup_delay_ms=50.0) as (
         controller, client
     ):
@@ -721,8 +721,8 @@ async def test_a_prefetch_does_not_take_the_room_of_a_session_due_back_sooner(tm
     """Pages brought up for a session due back stay in HBM after its hold is refused at the cap
     (clean: their copy below is intact), free to take when room is needed. A prefetch for a
     session due back *later* must not take them: that moves pages up only to send another
-    session's down unused, which it must bring up again or promote on arrival (decision 0008,
-    revision 16). With no other room, the later prefetch moves nothing (its top-ups or its turn
+    session's down unused, which it must bring up again or promote on arrival (decision 0008).
+    With no other room, the later prefetch moves nothing (its top-ups or its turn
     bring it); a prefetch for a session due back sooner still takes them."""
     engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0, num_pages=8, hold_pages=1)
     try:
@@ -794,7 +794,7 @@ async def test_a_waiting_request_does_not_displace_a_session_due_back_within_a_s
     ``HOLD_DUE_SOON_S`` (worker/engine_loop.py ``_admit_awaiting``): the session's turn comes,
     finds every page in HBM and promotes nothing, and the request runs after it, with the
     output a run without holds gives. The wait is bounded (``HOLD_DEFER_S``): a session that
-    is not back by then yields its hold as before."""
+    is not back by then yields its hold to the request."""
     import kvtier.worker.engine_loop as engine_loop
 
     monkeypatch.setattr(engine_loop, "HOLD_DEFER_S", 1.5)
