@@ -9,12 +9,19 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from kvtier.controller.directory import Directory
-from kvtier.controller.directory_records import ApplyResult, Outcome, RejectedEvent, RejectReason
+from kvtier.controller.directory_records import (
+    ApplyResult,
+    HeldPrefix,
+    Outcome,
+    PrefixLookup,
+    RejectedEvent,
+    RejectReason,
+)
 from kvtier.controller.leader import LeaderLease
 from kvtier.controller.resync import REDIS_ERRORS
 from kvtier.domain.errors import InvalidArgument
 from kvtier.domain.hashing import NamespaceIdentity, namespace_digest, page_keys, root_key
-from kvtier.domain.records import PageEvent, PageEventKind, WorkerId
+from kvtier.domain.records import LookupResult, PageEvent, PageEventKind, TokensByTier, WorkerId, WorkerMatch
 from kvtier.domain.tiers import Tier
 from kvtier.runtime.embedded_redis import EmbeddedRedis
 
@@ -65,6 +72,19 @@ async def make_directory(client, *workers, **kwargs):
 
 def summary(result):
     return [(m.worker, bytes(m.tiers)) for m in result.matches]
+
+
+def test_a_lookup_in_pages_is_the_wire_lookup_in_tokens():
+    ns = ns_for()
+    run = HeldPrefix.from_tiers(W1, bytes([1, 1, 2, 3]))
+    assert (run.num_pages, run.num_hbm, run.num_dram, run.num_nvme) == (4, 2, 1, 1)
+    assert run.tier_at(3) is D and run.num_in(N) == 1
+    lookup = PrefixLookup(num_query_pages=5, matches=(run, HeldPrefix.from_tiers(W2, bytes([2]))), epoch=1)
+    assert lookup.to_result(ns, page_size=16) == LookupResult(ns, 5, (
+        WorkerMatch(W1, TokensByTier(hbm_tokens=32, dram_tokens=16, nvme_tokens=16)),
+        WorkerMatch(W2, TokensByTier(dram_tokens=16)),
+    ))
+    assert [h.worker for h in lookup.holders_at(1)] == [W1, W2] and lookup.matched_depth == 4
 
 
 async def test_lookup_reports_each_workers_contiguous_pages_by_tier(redis_client):
