@@ -11,7 +11,7 @@ snapshots its workers send when they register (every registration is a new incar
 
 The mirror answers for an incarnation only if it saw every write of it (``Directory``
 tracks that: incarnations registered by this object, none of whose writes failed midway);
-otherwise Route reads Redis as before. The answer is the Lua lookup's, liveness filtered by
+otherwise Route reads Redis (``Directory.lookup``). The answer is the Lua lookup's, liveness filtered by
 the caller alike; ``tests/test_directory_mirror.py`` checks the two agree over random event
 streams.
 
@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 
 from kvtier.domain.hashing import NamespaceDigest, PageKey
 
-INSERT, MOVE, DROP = 1, 2, 3  # directory.EventKind values (the wire's, as the Lua reads them)
+INSERT, MOVE, DROP = 1, 2, 3  # directory_scripts.KIND_CODES (the numbers the Lua reads)
 _MASK_BITS = 3
 _MASK = (1 << _MASK_BITS) - 1
 FASTEST = (0, 1, 2, 1, 3, 1, 2, 1)  # tier mask -> fastest tier (0: none), as namespace_keys.lua

@@ -37,16 +37,22 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import grpc.aio
 
-from kvtier.controller import directory as dirmod
+from kvtier.controller.directory_records import Outcome, RejectReason
+from kvtier.controller.link_session import (
+    RESYNC_POLL_S,
+    LinkSession,
+    LostMessage,
+    PendingSnapshot,
+    QueuedEvent,
+    SnapshotSummary,
+)
 from kvtier.controller.registry import Registry
 from kvtier.controller.resync import REDIS_ERRORS, DirectoryAccess
 from kvtier.domain.errors import (
@@ -57,17 +63,14 @@ from kvtier.domain.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvtier.domain.hashing import NamespaceDigest, PageKey
 from kvtier.domain.records import (
     Command,
     CommandAck,
-    CommandId,
     ControllerCommand,
     Heartbeat,
     InventorySnapshotChunk,
     PageEvent,
     PageEventBatch,
-    PageEventKind,
     Registration,
     RequestSnapshotCommand,
     SnapshotId,
@@ -91,149 +94,20 @@ REPAIR_MIN_INTERVAL_S = 5.0
 MAX_SNAPSHOT_SUMMARIES = 16
 """Applied snapshots remembered per stream (for Admin.Snapshot and Admin.Drain)."""
 SNAPSHOT_ACK_TIMEOUT_S = 30.0
-RESYNC_POLL_S = 0.1
-MAX_RESYNC_BACKOFF_S = 5.0
-_DIVERGENCE = frozenset({dirmod.RejectReason.MISSING_PARENT, dirmod.RejectReason.NOT_HELD})
-_KINDS = {
-    PageEventKind.INSERT: dirmod.EventKind.INSERT,
-    PageEventKind.MOVE: dirmod.EventKind.MOVE,
-    PageEventKind.DROP: dirmod.EventKind.DROP,
-}
+_DIVERGENCE = frozenset({RejectReason.MISSING_PARENT, RejectReason.NOT_HELD})
 _MEMBERS = {Heartbeat: "heartbeat", PageEventBatch: "page_events", InventorySnapshotChunk: "snapshot",
             CommandAck: "ack", Registration: "register"}
 
 
-def to_directory_event(event: PageEvent) -> dirmod.PageEvent:
-    return dirmod.PageEvent(
-        kind=_KINDS[event.kind],
-        namespace=event.namespace_digest,
-        key=event.page_key,
-        tier=event.tier,
-        parent=event.parent_key,
-        depth=event.depth or 0,
-        from_tier=event.from_tier,
-    )
-
-
-def snapshot_inserts(chunk: InventorySnapshotChunk) -> list[dirmod.PageEvent]:
+def snapshot_inserts(chunk: InventorySnapshotChunk) -> list[PageEvent]:
     """The chunk's pages as INSERT events, shallowest first (a parent before its children)."""
     events = [
-        dirmod.PageEvent.insert(inv.namespace_digest, page.page_key, page.parent_key, page.depth, inv.tier)
+        PageEvent.insert(inv.namespace_digest, page.page_key, page.parent_key, page.depth, inv.tier)
         for inv in chunk.inventories
         for page in inv.pages
     ]
     events.sort(key=lambda e: e.depth)
     return events
-
-
-@dataclass(frozen=True, slots=True)
-class _Lost:
-    """Placeholder for a message that did not convert, kept in stream order for the writer."""
-
-    reason: str
-
-
-_Queued = PageEventBatch | InventorySnapshotChunk | CommandAck | _Lost
-
-
-@dataclass(frozen=True, slots=True)
-class SnapshotSummary:
-    """An applied inventory snapshot. ``roots``: its depth-1 pages per namespace; every other
-    page descends from one of them (dropping them drops the worker's whole inventory)."""
-
-    snapshot_id: SnapshotId
-    num_pages: int
-    roots: Mapping[NamespaceDigest, tuple[PageKey, ...]]
-
-
-@dataclass(slots=True)
-class _Snapshot:
-    snapshot_id: SnapshotId
-    as_of_seq: int
-    next_chunk: int = 0
-    num_pages: int = 0
-    roots: dict[NamespaceDigest, list[PageKey]] = field(default_factory=dict)
-    deferred: list[dirmod.PageEvent] = field(default_factory=list)  # parent not applied yet
-    batches: list[PageEventBatch] = field(default_factory=list)  # arrived meanwhile
-
-
-class LinkSession:
-    """One open WorkerLink stream of one worker. Lives until the stream ends."""
-
-    def __init__(self, link_id: int, registration: Registration) -> None:
-        self.link_id = link_id
-        self.registration = registration
-        self.outbox: asyncio.Queue[ControllerCommand | KvtierError] = asyncio.Queue()
-        self.inbox: collections.deque[_Queued] = collections.deque()
-        self.wakeup = asyncio.Event()  # the writer has work: inbox items or a lease renewal
-        self.renew_due = False
-        self.lock = asyncio.Lock()
-        self._pending: dict[CommandId, asyncio.Future[CommandAck]] = {}
-        self._next_command_id = 1
-        self.last_batch_seq: int | None = None  # the worker's numbering
-        self.dir_seq = 0  # next directory batch number of the current incarnation
-        self.is_registered = False  # the directory has a current incarnation from this stream
-        self.has_entries = False  # something was applied to that incarnation
-        self.needs_resync = False
-        self.awaiting_snapshot = False  # re-registered; batches are covered by the coming snapshot
-        self.snapshot: _Snapshot | None = None
-        self.resync_task: asyncio.Task[None] | None = None
-        self.resync_not_before_s = 0.0
-        self.num_resync_failures = 0
-        self.last_repair_s = -math.inf
-        self.repair_reason: str | None = None  # a repair snapshot is wanted (sent when not throttled)
-        self.num_snapshots_applied = 0
-        self.applied_snapshots: collections.OrderedDict[SnapshotId, SnapshotSummary] = collections.OrderedDict()
-        self.closed = False
-
-    @property
-    def worker_id(self) -> WorkerId:
-        return self.registration.worker_id
-
-    def send(self, command: Command) -> asyncio.Future[CommandAck]:
-        if self.closed:
-            raise Unavailable(f"the WorkerLink of worker {self.worker_id!r} is closed")
-        command_id = CommandId(self._next_command_id)
-        self._next_command_id += 1
-        future: asyncio.Future[CommandAck] = asyncio.get_running_loop().create_future()
-        self._pending[command_id] = future
-        self.outbox.put_nowait(ControllerCommand(command_id, command))
-        return future
-
-    def resolve(self, ack: CommandAck) -> bool:
-        future = self._pending.pop(ack.command_id, None)
-        if future is None:
-            return False
-        if not future.done():
-            future.set_result(ack)
-        return True
-
-    def close(self, error: KvtierError | None = None) -> None:
-        """End the stream (with ``error`` as its status) and fail the unacknowledged commands."""
-        if error is not None and not self.closed:
-            self.outbox.put_nowait(error)
-        self.closed = True
-        pending, self._pending = self._pending, {}
-        for future in pending.values():
-            if not future.done():
-                future.set_exception(
-                    Unavailable(f"the WorkerLink of worker {self.worker_id!r} closed before the command "
-                                "was acknowledged")
-                )
-
-    def new_incarnation(self) -> None:
-        self.is_registered, self.has_entries, self.dir_seq = True, False, 0
-
-    def next_dir_seq(self) -> int:
-        seq, self.dir_seq = self.dir_seq, self.dir_seq + 1
-        return seq
-
-    def resync_failed(self) -> None:
-        """Try again later, backing off: a worker that cannot snapshot must not be flooded."""
-        self.needs_resync, self.awaiting_snapshot = True, False
-        self.num_resync_failures += 1
-        delay_s = min(MAX_RESYNC_BACKOFF_S, RESYNC_POLL_S * 2**self.num_resync_failures)
-        self.resync_not_before_s = time.monotonic() + delay_s
 
 
 def _quiet(future: asyncio.Future[CommandAck]) -> None:
@@ -349,7 +223,7 @@ class WorkerLinks:
 
     # -- events ---------------------------------------------------------------------------
 
-    def receive(self, session: LinkSession, event: WorkerEvent | _Lost) -> None:
+    def receive(self, session: LinkSession, event: WorkerEvent | LostMessage) -> None:
         """Take one message from the reader; never waits (directory work goes to the writer).
 
         Acks queue behind the events that came before them, so a command's future resolves only
@@ -370,14 +244,14 @@ class WorkerLinks:
                         extra={"worker_id": session.worker_id, "num_queued": len(session.inbox)})
             acks = [e for e in session.inbox if isinstance(e, CommandAck)]
             session.inbox.clear()
-            session.inbox.extend([*acks, _Lost("overflow")])
+            session.inbox.extend([*acks, LostMessage("overflow")])
 
     def reject_message(self, session: LinkSession, err: KvtierError) -> None:
         """A message that did not convert: counted now, and its loss repaired in stream order."""
         reason = "oversize" if isinstance(err, ResourceExhausted) else "malformed"
         self.reject(session, reason, err.message)
         if (err.field or "").startswith(("page_events", "snapshot")):
-            self.receive(session, _Lost(f"a {reason} message"))
+            self.receive(session, LostMessage(f"a {reason} message"))
 
     async def run_writer(self, session: LinkSession) -> None:
         """Apply the session's queued events in order, renewing its lease between them."""
@@ -399,7 +273,7 @@ class WorkerLinks:
                         log.error("worker event handling failed",
                                   extra={"worker_id": session.worker_id}, exc_info=exc)
 
-    async def _on_event(self, session: LinkSession, event: _Queued) -> None:
+    async def _on_event(self, session: LinkSession, event: QueuedEvent) -> None:
         if isinstance(event, CommandAck):
             if not session.resolve(event):
                 self.counters["acks.unknown"] += 1
@@ -423,9 +297,9 @@ class WorkerLinks:
         if not (session.is_registered and self.access.can_write):
             return
         outcome = await self._guard(session, self.access.directory.heartbeat(session.worker_id))
-        if outcome is dirmod.Outcome.FENCED:
+        if outcome is Outcome.FENCED:
             await self.access.fenced()
-        elif outcome in (dirmod.Outcome.LEASE_EXPIRED, dirmod.Outcome.UNKNOWN_WORKER):
+        elif outcome in (Outcome.LEASE_EXPIRED, Outcome.UNKNOWN_WORKER):
             self._lost_incarnation(session, outcome)
 
     async def _on_batch(self, session: LinkSession, batch: PageEventBatch) -> None:
@@ -456,7 +330,7 @@ class WorkerLinks:
             self.counters["batches.dropped"] += 1
             session.needs_resync = True
             return
-        if await self._apply(session, [to_directory_event(e) for e in batch.events]):
+        if await self._apply(session, batch.events):
             self.counters["batches.applied"] += 1
 
     async def _on_chunk(self, session: LinkSession, chunk: InventorySnapshotChunk) -> None:
@@ -475,7 +349,7 @@ class WorkerLinks:
             # Taken after everything before it in the stream: it covers whatever was lost before,
             # so a pending repair or resync is satisfied (a failure while applying flags it again).
             session.awaiting_snapshot, session.repair_reason, session.needs_resync = False, None, False
-            snapshot = session.snapshot = _Snapshot(chunk.snapshot_id, chunk.as_of_seq)
+            snapshot = session.snapshot = PendingSnapshot(chunk.snapshot_id, chunk.as_of_seq)
         elif snapshot is None:
             self.counters["snapshots.dropped"] += 1  # the rest of a snapshot already given up
             return
@@ -499,7 +373,7 @@ class WorkerLinks:
         if chunk.is_last:
             await self._finish_snapshot(session, snapshot)
 
-    async def _finish_snapshot(self, session: LinkSession, snapshot: _Snapshot) -> None:
+    async def _finish_snapshot(self, session: LinkSession, snapshot: PendingSnapshot) -> None:
         # Pages whose parent came in a later chunk: retry, shallowest first, while that helps.
         while snapshot.deferred:
             retry, snapshot.deferred = sorted(snapshot.deferred, key=lambda e: e.depth), []
@@ -509,7 +383,7 @@ class WorkerLinks:
             if len(snapshot.deferred) == len(retry):
                 break
         for _ in snapshot.deferred:
-            self.reject(session, dirmod.RejectReason.MISSING_PARENT.value,
+            self.reject(session, RejectReason.MISSING_PARENT.value,
                         f"snapshot {snapshot.snapshot_id!r}")
         session.snapshot = None
         session.last_batch_seq = max(session.last_batch_seq or 0, snapshot.as_of_seq)
@@ -528,8 +402,8 @@ class WorkerLinks:
                 await self._apply_batch(session, batch)
 
     async def _apply(
-        self, session: LinkSession, events: Sequence[dirmod.PageEvent], *,
-        deferred: list[dirmod.PageEvent] | None = None,
+        self, session: LinkSession, events: Sequence[PageEvent], *,
+        deferred: list[PageEvent] | None = None,
     ) -> bool:
         """Apply events in directory-sized batches; False when the session lost its incarnation.
 
@@ -547,13 +421,13 @@ class WorkerLinks:
             result = await self._guard(session, call)
             if result is None:
                 return False
-            if result.outcome is dirmod.Outcome.FENCED:
+            if result.outcome is Outcome.FENCED:
                 await self.access.fenced()
                 return False
-            if result.outcome in (dirmod.Outcome.LEASE_EXPIRED, dirmod.Outcome.UNKNOWN_WORKER):
+            if result.outcome in (Outcome.LEASE_EXPIRED, Outcome.UNKNOWN_WORKER):
                 self._lost_incarnation(session, result.outcome)
                 return False
-            if result.outcome is not dirmod.Outcome.OK:  # our own numbering went wrong: a bug
+            if result.outcome is not Outcome.OK:  # our own numbering went wrong: a bug
                 self.counters[f"directory.{result.outcome.value}"] += 1
                 log.error("directory refused a batch", extra={"worker_id": session.worker_id,
                                                               "outcome": result.outcome.value})
@@ -562,7 +436,7 @@ class WorkerLinks:
             session.has_entries = session.has_entries or result.num_applied > 0
             divergent = False
             for rejected in result.rejected:
-                if deferred is not None and rejected.reason is dirmod.RejectReason.MISSING_PARENT:
+                if deferred is not None and rejected.reason is RejectReason.MISSING_PARENT:
                     deferred.append(part[rejected.index])
                     continue
                 divergent = divergent or rejected.reason in _DIVERGENCE
@@ -585,13 +459,13 @@ class WorkerLinks:
         registration = await self._guard(session, self.access.directory.register_worker(session.worker_id))
         if registration is None:
             return False
-        if registration.outcome is dirmod.Outcome.FENCED:
+        if registration.outcome is Outcome.FENCED:
             await self.access.fenced()
             return False
         session.new_incarnation()
         return True
 
-    def _lost_incarnation(self, session: LinkSession, outcome: dirmod.Outcome) -> None:
+    def _lost_incarnation(self, session: LinkSession, outcome: Outcome) -> None:
         self.counters["leases.lost"] += 1
         session.is_registered, session.needs_resync = False, True
         log.warning("worker lease lost; resyncing",

@@ -39,7 +39,8 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 from redis.exceptions import RedisError
 
-from kvtier.controller.directory import Directory, Outcome
+from kvtier.controller.directory import Directory
+from kvtier.controller.directory_records import Outcome
 from kvtier.controller.leader import LeaderLease, Leadership
 from kvtier.domain.errors import Unavailable
 from kvtier.runtime.log import get_logger

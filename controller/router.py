@@ -1,39 +1,23 @@
 """Routing: rank the live workers for a request by cached prefix, tier and load (DESIGN §3).
 
-Score of worker w for a request (all terms in *prompt tokens*, so they compare)::
-
-    value(w)   = Σ_tier weight[tier] × matched_tokens[tier](w)       weights: HBM 1.0, DRAM 0.8, NVMe 0.5
-    penalty(w) = queue_penalty_tokens   × queue_depth(w)               256 per queued request
-               + running_penalty_tokens × running_seqs(w)              16 per running sequence
-               + hbm_pressure_tokens    × max(0, 1 − avail(w) / low_hbm_fraction)   512 at 0 % available
-    score(w)   = value(w) − penalty(w)
-
-``matched_tokens`` is the longest prefix the worker holds, contiguously from the first page,
-by the fastest tier of each page (``Directory.lookup``). ``avail`` is the share of the
-worker's HBM pages a new request can get without preempting anyone: (free + cached) / total,
-as of its last heartbeat (1.0 before the first one). A worker is *overloaded* when
-``queue_depth >= overload_queue_depth`` or ``avail < overload_hbm_fraction``.
-
-Ranking: the session's worker first (``is_affinity``) while it is live, serves the namespace
-and is not overloaded; then by score, then by queue depth, then by worker id. Every live
-worker that serves the namespace is listed, so a client can fall back down the list.
+The score and the ranking are pure (``kvtier/policy/routing.py``): the prefix each worker
+holds, by the fastest tier of each page (``Directory.lookup``), weighed against its load as
+of its last heartbeat; the session's worker first while it is not overloaded.
 
 When the directory cannot be read the prefix terms are 0 (the ranking is affinity, then
 least loaded) and the decision is ``degraded`` with the reason; Route never fails because
 Redis did. Derivation and examples: ``docs/decisions/0003-controller.md``.
 """
-
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
 import grpc.aio
 
 from kvtier.cache.epochs import EpochTable
-from kvtier.controller import directory as dirmod
+from kvtier.controller.directory_records import PrefixLookup
 from kvtier.controller.registry import Registry, WorkerEntry
 from kvtier.controller.resync import REDIS_ERRORS, DirectoryAccess
 from kvtier.domain.errors import Unavailable
@@ -43,15 +27,14 @@ from kvtier.domain.records import (
     LookupResult,
     Policy,
     Prefix,
-    RankedWorker,
     RouteDecision,
     RouteRequest,
     TokenPrefix,
     TokensByTier,
     WorkerId,
-    WorkerMatch,
 )
 from kvtier.domain.tiers import Tier
+from kvtier.policy.routing import Candidate, RouterParams, WorkerLoad, rank_workers
 from kvtier.rpc import convert
 from kvtier.rpc._gen import router_pb2, router_pb2_grpc
 from kvtier.rpc.auth import Principal
@@ -65,105 +48,14 @@ from kvtier.runtime.log import get_logger
 log = get_logger("kvtier.controller.router")
 
 
-@dataclass(frozen=True, slots=True)
-class RouterParams:
-    """The constants of the score (module docstring). Token-denominated penalties."""
-
-    tier_weights: Mapping[Tier, float] = field(
-        default_factory=lambda: {Tier.HBM: 1.0, Tier.DRAM: 0.8, Tier.NVME: 0.5}
-    )
-    queue_penalty_tokens: float = 256.0
-    running_penalty_tokens: float = 16.0
-    hbm_pressure_tokens: float = 512.0
-    low_hbm_fraction: float = 0.10
-    overload_queue_depth: int = 8
-    overload_hbm_fraction: float = 0.02
-    lookup_timeout_s: float = 0.5  # a directory read slower than this routes degraded
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerLoad:
-    queue_depth: int = 0
-    num_running_seqs: int = 0
-    hbm_total_pages: int = 0  # 0: not reported yet
-    hbm_available_pages: int = 0  # free + cached
-
-    @property
-    def hbm_available_fraction(self) -> float:
-        return self.hbm_available_pages / self.hbm_total_pages if self.hbm_total_pages else 1.0
-
-    @classmethod
-    def of(cls, entry: WorkerEntry) -> WorkerLoad:
-        hbm = entry.occupancy(Tier.HBM)
-        return cls(
-            queue_depth=entry.queue_depth,
-            num_running_seqs=entry.num_running_seqs,
-            hbm_total_pages=hbm.total_pages if hbm else 0,
-            hbm_available_pages=hbm.free_pages + hbm.cached_pages if hbm else 0,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    worker_id: WorkerId
-    address: str
-    load: WorkerLoad = WorkerLoad()
-
-
-def prefix_value(matched: TokensByTier, params: RouterParams) -> float:
-    return sum(params.tier_weights.get(t, 0.0) * matched.for_tier(t) for t in Tier)
-
-
-def load_penalty(load: WorkerLoad, params: RouterParams) -> float:
-    pressure = max(0.0, 1.0 - load.hbm_available_fraction / params.low_hbm_fraction)
-    return (
-        params.queue_penalty_tokens * load.queue_depth
-        + params.running_penalty_tokens * load.num_running_seqs
-        + params.hbm_pressure_tokens * pressure
-    )
-
-
-def is_overloaded(load: WorkerLoad, params: RouterParams) -> bool:
-    return (
-        load.queue_depth >= params.overload_queue_depth
-        or load.hbm_available_fraction < params.overload_hbm_fraction
-    )
-
-
-def rank_workers(
-    candidates: Sequence[Candidate],
-    matched: Mapping[WorkerId, TokensByTier],
-    params: RouterParams,
-    affinity: WorkerId | None = None,
-) -> tuple[RankedWorker, ...]:
-    """Candidates best first (module docstring); ``matched`` lacks workers that hold nothing."""
-    sticky = next(
-        (c.worker_id for c in candidates if c.worker_id == affinity and not is_overloaded(c.load, params)),
-        None,
-    )
-    ranked = []
-    for c in candidates:
-        tokens = matched.get(c.worker_id, TokensByTier())
-        score = prefix_value(tokens, params) - load_penalty(c.load, params)
-        ranked.append((c.worker_id != sticky, -score, c.load.queue_depth, c.worker_id, c, tokens, score))
-    ranked.sort(key=lambda r: r[:4])
-    return tuple(
-        RankedWorker(
-            worker_id=c.worker_id,
-            address=c.address,
-            score=score,
-            matched_tokens=tokens,
-            is_affinity=c.worker_id == affinity,
-        )
-        for *_, c, tokens, score in ranked
-    )
-
-
-def matched_tokens(match: dirmod.WorkerMatch, page_size: int) -> TokensByTier:
-    return TokensByTier(
-        hbm_tokens=match.num_hbm * page_size,
-        dram_tokens=match.num_dram * page_size,
-        nvme_tokens=match.num_nvme * page_size,
+def worker_load(entry: WorkerEntry) -> WorkerLoad:
+    """The load terms of the score, as of ``entry``'s last heartbeat."""
+    hbm = entry.occupancy(Tier.HBM)
+    return WorkerLoad(
+        queue_depth=entry.queue_depth,
+        num_running_seqs=entry.num_running_seqs,
+        hbm_total_pages=hbm.total_pages if hbm else 0,
+        hbm_available_pages=hbm.free_pages + hbm.cached_pages if hbm else 0,
     )
 
 
@@ -221,9 +113,9 @@ class Router:
             result, degraded = await self._lookup(digest, keys)
             if result is not None:
                 page_size = namespace.page_size
-                matched = {m.worker: matched_tokens(m, page_size) for m in result.matches}
+                matched = {m.worker: m.matched_tokens(page_size) for m in result.matches}
         affinity = self.registry.affinity(request.session_id) if request.session_id else None
-        candidates = [Candidate(e.worker_id, e.address, WorkerLoad.of(e)) for e in entries]
+        candidates = [Candidate(e.worker_id, e.address, worker_load(e)) for e in entries]
         ranked = rank_workers(candidates, matched, self.params, affinity)
         if request.session_id and ranked:
             self.registry.set_affinity(request.session_id, ranked[0].worker_id)
@@ -242,7 +134,7 @@ class Router:
 
     async def _lookup(
         self, digest: NamespaceDigest, keys: Sequence[PageKey]
-    ) -> tuple[dirmod.LookupResult | None, str | None]:
+    ) -> tuple[PrefixLookup | None, str | None]:
         """The directory's answer, or None and why not (never raises for Redis trouble)."""
         if not self.access.is_reachable:
             return None, f"directory unreachable ({self.access.last_error}); ranked by affinity and load"
@@ -282,13 +174,7 @@ class Router:
                 f"the directory (Redis) is unreachable: {self.access.last_error}; retry when "
                 "`kvtier status` shows it reachable"
             ) from None
-        return LookupResult(
-            namespace_digest=digest,
-            num_query_pages=result.num_query_pages,
-            matches=tuple(
-                WorkerMatch(m.worker, matched_tokens(m, namespace.page_size)) for m in result.matches
-            ),
-        )
+        return result.to_result(digest, namespace.page_size)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):

@@ -31,20 +31,24 @@ from redis.backoff import ExponentialWithJitterBackoff
 from kvtier.controller.admin import AdminServicer
 from kvtier.controller.cache_admin import CacheAdmin
 from kvtier.controller.cache_store import CacheStore
-from kvtier.controller.directory import Directory, Outcome
+from kvtier.controller.directory import Directory
+from kvtier.controller.directory_records import Outcome
 from kvtier.controller.link_servicer import WorkerLinks, WorkerLinkServicer
 from kvtier.controller.metrics import ControllerMetrics
-from kvtier.controller.orchestrator import Orchestrator, OrchestratorParams
+from kvtier.controller.orchestrator import Orchestrator
+from kvtier.controller.orchestrator_params import OrchestratorParams
 from kvtier.controller.policy_store import PolicyInForce, PolicyStore, seed_policy
-from kvtier.controller.predictor import PredictorParams, ToolReturnPredictor
+from kvtier.controller.predictor import ToolReturnPredictor
 from kvtier.controller.registry import Registry
 from kvtier.controller.resync import REDIS_ERRORS, DirectoryAccess
-from kvtier.controller.router import Router, RouterParams, RouterServicer
+from kvtier.controller.router import Router, RouterServicer
 from kvtier.controller.sessions import SessionsServicer, SessionStore
 from kvtier.controller.worker_admin import WorkerAdmin
 from kvtier.domain.errors import Unavailable
 from kvtier.domain.records import Command, CommandAck, ControllerStatus, SessionState, TierOccupancy, WorkerId
 from kvtier.domain.tiers import Tier
+from kvtier.policy.prediction import PredictorParams
+from kvtier.policy.routing import RouterParams
 from kvtier.rpc._gen import (
     admin_pb2,
     admin_pb2_grpc,

@@ -19,7 +19,7 @@ session; this module is the record, its Redis form and the gRPC shell.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Protocol
 
 import grpc.aio
@@ -66,37 +66,40 @@ class PrefetchState:
 
 @dataclass(slots=True)
 class SessionRecord:
-    """One session as stored. Times are Unix epoch ms; ``None`` fields are not stored."""
+    """One session as stored: the mutable form of ``SessionInfo`` (every one of its fields, same
+    name and meaning) plus the controller's own state (tenant, namespace, parked pages, the
+    prefetch's progress). ``info()`` is the public view. Times are Unix epoch ms; ``None``
+    fields are not stored."""
 
+    # SessionInfo's fields.
     session_id: SessionId
     state: SessionState
-    tenant: str = ""
     worker_id: WorkerId | None = None
-    namespace_digest: NamespaceDigest | None = None
-    num_cached_tokens: int = 0  # tokens of the prefix the last Route named
     tool_name: str | None = None
     paused_at_ms: int | None = None
     predicted_return_at_ms: int | None = None
     prediction_source: PredictionSource | None = None
     prefetch_at_ms: int | None = None
     parked_tier: Tier | None = None
+    num_cached_tokens: int = 0  # tokens of the prefix the last Route named
+    # The controller's own.
+    tenant: str = ""
+    namespace_digest: NamespaceDigest | None = None
     num_parked_pages: int = 0
     prefetch_state: str = PrefetchState.NONE
     prefetch_done_at_ms: int | None = None
     is_duration_observed: bool = False  # the tool's duration went into the predictor
 
     def info(self) -> SessionInfo:
-        return SessionInfo(
-            session_id=self.session_id,
-            state=self.state,
-            worker_id=self.worker_id,
+        """The public view: a pause's fields only while they mean something (the tool while
+        paused or resuming, the source of a prediction that exists, the prefetch time while one
+        is scheduled)."""
+        shared = {f.name: getattr(self, f.name) for f in fields(SessionInfo)}
+        return replace(
+            SessionInfo(**shared),
             tool_name=self.tool_name if self.state in (SessionState.PAUSED, SessionState.RESUMING) else None,
-            paused_at_ms=self.paused_at_ms,
-            predicted_return_at_ms=self.predicted_return_at_ms,
             prediction_source=self.prediction_source if self.predicted_return_at_ms is not None else None,
             prefetch_at_ms=self.prefetch_at_ms if self.prefetch_state == PrefetchState.SCHEDULED else None,
-            parked_tier=self.parked_tier,
-            num_cached_tokens=self.num_cached_tokens,
         )
 
     def clear_pause(self) -> None:

@@ -39,7 +39,8 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
 
-from kvtier.controller.link_servicer import SNAPSHOT_ACK_TIMEOUT_S, SnapshotSummary, WorkerLinks
+from kvtier.controller.link_servicer import SNAPSHOT_ACK_TIMEOUT_S, WorkerLinks
+from kvtier.controller.link_session import SnapshotSummary
 from kvtier.controller.registry import Registry, WorkerEntry
 from kvtier.domain.errors import KvtierError, NotFound, Unavailable
 from kvtier.domain.records import (

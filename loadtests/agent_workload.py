@@ -866,7 +866,7 @@ def hbm_pages_for(spec: WorkloadSpec, workload: Workload) -> int:
 def orchestrator_params(spec: WorkloadSpec) -> Any:
     """The orchestrator's plan for this machine: its link rates and the model's recompute cost."""
     from kvtier.cache.eviction import CostModel
-    from kvtier.controller.orchestrator import OrchestratorParams
+    from kvtier.controller.orchestrator_params import OrchestratorParams
     from kvtier.domain.geometry import geometry_from_config
     from kvtier.domain.tiers import Tier
     from kvtier.runtime.config import DEFAULT_SESSION_HOLD_MAX_S
@@ -887,8 +887,8 @@ def orchestrator_params(spec: WorkloadSpec) -> Any:
 
 
 def _policy_options(policy: str, spec: WorkloadSpec, workload: Workload, model: Path, state_dir: Path) -> Any:
-    from kvtier.controller.predictor import PredictorParams
     from kvtier.local.stack import StackOptions
+    from kvtier.policy.prediction import PredictorParams
 
     page_bytes = _page_bytes(WORKLOAD_MODEL_CONFIG, spec.page_size)
     ws = workload.working_set_pages()
@@ -977,7 +977,7 @@ async def run_policy(
                                         int(run.engine_waits.get("retaken_waste_pages", 0)) * page_bytes)
             run.prefetch["worker_counted"] = worker_counted_waste(run.engine_waits, page_bytes)
             run.prefetch["planned_overhead_ms"] = {w: {"num_acks": n, "overhead_ms": round(ms, 1)}
-                                                   for w, (n, ms) in orchestrator.prefetch_overheads().items()}
+                                                   for w, (n, ms) in orchestrator.moves.prefetch_overheads().items()}
             run.outcomes = list(orchestrator.outcomes)
     finally:
         await stack.stop()

@@ -31,7 +31,9 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aredis
 
-from kvtier.controller.directory import Directory, Outcome, PageEvent, WorkerId
+from kvtier.controller.directory import Directory
+from kvtier.controller.directory_records import Outcome
+from kvtier.domain.records import PageEvent, WorkerId
 from kvtier.domain.tiers import Tier
 from kvtier.runtime.embedded_redis import EmbeddedRedis
 from loadtests.busy import add_busy_flag, busy_core

@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 import pytest_asyncio
 
-from kvtier.controller.orchestrator import OrchestratorParams
+from kvtier.controller.orchestrator_params import OrchestratorParams
 from kvtier.domain import errors
 from kvtier.domain.records import TokenPrefix
 from kvtier.domain.tiers import Tier

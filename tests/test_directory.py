@@ -8,20 +8,20 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from kvtier.controller.directory import (
+from kvtier.controller.directory import Directory
+from kvtier.controller.directory_records import (
     ApplyResult,
-    Directory,
-    EventKind,
+    HeldPrefix,
     Outcome,
-    PageEvent,
+    PrefixLookup,
     RejectedEvent,
     RejectReason,
-    WorkerId,
 )
 from kvtier.controller.leader import LeaderLease
 from kvtier.controller.resync import REDIS_ERRORS
 from kvtier.domain.errors import InvalidArgument
 from kvtier.domain.hashing import NamespaceIdentity, namespace_digest, page_keys, root_key
+from kvtier.domain.records import LookupResult, PageEvent, PageEventKind, TokensByTier, WorkerId, WorkerMatch
 from kvtier.domain.tiers import Tier
 from kvtier.runtime.embedded_redis import EmbeddedRedis
 
@@ -72,6 +72,19 @@ async def make_directory(client, *workers, **kwargs):
 
 def summary(result):
     return [(m.worker, bytes(m.tiers)) for m in result.matches]
+
+
+def test_a_lookup_in_pages_is_the_wire_lookup_in_tokens():
+    ns = ns_for()
+    run = HeldPrefix.from_tiers(W1, bytes([1, 1, 2, 3]))
+    assert (run.num_pages, run.num_hbm, run.num_dram, run.num_nvme) == (4, 2, 1, 1)
+    assert run.tier_at(3) is D and run.num_in(N) == 1
+    lookup = PrefixLookup(num_query_pages=5, matches=(run, HeldPrefix.from_tiers(W2, bytes([2]))), epoch=1)
+    assert lookup.to_result(ns, page_size=16) == LookupResult(ns, 5, (
+        WorkerMatch(W1, TokensByTier(hbm_tokens=32, dram_tokens=16, nvme_tokens=16)),
+        WorkerMatch(W2, TokensByTier(dram_tokens=16)),
+    ))
+    assert [h.worker for h in lookup.holders_at(1)] == [W1, W2] and lookup.matched_depth == 4
 
 
 async def test_lookup_reports_each_workers_contiguous_pages_by_tier(redis_client):
@@ -214,8 +227,8 @@ async def test_malformed_events_are_rejected_with_reasons_and_counted(redis_clie
         PageEvent.insert(ns, keys[1], other, 1, H),  # depth 1 must hang off the root
         PageEvent.insert(ns, keys[2], keys[1], 3, H),  # parent not held
         PageEvent.move(ns, keys[1], H),  # not held
-        PageEvent(EventKind.INSERT, ns, keys[1], Tier.HBM, keys[0], 2, None),  # ok
-        PageEvent(EventKind.INSERT, ns, keys[2][:8], H, keys[1], 3),  # short key
+        PageEvent(PageEventKind.INSERT, ns, keys[1], Tier.HBM, keys[0], 2, None),  # ok
+        PageEvent(PageEventKind.INSERT, ns, keys[2][:8], H, keys[1], 3),  # short key
         PageEvent(9, ns, keys[2], H),  # unknown kind
     ]
     result = await d.apply_events(W1, 1, events)
@@ -510,11 +523,11 @@ class Model:
                 rejected.append((i, reason))
                 continue
             applied += 1
-            slot = (ns_i, e.key)
+            slot = (ns_i, e.page_key)
             mask = held.get(slot, 0)
-            if e.kind == EventKind.INSERT:
+            if e.kind == PageEventKind.INSERT:
                 mask |= _bit(e.tier)
-            elif e.kind == EventKind.MOVE:
+            elif e.kind == PageEventKind.MOVE:
                 mask = (0 if e.from_tier is None else mask & ~_bit(e.from_tier)) | _bit(e.tier)
             else:
                 mask = 0 if e.tier is None else mask & ~_bit(e.tier)
@@ -533,29 +546,29 @@ class Model:
         return False
 
     def _reason(self, e, ns_i, held):
-        if len(e.key) != 16:
+        if len(e.page_key) != 16:
             return RejectReason.BAD_KEY
         tier = int(e.tier or 0)
-        if e.kind == EventKind.INSERT:
-            parent = e.parent
+        if e.kind == PageEventKind.INSERT:
+            parent = e.parent_key
             if e.depth == 1 and parent == root_key(NAMESPACES[ns_i]):
                 parent = None
             if not 1 <= tier <= 3:
                 return RejectReason.BAD_TIER
             if e.depth < 1:
                 return RejectReason.BAD_DEPTH
-            exists = self.exists(ns_i, e.key)
-            if (e.depth == 1 and parent is not None) or (exists and self.parent[(ns_i, e.key)] != parent):
+            exists = self.exists(ns_i, e.page_key)
+            if (e.depth == 1 and parent is not None) or (exists and self.parent[(ns_i, e.page_key)] != parent):
                 return RejectReason.BAD_PARENT
             if e.depth > 1 and (parent is None or (ns_i, parent) not in held):
                 return RejectReason.MISSING_PARENT
             if not exists:
-                self.parent[(ns_i, e.key)] = parent
+                self.parent[(ns_i, e.page_key)] = parent
             return None
-        if e.kind in (EventKind.MOVE, EventKind.DROP):
-            if e.kind == EventKind.MOVE and not 1 <= tier <= 3 or tier > 3:
+        if e.kind in (PageEventKind.MOVE, PageEventKind.DROP):
+            if e.kind == PageEventKind.MOVE and not 1 <= tier <= 3 or tier > 3:
                 return RejectReason.BAD_TIER
-            return None if (ns_i, e.key) in held else RejectReason.NOT_HELD
+            return None if (ns_i, e.page_key) in held else RejectReason.NOT_HELD
         return RejectReason.BAD_KIND
 
     def lookup(self, ns_i, chain_keys):
@@ -587,7 +600,7 @@ _variants = st.sampled_from(["ok"] * 12 + ["bad_depth", "wrong_parent", "no_pare
                                           "short_key"])
 _tiers = st.sampled_from(list(Tier))
 _event_specs = st.tuples(
-    st.sampled_from(list(EventKind)), st.integers(0, 1), st.integers(0, len(TREES[0]) - 1), _tiers,
+    st.sampled_from(list(PageEventKind)), st.integers(0, 1), st.integers(0, len(TREES[0]) - 1), _tiers,
     st.one_of(st.none(), _tiers), _variants, st.integers(0, len(TREES[0]) - 1),
 )
 
@@ -599,7 +612,7 @@ def _make_event(spec):
         return PageEvent(9, ns, key, tier), ns_i
     if variant == "short_key":
         return PageEvent(kind, ns, key[:15], tier, parent, depth), ns_i
-    if kind == EventKind.INSERT:
+    if kind == PageEventKind.INSERT:
         if variant == "bad_depth":
             depth = 0
         elif variant == "wrong_parent":  # a key never held in this namespace
@@ -607,7 +620,7 @@ def _make_event(spec):
         elif variant == "no_parent":
             parent = None
         return PageEvent.insert(ns, key, parent, depth, 7 if variant == "bad_tier" else tier), ns_i
-    if kind == EventKind.MOVE:
+    if kind == PageEventKind.MOVE:
         return PageEvent.move(ns, key, 5 if variant == "bad_tier" else tier, other_tier), ns_i
     return PageEvent.drop(ns, key, 4 if variant == "bad_tier" else other_tier), ns_i
 

@@ -14,13 +14,14 @@ import time
 import pytest
 import pytest_asyncio
 
-from kvtier.controller.orchestrator import OrchestratorParams
+from kvtier.controller.orchestrator_params import OrchestratorParams
 from kvtier.controller.prefetch import Outcome, PauseOutcome, PrefetchStats, PromoteLatency
 from kvtier.controller.sessions import PrefetchState
 from kvtier.domain.hashing import namespace_digest, page_keys
 from kvtier.domain.records import SessionState
 from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
+from kvtier.policy.placement import ParkPrices
 from kvtier.tiers.manager import TierConfig
 from kvtier.worker.engine_loop import HOLD_PREFIX
 from kvtier.worker.servicer import serve_worker
@@ -174,7 +175,7 @@ async def test_a_session_expected_back_after_its_hold_ends_is_ranked_by_the_hold
     the hold's end, and the Prefetch carries no spread: the worker would otherwise take the
     hold's end for the session's median and rank it by a tail that is not its own."""
     namespace = worker.engine.namespace
-    async with cluster(worker, flushed_redis_url, tmp_path, copy_weight=1e6, max_hold_ms=500.0) as (controller, client):
+    async with cluster(worker, flushed_redis_url, tmp_path, prices=ParkPrices(copy_weight=1e6), max_hold_ms=500.0) as (controller, client):
         prompt = [5, 10, 15, 20, 25, 30, 35, 40, 45, 50, 55]
         out, _ = await client.complete(namespace, prompt, GREEDY, session_id="s-long")
         sent_ms = time.time() * 1000.0
@@ -209,8 +210,8 @@ async def test_the_controllers_session_hold_max_s_bounds_every_hold(worker, flus
 @in_module_loop
 async def test_a_session_kept_in_hbm_is_held_there_until_its_turn(worker, flushed_redis_url, tmp_path):
     namespace = worker.engine.namespace
-    # Copies weigh heavily here (copy_weight): holding a paused session in HBM is the cheaper choice.
-    async with cluster(worker, flushed_redis_url, tmp_path, copy_weight=1e6) as (controller, client):
+    # Copies weigh heavily here (ParkPrices.copy_weight): holding a paused session in HBM is the cheaper choice.
+    async with cluster(worker, flushed_redis_url, tmp_path, prices=ParkPrices(copy_weight=1e6)) as (controller, client):
         orchestrator = controller.orchestrator
         prompt = [3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 33]
         out, _ = await client.complete(namespace, prompt, GREEDY, session_id="s-guard")
@@ -357,8 +358,8 @@ async def resume_after_the_top_up(worker, controller, client, session: str, hist
 async def test_top_ups_back_off_and_bring_up_pages_whose_room_came_late(worker, flushed_redis_url, tmp_path):
     """A prefetch that brought nothing back (here its first page is in another move; in the agent
     benchmark, no room) keeps being topped up at growing delays (50, 100, 200, 400 ms, ...), so
-    pages that can move only after the first two top-ups gave up (two 50 ms apart, the rule
-    before revision 22 of decision 0008) are still in HBM for the turn, which is on time."""
+    pages that can move only after two top-ups 50 ms apart would have given up are still in HBM
+    for the turn, which is on time (decision 0008)."""
     async with cluster(worker, flushed_redis_url, tmp_path, margin_ms=1_500.0, topup_delay_ms=50.0) as (
         controller, client
     ):
@@ -720,8 +721,8 @@ async def test_a_prefetch_does_not_take_the_room_of_a_session_due_back_sooner(tm
     """Pages brought up for a session due back stay in HBM after its hold is refused at the cap
     (clean: their copy below is intact), free to take when room is needed. A prefetch for a
     session due back *later* must not take them: that moves pages up only to send another
-    session's down unused, which it must bring up again or promote on arrival (decision 0008,
-    revision 16). With no other room, the later prefetch moves nothing (its top-ups or its turn
+    session's down unused, which it must bring up again or promote on arrival (decision 0008).
+    With no other room, the later prefetch moves nothing (its top-ups or its turn
     bring it); a prefetch for a session due back sooner still takes them."""
     engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0, num_pages=8, hold_pages=1)
     try:
@@ -793,7 +794,7 @@ async def test_a_waiting_request_does_not_displace_a_session_due_back_within_a_s
     ``HOLD_DUE_SOON_S`` (worker/engine_loop.py ``_admit_awaiting``): the session's turn comes,
     finds every page in HBM and promotes nothing, and the request runs after it, with the
     output a run without holds gives. The wait is bounded (``HOLD_DEFER_S``): a session that
-    is not back by then yields its hold as before."""
+    is not back by then yields its hold to the request."""
     import kvtier.worker.engine_loop as engine_loop
 
     monkeypatch.setattr(engine_loop, "HOLD_DEFER_S", 1.5)

@@ -10,6 +10,7 @@ pure pieces (tier choice, token bucket, timer queue) with a clock of their own."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import random
 import time
@@ -18,23 +19,26 @@ import pytest
 import pytest_asyncio
 import torch
 
-from kvtier.cache.eviction import CostModel
-from kvtier.controller.lateness import equal_hazard_aims
-from kvtier.controller.orchestrator import (
-    Orchestrator,
-    OrchestratorParams,
-    TimerQueue,
-    TokenBucket,
-    choose_tier,
-)
+from kvtier.controller.orchestrator import Orchestrator
+from kvtier.controller.orchestrator_params import OrchestratorParams
 from kvtier.controller.predictor import ToolReturnPredictor
 from kvtier.controller.registry import Registry
-from kvtier.controller.sessions import ENDED_TTL_S, KEY_PREFIX, SessionRecord, SessionStore
+from kvtier.controller.sessions import ENDED_TTL_S, KEY_PREFIX, PrefetchState, SessionRecord, SessionStore
+from kvtier.controller.timer_queue import TimerQueue
+from kvtier.controller.token_bucket import TokenBucket
 from kvtier.domain import errors
 from kvtier.domain.hashing import NamespaceDigest, namespace_digest, page_keys
-from kvtier.domain.records import PauseRequest, SessionId, SessionState, TierOccupancy
+from kvtier.domain.records import (
+    PauseRequest,
+    PredictionSource,
+    SessionId,
+    SessionInfo,
+    SessionState,
+    WorkerId,
+)
 from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
+from kvtier.policy.lateness import equal_hazard_aims
 from kvtier.tiers.manager import TierConfig
 from kvtier.worker.engine_loop import HOLD_PREFIX
 from kvtier.worker.servicer import serve_worker
@@ -245,7 +249,7 @@ async def test_a_route_does_not_wait_for_the_session_bookkeeping_but_the_next_pa
         held, release = asyncio.Event(), asyncio.Event()
 
         async def hold_the_session() -> None:
-            async with orchestrator._locked(SessionId("s-slow")):
+            async with orchestrator.serial.locked(SessionId("s-slow")):
                 held.set()
                 await release.wait()
 
@@ -266,35 +270,27 @@ async def test_a_route_does_not_wait_for_the_session_bookkeeping_but_the_next_pa
         assert [o.session_id for o in orchestrator.outcomes] == ["s-slow"]  # the first pause, closed
         await client.end("s-slow")
         await orchestrator.settled()
-        assert not orchestrator._route_tasks
+        assert not orchestrator.serial.num_route_tasks
 
 
 # --------------------------------------------------------------------------- pure pieces
 
 
-def occupancy(hbm_free_fraction: float, dram: bool = True) -> dict[Tier, TierOccupancy]:
-    total = 40_000  # 80 GB of 2 MiB pages
-    free = round(total * hbm_free_fraction)
-    occ = {Tier.HBM: TierOccupancy(Tier.HBM, total, free, total - free, 0)}
-    if dram:
-        occ[Tier.DRAM] = TierOccupancy(Tier.DRAM, 4000, 4000, 0, 0)
-    return occ
-
-
-def test_choose_tier_weighs_holding_against_the_round_trip():
-    cost = CostModel()  # 8B-class model, 2 MiB pages, 25 GB/s PCIe
-    params = OrchestratorParams()
-    choose = dict(num_pages=100, page_bytes=2 << 20, params=params, cost_model=cost)
-    # A 2 s pause on an idle GPU: the round trip costs more than holding 0.25 % of HBM.
-    assert choose_tier(pause_ms=2_000, occupancy=occupancy(0.9), **choose).tier is Tier.HBM
-    # The same pause on a busy GPU: demote.
-    assert choose_tier(pause_ms=2_000, occupancy=occupancy(0.05), **choose).tier is Tier.DRAM
-    # A long pause even on an idle GPU: demote.
-    assert choose_tier(pause_ms=30_000, occupancy=occupancy(0.9), **choose).tier is Tier.DRAM
-    # Too short to be back in time (promotion + margin exceed the pause): stay.
-    assert choose_tier(pause_ms=105, occupancy=occupancy(0.0), **choose).tier is Tier.HBM
-    # No lower tier on the worker: stay.
-    assert choose_tier(pause_ms=30_000, occupancy=occupancy(0.0, dram=False), **choose).tier is Tier.HBM
+def test_a_record_holds_every_session_info_field_and_shows_a_pause_only_while_it_means_something():
+    assert {f.name for f in dataclasses.fields(SessionInfo)} <= {f.name for f in dataclasses.fields(SessionRecord)}
+    record = SessionRecord(
+        session_id=SessionId("s"), state=SessionState.PAUSED, worker_id=WorkerId("w"), tool_name="build",
+        paused_at_ms=1_000, predicted_return_at_ms=3_000, prediction_source=PredictionSource.HISTORY,
+        prefetch_at_ms=2_500, parked_tier=Tier.DRAM, num_cached_tokens=64, tenant="acme",
+        num_parked_pages=4, prefetch_state=PrefetchState.SCHEDULED,
+    )
+    assert record.info() == SessionInfo(
+        SessionId("s"), SessionState.PAUSED, WorkerId("w"), "build", 1_000, 3_000, PredictionSource.HISTORY,
+        2_500, Tier.DRAM, 64,
+    )
+    record.state, record.prefetch_state, record.predicted_return_at_ms = SessionState.ACTIVE, PrefetchState.DONE, None
+    info = record.info()
+    assert (info.tool_name, info.prediction_source, info.prefetch_at_ms) == (None, None, None)
 
 
 def test_token_bucket_has_hysteresis():
@@ -359,7 +355,7 @@ async def test_sessions_nobody_ends_leave_nothing_behind_in_the_orchestrator(red
         await orchestrator.on_route(SessionId(f"s-{i}"), tenant="t", worker=None, digest=digest, num_tokens=64)
     for i in range(10):  # half of them pause (their tool never returns)
         await orchestrator.pause(PauseRequest(SessionId(f"s-{i}"), tool_name="search", expected_ms=500))
-    assert not orchestrator._locks
+    assert not orchestrator.serial.num_locks
     assert len(orchestrator._states) == 20 and len(orchestrator._holds) == 10
     assert orchestrator.session_counts()[SessionState.PAUSED] == 10
 
@@ -369,5 +365,5 @@ async def test_sessions_nobody_ends_leave_nothing_behind_in_the_orchestrator(red
     now[0] += 31_000  # past the TTL for all but s-0
     assert orchestrator.forget_idle() == 19
     assert list(orchestrator._states) == ["s-0"] and not orchestrator._holds
-    assert orchestrator.session_counts()[SessionState.ACTIVE] == 1 and not orchestrator._locks
+    assert orchestrator.session_counts()[SessionState.ACTIVE] == 1 and not orchestrator.serial.num_locks
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 import random
 
-from kvtier.controller.directory import Directory, Outcome, PageEvent
+from kvtier.controller.directory import Directory
+from kvtier.controller.directory_records import Outcome
 from kvtier.domain.hashing import NamespaceIdentity, namespace_digest, page_keys, root_key
-from kvtier.domain.records import WorkerId
+from kvtier.domain.records import PageEvent, WorkerId
 from kvtier.domain.tiers import Tier
 
 PAGE_SIZE = 4

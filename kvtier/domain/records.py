@@ -372,8 +372,10 @@ class PageEventKind(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class PageEvent:
-    """One change of a worker's inventory. INSERT carries ``parent_key`` (the namespace
-    root key at depth 1) and ``depth`` (1-based); MOVE and DROP may omit them."""
+    """One change of a worker's inventory. INSERT carries ``depth`` (1-based) and
+    ``parent_key`` (on the wire always; the namespace root key at depth 1, which the
+    directory also takes as ``None``); MOVE and DROP may omit them. The controller's
+    directory applies these as they are."""
 
     kind: PageEventKind
     namespace_digest: NamespaceDigest
@@ -385,7 +387,8 @@ class PageEvent:
 
     @classmethod
     def insert(
-        cls, namespace_digest: NamespaceDigest, page_key: PageKey, parent_key: PageKey, depth: int, tier: Tier
+        cls, namespace_digest: NamespaceDigest, page_key: PageKey, parent_key: PageKey | None, depth: int,
+        tier: Tier,
     ) -> PageEvent:
         return cls(PageEventKind.INSERT, namespace_digest, page_key, tier, parent_key, depth)
 

@@ -29,7 +29,8 @@ import redis.asyncio as aredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtier.client import AsyncClient
-from kvtier.controller.directory import Directory, Outcome, PageEvent
+from kvtier.controller.directory import Directory
+from kvtier.controller.directory_records import Outcome
 from kvtier.controller.leader import LEADER_KEY, LeaderLease
 from kvtier.controller.server import serve_controller
 from kvtier.domain.hashing import namespace_digest, page_keys, root_key
@@ -37,6 +38,7 @@ from kvtier.domain.records import (
     BootId,
     Heartbeat,
     ModelIdentity,
+    PageEvent,
     PageEventBatch,
     Registration,
     RouteRequest,
@@ -44,7 +46,6 @@ from kvtier.domain.records import (
     TokenPrefix,
     WorkerId,
 )
-from kvtier.domain.records import PageEvent as WirePageEvent
 from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
 from kvtier.engine.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
@@ -293,7 +294,7 @@ async def test_a_paused_leader_is_fenced_steps_down_and_closes_its_links(flushed
             )
             await call.write(convert.to_proto_worker_event(registration))
             await call.write(convert.to_proto_worker_event(Heartbeat(1, ())))
-            first = WirePageEvent.insert(digest, keys[0], root_key(digest), 1, Tier.HBM)
+            first = PageEvent.insert(digest, keys[0], root_key(digest), 1, Tier.HBM)
             await call.write(convert.to_proto_worker_event(PageEventBatch(1, (first,))))
             await wait_for(lambda: controller.links.counters["batches.applied"] == 1, what="the first batch")
             term_a = controller.access.lease.term
@@ -306,7 +307,7 @@ async def test_a_paused_leader_is_fenced_steps_down_and_closes_its_links(flushed
             assert await new_leader.raise_fences() is Outcome.OK
 
             # It wakes up and writes: refused; it stands down and ends the worker's stream.
-            second = WirePageEvent.insert(digest, keys[1], keys[0], 2, Tier.HBM)
+            second = PageEvent.insert(digest, keys[1], keys[0], 2, Tier.HBM)
             await call.write(convert.to_proto_worker_event(PageEventBatch(2, (second,))))
             with pytest.raises(grpc.aio.AioRpcError) as closed:
                 await call.read()
