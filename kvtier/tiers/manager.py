@@ -59,15 +59,16 @@ from pathlib import Path
 from kvtier.cache.clean_pages import CleanPages
 from kvtier.cache.page_pool import PageId, PagePool
 from kvtier.cache.radix import RadixIndex, RadixNode
-from kvtier.domain.errors import IntegrityError, InvalidArgument, KvtierError
+from kvtier.domain.errors import IntegrityError, InvalidArgument
 from kvtier.domain.hashing import PageKey, short
 from kvtier.domain.tiers import Tier
-from kvtier.tiers.checksum import page_checksum
 from kvtier.tiers.dram import DramPool
 from kvtier.tiers.nvme import NvmePool, SlotId
 from kvtier.tiers.transfer import TransferDone, TransferEngine, TransferId, TransferReason, TransferStatus
 
 log = logging.getLogger("kvtier.domain.tiers")
+# Longest single block on the transfer engine's completion condition while waiting for a ticket.
+WAIT_STEP_S = 1.0
 
 
 @dataclass(slots=True)
@@ -506,7 +507,7 @@ class TierManager:
         if not victims:
             return False
         victim = victims[0]
-        if tier is Tier.DRAM and self._move_now(victim, Tier.NVME, allow_room=True):
+        if tier is Tier.DRAM and self._move_now(victim, Tier.NVME, TransferReason.EVICTION, allow_room=True):
             return True
         if self.index.holds_pin(victim):
             self.index.requeue(victim)
@@ -523,7 +524,7 @@ class TierManager:
         if self.spares(node, self._sparing):
             return False
         for tier in (Tier.DRAM, Tier.NVME):
-            if self._move_now(node, tier, allow_room=True):
+            if self._move_now(node, tier, TransferReason.EVICTION, allow_room=True):
                 return True
         if self.index.holds_pin(node):
             return False
@@ -533,7 +534,7 @@ class TierManager:
     def move_to_free(self, node: RadixNode, dst: Tier) -> bool:
         """Move an evictable ``node`` down to ``dst`` now, only into a free page there (nothing
         in ``dst`` is moved or dropped to make room: quota enforcement, ``kvtier.cache.quotas``)."""
-        return self._move_now(node, dst, allow_room=False)
+        return self._move_now(node, dst, TransferReason.EVICTION, allow_room=False)
 
     def is_usable(self, tier: Tier) -> bool:
         return self.capacity(tier) > 0 and time.monotonic() >= self._failing_until.get(tier, 0.0)
@@ -541,7 +542,9 @@ class TierManager:
     def _mark_failing(self, tier: Tier) -> None:
         self._failing_until[tier] = time.monotonic() + self.config.failure_backoff_s
 
-    def _move_now(self, node: RadixNode, dst: Tier, *, allow_room: bool) -> bool:
+    def _move_now(self, node: RadixNode, dst: Tier, reason: TransferReason, *, allow_room: bool) -> bool:
+        """Move ``node`` down to ``dst`` before returning: onto its shadow there, else through a
+        transfer run on this thread (``TransferEngine.run``) and applied once acknowledged."""
         # A child may not sit in a faster tier than its parent: with DRAM full of pinned
         # or moving pages, an HBM page with a DRAM child cannot skip to NVMe.
         if not self.is_usable(dst) or any(c.tier < dst for c in node.children.values()):
@@ -554,34 +557,24 @@ class TierManager:
             target = self._allocate(dst, make_room=allow_room)
             if target is None:
                 return False
-            checksum: int | None = None
-            started = time.monotonic()
+            checksum = None if node.tier is Tier.HBM else node.checksum
             if self.config.simulate:
                 if dst is Tier.DRAM:
                     self._adopt_dram(PageId(target))
             else:
-                src_bytes = self._page_tensor(node)
-                checksum = node.checksum if node.tier is not Tier.HBM else page_checksum(src_bytes)
+                done = self._copy_now(node, dst, target, reason)
+                if not done.is_ok:  # disk full or failing: drop instead
+                    self.counters.disk_full_events += 1
+                    self._mark_failing(dst)
+                    log.warning("%s write failed, dropping instead: %s", dst.label, done.error)
+                    if not done.dst_released:
+                        self._free_target(dst, target)
+                    return False
+                if node.tier is Tier.HBM:
+                    checksum = done.checksums[0]
                 if dst is Tier.DRAM:
-                    assert self.dram is not None
-                    self.dram.tensor[target].copy_(src_bytes)
                     self._adopt_dram_copy(PageId(target), checksum)
-                else:
-                    assert self.nvme is not None
-                    try:
-                        # NVMe I/O is host memory: a GPU page goes through a host copy first.
-                        host_bytes = src_bytes.cpu() if src_bytes.is_cuda else src_bytes
-                        self.nvme.write_pages(
-                            [SlotId(target)], host_bytes[None], [node.key], [node.namespace or b"\0" * 16], [checksum],
-                            parents=[node.parent.key if node.parent else None], tokens=[node.tokens],
-                        )
-                    except KvtierError as exc:  # disk full or failing: drop instead (the slot is free again)
-                        self.counters.disk_full_events += 1
-                        self._mark_failing(Tier.NVME)
-                        log.warning("nvme write failed, dropping instead: %s", exc)
-                        return False
-            # A synchronous move off HBM crosses the same (emulated) link as a transfer does.
-            self.counters.spill_link_wait_s += self.transfers.hold_link(node.tier, dst, self.page_bytes, started)
+                self.counters.spill_link_wait_s += done.link_wait_s
             self.counters.moved(node.tier, dst, 1, self.page_bytes)
             src = node.tier
             self._set_moving(node, False)
@@ -591,13 +584,23 @@ class TierManager:
         finally:
             self._set_moving(node, False)
 
-    def _page_tensor(self, node: RadixNode):
-        if node.tier is Tier.HBM:
-            return self.hbm.tensor[node.page]
+    def _copy_now(self, node: RadixNode, dst: Tier, target: int, reason: TransferReason) -> TransferDone:
+        """Copy ``node``'s page into ``target`` in ``dst`` on this thread; its acknowledgement."""
         if node.tier is Tier.DRAM:
             assert self.dram is not None
-            return self.dram.tensor[node.page]
-        raise InvalidArgument("NVMe pages are read through promotion, not copied in place")
+            self.dram.set_checksums([PageId(node.page)], [node.checksum or 0])
+        fields = self._nvme_fields([node]) if dst is Tier.NVME else {}
+        return self.transfers.run(node.tier, dst, [(node.page, target)], reason, **fields)
+
+    @staticmethod
+    def _nvme_fields(nodes: Sequence[RadixNode]) -> dict:
+        """What a transfer to NVMe stores in each slot's header, so a restart can re-index it."""
+        return dict(
+            keys=[n.key for n in nodes],
+            namespaces=[n.namespace or b"\0" * 16 for n in nodes],
+            parents=[n.parent.key if n.parent else None for n in nodes],
+            tokens=[n.tokens for n in nodes],
+        )
 
     def _adopt_dram_copy(self, page: PageId, checksum: int | None) -> None:
         """A page copied down into DRAM: its checksum recorded, then the index's (``_adopt_dram``)."""
@@ -685,14 +688,7 @@ class TierManager:
         assert src_pool is not None
         for node in nodes:  # held until applied: not freed or reused under the copy
             src_pool.acquire(PageId(node.page))
-        kwargs = {}
-        if dst is Tier.NVME:
-            kwargs = dict(
-                keys=[n.key for n in nodes],
-                namespaces=[n.namespace or b"\0" * 16 for n in nodes],
-                parents=[n.parent.key if n.parent else None for n in nodes],
-                tokens=[n.tokens for n in nodes],
-            )
+        kwargs = self._nvme_fields(nodes) if dst is Tier.NVME else {}
         if src is Tier.DRAM:
             assert self.dram is not None
             self.dram.set_checksums([PageId(n.page) for n in nodes], [n.checksum or 0 for n in nodes])
@@ -732,11 +728,12 @@ class TierManager:
     def wait_leaving(self, tier: Tier, timeout_s: float = 30.0) -> None:
         """Block, applying transfers as they complete, until no background transfer out of
         ``tier`` is left (or ``timeout_s`` passed): the pages they carry are free once applied.
-        For an allocation that found every idle page on its way down (decision 0012, revision 3)."""
+        For an allocation that found every idle page on its way down (decision 0012)."""
         deadline = time.monotonic() + timeout_s
-        while any(p.src is tier for p in self._pending.values()) and time.monotonic() < deadline:
-            self.poll()
-            time.sleep(0.0002)
+        while any(p.src is tier for p in self._pending.values()):
+            left_s = deadline - time.monotonic()
+            if left_s <= 0 or not self.poll(timeout_s=left_s):
+                break
         self.poll()
 
     def has_pending(self) -> bool:
@@ -757,9 +754,14 @@ class TierManager:
                     holds[PageId(page)] = holds.get(PageId(page), 0) + 1
         return holds
 
-    def poll(self) -> None:
-        for done in self.transfers.poll_completed():
+    def poll(self, timeout_s: float = 0.0) -> int:
+        """Apply every transfer that completed (the one place completions are applied); with
+        ``timeout_s``, first block on the transfer engine's completion condition until one has
+        or nothing is pending. Returns how many were applied."""
+        completed = self.transfers.poll_completed(timeout_s=timeout_s)
+        for done in completed:
             self._on_done(done)
+        return len(completed)
 
     def _on_done(self, done: TransferDone) -> None:
         transfer_id = done.transfer.transfer_id
@@ -876,7 +878,7 @@ class TierManager:
         moved = 0
         for src, to in steps:
             while victims := self.index.pop_victims(src, 1):
-                if not self._move_now(victims[0], to, allow_room=True):
+                if not self._move_now(victims[0], to, TransferReason.DRAIN, allow_room=True):
                     self.index.requeue(victims[0])
                     break
                 moved += 1
@@ -894,9 +896,8 @@ class TierManager:
     def wait_for(self, ticket: MoveTicket) -> MoveOutcome:
         """Block (applying every transfer that completes meanwhile) until ``ticket`` is done."""
         while not ticket.is_done:
-            self.poll()
-            if not ticket.is_done:
-                time.sleep(0.0002)
+            if not self.poll(timeout_s=WAIT_STEP_S) and not self.transfers.num_pending and not ticket.is_done:
+                raise IntegrityError(f"move ticket has {ticket.num_open} open transfers but none is pending")
         return ticket.outcome
 
     def start_demotion(self, nodes: Sequence[RadixNode], dst: Tier) -> MoveTicket:
@@ -984,8 +985,7 @@ class TierManager:
 
         ``rank``: the prefetch is for a session expected back at that hold rank. Its pages do not
         take the room of pages brought up for a session due back no later (``awaited``): those
-        would go down unused, and come up again or be promoted on arrival (decision 0008,
-        revision 16). Pages with no such room are skipped, as with no room at all."""
+        would go down unused, and come up again or be promoted on arrival (decision 0008). Pages with no such room are skipped, as with no room at all."""
         ticket = MoveTicket(is_promotion=True)
         num_below = sum(1 for n in chain if n.tier is not Tier.HBM)
         lower: list[RadixNode] = []
@@ -1192,9 +1192,9 @@ class TierManager:
                     self.dram.set_checksums([PageId(nodes[i].page) for i in idx], [nodes[i].checksum or 0 for i in idx])
                 transfer = self.transfers.submit(
                     tier, Tier.HBM, [(nodes[i].page, pages[i]) for i in idx], TransferReason.PROMOTION_ON_HIT,
-                    priority=10,
+                    priority=10, awaited=True,
                 )
-                done = self._wait(transfer.transfer_id)
+                done = self.transfers.result(transfer.transfer_id)
                 verified = done.verified or [done.is_ok] * len(idx)
                 for j, i in enumerate(idx):
                     ok[i] = done.status is TransferStatus.OK and verified[j]
@@ -1214,20 +1214,6 @@ class TierManager:
         self.counters.promotion_wait_s += time.perf_counter() - start
         self.counters.promoted_pages += len(promoted)
         return promoted
-
-    def _wait(self, transfer_id: TransferId) -> TransferDone:
-        while True:
-            found: TransferDone | None = None
-            # poll_completed hands each record out once: apply every other one of the batch,
-            # also those after ours (returning early lost them, and their pages stayed held).
-            for done in self.transfers.poll_completed():
-                if done.transfer.transfer_id == transfer_id:
-                    found = done
-                else:
-                    self._on_done(done)
-            if found is not None:
-                return found
-            time.sleep(0.0002)
 
     # ---- restart ----------------------------------------------------------------------
     def _restore_nvme(self) -> None:

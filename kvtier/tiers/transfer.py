@@ -74,6 +74,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NewType
 
@@ -275,6 +276,14 @@ class _Job:
     dst_released: bool = False
     started_at: float = 0.0
     result: TransferDone | None = None  # held while the job waits on an emulated link
+    # Set for a transfer its caller waits on (``run``, ``submit(awaited=True)``): its
+    # TransferDone goes here instead of to ``poll_completed``.
+    future: Future[TransferDone] | None = None
+
+    @property
+    def is_paced(self) -> bool:
+        """Background work only: a promotion, or any transfer a caller waits on, is never paced."""
+        return self.future is None and not self.transfer.is_promotion
 
 
 class _Lane:
@@ -331,7 +340,9 @@ class TransferEngine:
     until its ``TransferDone`` arrives: sources stay pinned (not written, not freed),
     destinations stay allocated. A destination may be the target of one pending
     transfer at a time (``submit`` raises otherwise). ``on_done`` runs on a worker
-    thread and must not block; ``poll_completed`` is the engine-thread alternative.
+    thread and must not block; ``poll_completed`` is the engine-thread alternative, and
+    a transfer the caller waits on (``run``, ``submit(awaited=True)``) reports through
+    its own completion future (``result``) instead.
     """
 
     def __init__(
@@ -379,7 +390,8 @@ class TransferEngine:
         )
         self._staging = threading.local()
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
+        # Notified on every completion: ``wait_idle`` and a blocking ``poll_completed`` wait on it.
+        self._changed = threading.Condition(self._lock)
         self._ids = itertools.count(1)
         self._jobs: dict[TransferId, _Job] = {}
         # Per destination tier, per page or slot id: a pending transfer writes it. A mask, not
@@ -389,6 +401,7 @@ class TransferEngine:
             for tier, pool in self._pools.items()
         }
         self._completed: collections.deque[TransferDone] = collections.deque()
+        self._futures: dict[TransferId, Future[TransferDone]] = {}  # awaited transfers until ``result``
         self._stats = TransferStats()
         self._closed = False
         if not self.is_cuda:
@@ -411,10 +424,62 @@ class TransferEngine:
         namespaces: Sequence[NamespaceDigest] | None = None,
         parents: Sequence[PageKey | None] | None = None,
         tokens: Sequence[Sequence[int]] | None = None,
+        awaited: bool = False,
     ) -> Transfer:
         """Queue a transfer and return its record; raises ``InvalidArgument`` for a
         malformed one (unknown tier, page out of range, a source without a checksum, a
-        destination already targeted by a pending transfer)."""
+        destination already targeted by a pending transfer). ``awaited``: the caller
+        blocks on it with ``result``, which alone delivers its ``TransferDone``."""
+        transfer = self._record(src_tier, dst_tier, pairs, reason, priority, keys, namespaces, parents, tokens)
+        job = self._admit(transfer, awaited=awaited)
+        job.lane.put(job)
+        return transfer
+
+    def run(
+        self,
+        src_tier: Tier,
+        dst_tier: Tier,
+        pairs: Sequence[tuple[int, int]] | np.ndarray,
+        reason: TransferReason,
+        *,
+        keys: Sequence[PageKey] | None = None,
+        namespaces: Sequence[NamespaceDigest] | None = None,
+        parents: Sequence[PageKey | None] | None = None,
+        tokens: Sequence[Sequence[int]] | None = None,
+    ) -> TransferDone:
+        """Run a transfer now, on the calling thread, and return its ``TransferDone`` once it is
+        acknowledged: for a synchronous move (a spill) whose caller cannot go on without the room.
+
+        It is checked, counted and checksummed as a submitted one, but never queued behind a
+        lane's background jobs and never paced. With an emulated link the caller then waits on
+        the transfer's completion future, which the link thread sets when the bytes are across.
+        """
+        transfer = self._record(src_tier, dst_tier, pairs, reason, 0, keys, namespaces, parents, tokens)
+        job = self._admit(transfer, awaited=True)
+        self._execute(job, inline=True)
+        return self.result(transfer.transfer_id)
+
+    def result(self, transfer_id: TransferId, timeout_s: float | None = None) -> TransferDone:
+        """Block until an awaited transfer (``run``, ``submit(awaited=True)``) completes and
+        return its ``TransferDone``, exactly once; ``TimeoutError`` after ``timeout_s``."""
+        with self._lock:
+            future = self._futures.pop(transfer_id, None)
+        if future is None:
+            raise InvalidArgument(f"transfer {transfer_id} is not awaited, or its result was taken", field="transfer_id")
+        return future.result(timeout_s)
+
+    def _record(
+        self,
+        src_tier: Tier,
+        dst_tier: Tier,
+        pairs: Sequence[tuple[int, int]] | np.ndarray,
+        reason: TransferReason,
+        priority: int,
+        keys: Sequence[PageKey] | None,
+        namespaces: Sequence[NamespaceDigest] | None,
+        parents: Sequence[PageKey | None] | None,
+        tokens: Sequence[Sequence[int]] | None,
+    ) -> Transfer:
         transfer = Transfer(
             transfer_id=TransferId(0),
             pairs=_pairs_array(pairs),
@@ -429,11 +494,18 @@ class TransferEngine:
             submitted_at=time.monotonic(),
         )
         self._validate(transfer)
-        uses_disk = Tier.NVME in (src_tier, dst_tier)
+        return transfer
+
+    def _admit(self, transfer: Transfer, *, awaited: bool) -> _Job:
+        """Give a checked transfer its id and mark its destinations busy; its job, not yet run."""
+        uses_disk = Tier.NVME in (transfer.src_tier, transfer.dst_tier)
         job = _Job(transfer, self._disk_lane if uses_disk else self._copy_lane)
+        if awaited:
+            job.future = Future()
         if self.is_cuda:
             job.ready_event = torch.cuda.Event()
             job.ready_event.record()
+        dst_tier = transfer.dst_tier
         dsts = transfer.pairs[:, 1]
         with self._lock:
             if self._closed:
@@ -456,9 +528,10 @@ class TransferEngine:
             transfer.transfer_id = TransferId(next(self._ids))
             busy[dsts] = True
             self._jobs[transfer.transfer_id] = job
+            if job.future is not None:
+                self._futures[transfer.transfer_id] = job.future
             self._stats.num_submitted += 1
-        job.lane.put(job)
-        return transfer
+        return job
 
     def _validate(self, t: Transfer) -> None:
         """Whole-array checks: a transfer of 8192 small pages must not cost 8192 Python calls."""
@@ -537,16 +610,21 @@ class TransferEngine:
         self._deliver(job, TransferDone(job.transfer, TransferStatus.CANCELLED, queued_s=self._age(job)))
         return CancelOutcome.BEFORE_START
 
-    def poll_completed(self, max_items: int | None = None) -> list[TransferDone]:
-        """Completed transfers in completion order (each delivered once)."""
-        with self._lock:
+    def poll_completed(self, max_items: int | None = None, *, timeout_s: float = 0.0) -> list[TransferDone]:
+        """Completed transfers in completion order (each delivered once; awaited ones never).
+
+        With ``timeout_s`` and none completed yet, block on the completion condition until one
+        is, no transfer is pending any more, or ``timeout_s`` passed (an empty list)."""
+        with self._changed:
+            if timeout_s > 0 and not self._completed:
+                self._changed.wait_for(lambda: self._completed or not self._jobs, timeout=timeout_s)
             n = len(self._completed) if max_items is None else min(max_items, len(self._completed))
             return [self._completed.popleft() for _ in range(n)]
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Block until no transfer is pending; False on timeout."""
-        with self._idle:
-            return self._idle.wait_for(lambda: not self._jobs, timeout=timeout_s)
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._jobs, timeout=timeout_s)
 
     def stats(self) -> TransferStats:
         with self._lock:
@@ -614,8 +692,11 @@ class TransferEngine:
             s.latency_s_max = max(s.latency_s_max, done.latency_s)
             self._busy_dst[t.dst_tier][t.pairs[:, 1]] = False
             del self._jobs[t.transfer_id]
-            self._completed.append(done)
-            self._idle.notify_all()
+            if job.future is None:
+                self._completed.append(done)
+            self._changed.notify_all()
+        if job.future is not None:
+            job.future.set_result(done)
         if self.on_done is not None:
             try:
                 self.on_done(done)
@@ -623,13 +704,14 @@ class TransferEngine:
                 log.exception("transfer on_done callback raised", extra={"transfer_id": t.transfer_id})
 
     # ---- execution --------------------------------------------------------------------
-    def _execute(self, job: _Job) -> None:
+    def _execute(self, job: _Job, *, inline: bool = False) -> None:
+        """Run one job (on a lane thread, or ``inline`` on the caller's: ``run``) and report it."""
         with self._lock:
             if job.done:
                 return
             job.running = True
         t = job.transfer
-        if self.nvme is not None and job.lane is self._disk_lane:
+        if self.nvme is not None and job.lane is self._disk_lane and not inline:
             self.nvme.flush_frees()  # header rewrites of freed slots, off the engine thread
         started = job.started_at = time.monotonic()
         queued_s = started - t.submitted_at
@@ -668,18 +750,6 @@ class TransferEngine:
         self._deliver(job, done)
 
     # ---- link emulation (module doc) --------------------------------------------------
-    def hold_link(self, src: Tier, dst: Tier, num_bytes: int, started_at: float) -> float:
-        """For a synchronous move the caller made itself (``TierManager``'s spill on the engine
-        thread): block until ``num_bytes``, moved since ``started_at`` (``time.monotonic()``),
-        are across the emulated ``src -> dst`` link; seconds waited (0 when not emulated)."""
-        if self._links is None or (src, dst) not in self.link_bytes_per_s or num_bytes <= 0:
-            return 0.0
-        arrived = threading.Event()
-        entered = time.monotonic()
-        if self._links.add((src, dst), num_bytes, started_at, event=arrived):
-            arrived.wait()
-        return time.monotonic() - entered
-
     def _wait_on_link(self, job: _Job, done: TransferDone) -> bool:
         """Hand a copied job to the link thread until its emulated link has carried its
         bytes; False when it need not wait (no emulation, already slower, or cancelled)."""
@@ -742,10 +812,10 @@ class TransferEngine:
 
         The budget is one virtual clock shared by all background jobs, so many small
         demotions are paced like one large one. Idle time earns at most ``PACE_BURST_S``
-        of credit. Promotions are never paced: a request waits on them.
+        of credit. Promotions and awaited transfers are never paced: a caller waits on them.
         """
         budget = self.budget_bytes_per_s
-        if not budget or job.transfer.is_promotion:
+        if not budget or not job.is_paced:
             return
         delta = job.moved_bytes - job.charged_bytes
         job.charged_bytes = job.moved_bytes
