@@ -52,7 +52,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -273,15 +273,8 @@ class TierManager:
         # HBM pages free to take at no copy, kept as they change (None: simulated, no copies)
         self.clean = None if config.simulate else CleanPages(index, self._has_copy, self._copied_nodes)
         index.release_lower = self._release_lower
-        index.spill = self.spill
-        index.reclaim = None if config.simulate else self.reclaim_clean
-        # Idle HBM pages brought up for a session due back and not used yet: ``awaited(node)``
-        # gives the rank of that session's expected return (a hold rank: lower is sooner), None
-        # for any other page. Set by the engine loop. While a prefetch for a session of rank r
-        # allocates (``start_prefetch(rank=r)``), the pages of sessions ranked r or sooner are
-        # not taken for it (``spares``).
-        self.awaited: Callable[[RadixNode], float | None] | None = None
-        self._sparing: float | None = None
+        # While a prefetch allocates, the pages it must not take (``start_prefetch(spared=...)``).
+        self._spared: Collection[PageKey] = ()
         index.on_remove.append(self._free_shadow)
         index.on_move.append(self._on_moved)
         if self.nvme is not None:
@@ -332,18 +325,10 @@ class TierManager:
         """Whether ``node`` is one of the clean HBM pages ``num_reclaimable`` counts."""
         return self.clean is not None and self.clean.contains(node)
 
-    def spares(self, node: RadixNode, rank: float | None) -> bool:
-        """Whether an allocation for a prefetch of ``rank`` leaves ``node`` alone: a page
-        brought up for a session due back no later (``awaited``)."""
-        if rank is None or self.awaited is None:
-            return False
-        awaited = self.awaited(node)
-        return awaited is not None and awaited <= rank
-
     def reclaim_clean(self, *, search: int = 32) -> bool:
         """Free one HBM page at no copy: the coldest of the ``search`` coldest idle pages whose
         copy below is intact goes back onto it (while a prefetch allocates, not one it spares:
-        ``start_prefetch``). False when none of them has one."""
+        ``start_prefetch``). False when none of them has one, or the manager is simulated."""
         if self.clean is None or self.clean.count() == 0:
             return False  # an idle HBM leaf with a copy below would be clean: there is none to find
         skipped: list[RadixNode] = []
@@ -352,7 +337,7 @@ class TierManager:
             popped = self.index.pop_victims(Tier.HBM, 1)
             if not popped:
                 break
-            if self._shadow_of(popped[0].key) is not None and not self.spares(popped[0], self._sparing):
+            if self._shadow_of(popped[0].key) is not None and popped[0].key not in self._spared:
                 chosen = popped[0]
             else:
                 skipped.append(popped[0])
@@ -502,7 +487,7 @@ class TierManager:
 
     def _make_room(self, tier: Tier) -> bool:
         if tier is Tier.HBM:
-            return self.index.evict(1) == 1
+            return self.free_hbm_page()
         victims = self.index.pop_victims(tier, 1)
         if not victims:
             return False
@@ -516,12 +501,31 @@ class TierManager:
         return True
 
     # ---- synchronous moves ----------------------------------------------------------
+    def free_hbm_page(self) -> bool:
+        """Free one HBM page for an allocation that found none: a clean page goes back onto its
+        copy below (``reclaim_clean``), else the policy's next victim is spilled (``spill``).
+        Victims ``spill`` keeps are handed back to the index. False when nothing could go."""
+        kept: list[RadixNode] = []
+        try:
+            while True:
+                if self.reclaim_clean():
+                    return True
+                victims = self.index.pop_victims(Tier.HBM, 1)
+                if not victims:
+                    return False
+                if self.spill(victims[0]):
+                    return True
+                kept.append(victims[0])
+        finally:
+            for node in kept:
+                self.index.requeue(node)
+
     def spill(self, node: RadixNode) -> bool:
         """Free an HBM victim's page now (allocation fallback): move it down a tier, or
         drop it with its subtree when no lower tier has room or works. False (keep it)
         when that subtree holds a pinned page, or while a prefetch allocates, a page it spares
         (``start_prefetch``)."""
-        if self.spares(node, self._sparing):
+        if node.key in self._spared:
             return False
         for tier in (Tier.DRAM, Tier.NVME):
             if self._move_now(node, tier, TransferReason.EVICTION, allow_room=True):
@@ -968,7 +972,7 @@ class TierManager:
         return target
 
     def start_prefetch(
-        self, chain: Sequence[RadixNode], *, for_request: bool = False, rank: float | None = None,
+        self, chain: Sequence[RadixNode], *, for_request: bool = False, spared: Collection[PageKey] = (),
     ) -> MoveTicket:
         """Start promoting the lower-tier pages of ``chain`` (root first) into HBM, where they
         stay cached and idle once applied (``for_request``: a request waits for them, the engine
@@ -983,9 +987,10 @@ class TierManager:
         The caller's own pin takes over once the ticket is applied (a session's hold, a waiting
         request's pin); a caller that pins nothing lets it go down after all.
 
-        ``rank``: the prefetch is for a session expected back at that hold rank. Its pages do not
-        take the room of pages brought up for a session due back no later (``awaited``): those
-        would go down unused, and come up again or be promoted on arrival (decision 0008). Pages with no such room are skipped, as with no room at all."""
+        ``spared``: keys of HBM pages the allocations for this prefetch must not take (the engine
+        loop passes those brought up for sessions due back no later than this one: they would go
+        down unused, and come up again or be promoted on arrival; decision 0008). Pages with no
+        room but theirs are skipped, as with no room at all."""
         ticket = MoveTicket(is_promotion=True)
         num_below = sum(1 for n in chain if n.tier is not Tier.HBM)
         lower: list[RadixNode] = []
@@ -1016,11 +1021,11 @@ class TierManager:
         if hold is not None and lower:
             self.index.pin(hold.key)
             ticket.hold = hold
-        self._sparing = rank
+        self._spared = spared
         try:
             pages = self._allocate_hbm(lower)
         finally:
-            self._sparing = None
+            self._spared = ()
         lower = lower[: len(pages)]
         ticket.num_skipped = num_below - len(lower)
         groups: dict[Tier, list[int]] = {}
