@@ -15,7 +15,8 @@ from kvtier.domain.errors import InvalidArgument
 from kvtier.domain.tiers import Tier
 from kvtier.tiers.checksum import page_checksum
 from kvtier.tiers.dram import make_dram_pool
-from kvtier.tiers.nvme import NvmePool, SlotId
+from kvtier.tiers.nvme.format import SlotId
+from kvtier.tiers.nvme.pool import NvmePool
 from kvtier.tiers.transfer import (
     CancelOutcome,
     TransferDone,

@@ -63,7 +63,8 @@ from kvtier.domain.errors import IntegrityError, InvalidArgument
 from kvtier.domain.hashing import PageKey, short
 from kvtier.domain.tiers import Tier
 from kvtier.tiers.dram import DramPool
-from kvtier.tiers.nvme import NvmePool, SlotId
+from kvtier.tiers.nvme.format import SlotId
+from kvtier.tiers.nvme.pool import NvmePool
 from kvtier.tiers.transfer import TransferDone, TransferEngine, TransferId, TransferReason, TransferStatus
 
 log = logging.getLogger("kvtier.domain.tiers")

@@ -89,7 +89,8 @@ from kvtier.tiers import copy as page_copy
 from kvtier.tiers.checksum import page_checksums
 from kvtier.tiers.dram import DramPool, aligned_host_tensor
 from kvtier.tiers.link_emulation import EmulatedLinks, check_link_rates
-from kvtier.tiers.nvme import DiskFull, NvmeIOError, NvmePool, SlotId
+from kvtier.tiers.nvme.format import DiskFull, NvmeIOError, SlotId
+from kvtier.tiers.nvme.pool import NvmePool
 
 log = logging.getLogger("kvtier.tiers.transfer")
 # Credit a quiet background lane may build up: after idling, this many seconds of budget may
