@@ -59,7 +59,8 @@ from kvtier.tiers.checksum import page_checksums
 from kvtier.tiers.dram import DramPool, aligned_host_tensor, make_dram_pool
 from kvtier.tiers.manager import TierConfig, Watermark
 from kvtier.tiers.nvme.pool import NvmePool
-from kvtier.tiers.transfer import TransferEngine, TransferReason
+from kvtier.tiers.transfer import TransferReason
+from kvtier.tiers.transfer_engine import TransferEngine
 
 GEOMETRIES = {
     "tiny": PoolGeometry(num_layers=4, kv_heads=2, head_dim=32, page_size=16, dtype=torch.float32),

@@ -17,13 +17,8 @@ from kvtier.tiers.checksum import page_checksum
 from kvtier.tiers.dram import make_dram_pool
 from kvtier.tiers.nvme.format import SlotId
 from kvtier.tiers.nvme.pool import NvmePool
-from kvtier.tiers.transfer import (
-    CancelOutcome,
-    TransferDone,
-    TransferEngine,
-    TransferReason,
-    TransferStatus,
-)
+from kvtier.tiers.transfer import CancelOutcome, TransferDone, TransferReason, TransferStatus
+from kvtier.tiers.transfer_engine import TransferEngine
 
 GEOMETRY = PoolGeometry(num_layers=4, kv_heads=2, head_dim=32, page_size=16, dtype=torch.float32)
 NS = b"N" * 16

@@ -65,7 +65,8 @@ from kvtier.domain.tiers import Tier
 from kvtier.tiers.dram import DramPool
 from kvtier.tiers.nvme.format import SlotId
 from kvtier.tiers.nvme.pool import NvmePool
-from kvtier.tiers.transfer import TransferDone, TransferEngine, TransferId, TransferReason, TransferStatus
+from kvtier.tiers.transfer import TransferDone, TransferId, TransferReason, TransferStatus
+from kvtier.tiers.transfer_engine import TransferEngine
 
 log = logging.getLogger("kvtier.domain.tiers")
 # Longest single block on the transfer engine's completion condition while waiting for a ticket.

@@ -10,7 +10,7 @@ import mmap
 import os
 import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -557,21 +557,21 @@ def _advance(iov: list[memoryview], done: int) -> list[memoryview]:
 
 
 def pwritev_all(fd: int, iov: list[memoryview], offset: int) -> None:
-    total = sum(len(b) for b in iov)
-    done = 0
-    while done < total:
-        n = os.pwritev(fd, _advance(iov, done) if done else iov, offset + done)
-        if n == 0:
-            raise OSError(errno.EIO, "pwritev wrote nothing")
-        done += n
+    if _vectored_all(os.pwritev, fd, iov, offset) < sum(len(b) for b in iov):
+        raise OSError(errno.EIO, "pwritev wrote nothing")
 
 
 def preadv_all(fd: int, iov: list[memoryview], offset: int) -> int:
     """Bytes read; fewer than asked only at end of file."""
+    return _vectored_all(os.preadv, fd, iov, offset)
+
+
+def _vectored_all(call: Callable[[int, list[memoryview], int], int], fd: int, iov: list[memoryview], offset: int) -> int:
+    """Repeat a positional vectored ``call`` until ``iov`` is through or it moves no byte; bytes moved."""
     total = sum(len(b) for b in iov)
     done = 0
     while done < total:
-        n = os.preadv(fd, _advance(iov, done) if done else iov, offset + done)
+        n = call(fd, _advance(iov, done) if done else iov, offset + done)
         if n == 0:
             break
         done += n
