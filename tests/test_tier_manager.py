@@ -17,7 +17,8 @@ import torch
 from kvtier.domain.hashing import page_keys
 from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams, SchedulerConfig
-from kvtier.tiers.manager import MoveOutcome, TierConfig, Watermark
+from kvtier.tiers.manager import TierConfig, Watermark
+from kvtier.tiers.moves import MoveOutcome
 from kvtier.tiers.transfer import TransferReason
 
 from hf_checkpoints import build_checkpoint, hf_logits, load_hf

@@ -153,7 +153,8 @@ from kvtier.engine.engine import Engine, GenerationResult, StepOutput
 from kvtier.runtime import tracing
 from kvtier.runtime.config import MAX_WAIT_SCALE
 from kvtier.runtime.log import get_logger, redact_tokens
-from kvtier.tiers.manager import MoveOutcome, MoveTicket, TierManager
+from kvtier.tiers.manager import TierManager
+from kvtier.tiers.moves import MoveOutcome, MoveTicket
 from kvtier.tiers.transfer import TransferDone, TransferReason
 
 if TYPE_CHECKING:

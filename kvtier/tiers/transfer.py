@@ -85,7 +85,6 @@ TransferId = NewType("TransferId", int)
 TierPair = tuple[Tier, Tier]
 
 
-
 class TransferReason(enum.Enum):
     EVICTION = "eviction"  # demote instead of drop when an allocation needs room
     WATERMARK = "watermark"  # background demotion above a tier's high watermark

@@ -233,7 +233,6 @@ class SlotLocation(NamedTuple):
     payload_offset: int
 
 
-
 @dataclass(slots=True)
 class SlotEntry:
     key: PageKey
@@ -294,7 +293,6 @@ def slots_for_bytes(capacity_bytes: int, geometry: PoolGeometry) -> int:
 
 def round_up(n: int, align: int) -> int:
     return -(-n // align) * align
-
 
 
 def check_header(raw: memoryview | None, slot: int, entry: SlotEntry, page_bytes: int) -> SlotVerdict:

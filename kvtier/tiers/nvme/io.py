@@ -165,7 +165,6 @@ class Span(NamedTuple):
     shared: tuple[int, ...]
 
 
-
 class SlotIO:
     """Page reads and writes of ``NvmePool`` (``kvtier.tiers.nvme.pool``), which holds the state."""
 

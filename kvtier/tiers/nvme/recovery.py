@@ -46,7 +46,6 @@ class RecoveryReport:
     num_empty: int = 0  # never written or freed: nothing to recover, nothing lost
 
 
-
 class SlotRecovery:
     """Recovery of ``NvmePool`` (``kvtier.tiers.nvme.pool``), which holds the state."""
 

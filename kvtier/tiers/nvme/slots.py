@@ -38,8 +38,6 @@ class NvmeCounts(NamedTuple):
     releasing: int = 0  # freed, header rewrite pending (allocatable: the next write replaces it)
 
 
-
-
 class SlotTable:
     """Allocation and bookkeeping of ``NvmePool`` (``kvtier.tiers.nvme.pool``), which holds the state."""
 
