@@ -443,11 +443,9 @@ class QuotaTracker:
         if self._demote(tenant, victim):
             self.counters.pages_demoted += 1
             return True
-        if self.index.holds_pin(victim):
-            self.index.requeue(victim)
-            return False
-        self.counters.pages_dropped += self.index.drop_subtree(victim)
-        return True
+        dropped = self.index.drop_or_requeue(victim)
+        self.counters.pages_dropped += dropped
+        return dropped > 0
 
     def check_integrity(self) -> None:
         """The counters equal a recount of the index."""

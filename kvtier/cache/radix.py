@@ -447,6 +447,14 @@ class RadixIndex:
             freed += 1
         return freed
 
+    def drop_or_requeue(self, node: RadixNode) -> int:
+        """Drop a victim with everything below it; when that would take a pinned page along
+        (``holds_pin``), hand it back to the candidates instead. Returns pages dropped (0: kept)."""
+        if self.holds_pin(node):
+            self.requeue(node)
+            return 0
+        return self.drop_subtree(node)
+
     def holds_pin(self, node: RadixNode) -> bool:
         """``node`` or a page below it (in a slower tier) is pinned: dropping it would
         take a pinned page along."""

@@ -80,11 +80,9 @@ class RoomMaking:
         victim = victims[0]
         if tier is Tier.DRAM and self._move_now(victim, Tier.NVME, TransferReason.EVICTION, allow_room=True):
             return True
-        if self.index.holds_pin(victim):
-            self.index.requeue(victim)
-            return False
-        self.counters.pages_dropped += self.index.drop_subtree(victim)
-        return True
+        dropped = self.index.drop_or_requeue(victim)
+        self.counters.pages_dropped += dropped
+        return dropped > 0
 
     def free_hbm_page(self) -> bool:
         """Free one HBM page for an allocation that found none: a clean page goes back onto its
