@@ -391,7 +391,11 @@ class TierManager(ShadowCopies, RoomMaking, Demotions, Promotions):
     def wait_for(self, ticket: MoveTicket) -> MoveOutcome:
         """Block (applying every transfer that completes meanwhile) until ``ticket`` is done."""
         while not ticket.is_done:
-            if not self.poll(timeout_s=WAIT_STEP_S) and not self.transfers.num_pending and not ticket.is_done:
+            if self.poll(timeout_s=WAIT_STEP_S) or self.transfers.num_pending:
+                continue
+            # Nothing pending: every completion is queued already (a transfer leaves the pending
+            # set and joins the queue at once), so one more poll applies what is left.
+            if not self.poll() and not ticket.is_done:
                 raise IntegrityError(f"move ticket has {ticket.num_open} open transfers but none is pending")
         return ticket.outcome
 
