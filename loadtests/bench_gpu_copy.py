@@ -22,7 +22,8 @@ import torch
 from kvtier.cache.page_pool import PagePool, PoolGeometry
 from kvtier.domain.tiers import Tier
 from kvtier.tiers.dram import make_dram_pool
-from kvtier.tiers.transfer import TransferEngine, TransferReason
+from kvtier.tiers.transfer import TransferReason
+from kvtier.tiers.transfer_engine import TransferEngine
 
 
 def _geometry(page_mib: int) -> PoolGeometry:

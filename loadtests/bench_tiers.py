@@ -58,8 +58,9 @@ from kvtier.tiers import copy as page_copy
 from kvtier.tiers.checksum import page_checksums
 from kvtier.tiers.dram import DramPool, aligned_host_tensor, make_dram_pool
 from kvtier.tiers.manager import TierConfig, Watermark
-from kvtier.tiers.nvme import NvmePool
-from kvtier.tiers.transfer import TransferEngine, TransferReason
+from kvtier.tiers.nvme.pool import NvmePool
+from kvtier.tiers.transfer import TransferReason
+from kvtier.tiers.transfer_engine import TransferEngine
 from loadtests.busy import add_busy_flag, busy_core
 
 GEOMETRIES = {

@@ -242,7 +242,7 @@ class Replay:
             if keys[i] in index:  # a lower-tier hit that found no HBM page: recomputed in place
                 break
             page = pool.allocate()
-            if page is None and index.evict(1) == 1:
+            if page is None and self.tiers.free_hbm_page():
                 page = pool.allocate()
             if page is None:  # the request outgrew HBM: the rest is recomputed, not cached
                 break

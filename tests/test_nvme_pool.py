@@ -17,10 +17,9 @@ from kvtier.cache.page_pool import PoolGeometry
 from kvtier.domain.errors import ConfigError, IntegrityError, InvalidArgument
 from kvtier.tiers.checksum import page_checksum
 from kvtier.tiers.dram import make_dram_pool
-from kvtier.tiers.nvme import (
+from kvtier.tiers.nvme.format import (
     ALIGN,
     HEADER_BYTES,
-    NvmePool,
     SlotHeader,
     SlotId,
     SlotState,
@@ -30,6 +29,7 @@ from kvtier.tiers.nvme import (
     slot_bytes_for,
     slots_for_bytes,
 )
+from kvtier.tiers.nvme.pool import NvmePool
 
 REPO = Path(__file__).resolve().parents[1]
 # 32 KiB pages (4 KiB multiple: O_DIRECT straight into aligned memory) and 384-byte
@@ -313,7 +313,7 @@ FREE_THEN_DIE_CHILD = PAGE_CODE + textwrap.dedent(
     """
     import os, sys
     from kvtier.tiers.checksum import page_checksum
-    from kvtier.tiers.nvme import NvmePool
+    from kvtier.tiers.nvme.pool import NvmePool
     from kvtier.cache.page_pool import PoolGeometry
     g = PoolGeometry(4, 2, 32, 16, torch.float32)
     pool = NvmePool(sys.argv[1], 4, g)
@@ -441,7 +441,7 @@ CRASH_CHILD = PAGE_CODE + textwrap.dedent(
     """
     import sys, time
     from kvtier.tiers.checksum import page_checksum
-    from kvtier.tiers.nvme import NvmePool
+    from kvtier.tiers.nvme.pool import NvmePool
     from kvtier.cache.page_pool import PoolGeometry
     g = PoolGeometry(4, 2, 32, 16, torch.float32)
     pool = NvmePool(sys.argv[1], 64, g)
@@ -494,7 +494,8 @@ DISK_FULL_CHILD = textwrap.dedent(
     """
     import json, os, resource, signal, sys, torch
     from kvtier.tiers.checksum import page_checksum
-    from kvtier.tiers.nvme import DiskFull, NvmePool
+    from kvtier.tiers.nvme.format import DiskFull
+    from kvtier.tiers.nvme.pool import NvmePool
     from kvtier.cache.page_pool import PoolGeometry
     g = PoolGeometry(4, 2, 32, 16, torch.float32)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death

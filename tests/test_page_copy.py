@@ -17,7 +17,8 @@ from kvtier.tiers import copy as page_copy
 from kvtier.tiers.checksum import page_checksum, page_checksums
 from kvtier.tiers.dram import aligned_host_tensor, make_dram_pool
 from kvtier.tiers.native import NativeExtension
-from kvtier.tiers.transfer import TransferEngine, TransferReason
+from kvtier.tiers.transfer import TransferReason
+from kvtier.tiers.transfer_engine import TransferEngine
 
 DTYPES = [torch.uint8, torch.float16, torch.bfloat16, torch.float32, torch.int64]
 

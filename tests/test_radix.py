@@ -1,6 +1,7 @@
 import pytest
 
 from kvtier.domain.errors import IntegrityError
+from kvtier.domain.tiers import Tier
 
 from factories import keys_for, make_index
 
@@ -105,4 +106,23 @@ def test_candidate_heaps_stay_bounded_when_pages_are_hit_and_released_without_ev
             index.pool.release(page)
     assert sum(len(heap) for heap in index._heaps.values()) <= 2 * len(pages) + 64 + 1
     assert index.evict(8) == len(pages)  # the live entries survived the compaction, in order
+    index.check_integrity()
+
+
+def test_drop_or_requeue_keeps_a_victim_with_a_pinned_page_below_it():
+    index = make_index(num_pages=6)
+    keys = keys_for(list(range(8)))
+    page = index.pool.allocate()
+    top = index.insert(keys[0], None, page, [0, 1, 2, 3])
+    index.pool.release(page)
+    below = index.insert(keys[1], keys[0], 0, [4, 5, 6, 7], tier=Tier.DRAM, checksum=1)
+    assert top is not None and below is not None
+    index.pin(keys[1])
+    (victim,) = index.pop_victims(Tier.HBM, 1)  # an HBM leaf: its child sits in a slower tier
+    assert victim is top and index.drop_or_requeue(victim) == 0
+    assert index.get(keys[0]) is top and index.get(keys[1]) is below
+    index.unpin(keys[1])
+    (victim,) = index.pop_victims(Tier.HBM, 1)  # handed back to the candidates
+    assert victim is top and index.drop_or_requeue(victim) == 2
+    assert len(index) == 0 and index.pool.num_free == 6
     index.check_integrity()

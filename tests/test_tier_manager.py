@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,8 @@ import torch
 from kvtier.domain.hashing import page_keys
 from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams, SchedulerConfig
-from kvtier.tiers.manager import MoveOutcome, TierConfig, Watermark
+from kvtier.tiers.manager import TierConfig, Watermark
+from kvtier.tiers.moves import MoveOutcome
 from kvtier.tiers.transfer import TransferReason
 
 from hf_checkpoints import build_checkpoint, hf_logits, load_hf
@@ -731,5 +734,66 @@ def test_a_running_sequence_waits_for_pages_on_their_way_down_instead_of_being_p
     assert engine.index.count_by_tier()[Tier.DRAM] == 5  # the copies landed and freed their pages
     assert out.token_ids == plain(ckpt).generate([grow], SamplingParams(max_tokens=2 * PS, ignore_eos=True))[0].token_ids
     assert_oracle(hf, out)
+    engine.check_integrity()
+    engine.close()
+
+
+def test_every_tier_copy_goes_through_the_transfer_engine(ckpt, hf, tmp_path):
+    """Spills, room-making below, drains and promotions are all transfer records: the transfer
+    engine's count of pages moved per tier pair equals the tier manager's."""
+    never = Watermark(high=1.0, low=1.0)  # no background demotion: every move here is synchronous
+    config = TierConfig(dram_pages=6, nvme_slots=64, nvme_dir=tmp_path / "nvme", hbm_watermark=never,
+                        dram_watermark=never)
+    engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=16, tier_config=config, device=DEVICE,
+                                    record_logits=True)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = [prompt(14, seed=40 + i) for i in range(6)]
+    for p in prompts:  # each caches 4 full pages: HBM spills into DRAM, DRAM makes room on NVMe
+        engine.generate([p], params)
+        engine.check_integrity()
+    engine.tiers.demote_all(Tier.NVME)
+    r = engine.generate([prompts[0][:12] + [1, 2]], params)[0]
+    assert r.num_promoted_tokens == 12
+    assert_oracle(hf, r)
+    moved = engine.tiers.counters.pages_moved
+    assert moved[(Tier.HBM, Tier.DRAM)] > 0 and moved[(Tier.DRAM, Tier.NVME)] > 0 and moved[(Tier.NVME, Tier.HBM)] == 3
+    assert engine.tiers.transfers.stats().pages_moved == moved
+    engine.check_integrity()
+    engine.close()
+
+
+def test_a_synchronous_move_waits_on_its_completion_without_polling(ckpt, hf, tmp_path, monkeypatch):
+    """Spills and promotions on the engine thread block on the transfer's completion, which the
+    emulated link's thread reports a while later, and never sleep in a loop meanwhile."""
+    page_bytes = Engine.from_pretrained(ckpt, page_size=PS, num_pages=8).geometry.page_bytes
+    rate = 20 * page_bytes  # 50 ms a page, acknowledged from the link thread
+    config = TierConfig(dram_pages=32, link_bytes_per_s={(Tier.HBM, Tier.DRAM): rate, (Tier.DRAM, Tier.HBM): rate})
+    engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=64, tier_config=config, device=DEVICE,
+                                    record_logits=True)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    base = prompt(14, seed=50)
+    engine.generate([base], params)
+    real_sleep = time.sleep
+    sleepers: list[str] = []
+
+    def sleep(seconds: float) -> None:
+        sleepers.append(threading.current_thread().name)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", sleep)
+    engine_thread = threading.current_thread().name
+    started = time.monotonic()
+    moved = engine.tiers.demote_all(Tier.DRAM)
+    assert moved == 4 and engine.index.count_by_tier()[Tier.DRAM] == 4
+    assert time.monotonic() - started >= 4 * page_bytes / rate
+    assert engine.tiers.counters.spill_link_wait_s > 0
+    engine.check_integrity()
+    r = engine.generate([base[:12] + [7, 8]], params)[0]  # promotion on hit, awaited on the engine thread
+    assert r.num_promoted_tokens == 12 and engine.tiers.counters.promotion_wait_s >= 3 * page_bytes / rate
+    assert_oracle(hf, r)
+    engine.tiers.demote_all(Tier.DRAM)
+    chain = [engine.index.get(k) for k in page_keys(engine.digest_for(None), base, PS)[:3]]
+    assert engine.tiers.prefetch(chain).num_moved == 3  # a ticket waited for with ``wait_for``
+    assert engine_thread not in sleepers
     engine.check_integrity()
     engine.close()

@@ -15,14 +15,10 @@ from kvtier.domain.errors import InvalidArgument
 from kvtier.domain.tiers import Tier
 from kvtier.tiers.checksum import page_checksum
 from kvtier.tiers.dram import make_dram_pool
-from kvtier.tiers.nvme import NvmePool, SlotId
-from kvtier.tiers.transfer import (
-    CancelOutcome,
-    TransferDone,
-    TransferEngine,
-    TransferReason,
-    TransferStatus,
-)
+from kvtier.tiers.nvme.format import SlotId
+from kvtier.tiers.nvme.pool import NvmePool
+from kvtier.tiers.transfer import CancelOutcome, TransferDone, TransferReason, TransferStatus
+from kvtier.tiers.transfer_engine import TransferEngine
 
 GEOMETRY = PoolGeometry(num_layers=4, kv_heads=2, head_dim=32, page_size=16, dtype=torch.float32)
 NS = b"N" * 16
@@ -569,11 +565,40 @@ def test_close_cancels_transfers_waiting_on_an_emulated_link(tiers):
     t.check()
 
 
-def test_a_synchronous_hold_waits_for_the_link_and_costs_nothing_unemulated(tiers):
+def test_run_waits_for_the_link_thread_and_costs_nothing_unemulated(tiers):
     rate = 40 * PAGE
-    t = tiers(link_bytes_per_s={(HBM, NVME): rate})
+    t = tiers(link_bytes_per_s={(HBM, DRAM): rate}, budget_bytes_per_s=1.0)
+    original = t.fill_hbm()
     started = time.monotonic()
-    waited = t.engine.hold_link(HBM, NVME, 4 * PAGE, started)
-    assert time.monotonic() - started >= 4 * PAGE / rate and waited > 0
-    assert t.engine.hold_link(HBM, DRAM, 4 * PAGE, time.monotonic()) == 0.0  # not emulated
+    done = t.engine.run(HBM, DRAM, [(i, i) for i in range(4)], TransferReason.EVICTION)
+    # Acknowledged by the link thread once 4 pages crossed at ``rate``; never paced (a 1 B/s
+    # budget would hold a background job for hours).
+    assert done.is_ok and time.monotonic() - started >= 4 * PAGE / rate and done.link_wait_s > 0
+    assert all(torch.equal(t.dram.tensor[i], original[i]) for i in range(4))
+    assert done.checksums == [page_checksum(original[i]) for i in range(4)]
+    fast = t.engine.run(HBM, NVME, [(4, t.nvme.allocate())], TransferReason.EVICTION, keys=[key(4)], namespaces=[NS])
+    assert fast.is_ok and fast.link_wait_s == 0.0  # not emulated
+    assert t.engine.poll_completed() == []  # a run's result is delivered to its caller only
+    stats = t.engine.stats()
+    assert stats.num_ok == 2 and stats.pages_moved == {(HBM, DRAM): 4, (HBM, NVME): 1}
+    t.check()
+
+
+def test_an_awaited_transfer_reports_through_its_result_once(tiers):
+    t = tiers(link_bytes_per_s={(DRAM, HBM): 20 * PAGE})
+    t.fill_hbm()
+    down = t.run(HBM, DRAM, [(0, 0), (1, 1)])
+    assert down.is_ok
+    background = t.engine.submit(HBM, DRAM, [(2, 2)], TransferReason.WATERMARK)
+    awaited = t.engine.submit(DRAM, HBM, [(0, 10), (1, 11)], TransferReason.PROMOTION_ON_HIT, awaited=True)
+    done = t.engine.result(awaited.transfer_id, timeout_s=30)
+    assert done.transfer is awaited and done.is_ok and done.verified == [True, True]
+    with pytest.raises(InvalidArgument, match="not awaited"):
+        t.engine.result(awaited.transfer_id)
+    with pytest.raises(InvalidArgument, match="not awaited"):
+        t.engine.result(background.transfer_id)
+    # A blocking poll hands out the background one (never the awaited one), waiting if need be.
+    (bg,) = t.engine.poll_completed(timeout_s=30)
+    assert bg.transfer is background and bg.is_ok
+    assert t.engine.poll_completed(timeout_s=5) == []  # nothing pending: returns at once
     t.check()

@@ -49,7 +49,7 @@ from kvtier.runtime.log import get_logger, setup_logging
 from kvtier.runtime.shutdown import run_steps_sync
 from kvtier.runtime.telemetry import Telemetry
 from kvtier.tiers.manager import TierConfig
-from kvtier.tiers.nvme import slots_for_bytes
+from kvtier.tiers.nvme.format import slots_for_bytes
 from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import WorkerServer, default_worker_id, serve_worker
 from kvtier.worker.sizing import size_hbm_pool

@@ -153,7 +153,8 @@ from kvtier.engine.engine import Engine, GenerationResult, StepOutput
 from kvtier.runtime import tracing
 from kvtier.runtime.config import MAX_WAIT_SCALE
 from kvtier.runtime.log import get_logger, redact_tokens
-from kvtier.tiers.manager import MoveOutcome, MoveTicket, TierManager
+from kvtier.tiers.manager import TierManager
+from kvtier.tiers.moves import MoveOutcome, MoveTicket
 from kvtier.tiers.transfer import TransferDone, TransferReason
 
 if TYPE_CHECKING:
@@ -468,7 +469,6 @@ class EngineLoop:
         engine.index.on_move.append(self._on_move)
         if engine.tiers is not None:
             engine.tiers.transfers.on_done = self._transfer_done
-            engine.tiers.awaited = self._awaited_rank
         # Pages indexed before the loop existed (restored from NVMe at start-up) carry their
         # namespace: learn them, so the first snapshot lists them and the directory routes to them.
         for node in sorted(engine.index.nodes(), key=lambda n: n.depth):
@@ -1461,7 +1461,7 @@ class EngineLoop:
         ):
             self._defer(lambda: self._prefetch(digest, keys, session, hold_s, done, since, expected=expected), done)
             return
-        ticket = self._tiers().start_prefetch(chain, rank=rank)
+        ticket = self._tiers().start_prefetch(chain, spared=self._spared(rank))
         if session is None:
             self._track(ticket, done)
             return
@@ -1500,8 +1500,8 @@ class EngineLoop:
         """Clean HBM pages a prefetch of hold rank ``rank`` may not take: those brought up for a
         session due back no later (``TierManager.start_prefetch``)."""
         tiers, index = self._tiers(), self.engine.index
-        nodes = (index.get(key) for key in self._awaited)
-        return sum(1 for node in nodes if node is not None and tiers.is_clean(node) and tiers.spares(node, rank))
+        nodes = (index.get(key) for key in self._spared(rank))
+        return sum(1 for node in nodes if node is not None and tiers.is_clean(node))
 
     def _lower_tier(self) -> Tier | None:
         tiers = self._tiers()
@@ -1661,15 +1661,18 @@ class EngineLoop:
             tally.num_moved += len(promoted)
             self._awaited.update(dict.fromkeys(promoted, session))
 
-    def _awaited_rank(self, node: RadixNode) -> float | None:
-        """When the session ``node``'s page was brought up for is expected back, or None when no
-        session awaits it: its hold's rank (``_Pin.hold_rank``, lower is sooner), held or lapsed;
-        +inf without one (a prefetch that held nothing, or a hold past its end)."""
-        session = self._awaited.get(node.key)
-        if session is None:
-            return None
-        pin = self._pins.get(_hold_id(session)) or self._lapsed.get(session)
-        return float("inf") if pin is None else pin.hold_rank()
+    def _spared(self, rank: float | None) -> frozenset[PageKey]:
+        """Pages brought up for a session due back no later than hold rank ``rank`` (lower is
+        sooner) and not used yet: a prefetch for a session of that rank must not take their room
+        (``TierManager.start_prefetch(spared=...)``). A session's rank is its hold's
+        (``_Pin.hold_rank``), held or lapsed; +inf without one. None: spares nothing."""
+        if rank is None:
+            return frozenset()
+        ranks: dict[SessionId, float] = {}
+        for session in set(self._awaited.values()):
+            pin = self._pins.get(_hold_id(session)) or self._lapsed.get(session)
+            ranks[session] = float("inf") if pin is None else pin.hold_rank()
+        return frozenset(key for key, session in self._awaited.items() if ranks[session] <= rank)
 
     def _settle_prefetched(self, session: SessionId, why: Literal["arrived", "finished", "gone"] = "arrived") -> None:
         """Count the page moves that brought pages up for ``session`` since its last generation

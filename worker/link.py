@@ -79,7 +79,7 @@ from kvtier.rpc import convert
 from kvtier.rpc._gen import worker_link_pb2, worker_link_pb2_grpc
 from kvtier.rpc.tls import ClientTls, secure_or_insecure_channel
 from kvtier.runtime.log import get_logger
-from kvtier.tiers.manager import MoveOutcome
+from kvtier.tiers.moves import MoveOutcome
 from kvtier.worker.engine_loop import EngineLoop
 
 log = get_logger("kvtier.worker.link")

@@ -1,4 +1,4 @@
-"""The HBM pages an allocation can take without copying a byte (decision 0012, revision 3).
+"""The HBM pages an allocation can take without copying a byte (decision 0012).
 
 A page is *clean* when it is an idle HBM page (no sequence holds it, unpinned, not moving)
 with an intact copy below (its shadow, ``kvtier.tiers.manager``) and every child it has in HBM
@@ -6,8 +6,8 @@ clean too: leaves leave first, so a clean page above a held or uncopied page is 
 take. Their number is what the engine loop, the watermark and the controller count as free
 beside the pool's free pages.
 
-Counting them by walking the shadows cost O(clean pages) each time (8.4 ms at 16,000 pages,
-once per engine step). ``CleanPages`` keeps the set instead: the index and the tier manager
+Counting them by walking the shadows would cost O(clean pages) each time (8.4 ms at 16,000
+pages, once per engine step), so ``CleanPages`` keeps the set instead: the index and the tier manager
 report each node whose inputs changed (its holders, pins, tier, children, copy or moving
 flag), and ``count`` settles those, each flip re-examining the node's parent, so one event
 costs O(depth × children) at worst and nothing is walked when nothing changed. A settle
@@ -114,8 +114,8 @@ class CleanPages:
 
     def walk(self) -> set[int]:
         """The ids of every clean page's node, peeled from the leaves up over the pages with a
-        copy: O(pages with a copy), for checks and benchmarks (what ``count`` keeps, and how
-        session 12 counted it once per engine step)."""
+        copy: O(pages with a copy), for checks and benchmarks (the set ``count`` keeps, recounted
+        from scratch)."""
         ref_count = self._index.pool.ref_count
         idle: dict[int, RadixNode] = {}
         for node in self._copies():

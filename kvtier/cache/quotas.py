@@ -27,9 +27,9 @@ With no way down the page is dropped with what hangs below it (the tenant's own 
 sequences, pinned pages and pages being copied are never taken; when only those are left
 the tenant stays over and the overage is counted (``QuotaCounters.num_stuck``).
 
-Allocation (``free_own_page``): a tenant that needs a page while the pool is full, and would
-pass its HBM limit once its sequence caches what it is computing, gives up its own idle
-HBM pages first. When all of its pages are in use the
+Allocation (``free_own_page``, asked by the scheduler before the normal eviction order): a
+tenant that needs a page while the pool is full, and would pass its HBM limit once its
+sequence caches what it is computing, gives up its own idle HBM pages first. When all of its pages are in use the
 page comes from the normal eviction order (a running sequence must always be able to
 grow; refusing it would livelock a tenant whose one sequence is larger than its quota),
 and that is counted (``QuotaCounters.num_foreign_evictions``).
@@ -208,7 +208,6 @@ class QuotaTracker:
         index.on_remove.append(self._on_remove)
         index.on_move.append(self._on_move)
         index.on_evictable = self._on_evictable
-        index.free_own_page = self.free_own_page
 
     # ---- queries --------------------------------------------------------------------
     def limit(self, tenant: Tenant, tier: Tier) -> int | None:
@@ -444,11 +443,9 @@ class QuotaTracker:
         if self._demote(tenant, victim):
             self.counters.pages_demoted += 1
             return True
-        if self.index.holds_pin(victim):
-            self.index.requeue(victim)
-            return False
-        self.counters.pages_dropped += self.index.drop_subtree(victim)
-        return True
+        dropped = self.index.drop_or_requeue(victim)
+        self.counters.pages_dropped += dropped
+        return dropped > 0
 
     def check_integrity(self) -> None:
         """The counters equal a recount of the index."""

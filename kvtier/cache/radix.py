@@ -22,10 +22,12 @@ Pins keep a page in its tier. A pin with a time to live lapses on its own: the e
 step calls ``expire_pins``, which releases every timed pin whose deadline passed on the
 index's clock (injectable, so tests control time).
 
-Quotas and TTLs (``kvtier.cache.quotas``, ``kvtier.cache.ttls``) hook in here: ``on_evictable`` hears of
-every page that becomes a candidate (for per-tenant candidate heaps), ``free_own_page`` lets
-an over-quota tenant's allocation give up its own page first, and ``last_used_s`` (the
-clock at a node's last use) is what a namespace TTL counts from.
+Quotas and TTLs (``kvtier.cache.quotas``, ``kvtier.cache.ttls``) listen here: ``on_evictable``
+hears of every page that becomes a candidate (for per-tenant candidate heaps), and
+``last_used_s`` (the clock at a node's last use) is what a namespace TTL counts from. The index
+asks nobody for decisions: ``evict`` drops in policy order, and whoever owns more (the tier
+manager's spill, a quota tracker's own-page rule) pops victims itself (``pop_victims``) and
+hands back the ones it keeps (``requeue``).
 """
 
 from __future__ import annotations
@@ -142,19 +144,11 @@ class RadixIndex:
         self.on_move: list[Callable[[RadixNode, Tier], None]] = []
         # Told when a node's pins, or whether a sequence holds its HBM page, change.
         self.on_hold: list[Callable[[RadixNode], None]] = []
-        # Set by the tier manager: free a DRAM page / NVMe slot that a node leaves, and
-        # free an HBM victim's page by moving it down or dropping it (True), or keep it
-        # (False: nothing below has room and dropping would take a pinned page along).
+        # Set by the tier manager, which owns the DRAM pages and NVMe slots: frees the one a
+        # node leaves (the node moves up or away, or is removed). Returns nothing: no decision.
         self.release_lower: Callable[[RadixNode], None] | None = None
-        self.spill: Callable[[RadixNode], bool] | None = None
-        # Frees one HBM page at no copy, if one can be (the tier manager's clean pages): tried
-        # before the policy's victim is spilled.
-        self.reclaim: Callable[[], bool] | None = None
-        # Set by a quota tracker: told of each node that becomes evictable (with its priority),
-        # and asked to free one of an allocating namespace's own HBM pages when its tenant would
-        # pass its quota (given the pages the allocating sequence is about to cache).
+        # Set by a quota tracker: told of each node that becomes evictable, with its priority.
         self.on_evictable: Callable[[RadixNode, float], None] | None = None
-        self.free_own_page: Callable[[NamespaceDigest, int], bool] | None = None
         pool.on_idle = self._page_became_idle
         pool.on_held = self._page_became_held
 
@@ -409,9 +403,9 @@ class RadixIndex:
             heapq.heappush(heap, (priority, next(self._push_order), node.version, node))
             if len(heap) > 2 * len(self._nodes) + 64:
                 # A page hit and released again and again pushes a new entry each time and
-                # stales the last; while nothing is evicted none is popped, and the heap grew
-                # without bound (the soak's worker RSS). Keep it within twice the live nodes
-                # (amortised O(1) per push).
+                # stales the last; while nothing is evicted none is popped, so without this the
+                # heap grows without bound. Keep it within twice the live nodes (amortised O(1)
+                # per push).
                 heap[:] = [e for e in heap if self._is_live_entry(e, node.tier)]
                 heapq.heapify(heap)
             if self.on_evictable is not None:
@@ -443,37 +437,23 @@ class RadixIndex:
     def requeue(self, node: RadixNode) -> None:
         self._push_if_evictable(node)
 
-    def evict(self, num_pages: int, *, namespace: NamespaceDigest | None = None, num_pending: int = 0) -> int:
-        """Free up to ``num_pages`` HBM pages from idle HBM leaves in policy order.
-
-        With a tier manager attached, ``spill`` frees the victim's page (moving it down a
-        tier when one has room); otherwise it is dropped with what hangs below it. With
-        ``namespace`` (whom the page is for; ``num_pending``: pages its sequence will cache,
-        this one included) and a quota tracker, a tenant that would pass its HBM quota gives
-        up its own pages before anyone else's (``kvtier.cache.quotas``).
-        """
+    def evict(self, num_pages: int) -> int:
+        """Drop up to ``num_pages`` idle HBM leaves in policy order, each with what hangs below
+        it; returns how many HBM pages were freed. An engine with tiers or quotas frees room
+        through them instead (``TierManager.free_hbm_page``, ``QuotaTracker.free_own_page``)."""
         freed = 0
-        kept: list[RadixNode] = []
-        while freed < num_pages:
-            if self.free_own_page is not None and namespace is not None and self.free_own_page(namespace, num_pending):
-                freed += 1
-                continue
-            if self.reclaim is not None and self.reclaim():
-                freed += 1
-                continue
-            victims = self.pop_victims(Tier.HBM, 1)
-            if not victims:
-                break
-            node = victims[0]
-            if self.spill is None:
-                self.drop_subtree(node)
-            elif not self.spill(node):
-                kept.append(node)
-                continue
+        while freed < num_pages and (victims := self.pop_victims(Tier.HBM, 1)):
+            self.drop_subtree(victims[0])
             freed += 1
-        for node in kept:
-            self.requeue(node)
         return freed
+
+    def drop_or_requeue(self, node: RadixNode) -> int:
+        """Drop a victim with everything below it; when that would take a pinned page along
+        (``holds_pin``), hand it back to the candidates instead. Returns pages dropped (0: kept)."""
+        if self.holds_pin(node):
+            self.requeue(node)
+            return 0
+        return self.drop_subtree(node)
 
     def holds_pin(self, node: RadixNode) -> bool:
         """``node`` or a page below it (in a slower tier) is pinned: dropping it would

@@ -141,7 +141,6 @@ class Engine:
             )
         self.index = RadixIndex(self.pool, eviction_policy)
         self.tiers = TierManager(self.index, tier_config) if tier_config is not None else None
-        self.scheduler = Scheduler(self.pool, self.index, scheduler_config, self.tiers)
         self.backend = get_backend(attention_backend, param.device)
         self.runner = ModelRunner(model, self.pool, self.backend)
         self.vocab_size = cfg.vocab_size
@@ -157,6 +156,7 @@ class Engine:
             self.index, tenant_quotas, page_bytes=self.geometry.page_bytes, identity_of=self._identities.get,
             tiers=self.tiers,
         ) if tenant_quotas else None
+        self.scheduler = Scheduler(self.pool, self.index, scheduler_config, self.tiers, self.quotas)
         self.ttls = TtlSweeper(self.index, namespace_ttls, identity_of=self._identities.get) if namespace_ttls else None
         self.record_logits = record_logits
         self._seqs: dict[str, Sequence] = {}

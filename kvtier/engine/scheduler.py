@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier.cache.page_pool import PageId, PagePool
+from kvtier.cache.quotas import QuotaTracker
 from kvtier.cache.radix import RadixIndex
 from kvtier.domain.errors import IntegrityError, ResourceExhausted
 from kvtier.domain.tiers import Tier
@@ -52,10 +53,12 @@ class Scheduler:
         index: RadixIndex,
         config: SchedulerConfig | None = None,
         tiers: TierManager | None = None,
+        quotas: QuotaTracker | None = None,
     ) -> None:
         self.pool = pool
         self.index = index
         self.tiers = tiers
+        self.quotas = quotas
         self.config = config or SchedulerConfig()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -96,23 +99,33 @@ class Scheduler:
         reserved = sum(s.reserved_pages for s in self.running)
         return self.pool.num_free + self.pool.num_cached_idle - reserved
 
+    def _free_page(self, seq: Sequence, num_pending: int) -> bool:
+        """Free one HBM page for ``seq``, which will cache ``num_pending`` new pages: its tenant's
+        own page when it would pass its quota, else by the tiers (a clean page, a spill), else
+        the index's next victim dropped."""
+        if self.quotas is not None and seq.namespace is not None and self.quotas.free_own_page(seq.namespace, num_pending):
+            return True
+        if self.tiers is not None:
+            return self.tiers.free_hbm_page()
+        return self.index.evict(1) == 1
+
     def _allocate(self, seq: Sequence, num_pending: int, *, wait_leaving: bool = False) -> PageId | None:
         """A page for ``seq``, which will cache ``num_pending`` new pages (this one included):
         with the pool full, a tenant that would pass its quota gives up its own pages first.
         ``wait_leaving`` (a running sequence's next page): when every idle page is on its way
         down, wait for those copies to land rather than preempt."""
         page = self.pool.allocate()
-        if page is None and self.index.evict(1, namespace=seq.namespace, num_pending=num_pending) == 1:
+        if page is None and self._free_page(seq, num_pending):
             page = self.pool.allocate()
         while page is None and self.release_pin is not None and self.release_pin():
-            if self.index.evict(1, namespace=seq.namespace, num_pending=num_pending) == 1:
+            if self._free_page(seq, num_pending):
                 page = self.pool.allocate()
         if page is None and wait_leaving and self.tiers is not None and self.tiers.num_leaving(Tier.HBM) > 0:
             # Every idle page is on its way down (a watermark or room-making demotion): its
             # room comes back when the copy lands, sooner than a preempted sequence recomputes.
             self.tiers.wait_leaving(Tier.HBM)
             page = self.pool.allocate()
-            if page is None and self.index.evict(1, namespace=seq.namespace, num_pending=num_pending) == 1:
+            if page is None and self._free_page(seq, num_pending):
                 page = self.pool.allocate()
         return page
 
@@ -163,7 +176,7 @@ class Scheduler:
         ok = True
         if needs_cow:
             private = self.pool.copy_on_write(pages[-1])
-            if private is None and self.index.evict(1, namespace=seq.namespace, num_pending=num_new) == 1:
+            if private is None and self._free_page(seq, num_new):
                 private = self.pool.copy_on_write(pages[-1])
             if private is None:
                 ok = False

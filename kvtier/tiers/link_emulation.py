@@ -50,19 +50,18 @@ def check_link_rates(rates: Mapping[TierPair, float] | None) -> dict[TierPair, f
 
 @dataclass(slots=True, eq=False)
 class Flow:
-    """Bytes still to cross an emulated link: a transfer's (``job``) or a synchronous hold's."""
+    """Bytes of a transfer still to cross an emulated link."""
 
     remaining_bytes: float
     entered_at: float
-    job: Any = None  # the transfer engine's job: has ``cancel_requested``
-    arrived: threading.Event | None = None
+    job: Any  # the transfer engine's job: has ``cancel_requested``
 
 
 class EmulatedLinks:
     """Emulated links (module doc), one per tier pair: each pair's rate is split evenly among
     the flows on it. One thread, started on the first flow, reports each flow when its bytes
     are across, its job is cancelled, or the links close: ``on_done(job, waited_s, closed)``
-    for a transfer (outside the lock), the flow's event for a hold."""
+    (outside the lock)."""
 
     def __init__(self, rates: dict[TierPair, float], on_done: Callable[[Any, float, bool], None]) -> None:
         self.rates = rates
@@ -83,10 +82,7 @@ class EmulatedLinks:
                     flow.remaining_bytes -= moved
             self._updated_at[pair] = now
 
-    def add(
-        self, pair: TierPair, num_bytes: int, started_at: float, *,
-        job: Any = None, event: threading.Event | None = None,
-    ) -> bool:
+    def add(self, pair: TierPair, num_bytes: int, started_at: float, *, job: Any) -> bool:
         """Put a flow on ``pair``'s link; False after ``close``. The time since ``started_at``
         (its real copy) counts at the share the flow gets now."""
         with self._cv:
@@ -96,7 +92,7 @@ class EmulatedLinks:
             self._advance(now)
             flows = self._flows[pair]
             credit = max(0.0, now - started_at) * self.rates[pair] / (len(flows) + 1)
-            flows.append(Flow(num_bytes - credit, now, job, event))
+            flows.append(Flow(num_bytes - credit, now, job))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="kvtier-link", daemon=True)
                 self._thread.start()
@@ -127,7 +123,7 @@ class EmulatedLinks:
                     for pair, flows in self._flows.items():
                         keep = []
                         for flow in flows:
-                            cancelled = flow.job is not None and flow.job.cancel_requested
+                            cancelled = flow.job.cancel_requested
                             (finished if flow.remaining_bytes <= 0 or cancelled or self._closed else keep).append(flow)
                         flows[:] = keep
                         if keep:
@@ -140,8 +136,4 @@ class EmulatedLinks:
                     self._cv.wait(next_s)
                 closed = self._closed
             for flow in finished:
-                if flow.job is not None:
-                    self._on_done(flow.job, now - flow.entered_at, closed)
-                else:
-                    assert flow.arrived is not None
-                    flow.arrived.set()
+                self._on_done(flow.job, now - flow.entered_at, closed)

@@ -50,24 +50,31 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.cache.clean_pages import CleanPages
 from kvtier.cache.page_pool import PageId, PagePool
 from kvtier.cache.radix import RadixIndex, RadixNode
-from kvtier.domain.errors import IntegrityError, InvalidArgument, KvtierError
+from kvtier.domain.errors import IntegrityError, InvalidArgument
 from kvtier.domain.hashing import PageKey, short
 from kvtier.domain.tiers import Tier
-from kvtier.tiers.checksum import page_checksum
+from kvtier.tiers.demotion import Demotions
 from kvtier.tiers.dram import DramPool
-from kvtier.tiers.nvme import NvmePool, SlotId
-from kvtier.tiers.transfer import TransferDone, TransferEngine, TransferId, TransferReason, TransferStatus
+from kvtier.tiers.moves import MoveOutcome, MoveTicket, PendingMove
+from kvtier.tiers.nvme.format import SlotId
+from kvtier.tiers.nvme.pool import NvmePool
+from kvtier.tiers.promotion import Promotions
+from kvtier.tiers.room import RoomMaking
+from kvtier.tiers.shadows import Shadow, ShadowCopies
+from kvtier.tiers.transfer import TransferDone, TransferId, TransferReason
+from kvtier.tiers.transfer_engine import TransferEngine
 
 log = logging.getLogger("kvtier.domain.tiers")
+# Longest single block on the transfer engine's completion condition while waiting for a ticket.
+WAIT_STEP_S = 1.0
 
 
 @dataclass(slots=True)
@@ -129,7 +136,7 @@ class TierCounters:
         self.bytes_moved[pair] = self.bytes_moved.get(pair, 0) + num_pages * page_bytes
 
 
-class _SimulatedSlots:
+class SimulatedSlots:
     """The NVMe tier of a simulated manager: slot accounting only (no files, no I/O)."""
 
     recovery = None  # nothing to restore after a restart
@@ -166,76 +173,14 @@ class _SimulatedSlots:
             )
 
 
-@dataclass(frozen=True, slots=True)
-class MoveOutcome:
-    """Result of a commanded move: pages moved, and pages left where they were (held by a
-    sequence, pinned, moving, under a faster child, or no room in the destination)."""
-
-    num_moved: int
-    num_skipped: int
-
-
-@dataclass(slots=True, eq=False)
-class MoveTicket:
-    """A commanded move (controller Demote / Prefetch) while its transfers run.
-
-    Its transfers are applied together once the last one completes (a prefetch's DRAM
-    parents must land before its NVMe children; a park's DRAM pages before the HBM pages
-    above them). Then ``is_done`` is set and ``on_done`` runs once, on the engine thread,
-    with the final outcome. A ticket with nothing to move is done when it is returned.
-    """
-
-    is_promotion: bool
-    num_moved: int = 0
-    num_skipped: int = 0
-    promoted: list[PageKey] = field(default_factory=list)  # a promotion's pages that went up, once applied
-    transfer_ids: list[TransferId] = field(default_factory=list)
-    num_open: int = 0  # transfers not completed yet
-    hold: RadixNode | None = None  # a prefetch pins the chain's deepest HBM page meanwhile
-    is_done: bool = False
-    on_done: Callable[[MoveOutcome], None] | None = None
-
-    @property
-    def outcome(self) -> MoveOutcome:
-        return MoveOutcome(num_moved=self.num_moved, num_skipped=self.num_skipped)
-
-
-@dataclass(frozen=True, slots=True)
-class _Shadow:
-    """An HBM page's identical copy below: the DRAM page or NVMe slot it was promoted from."""
-
-    node: RadixNode
-    tier: Tier
-    page: int
-    checksum: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class _Shadowed:
-    """A demotion onto a shadow, reserved until applied (the node's HBM page is held)."""
-
-    shadow: _Shadow
-    hbm_page: PageId
-
-
-@dataclass(slots=True)
-class _Pending:
-    nodes: list[RadixNode]
-    dsts: list[int]
-    src: Tier
-    dst: Tier
-    ticket: MoveTicket | None = None  # a commanded move's part: applied with the whole ticket
-    done: TransferDone | None = None  # completed, waiting for the ticket's other parts
-    # HBM pages that go back onto their copy below, no bytes copied; applied with the copied
-    # ones, deepest first (their HBM pages held meanwhile).
-    shadowed: list[_Shadowed] = field(default_factory=list)
-
-
-class TierManager:
+class TierManager(ShadowCopies, RoomMaking, Demotions, Promotions):
     """Owns the DRAM and NVMe pools and the transfer engine of one engine.
 
     Runs on the engine thread only (``maintain`` once per step); the transfer engine's
-    worker threads never touch the index.
+    worker threads never touch the index. Its parts, one concept each, share this state:
+    shadows (``kvtier.tiers.shadows``), room-making and synchronous moves (``room``),
+    demotions (``demotion``) and promotions (``promotion``); completed transfers are applied
+    here, in ``poll``, and nowhere else.
     """
 
     def __init__(self, index: RadixIndex, config: TierConfig) -> None:
@@ -249,7 +194,7 @@ class TierManager:
         self.dram = DramPool(config.dram_pages, geometry) if config.dram_pages > 0 else None
         self.nvme: NvmePool | None = None
         if config.nvme_slots > 0 and config.simulate:
-            self.nvme = _SimulatedSlots(config.nvme_slots)  # type: ignore[assignment]
+            self.nvme = SimulatedSlots(config.nvme_slots)  # type: ignore[assignment]
         elif config.nvme_slots > 0:
             if config.nvme_dir is None:
                 raise InvalidArgument("an NVMe tier needs a directory", field="nvme_dir")
@@ -260,27 +205,20 @@ class TierManager:
             link_bytes_per_s=None if config.simulate else config.link_bytes_per_s,
         )
         self.counters = TierCounters()
-        self._pending: dict[TransferId, _Pending] = {}
+        self._pending: dict[TransferId, PendingMove] = {}
         # A tier whose writes fail (disk full, I/O errors) gets no new pages for a while,
         # so the engine drops instead of retrying the same failing copy every step.
         self._failing_until: dict[Tier, float] = {}
         # Copies below of HBM pages promoted from DRAM or NVMe (module doc), oldest first; the
         # node one belongs to must still be that key's node, in HBM, for it to be used.
         # Oldest first per tier (an allocation there takes the oldest); a key has at most one.
-        self._shadows: dict[Tier, OrderedDict[PageKey, _Shadow]] = {Tier.DRAM: OrderedDict(), Tier.NVME: OrderedDict()}
+        self._shadows: dict[Tier, OrderedDict[PageKey, Shadow]] = {Tier.DRAM: OrderedDict(), Tier.NVME: OrderedDict()}
         self._keep_shadow: RadixNode | None = None  # a promotion in progress keeps its page below
         # HBM pages free to take at no copy, kept as they change (None: simulated, no copies)
         self.clean = None if config.simulate else CleanPages(index, self._has_copy, self._copied_nodes)
         index.release_lower = self._release_lower
-        index.spill = self.spill
-        index.reclaim = None if config.simulate else self.reclaim_clean
-        # Idle HBM pages brought up for a session due back and not used yet: ``awaited(node)``
-        # gives the rank of that session's expected return (a hold rank: lower is sooner), None
-        # for any other page. Set by the engine loop. While a prefetch for a session of rank r
-        # allocates (``start_prefetch(rank=r)``), the pages of sessions ranked r or sooner are
-        # not taken for it (``spares``).
-        self.awaited: Callable[[RadixNode], float | None] | None = None
-        self._sparing: float | None = None
+        # While a prefetch allocates, the pages it must not take (``start_prefetch(spared=...)``).
+        self._spared: Collection[PageKey] = ()
         index.on_remove.append(self._free_shadow)
         index.on_move.append(self._on_moved)
         if self.nvme is not None:
@@ -300,7 +238,7 @@ class TierManager:
     def _release_lower(self, node: RadixNode) -> None:
         if node is self._keep_shadow:  # promoted: the copy below stays, identical (module doc)
             self._keep_shadow = None
-            self._add_shadow(_Shadow(node, node.tier, node.page, node.checksum))
+            self._add_shadow(Shadow(node, node.tier, node.page, node.checksum))
             return
         self._release_copy(node.tier, node.page)
 
@@ -331,73 +269,6 @@ class TierManager:
         """Whether ``node`` is one of the clean HBM pages ``num_reclaimable`` counts."""
         return self.clean is not None and self.clean.contains(node)
 
-    def spares(self, node: RadixNode, rank: float | None) -> bool:
-        """Whether an allocation for a prefetch of ``rank`` leaves ``node`` alone: a page
-        brought up for a session due back no later (``awaited``)."""
-        if rank is None or self.awaited is None:
-            return False
-        awaited = self.awaited(node)
-        return awaited is not None and awaited <= rank
-
-    def reclaim_clean(self, *, search: int = 32) -> bool:
-        """Free one HBM page at no copy: the coldest of the ``search`` coldest idle pages whose
-        copy below is intact goes back onto it (while a prefetch allocates, not one it spares:
-        ``start_prefetch``). False when none of them has one."""
-        if self.clean is None or self.clean.count() == 0:
-            return False  # an idle HBM leaf with a copy below would be clean: there is none to find
-        skipped: list[RadixNode] = []
-        chosen: RadixNode | None = None
-        while chosen is None and len(skipped) < search:
-            popped = self.index.pop_victims(Tier.HBM, 1)
-            if not popped:
-                break
-            if self._shadow_of(popped[0].key) is not None and not self.spares(popped[0], self._sparing):
-                chosen = popped[0]
-            else:
-                skipped.append(popped[0])
-        for node in skipped:
-            self.index.requeue(node)
-        if chosen is None:
-            return False
-        shadow = self._take_shadow(chosen, Tier.DRAM) or self._take_shadow(chosen, Tier.NVME)
-        if shadow is None:
-            self.index.requeue(chosen)
-            return False
-        self._onto_shadow(shadow)
-        return True
-
-    # ---- copies below of promoted pages (shadows) --------------------------------------
-    def _move_up(self, node: RadixNode, page: int) -> None:
-        """Point ``node`` at its new HBM page; the page it leaves below stays as its shadow."""
-        self._keep_shadow = node if node.tier is not Tier.HBM and not self.config.simulate else None
-        try:
-            self.index.move(node, Tier.HBM, page)
-        finally:
-            self._keep_shadow = None
-
-    def num_shadows(self, tier: Tier) -> int:
-        """Pages of ``tier`` that are copies of HBM pages (module doc): cached, and free to take."""
-        shadows = self._shadows.get(tier)
-        return 0 if shadows is None else len(shadows)
-
-    def _add_shadow(self, shadow: _Shadow) -> None:
-        self._shadows[shadow.tier][shadow.node.key] = shadow
-        self._touch(shadow.node)
-
-    def _shadow_of(self, key: PageKey) -> _Shadow | None:
-        return self._shadows[Tier.DRAM].get(key) or self._shadows[Tier.NVME].get(key)
-
-    def _has_copy(self, node: RadixNode) -> bool:
-        shadow = self._shadow_of(node.key)
-        return shadow is not None and shadow.node is node
-
-    def _copied_nodes(self) -> list[RadixNode]:
-        return [shadow.node for shadows in self._shadows.values() for shadow in shadows.values()]
-
-    def _pop_shadow(self, shadow: _Shadow) -> _Shadow:
-        self._touch(shadow.node)
-        return self._shadows[shadow.tier].pop(shadow.node.key)
-
     def _set_moving(self, node: RadixNode, moving: bool) -> None:
         node.moving = moving
         self._touch(node)
@@ -407,67 +278,6 @@ class TierManager:
         if self.clean is not None:
             self.clean.touch(node)
 
-    def _on_moved(self, node: RadixNode, old: Tier) -> None:
-        if old is Tier.HBM:  # left HBM other than onto its shadow: the copy is of no more use
-            self._free_shadow(node)
-
-    def _free_shadow(self, node: RadixNode) -> None:
-        shadow = self._shadow_of(node.key)
-        if shadow is not None and shadow.node is node:
-            self._pop_shadow(shadow)
-            self._release_copy(shadow.tier, shadow.page)
-
-    def _drop_oldest_shadow(self, tier: Tier) -> bool:
-        """Free the oldest shadow in ``tier`` (an allocation there found no free page)."""
-        if not self._shadows[tier]:
-            return False
-        _, shadow = self._shadows[tier].popitem(last=False)
-        self._touch(shadow.node)
-        self._release_copy(shadow.tier, shadow.page)
-        return True
-
-    def _take_shadow(self, node: RadixNode, tier: Tier) -> _Shadow | None:
-        """``node``'s copy in ``tier`` (it must be that key's node, in HBM), removed from the
-        shadows (the caller applies or frees it); None when it has none there."""
-        shadow = self._shadows[tier].get(node.key)
-        if (shadow is None or shadow.node is not node
-                or self.index.get(node.key) is not node or node.tier is not Tier.HBM):
-            return None
-        return self._pop_shadow(shadow)
-
-    def _onto_shadow(self, shadow: _Shadow) -> None:
-        self.index.move(shadow.node, shadow.tier, shadow.page, shadow.checksum)
-        self.counters.demotions_without_copy += 1
-
-    def _defer_shadowed(self, node: RadixNode, tier: Tier) -> _Shadowed | None:
-        """Reserve ``node``'s demotion onto its shadow in ``tier``, applied later with a
-        transfer's pages: marked moving and its HBM page held meanwhile, as a copied page is."""
-        shadow = self._take_shadow(node, tier)
-        if shadow is None:
-            return None
-        self._set_moving(node, True)
-        self.hbm.acquire(PageId(node.page))
-        return _Shadowed(shadow, PageId(node.page))
-
-    def _apply_shadowed(self, entry: _Shadowed) -> bool:
-        """Demote a reserved node onto its shadow if it is still idle in HBM with nothing
-        faster below it; otherwise it stays (its shadow with it) or, gone, the copy is freed.
-        True when it moved."""
-        shadow, node = entry.shadow, entry.shadow.node
-        self._set_moving(node, False)
-        still_here = self.index.get(node.key) is node and node.tier is Tier.HBM and node.page == entry.hbm_page
-        idle = still_here and self.hbm.ref_count(entry.hbm_page) == 1 and not node.pins
-        self.hbm.release(entry.hbm_page)
-        if idle and all(c.tier >= shadow.tier for c in node.children.values()):
-            self._onto_shadow(shadow)
-            return True
-        if still_here:  # picked up meanwhile, or a child stayed: still identical to its copy
-            self._add_shadow(shadow)
-            self.index.requeue(node)
-        else:
-            self._release_copy(shadow.tier, shadow.page)
-        return False
-
     def capacity(self, tier: Tier) -> int:
         """Pages (slots on NVMe) this tier has; 0 when it is not configured."""
         if tier is Tier.NVME:
@@ -475,143 +285,7 @@ class TierManager:
         pool = self.hbm if tier is Tier.HBM else self.dram
         return 0 if pool is None else pool.num_pages
 
-    def _allocate(self, tier: Tier, *, make_room: bool = True) -> int | None:
-        """A destination page/slot in ``tier``, making room there by moving or dropping
-        (only a free one without ``make_room``)."""
-        for _ in range(2):
-            if tier is Tier.DRAM and self.dram is not None:
-                page = self.dram.allocate()
-                if page is None and self._drop_oldest_shadow(Tier.DRAM):
-                    page = self.dram.allocate()
-                if page is not None:
-                    return page
-            elif tier is Tier.NVME and self.nvme is not None:
-                slot = self.nvme.allocate()
-                if slot is None and self._drop_oldest_shadow(Tier.NVME):
-                    slot = self.nvme.allocate()
-                if slot is not None:
-                    return slot
-            elif tier is Tier.HBM:
-                page = self.hbm.allocate()
-                if page is not None:
-                    return page
-            if not make_room or not self._make_room(tier):
-                return None
-        return None
-
-    def _make_room(self, tier: Tier) -> bool:
-        if tier is Tier.HBM:
-            return self.index.evict(1) == 1
-        victims = self.index.pop_victims(tier, 1)
-        if not victims:
-            return False
-        victim = victims[0]
-        if tier is Tier.DRAM and self._move_now(victim, Tier.NVME, allow_room=True):
-            return True
-        if self.index.holds_pin(victim):
-            self.index.requeue(victim)
-            return False
-        self.counters.pages_dropped += self.index.drop_subtree(victim)
-        return True
-
-    # ---- synchronous moves ----------------------------------------------------------
-    def spill(self, node: RadixNode) -> bool:
-        """Free an HBM victim's page now (allocation fallback): move it down a tier, or
-        drop it with its subtree when no lower tier has room or works. False (keep it)
-        when that subtree holds a pinned page, or while a prefetch allocates, a page it spares
-        (``start_prefetch``)."""
-        if self.spares(node, self._sparing):
-            return False
-        for tier in (Tier.DRAM, Tier.NVME):
-            if self._move_now(node, tier, allow_room=True):
-                return True
-        if self.index.holds_pin(node):
-            return False
-        self.counters.pages_dropped += self.index.drop_subtree(node)
-        return True
-
-    def move_to_free(self, node: RadixNode, dst: Tier) -> bool:
-        """Move an evictable ``node`` down to ``dst`` now, only into a free page there (nothing
-        in ``dst`` is moved or dropped to make room: quota enforcement, ``kvtier.cache.quotas``)."""
-        return self._move_now(node, dst, allow_room=False)
-
-    def is_usable(self, tier: Tier) -> bool:
-        return self.capacity(tier) > 0 and time.monotonic() >= self._failing_until.get(tier, 0.0)
-
-    def _mark_failing(self, tier: Tier) -> None:
-        self._failing_until[tier] = time.monotonic() + self.config.failure_backoff_s
-
-    def _move_now(self, node: RadixNode, dst: Tier, *, allow_room: bool) -> bool:
-        # A child may not sit in a faster tier than its parent: with DRAM full of pinned
-        # or moving pages, an HBM page with a DRAM child cannot skip to NVMe.
-        if not self.is_usable(dst) or any(c.tier < dst for c in node.children.values()):
-            return False
-        if (shadow := self._take_shadow(node, dst)) is not None:
-            self._onto_shadow(shadow)
-            return True
-        self._set_moving(node, True)  # not a victim while we make room below
-        try:
-            target = self._allocate(dst, make_room=allow_room)
-            if target is None:
-                return False
-            checksum: int | None = None
-            started = time.monotonic()
-            if self.config.simulate:
-                if dst is Tier.DRAM:
-                    self._adopt_dram(PageId(target))
-            else:
-                src_bytes = self._page_tensor(node)
-                checksum = node.checksum if node.tier is not Tier.HBM else page_checksum(src_bytes)
-                if dst is Tier.DRAM:
-                    assert self.dram is not None
-                    self.dram.tensor[target].copy_(src_bytes)
-                    self._adopt_dram_copy(PageId(target), checksum)
-                else:
-                    assert self.nvme is not None
-                    try:
-                        # NVMe I/O is host memory: a GPU page goes through a host copy first.
-                        host_bytes = src_bytes.cpu() if src_bytes.is_cuda else src_bytes
-                        self.nvme.write_pages(
-                            [SlotId(target)], host_bytes[None], [node.key], [node.namespace or b"\0" * 16], [checksum],
-                            parents=[node.parent.key if node.parent else None], tokens=[node.tokens],
-                        )
-                    except KvtierError as exc:  # disk full or failing: drop instead (the slot is free again)
-                        self.counters.disk_full_events += 1
-                        self._mark_failing(Tier.NVME)
-                        log.warning("nvme write failed, dropping instead: %s", exc)
-                        return False
-            # A synchronous move off HBM crosses the same (emulated) link as a transfer does.
-            self.counters.spill_link_wait_s += self.transfers.hold_link(node.tier, dst, self.page_bytes, started)
-            self.counters.moved(node.tier, dst, 1, self.page_bytes)
-            src = node.tier
-            self._set_moving(node, False)
-            self.index.move(node, dst, target, checksum)
-            log.debug("moved page %s %s -> %s", short(node.key), src.label, dst.label)
-            return True
-        finally:
-            self._set_moving(node, False)
-
-    def _page_tensor(self, node: RadixNode):
-        if node.tier is Tier.HBM:
-            return self.hbm.tensor[node.page]
-        if node.tier is Tier.DRAM:
-            assert self.dram is not None
-            return self.dram.tensor[node.page]
-        raise InvalidArgument("NVMe pages are read through promotion, not copied in place")
-
-    def _adopt_dram_copy(self, page: PageId, checksum: int | None) -> None:
-        """A page copied down into DRAM: its checksum recorded, then the index's (``_adopt_dram``)."""
-        assert self.dram is not None
-        self.dram.set_checksums([page], [checksum or 0])
-        self._adopt_dram(page)
-
-    def _adopt_dram(self, page: PageId) -> None:
-        """The index now owns this DRAM page (allocated with one reference)."""
-        assert self.dram is not None
-        self.dram.mark_cached(page)
-        self.dram.release(page)
-
-    # ---- asynchronous demotion --------------------------------------------------------
+    # ---- each step, completions -------------------------------------------------------
     def maintain(self) -> None:
         """Apply finished transfers, then start demotions where a tier is above its watermark."""
         if self.config.simulate:
@@ -637,108 +311,6 @@ class TierManager:
             self.demote(tier, dst, min(want, self.config.max_batch_pages), TransferReason.WATERMARK,
                         dirty_only=tier is Tier.HBM)
 
-    def demote(self, src: Tier, dst: Tier, num_pages: int, reason: TransferReason, *, dirty_only: bool = False) -> int:
-        """Start moving up to ``num_pages`` of ``src``'s coldest idle pages to ``dst``; returns
-        how many are leaving (or, demoted onto their DRAM copy, already left). ``dirty_only``:
-        only pages with no copy below (a clean page is reclaimed when its room is needed)."""
-        if dirty_only:
-            picked: list[RadixNode] = []
-            clean: list[RadixNode] = []
-            while len(picked) < num_pages:
-                popped = self.index.pop_victims(src, num_pages - len(picked))
-                if not popped:
-                    break
-                for node in popped:
-                    (clean if self._shadow_of(node.key) is not None else picked).append(node)
-            for node in clean:
-                self.index.requeue(node)
-            victims = self._with_ancestors(picked, src, num_pages, dirty_only=True)
-        else:
-            victims = self._with_ancestors(self.index.pop_victims(src, num_pages), src, num_pages)
-        nodes, dsts = [], []
-        shadowed: list[_Shadowed] = []
-        for node in victims:
-            if src is Tier.HBM and (entry := self._defer_shadowed(node, dst)) is not None:
-                shadowed.append(entry)
-                continue
-            self._set_moving(node, True)
-            target = self._allocate(dst)
-            if target is None:
-                self._set_moving(node, False)
-                self.index.requeue(node)
-                break
-            nodes.append(node)
-            dsts.append(target)
-        for node in victims[len(nodes) + len(shadowed) :]:
-            self.index.requeue(node)
-        if not nodes:  # nothing to copy: what has a copy below goes at once
-            return sum(self._apply_shadowed(entry) for entry in shadowed)
-        self._submit_demotion(nodes, dsts, src, dst, reason, shadowed=shadowed)
-        return len(nodes) + len(shadowed)
-
-    def _submit_demotion(
-        self, nodes: list[RadixNode], dsts: list[int], src: Tier, dst: Tier, reason: TransferReason,
-        ticket: MoveTicket | None = None, *, shadowed: list[_Shadowed] | None = None,
-    ) -> TransferId:
-        """Copy ``nodes`` (marked moving, deepest first) into the allocated ``dsts``."""
-        src_pool = self.hbm if src is Tier.HBM else self.dram
-        assert src_pool is not None
-        for node in nodes:  # held until applied: not freed or reused under the copy
-            src_pool.acquire(PageId(node.page))
-        kwargs = {}
-        if dst is Tier.NVME:
-            kwargs = dict(
-                keys=[n.key for n in nodes],
-                namespaces=[n.namespace or b"\0" * 16 for n in nodes],
-                parents=[n.parent.key if n.parent else None for n in nodes],
-                tokens=[n.tokens for n in nodes],
-            )
-        if src is Tier.DRAM:
-            assert self.dram is not None
-            self.dram.set_checksums([PageId(n.page) for n in nodes], [n.checksum or 0 for n in nodes])
-        transfer = self.transfers.submit(src, dst, list(zip([n.page for n in nodes], dsts, strict=True)), reason, **kwargs)
-        self._pending[transfer.transfer_id] = _Pending(nodes, dsts, src, dst, ticket, shadowed=shadowed or [])
-        if ticket is not None:
-            ticket.transfer_ids.append(transfer.transfer_id)
-            ticket.num_open += 1
-        return transfer.transfer_id
-
-    def _with_ancestors(self, victims: list[RadixNode], tier: Tier, limit: int, *, dirty_only: bool = False) -> list[RadixNode]:
-        """Extend leaf victims upwards: a parent whose same-tier children all go in this
-        batch can go too. Deepest first, so applying in order never puts a child above
-        its parent's tier."""
-        chosen = {n.key: n for n in victims}
-        for leaf in victims:
-            node = leaf.parent
-            while node is not None and len(chosen) < limit and node.key not in chosen:
-                same_or_faster = [c for c in node.children.values() if c.tier <= tier]
-                if (
-                    node.tier is not tier
-                    or node.pins
-                    or node.moving
-                    or (tier is Tier.HBM and self.hbm.ref_count(PageId(node.page)) > 0)
-                    or any(c.key not in chosen for c in same_or_faster)
-                    or (dirty_only and self._shadow_of(node.key) is not None)
-                ):
-                    break
-                chosen[node.key] = node
-                node = node.parent
-        return sorted(chosen.values(), key=lambda n: -n.depth)
-
-    def num_leaving(self, tier: Tier) -> int:
-        """Pages of ``tier`` in background transfers to a slower tier: freed there once applied."""
-        return sum(len(p.nodes) + len(p.shadowed) for p in self._pending.values() if p.src is tier and p.dst > tier)
-
-    def wait_leaving(self, tier: Tier, timeout_s: float = 30.0) -> None:
-        """Block, applying transfers as they complete, until no background transfer out of
-        ``tier`` is left (or ``timeout_s`` passed): the pages they carry are free once applied.
-        For an allocation that found every idle page on its way down (decision 0012, revision 3)."""
-        deadline = time.monotonic() + timeout_s
-        while any(p.src is tier for p in self._pending.values()) and time.monotonic() < deadline:
-            self.poll()
-            time.sleep(0.0002)
-        self.poll()
-
     def has_pending(self) -> bool:
         """Transfers started and not yet applied (finished ones wait for ``poll``)."""
         return bool(self._pending)
@@ -757,9 +329,14 @@ class TierManager:
                     holds[PageId(page)] = holds.get(PageId(page), 0) + 1
         return holds
 
-    def poll(self) -> None:
-        for done in self.transfers.poll_completed():
+    def poll(self, timeout_s: float = 0.0) -> int:
+        """Apply every transfer that completed (the one place completions are applied); with
+        ``timeout_s``, first block on the transfer engine's completion condition until one has
+        or nothing is pending. Returns how many were applied."""
+        completed = self.transfers.poll_completed(timeout_s=timeout_s)
+        for done in completed:
             self._on_done(done)
+        return len(completed)
 
     def _on_done(self, done: TransferDone) -> None:
         transfer_id = done.transfer.transfer_id
@@ -796,60 +373,6 @@ class TierManager:
         if ticket.on_done is not None:
             ticket.on_done(ticket.outcome)
 
-    def _apply_demotion(self, pending: _Pending, done: TransferDone) -> int:
-        """Point the index at the pages that arrived and are still idle; returns how many."""
-        src_pool = self.hbm if pending.src is Tier.HBM else self.dram
-        assert src_pool is not None
-        moved = copied = 0
-        # Deepest first across the copied pages and those going back onto their DRAM copy: a
-        # page may leave its tier only once nothing below it is faster than its target.
-        order: list[tuple[int, int | None, _Shadowed | None]] = [
-            (-n.depth, i, None) for i, n in enumerate(pending.nodes)]
-        order += [(-entry.shadow.node.depth, None, entry) for entry in pending.shadowed]
-        order.sort(key=lambda o: o[0])
-        for _, index, entry in order:
-            if entry is not None:
-                moved += self._apply_shadowed(entry)
-                continue
-            assert index is not None
-            i, node, target = index, pending.nodes[index], pending.dsts[index]
-            self._set_moving(node, False)
-            still_here = self.index.get(node.key) is node and node.tier is pending.src
-            # Our own hold is the only reference: no sequence picked the page up meanwhile, and
-            # nobody pinned it to its tier meanwhile (a session's hold or a prefetch recalled it).
-            idle = still_here and src_pool.ref_count(PageId(node.page)) == 1 and not node.pins
-            src_pool.release(PageId(node.page))
-            # A child that stayed behind (reused meanwhile) keeps its parent in this tier.
-            children_below = all(c.tier >= pending.dst for c in node.children.values())
-            checksum = done.checksums[i] if i < len(done.checksums) else node.checksum
-            if done.is_ok and idle and children_below:
-                if pending.dst is Tier.DRAM:
-                    self._adopt_dram_copy(PageId(target), checksum)
-                self.index.move(node, pending.dst, target, checksum)
-                moved += 1
-                copied += 1
-                continue
-            if (still_here and done.is_ok and pending.src is Tier.HBM and pending.dst is Tier.DRAM
-                    and self._shadow_of(node.key) is None):
-                # It stays, and the copy that arrived intact is its shadow (decision 0012): when
-                # it does leave, it goes back onto it without a second copy.
-                self._adopt_dram_copy(PageId(target), checksum)
-                self._add_shadow(_Shadow(node, Tier.DRAM, target, checksum))
-            elif not (done.dst_released and pending.dst is Tier.NVME):
-                self._free_target(pending.dst, target)
-            if still_here:
-                if done.is_ok:
-                    self.counters.demotions_abandoned += 1
-                    self.counters.demotions_kept += src_pool.ref_count(PageId(node.page)) == 0
-                self.index.requeue(node)
-        if copied:
-            self.counters.moved(pending.src, pending.dst, copied, self.page_bytes)
-        if done.error is not None:
-            self.counters.disk_full_events += 1
-            self._mark_failing(pending.dst)
-            log.warning("demotion %s -> %s failed: %s", pending.src.label, pending.dst.label, done.error)
-        return moved
-
     def _free_target(self, tier: Tier, target: int) -> None:
         if tier is Tier.DRAM:
             assert self.dram is not None
@@ -865,369 +388,16 @@ class TierManager:
         self.transfers.wait_idle(timeout_s)
         self.poll()
 
-    def demote_all(self, dst: Tier) -> int:
-        """Move every idle cached page above ``dst`` down to it, synchronously (drain, tests)."""
-        if dst is Tier.DRAM:
-            steps = [(Tier.HBM, Tier.DRAM)]
-        elif self.dram is not None:
-            steps = [(Tier.HBM, Tier.DRAM), (Tier.DRAM, Tier.NVME)]
-        else:
-            steps = [(Tier.HBM, Tier.NVME)]
-        moved = 0
-        for src, to in steps:
-            while victims := self.index.pop_victims(src, 1):
-                if not self._move_now(victims[0], to, allow_room=True):
-                    self.index.requeue(victims[0])
-                    break
-                moved += 1
-        return moved
-
-    # ---- commanded moves (controller Demote / Prefetch) ---------------------------------
-    def demote_pages(self, nodes: Sequence[RadixNode], dst: Tier) -> MoveOutcome:
-        """``start_demotion`` and wait until it is applied (tests, tools)."""
-        return self.wait_for(self.start_demotion(nodes, dst))
-
-    def prefetch(self, chain: Sequence[RadixNode]) -> MoveOutcome:
-        """``start_prefetch`` and wait until it is applied (tests, tools)."""
-        return self.wait_for(self.start_prefetch(chain))
-
     def wait_for(self, ticket: MoveTicket) -> MoveOutcome:
         """Block (applying every transfer that completes meanwhile) until ``ticket`` is done."""
         while not ticket.is_done:
-            self.poll()
-            if not ticket.is_done:
-                time.sleep(0.0002)
+            if self.poll(timeout_s=WAIT_STEP_S) or self.transfers.num_pending:
+                continue
+            # Nothing pending: every completion is queued already (a transfer leaves the pending
+            # set and joins the queue at once), so one more poll applies what is left.
+            if not self.poll() and not ticket.is_done:
+                raise IntegrityError(f"move ticket has {ticket.num_open} open transfers but none is pending")
         return ticket.outcome
-
-    def start_demotion(self, nodes: Sequence[RadixNode], dst: Tier) -> MoveTicket:
-        """Start moving the idle ones of ``nodes`` down to ``dst``; applied when all arrived.
-
-        Deepest first: a page may only leave its tier once nothing below it is faster than
-        ``dst`` (its children go in the same ticket or are there already). A page held by a
-        running sequence, pinned, already moving, or with a held page below it stays and is
-        counted as skipped, as is one for which ``dst`` has no room; a page a sequence picks
-        up before the copy lands stays too (counted when applied). Pages already in ``dst``
-        or below are neither moved nor skipped. Paced by the transfer engine's budget.
-        """
-        ticket = MoveTicket(is_promotion=False)
-        chosen: set[PageKey] = set()
-        groups: dict[Tier, tuple[list[RadixNode], list[int]]] = {}
-        shadowed: list[_Shadowed] = []
-        for node in sorted(nodes, key=lambda n: -n.depth):
-            if node.tier >= dst:
-                continue
-            if self._may_leave(node, dst, chosen) and (entry := self._defer_shadowed(node, dst)):
-                chosen.add(node.key)
-                shadowed.append(entry)
-                continue
-            target = self._reserve_below(node, dst, chosen)
-            if target is None:
-                ticket.num_skipped += 1
-                continue
-            chosen.add(node.key)
-            group = groups.setdefault(node.tier, ([], []))
-            group[0].append(node)
-            group[1].append(target)
-        if shadowed and not groups:  # nothing to copy: onto their copies at once
-            moved = sum(self._apply_shadowed(entry) for entry in shadowed)
-            ticket.num_moved += moved
-            ticket.num_skipped += len(shadowed) - moved
-            shadowed = []
-        # Shadowed pages go with the part applied last (the HBM one, else the DRAM one: parts
-        # apply slower sources first), after every page below them has landed.
-        last = Tier.HBM if Tier.HBM in groups else Tier.DRAM
-        for src, (group_nodes, dsts) in groups.items():
-            self._submit_demotion(group_nodes, dsts, src, dst, TransferReason.PARK, ticket,
-                                  shadowed=shadowed if src is last else None)
-        if not ticket.num_open:
-            self._finish(ticket)
-        return ticket
-
-    def _may_leave(self, node: RadixNode, dst: Tier, chosen: set[PageKey]) -> bool:
-        """Whether a commanded demotion may take ``node`` down to ``dst`` (``chosen``: the
-        pages below it already going in the same ticket)."""
-        return not (
-            self.index.get(node.key) is not node
-            or node.pins
-            or node.moving
-            or (node.tier is Tier.HBM and self.hbm.ref_count(PageId(node.page)) > 0)
-            or not self.is_usable(dst)
-            or any(c.tier < dst and c.key not in chosen for c in node.children.values())
-        )
-
-    def _reserve_below(self, node: RadixNode, dst: Tier, chosen: set[PageKey]) -> int | None:
-        """A destination in ``dst`` for ``node`` (then marked moving), or None: it stays."""
-        if not self._may_leave(node, dst, chosen):
-            return None
-        self._set_moving(node, True)  # not a victim while we make room below
-        target = self._allocate(dst)
-        if target is None:
-            self._set_moving(node, False)
-            self.index.requeue(node)
-        return target
-
-    def start_prefetch(
-        self, chain: Sequence[RadixNode], *, for_request: bool = False, rank: float | None = None,
-    ) -> MoveTicket:
-        """Start promoting the lower-tier pages of ``chain`` (root first) into HBM, where they
-        stay cached and idle once applied (``for_request``: a request waits for them, the engine
-        loop's promotion before admission, so a promotion on hit at its priority). Stops at the
-        first page below HBM that a transfer is moving (between lower tiers, or up already): a
-        child may not rise above its parent. Pages left below (no room, a page moving) are
-        skipped; so are those whose transfer fails or is cancelled.
-
-        A page of the chain still in HBM but on its way down (a watermark demotion that picked
-        it a moment before) is recalled, not a stop: the pin on the chain's deepest HBM page
-        keeps it (and so every ancestor in the same demotion) in HBM when that transfer lands.
-        The caller's own pin takes over once the ticket is applied (a session's hold, a waiting
-        request's pin); a caller that pins nothing lets it go down after all.
-
-        ``rank``: the prefetch is for a session expected back at that hold rank. Its pages do not
-        take the room of pages brought up for a session due back no later (``awaited``): those
-        would go down unused, and come up again or be promoted on arrival (decision 0008,
-        revision 16). Pages with no such room are skipped, as with no room at all."""
-        ticket = MoveTicket(is_promotion=True)
-        num_below = sum(1 for n in chain if n.tier is not Tier.HBM)
-        lower: list[RadixNode] = []
-        hold: RadixNode | None = None  # the deepest of the chain's pages already in HBM
-        for node in chain:
-            if node.tier is Tier.HBM:
-                # On its way down or not, it stays: the pin below recalls a demotion in flight
-                # (``_apply_demotion`` leaves a pinned page where it is).
-                hold = node
-                continue
-            if node.moving:  # on its way between lower tiers: nothing below it may rise above it
-                break
-            lower.append(node)
-        if self.config.simulate:  # completes at once (no bytes to copy)
-            if hold is not None:
-                self.index.pin(hold.key)
-            promoted = self._promote_now(lower)
-            if hold is not None:
-                self.index.unpin(hold.key)
-            self._settle_prefetched(promoted)
-            ticket.num_moved, ticket.num_skipped = len(promoted), num_below - len(promoted)
-            ticket.promoted = [n.key for n in promoted]
-            self._finish(ticket)
-            return ticket
-        # Making room for the pages coming up must not spill their ancestors (idle, and leaves
-        # in HBM while their children are below): a child may not rise above its parent. One
-        # pin on the deepest holds the chain above it (leaves go first) until the ticket is applied.
-        if hold is not None and lower:
-            self.index.pin(hold.key)
-            ticket.hold = hold
-        self._sparing = rank
-        try:
-            pages = self._allocate_hbm(lower)
-        finally:
-            self._sparing = None
-        lower = lower[: len(pages)]
-        ticket.num_skipped = num_below - len(lower)
-        groups: dict[Tier, list[int]] = {}
-        for i, node in enumerate(lower):
-            groups.setdefault(node.tier, []).append(i)
-        for tier, idx in groups.items():  # DRAM (the parents) before NVMe
-            if tier is Tier.DRAM:
-                assert self.dram is not None
-                self.dram.set_checksums([PageId(lower[i].page) for i in idx], [lower[i].checksum or 0 for i in idx])
-            nodes = [lower[i] for i in idx]
-            dsts = [int(pages[i]) for i in idx]
-            # Above background demotions in the lanes; below a request's promotion on hit.
-            transfer = self.transfers.submit(
-                tier, Tier.HBM, list(zip([n.page for n in nodes], dsts, strict=True)),
-                TransferReason.PROMOTION_ON_HIT if for_request else TransferReason.PREFETCH,
-                priority=10 if for_request else 5,
-            )
-            self._pending[transfer.transfer_id] = _Pending(nodes, dsts, tier, Tier.HBM, ticket)
-            ticket.transfer_ids.append(transfer.transfer_id)
-            ticket.num_open += 1
-        if not ticket.num_open:
-            self._release_hold(ticket)
-            self._finish(ticket)
-        return ticket
-
-    def _allocate_hbm(self, nodes: list[RadixNode]) -> list[PageId]:
-        """HBM pages for ``nodes`` (a chain, parents first), as many as there is room for.
-        ``nodes`` are marked moving (not victims while we make room); those that get a page
-        stay so, the rest are victims again."""
-        for node in nodes:
-            self._set_moving(node, True)
-        pages: list[PageId] = []
-        for _ in nodes:
-            page = self._allocate(Tier.HBM)
-            if page is None:
-                break
-            pages.append(PageId(page))
-        for node in nodes[len(pages) :]:  # staying below: a victim again (a pop skipped it)
-            self._set_moving(node, False)
-            self.index.requeue(node)
-        return pages
-
-    def _release_hold(self, ticket: MoveTicket) -> None:
-        hold, ticket.hold = ticket.hold, None
-        if hold is not None and self.index.get(hold.key) is hold and hold.pins > 0:
-            self.index.unpin(hold.key)
-
-    def _apply_prefetch(self, ticket: MoveTicket, parts: list[_Pending]) -> None:
-        """Point the index at the pages that arrived intact, parents first; stop at the first
-        that did not (cancelled, failed, a checksum mismatch: that page and its subtree are
-        dropped, as on a promotion on hit)."""
-        promoted: list[RadixNode] = []
-        failed_at: RadixNode | None = None
-        is_stopped = False
-        for part in sorted(parts, key=lambda p: int(p.src)):
-            done = part.done
-            assert done is not None
-            verified = done.verified if done.verified is not None else [done.is_ok] * len(part.nodes)
-            num_ok = 0
-            for j, (node, page) in enumerate(zip(part.nodes, part.dsts, strict=True)):
-                self._set_moving(node, False)
-                in_place = self.index.get(node.key) is node and node.tier is part.src
-                arrived = done.status is TransferStatus.OK and verified[j]
-                num_ok += arrived
-                parent_in_hbm = node.parent is None or node.parent.tier is Tier.HBM
-                if not is_stopped and in_place and arrived and parent_in_hbm:
-                    self._move_up(node, page)
-                    promoted.append(node)
-                    continue
-                self.hbm.release(PageId(page))
-                if in_place:
-                    self.index.requeue(node)
-                    if not is_stopped and done.status is TransferStatus.OK and not verified[j]:
-                        failed_at = node
-                is_stopped = True
-            self.counters.moved(part.src, Tier.HBM, num_ok, self.page_bytes)
-        if failed_at is not None and self.index.get(failed_at.key) is failed_at:
-            self.counters.checksum_failures += 1
-            self.counters.pages_dropped += self.index.drop_subtree(failed_at)
-            log.warning("page %s failed its checksum on prefetch; dropped", short(failed_at.key))
-        self._release_hold(ticket)
-        self._settle_prefetched(promoted)
-        ticket.num_moved = len(promoted)
-        ticket.promoted = [n.key for n in promoted]
-        ticket.num_skipped += sum(len(p.nodes) for p in parts) - len(promoted)
-
-    def _settle_prefetched(self, promoted: list[RadixNode]) -> None:
-        # A prefetch is a use to come (the session returns soon): counted as one, so the pages
-        # are not the first victims of the next demotion with an access clock as old as the
-        # pause. Touched while still held, they enter the eviction heap with the new clock.
-        self.index.touch(promoted)
-        for node in promoted:  # each arrived with one reference (its allocation); the cache keeps it
-            self.hbm.release(PageId(node.page))
-
-    def _prefetches_of(self, nodes: Sequence[RadixNode]) -> list[MoveTicket]:
-        keys = {n.key for n in nodes}
-        tickets: dict[int, MoveTicket] = {}
-        for part in self._pending.values():
-            if part.ticket is not None and part.ticket.is_promotion and any(n.key in keys for n in part.nodes):
-                tickets[id(part.ticket)] = part.ticket
-        return list(tickets.values())
-
-    def cancel_prefetches(self, nodes: Sequence[RadixNode]) -> int:
-        """Cancel the prefetches in flight for any of ``nodes`` and apply them now: pages of a
-        transfer that completed first land, the others stay below. Returns how many."""
-        tickets = self._prefetches_of(nodes)
-        for ticket in tickets:
-            for transfer_id in ticket.transfer_ids:
-                self.transfers.cancel(transfer_id)
-        for ticket in tickets:
-            self.wait_for(ticket)
-        return len(tickets)
-
-    # ---- promotion --------------------------------------------------------------------
-    def promote(self, nodes: Sequence[RadixNode]) -> list[RadixNode]:
-        """Bring matched lower-tier pages (a chain, parents first) into HBM, verified.
-
-        Returns the leading nodes now in HBM, each with one reference held for the
-        caller. A page that fails its checksum is dropped with its subtree; nodes after
-        it are not returned (the caller recomputes from there). Pages a prefetch is
-        bringing up are waited for (and count as promoted: the request waited for them),
-        never copied twice.
-        """
-        if not nodes:
-            return []
-        start = time.perf_counter()
-        arrived: list[RadixNode] = []
-        if prefetches := self._prefetches_of(nodes):
-            for ticket in prefetches:
-                self.wait_for(ticket)
-            # What landed now leads the chain in HBM; a page the prefetch left below (or that a
-            # failed checksum dropped, with what hangs below it) ends what it brought.
-            remaining: list[RadixNode] = []
-            for node in nodes:
-                if self.index.get(node.key) is not node:
-                    break
-                if node.tier is Tier.HBM and not remaining:
-                    self.hbm.acquire(PageId(node.page))
-                    arrived.append(node)
-                else:
-                    remaining.append(node)
-            self.counters.promotion_wait_s += time.perf_counter() - start
-            self.counters.promoted_pages += len(arrived)
-            nodes = remaining
-        return arrived + self._promote_now(nodes)
-
-    def _promote_now(self, nodes: Sequence[RadixNode]) -> list[RadixNode]:
-        """``promote`` for pages no transfer is bringing up: copy them now and wait."""
-        if not nodes:
-            return []
-        start = time.perf_counter()
-        pages = self._allocate_hbm(list(nodes))
-        for node in nodes[: len(pages)]:
-            self._set_moving(node, False)
-        nodes = list(nodes[: len(pages)])
-        promoted: list[RadixNode] = []
-        failed_at: RadixNode | None = None
-        groups: dict[Tier, list[int]] = {}
-        for i, node in enumerate(nodes):
-            groups.setdefault(node.tier, []).append(i)
-        ok = [False] * len(nodes)
-        for tier, idx in groups.items():
-            if self.config.simulate:  # no bytes to copy: every page arrives intact
-                for i in idx:
-                    ok[i] = True
-            else:
-                if tier is Tier.DRAM:
-                    assert self.dram is not None
-                    self.dram.set_checksums([PageId(nodes[i].page) for i in idx], [nodes[i].checksum or 0 for i in idx])
-                transfer = self.transfers.submit(
-                    tier, Tier.HBM, [(nodes[i].page, pages[i]) for i in idx], TransferReason.PROMOTION_ON_HIT,
-                    priority=10,
-                )
-                done = self._wait(transfer.transfer_id)
-                verified = done.verified or [done.is_ok] * len(idx)
-                for j, i in enumerate(idx):
-                    ok[i] = done.status is TransferStatus.OK and verified[j]
-            self.counters.moved(tier, Tier.HBM, sum(ok[i] for i in idx), self.page_bytes)
-        for i, node in enumerate(nodes):
-            if ok[i] and failed_at is None:
-                self._move_up(node, pages[i])
-                promoted.append(node)
-            else:
-                self.hbm.release(pages[i])
-                if failed_at is None:
-                    failed_at = node
-        if failed_at is not None and self.index.get(failed_at.key) is failed_at:
-            self.counters.checksum_failures += 1
-            self.counters.pages_dropped += self.index.drop_subtree(failed_at)
-            log.warning("page %s failed its checksum on promotion; dropped and recomputed", short(failed_at.key))
-        self.counters.promotion_wait_s += time.perf_counter() - start
-        self.counters.promoted_pages += len(promoted)
-        return promoted
-
-    def _wait(self, transfer_id: TransferId) -> TransferDone:
-        while True:
-            found: TransferDone | None = None
-            # poll_completed hands each record out once: apply every other one of the batch,
-            # also those after ours (returning early lost them, and their pages stayed held).
-            for done in self.transfers.poll_completed():
-                if done.transfer.transfer_id == transfer_id:
-                    found = done
-                else:
-                    self._on_done(done)
-            if found is not None:
-                return found
-            time.sleep(0.0002)
 
     # ---- restart ----------------------------------------------------------------------
     def _restore_nvme(self) -> None:

@@ -420,7 +420,7 @@ def worker_args(
     nvme_pages: int = 0,
     nvme_dir: Path | None = None,
 ) -> list[str]:
-    from kvtier.tiers.nvme import slot_bytes_for
+    from kvtier.tiers.nvme.format import slot_bytes_for
 
     geometry = page_geometry()
     args = [
@@ -447,7 +447,7 @@ def page_geometry():
 
 @dataclass(frozen=True)
 class SlotOnDisk:
-    """A slot holding a complete page, found by reading the slot files (format: kvtier.tiers.nvme)."""
+    """A slot holding a complete page, found by reading the slot files (format: kvtier.tiers.nvme.format)."""
 
     path: Path
     offset: int  # of the slot's payload
@@ -455,7 +455,7 @@ class SlotOnDisk:
 
 
 def complete_slots(nvme_dir: Path) -> list[SlotOnDisk]:
-    from kvtier.tiers.nvme import ALIGN, HEADER_BYTES, SlotState, group_layout
+    from kvtier.tiers.nvme.format import ALIGN, HEADER_BYTES, SlotState, group_layout
 
     layout = group_layout(page_geometry())
     found = []

@@ -3,7 +3,7 @@ full disk (ENOSPC / EFBIG).
 
 Pages reach NVMe the way the orchestrator sends them: a ``Demote`` command from the
 controller down the worker's WorkerLink. Faults hit the real slot files (format in
-``kvtier.tiers.nvme``): bytes are flipped or zeroed on disk, the disk is slowed by wrapping
+``kvtier.tiers.nvme.format``): bytes are flipped or zeroed on disk, the disk is slowed by wrapping
 the pool's positional I/O (a fake of the device, not of kvtier), and the disk fills up
 through a file size limit (RLIMIT_FSIZE) set inside a worker process (a full tmpfs would
 need root). After each: the oracle, no leaked page, bounded calls, a converged directory.
@@ -49,8 +49,9 @@ from kvtier.domain.records import DemoteCommand, WorkerId
 from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine
 from kvtier.runtime.config import ControllerConfig
-from kvtier.tiers import nvme as nvme_pool
 from kvtier.tiers.manager import TierConfig
+from kvtier.tiers.nvme import format as nvme_format
+from kvtier.tiers.nvme import io as nvme_io
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 STEPS = 6
@@ -129,7 +130,7 @@ async def stack(fault_checkpoint, redis_url, tmp_path_factory):
 
     torn = process("w-torn")
     full = process("w-full", script=DISK_FULL_WORKER)
-    full.args = [str(2 * nvme_pool.ALIGN), *full.args]  # the file superblock fits, no slot does
+    full.args = [str(2 * nvme_format.ALIGN), *full.args]  # the file superblock fits, no slot does
     torn.start()
     full.start()
     tiers = TierConfig(nvme_slots=128, nvme_dir=root / "nvme-local")
@@ -181,7 +182,7 @@ async def test_a_slow_disk_delays_promotions_but_every_answer_is_right_and_in_ti
     ns = stack.ns("slow")
     slow_prefix, fast_prompt = prompts(1, 17, seed=21)[0], prompts(1, 9, seed=22)[0]
     await complete_checked(stack.client, oracle, ns, slow_prefix, STEPS, worker=stack.local.address)
-    read, write = nvme_pool._preadv_all, nvme_pool._pwritev_all
+    read, write = nvme_io.preadv_all, nvme_io.pwritev_all
     num_slow_ios = 0
 
     def slow(io):
@@ -193,8 +194,8 @@ async def test_a_slow_disk_delays_promotions_but_every_answer_is_right_and_in_ti
 
         return wrapped
 
-    monkeypatch.setattr(nvme_pool, "_preadv_all", slow(read))
-    monkeypatch.setattr(nvme_pool, "_pwritev_all", slow(write))
+    monkeypatch.setattr(nvme_io, "preadv_all", slow(read))
+    monkeypatch.setattr(nvme_io, "pwritev_all", slow(write))
     ack = await stack.demote("w-nvme", "slow", slow_prefix)
     assert ack.error_code is None and ack.num_pages >= 4, ack
 
