@@ -358,7 +358,8 @@ def test_drain_waits_until_the_worker_is_empty_then_resume(capsys, stack: Runnin
     assert all(t["cached_pages"] + t["in_use_pages"] == t["pinned_pages"] for t in drained["tiers"])
 
     assert cli_json(capsys, stack, "workers")["workers"][0]["state"] == "draining"
-    assert stack.client.route(ns, prompt).workers == ()
+    with pytest.raises(Unavailable, match="draining"):
+        stack.client.route(ns, prompt)
     with pytest.raises(Unavailable):
         stack.client.complete(ns, prompt, SamplingParams(max_tokens=1))
 
