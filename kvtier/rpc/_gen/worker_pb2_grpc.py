@@ -69,14 +69,14 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CheckIntegrity(self, request, context):
-        """Runs check_integrity() on every pool and index of the worker (tests, admin).
+        """Runs check_integrity() on every pool and index of the worker (tests, admin). Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
-        """Current occupancy and load of the worker (tests, admin).
+        """Current occupancy and load of the worker (tests, admin). Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
