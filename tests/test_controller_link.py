@@ -101,9 +101,10 @@ async def test_route_ranks_the_worker_holding_the_prefix_first(workers, flushed_
             assert len(tokens) == 3 and final.usage.cached_tokens == 0
             full = PROMPT + tokens  # 17 tokens; the last one is never fed back: 4 full pages cached
 
-            async def routed_by_prefix():
+            async def routed_by_prefix():  # the pages in the directory, and a heartbeat showing w-a idle
                 decision = await client.route(namespace, full)
-                return decision if matched(decision)["w-a"] == (16, 0, 0) else None
+                ranked_first = decision.workers[0].score > decision.workers[1].score
+                return decision if matched(decision)["w-a"] == (16, 0, 0) and ranked_first else None
 
             decision = await eventually(routed_by_prefix, what="w-a's pages in the directory")
             assert [w.worker_id for w in decision.workers] == ["w-a", "w-b"]
