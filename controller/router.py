@@ -383,4 +383,5 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def ListModels(
         self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ListModelsResponse:
+        self._router.access.check_serving()  # workers link to the leader: a standby knows none
         return convert.to_proto_served_models(self._router.list_models(principal_tenant(context)))
