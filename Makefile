@@ -5,8 +5,11 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvtier-installed
+# npm packages of the wire-contract checks: buf (lint, breaking) and the Node contract client.
+NODE_DIR := tests/contract_node
+NODE_STAMP := $(NODE_DIR)/node_modules/.kvtier-installed
 
-.PHONY: setup test demo bench proto proto-check lint clean
+.PHONY: setup node-setup test demo bench proto proto-check proto-lint lint clean
 
 setup: $(STAMP)
 
@@ -17,16 +20,27 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev,triton]'
 	@touch $(STAMP)
 
+node-setup: $(NODE_STAMP)
+
+$(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
+	@command -v npm >/dev/null || { echo "npm not found: install Node.js 20+ (apt-get install nodejs npm)"; exit 1; }
+	npm ci --prefix $(NODE_DIR) --no-audit --no-fund --loglevel=error
+	@touch $(NODE_STAMP)
+
 proto: setup
 	$(BIN)/python scripts/gen_proto.py
 
 proto-check: setup
 	$(BIN)/python scripts/gen_proto.py --check
 
+# buf lint, and buf breaking against the last release tag or the merge base with main.
+proto-lint: setup node-setup
+	$(BIN)/python scripts/buf_check.py
+
 lint: setup
 	$(BIN)/ruff check kvtier worker controller tests loadtests scripts
 
-test: setup lint proto-check
+test: setup node-setup lint proto-check proto-lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 demo: setup
@@ -36,4 +50,4 @@ bench: setup
 	$(BIN)/python -m loadtests.bench_engine
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info $(NODE_DIR)/node_modules

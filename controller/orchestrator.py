@@ -204,7 +204,7 @@ class Orchestrator:
         caller may not act for (the same answer, so ids of other tenants' sessions leak nothing)."""
         record = await self.store.get(session)
         if record is None or (caller is not None and record.tenant and not caller.may_act_for(record.tenant)):
-            raise NotFound(f"no session {session!r}; a Route with its session_id starts one", field="session_id")
+            raise NotFound(f"no session {session!r}; a Route or Pause naming it starts one", field="session_id")
         return record
 
     def _now(self) -> int:
@@ -329,7 +329,12 @@ class Orchestrator:
     async def pause(self, request: PauseRequest, *, caller: Principal | None = None) -> SessionInfo:
         await self.serial.after_route(request.session_id)
         async with self.serial.locked(request.session_id):
-            record = await self._get(request.session_id, caller)
+            record = await self.store.get(request.session_id)
+            if record is None:  # a Pause starts the session (sessions.proto): no worker, nothing to park
+                record = SessionRecord(session_id=request.session_id, state=SessionState.ACTIVE,
+                                       tenant=_own_tenant(caller, request.session_id))
+            else:
+                record = await self._get(request.session_id, caller)
             if record.state is SessionState.PAUSED:
                 return record.info()
             record.require(SessionState.ACTIVE, action="Pause")
@@ -436,7 +441,10 @@ class Orchestrator:
             if record.prefetch_state == PrefetchState.DONE and record.state is not SessionState.ACTIVE:
                 self.stats.count_waste("ended", record.num_parked_pages * page_bytes)
             if record.worker_id is not None and record.namespace_digest is not None:
-                ack = await self.moves.send(record.worker_id, DropCommand(record.namespace_digest, (), record.session_id))
+                # Without ``drop`` the worker forgets the session and its hold; the pages stay as
+                # ordinary cache entries (sessions.proto, End).
+                ack = await self.moves.send(record.worker_id, DropCommand(
+                    record.namespace_digest, (), record.session_id, keep_pages=not request.drop))
                 if ack is not None and ack.num_pages:
                     self.stats.count_move(MoveReason.END, "any", "none", ack.num_pages, ack.num_pages * page_bytes)
             record.clear_pause()
@@ -587,3 +595,15 @@ class Orchestrator:
     def _target_ms(self, prediction: Prediction) -> float:
         """When, after the pause, the pages must be back: the low quantile of the prediction."""
         return prefetch_target_ms(prediction, at_low_quantile=self.params.prefetch_at_low_quantile)
+
+
+def _own_tenant(caller: Principal | None, session: SessionId) -> str:
+    """The tenant a session started by a Pause belongs to: the caller's only tenant ("" for an
+    admin or with authentication off). A token bound to several tenants cannot say which, so
+    its sessions start with a Route (which names the namespace's tenant)."""
+    if caller is None or not caller.tenants:
+        return ""
+    if len(caller.tenants) > 1:
+        raise NotFound(f"no session {session!r}; a token bound to several tenants starts a session with a "
+                       "Route naming its session_id", field="session_id")
+    return next(iter(caller.tenants))

@@ -2,7 +2,11 @@
 
 The score and the ranking are pure (``kvtier/policy/routing.py``): the prefix each worker
 holds, by the fastest tier of each page (``Directory.lookup``), weighed against its load as
-of its last heartbeat; the session's worker first while it is not overloaded.
+of its last heartbeat; the session's worker first while it is not overloaded. Every live
+worker that serves the namespace is listed, so a client can fall back down the list. When
+none does, Route fails and says why (``unserved_reason``): UNAVAILABLE when no worker is live
+or all that serve it are draining, NOT_FOUND naming the first namespace field no live worker
+has, with the served values.
 
 When the directory cannot be read the prefix terms are 0 (the ranking is affinity, then
 least loaded) and the decision is ``degraded`` with the reason; Route never fails because
@@ -20,7 +24,7 @@ from kvtier.cache.epochs import EpochTable
 from kvtier.controller.directory_records import PrefixLookup
 from kvtier.controller.registry import Registry, WorkerEntry
 from kvtier.controller.resync import REDIS_ERRORS, DirectoryAccess
-from kvtier.domain.errors import Unavailable
+from kvtier.domain.errors import NotFound, Unavailable
 from kvtier.domain.hashing import NamespaceDigest, NamespaceIdentity, PageKey, namespace_digest, page_keys
 from kvtier.domain.records import (
     LookupRequest,
@@ -29,6 +33,7 @@ from kvtier.domain.records import (
     Prefix,
     RouteDecision,
     RouteRequest,
+    ServedModel,
     TokenPrefix,
     TokensByTier,
     WorkerId,
@@ -57,6 +62,65 @@ def worker_load(entry: WorkerEntry) -> WorkerLoad:
         hbm_total_pages=hbm.total_pages if hbm else 0,
         hbm_available_pages=hbm.free_pages + hbm.cached_pages if hbm else 0,
     )
+
+
+# The namespace fields a worker must match to serve a request, in the order a reason names the
+# first that differs (``unserved_reason``): the model, then what changes its KV bytes.
+_SERVED_FIELDS = ("model_id", "weights_digest", "rope_config", "kv_dtype", "page_size")
+
+
+def _served_value(entry: WorkerEntry, name: str) -> object:
+    return entry.registration.page_size if name == "page_size" else getattr(entry.registration.model, name)
+
+
+def unserved_reason(namespace: NamespaceIdentity, live: Sequence[WorkerEntry]) -> Unavailable | NotFound:
+    """Why no candidate serves ``namespace`` among the ``live`` workers: none is live, those that
+    serve it are draining (both UNAVAILABLE: retry later), or the first namespace field, in
+    ``_SERVED_FIELDS`` order, that no live worker matching the fields before it has (NOT_FOUND,
+    naming the field and the served values)."""
+    if not live:
+        return Unavailable("no live worker is registered with the controller; start one, or check `kvtier workers`")
+    if any(e.serves(namespace) for e in live):
+        return Unavailable(f"every worker serving model {namespace.model_id!r} is draining; retry, or resume one "
+                           "with `kvtier drain --resume`")
+    matching = list(live)
+    for name in _SERVED_FIELDS:
+        narrowed = [e for e in matching if _served_value(e, name) == getattr(namespace, name)]
+        if not narrowed:
+            served = sorted({repr(_served_value(e, name)) for e in matching})
+            where = "" if name == "model_id" else f" for model {namespace.model_id!r}"
+            return NotFound(
+                f"namespace.{name} is {getattr(namespace, name)!r}, which no live worker serves{where}; served: "
+                f"{', '.join(served)}. Router.ListModels (`kvtier models`) lists the exact namespace fields to send",
+                field=f"namespace.{name}",
+            )
+        matching = narrowed
+    adapters = sorted({a for e in matching for a in e.registration.adapters})
+    return NotFound(
+        f"namespace.adapter {namespace.adapter!r} is not loaded on any live worker serving model "
+        f"{namespace.model_id!r}; loaded: {', '.join(map(repr, adapters)) or 'none (the base model only)'}",
+        field="namespace.adapter",
+    )
+
+
+def served_models(live: Sequence[WorkerEntry], tenant: str) -> tuple[ServedModel, ...]:
+    """The models ``live`` workers serve, one per distinct set of namespace fields, sorted by
+    model id then page size; ``tenant`` fills each namespace's tenant field."""
+    groups: dict[tuple[object, int], list[WorkerEntry]] = {}
+    for entry in live:
+        if not entry.is_draining:
+            groups.setdefault((entry.registration.model, entry.registration.page_size), []).append(entry)
+    models = []
+    for (model, page_size), entries in groups.items():
+        namespace = NamespaceIdentity(
+            model_id=model.model_id, weights_digest=model.weights_digest, tokenizer_digest=model.tokenizer_digest,
+            rope_config=model.rope_config, kv_dtype=model.kv_dtype, page_size=page_size, tenant=tenant,
+        )
+        facts = next((e.registration.facts for e in entries if e.registration.facts is not None), None)
+        adapters = tuple(sorted({a for e in entries for a in e.registration.adapters}))
+        models.append(ServedModel(namespace=namespace, facts=facts, adapters=adapters, num_workers=len(entries)))
+    return tuple(sorted(models, key=lambda m: (m.namespace.model_id, m.namespace.page_size,
+                                                m.namespace.weights_digest, m.namespace.kv_dtype)))
 
 
 def prefix_page_keys(namespace: NamespaceIdentity, prefix: Prefix) -> tuple[NamespaceDigest, list[PageKey]]:
@@ -106,6 +170,8 @@ class Router:
         """Rank workers for ``request`` on behalf of ``caller`` (None: authentication off)."""
         namespace = self.resolve_namespace(request.namespace, caller)
         entries = self.registry.candidates(namespace)
+        if not entries:
+            raise unserved_reason(namespace, self.registry.live_workers())
         matched: dict[WorkerId, TokensByTier] = {}
         degraded: str | None = None
         digest, keys = prefix_page_keys(namespace, request.prefix)  # once: the session bookkeeping uses them too
@@ -131,6 +197,12 @@ class Router:
                 log.warning("session bookkeeping on Route failed", extra={
                     "session_id": request.session_id, "reason": str(exc)})
         return RouteDecision(workers=ranked, degraded_reason=degraded)
+
+    def list_models(self, caller: Principal | None) -> tuple[ServedModel, ...]:
+        """The models live workers serve, with the caller's tenant filled in when its credential
+        is bound to exactly one (an admin, several tenants or authentication off: empty)."""
+        tenants = caller.tenants if caller is not None else frozenset()
+        return served_models(self.registry.live_workers(), next(iter(tenants)) if len(tenants) == 1 else "")
 
     async def _lookup(
         self, digest: NamespaceDigest, keys: Sequence[PageKey]
@@ -193,3 +265,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self._router.route(route, principal_tenant(context)), route, context.invocation_metadata()
         )
         return convert.to_proto_route_decision(decision)
+
+    @rpc_errors
+    async def ListModels(
+        self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.ListModelsResponse:
+        self._router.access.check_serving()  # workers link to the leader: a standby knows none
+        return convert.to_proto_served_models(self._router.list_models(principal_tenant(context)))

@@ -3,12 +3,14 @@
     (Route with the session id) ─► ACTIVE ──Pause──► PAUSED ──Returning──► RESUMING
                                      ▲                 │                      │
                                      └─────────── Route (next turn) ◄─────────┘
+    (Pause of an unknown id) ──────────────────────► PAUSED   (no worker yet: nothing to park)
     any state ──End──► ENDED        (a Route naming an ENDED session starts it afresh)
 
 Pause, Returning and End are idempotent in their target state (a repeat returns the
 record as it is). Everything else is a broken contract: Pause of a RESUMING or ENDED
 session and Returning of an ACTIVE or ENDED one fail with ``FailedPrecondition`` naming
-the state; an id no Route ever named is ``NotFound``.
+the state; Returning or End of an id no Route or Pause named is ``NotFound``.
+End keeps the session's pages as ordinary cache entries; ``EndRequest.drop`` frees them.
 
 Storage: one hash per session, ``kvt:session:<id>``, rewritten on every change with an
 idle TTL (``ttl_s``), so a session nobody touches expires by itself. The orchestrator

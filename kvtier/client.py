@@ -70,6 +70,7 @@ from kvtier.domain.records import (
     RollbackPolicyRequest,
     RouteDecision,
     RouteRequest,
+    ServedModel,
     SessionId,
     SessionInfo,
     SessionPage,
@@ -91,6 +92,7 @@ from kvtier.rpc import convert
 from kvtier.rpc._gen import (
     admin_pb2,
     admin_pb2_grpc,
+    router_pb2,
     router_pb2_grpc,
     sessions_pb2_grpc,
     worker_pb2,
@@ -197,6 +199,14 @@ class AsyncClient:
             "Router.Route", stub.Route, convert.to_proto_route_request(request), timeout_s, idempotent=True
         )
         return convert.from_proto_route_decision(response)
+
+    async def list_models(self, *, timeout_s: float | None = None) -> tuple[ServedModel, ...]:
+        """The models live workers serve, with the exact namespace fields to send (retried on UNAVAILABLE)."""
+        stub = router_pb2_grpc.RouterStub(self._controller_channel())
+        response = await self._unary(
+            "Router.ListModels", stub.ListModels, router_pb2.ListModelsRequest(), timeout_s, idempotent=True
+        )
+        return convert.from_proto_served_models(response)
 
     # ---- generation -----------------------------------------------------------------
     async def generate(
@@ -310,8 +320,9 @@ class AsyncClient:
         )
         return convert.from_proto_returning_response(response)
 
-    async def end(self, session_id: str, *, timeout_s: float | None = None) -> SessionInfo:
-        request = EndRequest(SessionId(session_id))
+    async def end(self, session_id: str, *, drop: bool = False, timeout_s: float | None = None) -> SessionInfo:
+        """End the session: its pages stay as ordinary cache entries, or with ``drop`` are freed now."""
+        request = EndRequest(SessionId(session_id), drop=drop)
         stub = sessions_pb2_grpc.SessionsStub(self._controller_channel())
         response = await self._unary(
             "Sessions.End", stub.End, convert.to_proto_end_request(request), timeout_s, idempotent=True
@@ -698,6 +709,9 @@ class Client:
 
     def end(self, session_id: str, **kwargs: Any) -> SessionInfo:
         return self._run(self._client.end(session_id, **kwargs))
+
+    def list_models(self, **kwargs: Any) -> tuple[ServedModel, ...]:
+        return self._run(self._client.list_models(**kwargs))
 
     def status(self, **kwargs: Any) -> ControllerStatus:
         return self._run(self._client.status(**kwargs))

@@ -849,7 +849,7 @@ async def _session(
         if pause is not None:
             await pause
     if hints:
-        await client.end(plan.session_id)
+        await client.end(plan.session_id, drop=True)  # an agent that is done: its room is freed now
 
 
 def _tenant_seen(out: list[TurnRecord], plan: SessionPlan, policy: str) -> bool:

@@ -194,7 +194,7 @@ async def _session_loop(
                 except Exception as exc:
                     stats.error("pause/returning", exc)
         try:
-            await client.end(session)
+            await client.end(session, drop=True)
             stats.hints += 1
         except Exception as exc:
             stats.error("end", exc)

@@ -101,9 +101,10 @@ async def test_route_ranks_the_worker_holding_the_prefix_first(workers, flushed_
             assert len(tokens) == 3 and final.usage.cached_tokens == 0
             full = PROMPT + tokens  # 17 tokens; the last one is never fed back: 4 full pages cached
 
-            async def routed_by_prefix():
+            async def routed_by_prefix():  # the pages in the directory, and a heartbeat showing w-a idle
                 decision = await client.route(namespace, full)
-                return decision if matched(decision)["w-a"] == (16, 0, 0) else None
+                ranked_first = decision.workers[0].score > decision.workers[1].score
+                return decision if matched(decision)["w-a"] == (16, 0, 0) and ranked_first else None
 
             decision = await eventually(routed_by_prefix, what="w-a's pages in the directory")
             assert [w.worker_id for w in decision.workers] == ["w-a", "w-b"]
@@ -350,8 +351,9 @@ async def test_a_worker_that_stops_heartbeating_leaves_route_within_its_lease(
                 await raw.close()
             # w-a kept heartbeating all along.
             assert [w.worker_id for w in (await client.route(namespace, PROMPT)).workers] == ["w-a"]
-        # A closed stream leaves Route at once.
-        assert (await client.route(namespace, PROMPT)).workers == ()
+        # A closed stream leaves Route at once: with no live worker, Route says so.
+        with pytest.raises(errors.Unavailable, match="no live worker"):
+            await client.route(namespace, PROMPT)
 
 
 @in_module_loop
@@ -391,3 +393,37 @@ async def test_commands_are_acknowledged_by_id(workers, flushed_redis_url, tmp_p
                            what="the reconnect snapshot")
             assert await holds(4)
         assert controller.links.num_rejected == 0
+
+
+@in_module_loop
+async def test_list_models_gives_the_namespace_fields_and_facts_a_frontend_needs(workers, flushed_redis_url,
+                                                                                   tmp_path):
+    """From ListModels alone (no checkpoint read, no admin call) a frontend routes and generates,
+    and gets a prefix hit on its second request."""
+    w_a, w_b = workers
+    async with controller_at(flushed_redis_url, tmp_path) as controller, linked(controller, w_a, w_b):
+        async with AsyncClient(controller.address) as client:
+            (model,) = await client.list_models()
+            served = w_a.engine.namespace
+            assert model.namespace == dataclasses.replace(served, tenant="")
+            assert model.namespace.weights_digest and model.namespace.rope_config == "{}"
+            assert model.num_workers == 2 and model.adapters == ()
+            assert model.facts.vocab_size == TINY_LLAMA_CONFIG["vocab_size"]
+            assert model.facts.max_context_tokens == w_a.engine.max_model_len
+            assert model.facts.eos_token_ids == (TINY_LLAMA_CONFIG["eos_token_id"],)
+            assert model.facts.has_chat_template is False  # a random checkpoint has no tokenizer files
+
+            namespace = dataclasses.replace(model.namespace, tenant="lm")
+            prompt = [t % model.facts.vocab_size for t in PROMPT]
+            sampling = SamplingParams(max_tokens=2, ignore_eos=True)
+            _, first = await client.complete(namespace, prompt, sampling)
+            hit = (len(prompt) // PAGE_SIZE) * PAGE_SIZE
+
+            async def holder_ranked_first() -> bool:  # page events and an idle heartbeat arrived
+                best = (await client.route(namespace, prompt)).workers[0]
+                return best.matched_tokens.hbm_tokens == hit and best.score > 0
+
+            await eventually(holder_ranked_first, what="the first request's pages in the directory")
+            _, second = await client.complete(namespace, prompt, sampling)
+            assert first.usage.cached_tokens == 0
+            assert second.usage.cached_tokens == hit

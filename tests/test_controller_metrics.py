@@ -146,9 +146,9 @@ async def test_families_exist_with_units_and_move_after_route_and_prefetch(worke
 
         # A bad call is timed under its status code.
         with pytest.raises(errors.NotFound):
-            await client.pause("s-nobody", tool="x")
+            await client.returning("s-nobody")
         failed = await scrape(port)
-        assert value(failed, "kvtier_controller_rpc_latency_seconds_count", rpc="Pause", code="NOT_FOUND") == 1
+        assert value(failed, "kvtier_controller_rpc_latency_seconds_count", rpc="Returning", code="NOT_FOUND") == 1
 
         for family, kind in FAMILIES.items():
             assert f"# TYPE {family} {kind}" in after, f"{family} ({kind}) missing from the scrape"
@@ -166,12 +166,12 @@ async def test_wasted_prefetches_are_counted_when_ended_and_when_evicted(worker,
     async with cluster(worker, flushed_redis_url, tmp_path, max_hold_ms=0.0) as (controller, client):
         port = controller.metrics.port
 
-        # Ended unused: prefetched (Returning), then End instead of a next turn.
+        # Ended unused: prefetched (Returning), then End (dropping the pages) instead of a next turn.
         prompt = [5, 10, 15, 20, 25, 30, 35, 40, 45, 50, 55]  # + 6 out, the last never fed: 4 pages
         await client.complete(namespace, prompt, GREEDY, session_id="s-ended")
         await client.pause("s-ended", tool="slow", expected_ms=60_000)
         await client.returning("s-ended")
-        await client.end("s-ended")
+        await client.end("s-ended", drop=True)
         ended = await scrape(port)
         assert value(ended, "kvtier_controller_prefetch_wasted_total", reason="ended") == 1
         assert value(ended, "kvtier_controller_prefetch_wasted_bytes_total", reason="ended") == 4 * page_bytes

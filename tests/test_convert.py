@@ -135,6 +135,10 @@ session_infos = st.builds(
     parked_tier=OPT_TIER,
     num_cached_tokens=U32,
 )
+model_facts = st.builds(
+    r.ModelFacts, vocab_size=st.integers(1, 2**32 - 1), max_context_tokens=st.integers(1, 2**32 - 1),
+    eos_token_ids=st.lists(TOKEN, max_size=4).map(tuple), has_chat_template=st.booleans(),
+)
 registrations = st.builds(
     r.Registration,
     worker_id=NAME,
@@ -144,6 +148,14 @@ registrations = st.builds(
     page_size=st.integers(1, 2**32 - 1),
     capacities=capacity_lists,
     adapters=st.lists(TEXT, max_size=3).map(tuple),
+    facts=st.none() | model_facts,
+)
+served_models = st.builds(
+    r.ServedModel,
+    namespace=namespaces,
+    facts=st.none() | model_facts,
+    adapters=st.lists(TEXT, max_size=3).map(tuple),
+    num_workers=U32,
 )
 heartbeats = st.builds(r.Heartbeat, seq=U64, tiers=occupancy_lists, queue_depth=U32, num_running_seqs=U32)
 
@@ -301,7 +313,9 @@ ROUND_TRIPS: dict[str, st.SearchStrategy[Any]] = {
     # sessions
     "pause_request": st.builds(r.PauseRequest, session_id=NAME, tool_name=OPT_NAME, expected_ms=OPT_DURATION_MS),
     "returning_request": st.builds(r.ReturningRequest, session_id=NAME, eta_ms=OPT_DURATION_MS),
-    "end_request": st.builds(r.EndRequest, session_id=NAME),
+    "end_request": st.builds(r.EndRequest, session_id=NAME, drop=st.booleans()),
+    "model_facts": model_facts,
+    "served_models": st.lists(served_models, max_size=3).map(tuple),
     "session_info": session_infos,
     "pause_response": session_infos,
     "returning_response": session_infos,
@@ -340,7 +354,8 @@ ROUND_TRIPS: dict[str, st.SearchStrategy[Any]] = {
     ),
     "drop_command": st.one_of(
         st.builds(r.DropCommand, namespace_digest=KEY, page_keys=NONEMPTY_KEYS),
-        st.builds(r.DropCommand, namespace_digest=KEY, page_keys=st.just(()), session_id=NAME),
+        st.builds(r.DropCommand, namespace_digest=KEY, page_keys=st.just(()), session_id=NAME,
+                  keep_pages=st.booleans()),
         st.builds(r.DropCommand, namespace_digest=KEY, page_keys=st.just(()), whole_namespace=st.just(True)),
     ),
     "invalidate_command": st.builds(

@@ -23,7 +23,7 @@ MODULES = ("common", "router", "worker", "sessions", "worker_link", "admin")
 
 # DESIGN §7, plus the RPCs the Foundation issue adds (Worker.CheckIntegrity/Stats, Admin policy RPCs).
 SERVICES = {
-    "router": {"Router": ["Route"]},
+    "router": {"Router": ["Route", "ListModels"]},
     "worker": {"Worker": ["Generate", "CheckIntegrity", "Stats"]},
     "sessions": {"Sessions": ["Pause", "Returning", "End"]},
     "worker_link": {"WorkerLink": ["Connect"]},
@@ -100,7 +100,7 @@ def test_check_fails_when_a_proto_changes_and_regeneration_fixes_it(
     proto.write_text(
         proto.read_text().replace(
             "message EndRequest {\n",
-            "message EndRequest {\n  // Why the session ended.\n  string reason = 2;\n",
+            "message EndRequest {\n  // Why the session ended.\n  string reason = 3;\n",
         )
     )
     script = _load_script(root)

@@ -131,7 +131,7 @@ async def test_a_prefetched_session_is_held_in_hbm_until_its_turn_then_released(
         stats = controller.orchestrator.stats
         assert (stats.num_on_time, stats.num_late, stats.wasted_bytes) == (1, 0, 0)
 
-        # End releases a hold at once: the session's private pages go.
+        # End with drop releases a hold at once, and the session's private pages go.
         prompt = [7, 14, 21, 28, 35, 42, 49, 56, 63, 70, 77]
         out, _ = await client.complete(namespace, prompt, GREEDY, session_id="s-hold-end")
         keys = history_keys(worker, prompt + out)
@@ -139,7 +139,7 @@ async def test_a_prefetched_session_is_held_in_hbm_until_its_turn_then_released(
         await client.returning("s-hold-end", eta_ms=2_000)
         await prefetched(controller.orchestrator, "s-hold-end")
         assert tiers_of(worker, keys) == [Tier.HBM] * 4
-        assert (await client.end("s-hold-end")).state is SessionState.ENDED
+        assert (await client.end("s-hold-end", drop=True)).state is SessionState.ENDED
         assert tiers_of(worker, keys) == [None] * 4
         assert (await worker.loop.check_integrity()).is_ok
 

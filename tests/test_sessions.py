@@ -156,7 +156,7 @@ async def test_returning_promotes_at_once_and_end_cancels_and_frees(worker, flus
         assert not orchestrator.timers.is_scheduled("s-ret")
         assert (await client.returning("s-ret")).state is SessionState.RESUMING  # idempotent
 
-        # End: the scheduled prefetch is cancelled, the session's pages leave the worker.
+        # End with drop: the scheduled prefetch is cancelled, the session's pages leave the worker.
         prompt = [250, 240, 230, 220, 210, 205, 195, 185, 175, 165]
         out, _ = await client.complete(namespace, prompt, GREEDY, session_id="s-end")
         keys = history_keys(worker, prompt + out)
@@ -164,7 +164,7 @@ async def test_returning_promotes_at_once_and_end_cancels_and_frees(worker, flus
         assert orchestrator.timers.is_scheduled("s-end")
         status = await client.status()  # s-ret is RESUMING, s-end PAUSED
         assert (status.num_active_sessions, status.num_paused_sessions, status.num_resuming_sessions) == (0, 1, 1)
-        info = await client.end("s-end")
+        info = await client.end("s-end", drop=True)
         assert info.state is SessionState.ENDED
         assert not orchestrator.timers.is_scheduled("s-end")
         assert tiers_of(worker, keys) == [None] * len(keys)
@@ -180,10 +180,49 @@ async def test_returning_promotes_at_once_and_end_cancels_and_frees(worker, flus
         with pytest.raises(errors.FailedPrecondition, match="ACTIVE"):
             await client.returning("s-active")
         with pytest.raises(errors.NotFound):
-            await client.pause("s-nobody", tool="x")
+            await client.returning("s-nobody")
         with pytest.raises(errors.NotFound):
             await client.end("s-nobody")
         assert (await worker.loop.check_integrity()).is_ok
+
+
+@in_module_loop
+async def test_end_keeps_the_pages_as_ordinary_cache_entries(worker, flushed_redis_url, tmp_path):
+    """End without drop: the session is forgotten (its hold released, no prefetch), and a
+    re-sent history finds its pages cached; they are evictable like any unpinned page."""
+    namespace = worker.engine.namespace
+    async with cluster(worker, flushed_redis_url, tmp_path) as (controller, client):
+        prompt = [44, 45, 46, 47, 48, 49, 50, 51, 52, 53]
+        out, _ = await client.complete(namespace, prompt, GREEDY, session_id="s-keep")
+        history = prompt + out
+        keys = history_keys(worker, history)
+        await client.pause("s-keep", tool="slow", expected_ms=60_000)
+        await client.returning("s-keep")
+        assert HOLD_PREFIX + "s-keep" in worker.loop._pins
+        info = await client.end("s-keep")
+        assert info.state is SessionState.ENDED
+        assert not controller.orchestrator.timers.is_scheduled("s-keep")
+        assert tiers_of(worker, keys) == [Tier.HBM] * len(keys)
+        assert HOLD_PREFIX + "s-keep" not in worker.loop._pins
+        assert all(worker.engine.index.is_evictable(worker.engine.index.get(k)) for k in keys[-1:])
+        # The same history again, without a session: every full page is a prefix hit.
+        _, final = await client.complete(namespace, history + [9], GREEDY)
+        assert final.usage.cached_tokens == len(keys) * PAGE_SIZE
+        assert (await worker.loop.check_integrity()).is_ok
+
+
+@in_module_loop
+async def test_a_pause_starts_a_session_no_route_named(worker, flushed_redis_url, tmp_path):
+    """A Generate carrying a session id goes straight to the worker (no Route); the Pause after
+    it starts the session instead of answering NOT_FOUND."""
+    namespace = worker.engine.namespace
+    async with cluster(worker, flushed_redis_url, tmp_path) as (_, client):
+        await client.complete(namespace, [5, 6, 7, 8, 9], GREEDY, session_id="s-direct", worker=worker.address)
+        info = await client.pause("s-direct", tool="search")
+        assert info.state is SessionState.PAUSED and info.tool_name == "search"
+        assert (await client.pause("s-direct", tool="search")).state is SessionState.PAUSED  # idempotent
+        assert (await client.returning("s-direct")).state is SessionState.RESUMING
+        assert (await client.end("s-direct")).state is SessionState.ENDED
 
 
 @in_module_loop

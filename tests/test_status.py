@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator
 import grpc
 import grpc.aio
 import pytest
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from kvtier.domain import errors
 from kvtier.domain.errors import KvtierError
@@ -18,6 +20,7 @@ from kvtier.rpc.status import (
     FIELD_METADATA_KEY,
     RUN_ID_METADATA_KEY,
     error_from_rpc_error,
+    rich_status,
     rpc_errors,
     status_code_for,
 )
@@ -191,3 +194,79 @@ def test_rpc_errors_rejects_sync_methods() -> None:
         @rpc_errors
         def Sync(request: bytes, context: object) -> bytes:
             return request
+
+
+def _details(err: grpc.aio.AioRpcError) -> dict[str, object]:
+    """The google.rpc.Status details of ``err`` by message name, decoded with the standard
+    packages alone (what a client in any language does)."""
+    raw = dict(err.trailing_metadata())["grpc-status-details-bin"]
+    status = status_pb2.Status.FromString(raw)
+    assert status.code == err.code().value[0]
+    assert status.message == err.details()
+    out: dict[str, object] = {}
+    for any_detail in status.details:
+        for cls in (error_details_pb2.ErrorInfo, error_details_pb2.BadRequest, error_details_pb2.ResourceInfo,
+                    error_details_pb2.QuotaFailure, error_details_pb2.RetryInfo):
+            if any_detail.Is(cls.DESCRIPTOR):
+                msg = cls()
+                any_detail.Unpack(msg)
+                out[cls.__name__] = msg
+    return out
+
+
+@pytest.mark.parametrize("cls", list(EXPECTED), ids=lambda c: c.__name__)
+async def test_each_error_carries_standard_rich_details(channel: grpc.aio.Channel, cls: type[KvtierError]) -> None:
+    err = await _unary(channel, cls.__name__)
+    details = _details(err)
+    field = f"request.field_{cls.__name__}"
+
+    info = details["ErrorInfo"]
+    assert info.domain == "kvtier.dev"
+    assert info.metadata["error_type"] == cls.__name__
+    assert info.reason == "".join(f"_{c}" if c.isupper() and i else c for i, c in enumerate(cls.__name__)).upper()
+    assert [v.field for v in details["BadRequest"].field_violations] == [field]
+    code = EXPECTED[cls]
+    assert ("ResourceInfo" in details) is (code is grpc.StatusCode.NOT_FOUND)
+    assert ("QuotaFailure" in details) is (code is grpc.StatusCode.RESOURCE_EXHAUSTED)
+    retryable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert ("RetryInfo" in details) is retryable
+    if retryable:
+        assert details["RetryInfo"].retry_delay.seconds >= 1
+    # grpcio-status, the standard Python reader, accepts the trailer as well.
+    assert rpc_status.from_call(err).code == code.value[0]
+
+
+async def test_the_client_reads_the_standard_form_without_the_kvtier_trailers() -> None:
+    """A server that sends only google.rpc.Status (another implementation of the contract)
+    still yields the right error class and field."""
+
+    class StandardOnly:
+        async def Unary(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            err = errors.ConfigError("config.port must be > 0", field="config.port")
+            status = rich_status(err, grpc.StatusCode.INVALID_ARGUMENT)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err.message,
+                                trailing_metadata=(("grpc-status-details-bin", status.SerializeToString()),))
+            return b""
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        SERVICE, {"Unary": grpc.unary_unary_rpc_method_handler(StandardOnly().Unary)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as chan:
+            err = await _unary(chan, "x")
+    finally:
+        await server.stop(grace=None)
+    assert FIELD_METADATA_KEY not in dict(err.trailing_metadata())
+    rebuilt = error_from_rpc_error(err)
+    assert type(rebuilt) is errors.ConfigError
+    assert rebuilt.field == "config.port"
+
+
+async def test_an_unexpected_error_carries_error_info_with_the_run_id(channel: grpc.aio.Channel) -> None:
+    err = await _unary(channel, "unexpected")
+    info = _details(err)["ErrorInfo"]
+    assert info.reason == "INTERNAL"
+    assert info.metadata["run_id"] == dict(err.trailing_metadata())[RUN_ID_METADATA_KEY]
+    assert SECRET not in str(info)

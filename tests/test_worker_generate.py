@@ -281,16 +281,17 @@ async def _expect_error(stub_, message, code, field):
             "llama-other",
         ),
         ("main", 8, {"adapter": "lora-1"}, grpc.StatusCode.NOT_FOUND, "namespace.adapter", "lora-1"),
-        ("main", 8, {"page_size": 16}, grpc.StatusCode.INVALID_ARGUMENT, "namespace.page_size", "4"),
-        ("main", 8, {"kv_dtype": "bf16"}, grpc.StatusCode.INVALID_ARGUMENT, "namespace.kv_dtype", "fp32"),
+        ("main", 8, {"page_size": 16}, grpc.StatusCode.NOT_FOUND, "namespace.page_size", "4"),
+        ("main", 8, {"kv_dtype": "bf16"}, grpc.StatusCode.NOT_FOUND, "namespace.kv_dtype", "fp32"),
         (
             "main",
             8,
             {"weights_digest": "0" * 32},
-            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.NOT_FOUND,
             "namespace.weights_digest",
             "",
         ),
+        ("main", 8, {"rope_config": ""}, grpc.StatusCode.NOT_FOUND, "namespace.rope_config", "ListModels"),
         ("main", CONTEXT + 40, {}, grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids", f"{CONTEXT} tokens"),
         (
             "small",
@@ -301,7 +302,7 @@ async def _expect_error(stub_, message, code, field):
             "at most 95 prompt tokens",
         ),
     ],
-    ids=["unknown-model", "unknown-adapter", "page-size", "kv-dtype", "weights", "context", "never-fits"],
+    ids=["unknown-model", "unknown-adapter", "page-size", "kv-dtype", "weights", "rope", "context", "never-fits"],
 )
 async def test_bad_namespace_or_prompt_is_refused_and_server_stays_healthy(
     worker, small_worker, channels, which, prompt_len, changes, code, field, says

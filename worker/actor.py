@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import tempfile
 import threading
@@ -408,6 +409,7 @@ class WorkerActor:
                 heartbeat_interval_s=self._heartbeat_interval_s,
                 token=link_token,
                 tls=link_tls,
+                has_chat_template=_has_chat_template(self._model_path),
             )
             self._runtime.run(_start(self._link))
         return self._server.address
@@ -581,3 +583,16 @@ def start_worker_actor(
         connect_controller=connect_controller,
     )
     return actor, run_phases(actor, timeout_s=timeout_s)
+
+
+def _has_chat_template(path: Path | None) -> bool:
+    """Whether the checkpoint at ``path`` carries a chat template (Router.ListModels reports it)."""
+    if path is None:
+        return False
+    if (path / "chat_template.jinja").is_file():
+        return True
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(config.get("chat_template")) if isinstance(config, dict) else False

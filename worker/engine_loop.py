@@ -693,9 +693,10 @@ class EngineLoop:
             log.info("session holds released for a drain", extra={"num_holds": len(holds)})
         return len(holds)
 
-    async def drop_session(self, digest: NamespaceDigest, session: SessionId) -> DropOutcome:
-        """Remove the session's private pages, deepest first; a shared prefix stays cached."""
-        return await self._call(lambda: self._drop_session(digest, session))
+    async def drop_session(self, digest: NamespaceDigest, session: SessionId, *, drop: bool = True) -> DropOutcome:
+        """Forget the session and release its hold; with ``drop``, also remove its private pages,
+        deepest first (a shared prefix stays cached). Without, they stay as ordinary cache entries."""
+        return await self._call(lambda: self._drop_session(digest, session, drop))
 
     async def session_pages(self, session: SessionId) -> SessionPages | None:
         return await self._call(lambda: self._sessions.get(session))
@@ -1863,7 +1864,7 @@ class EngineLoop:
                     stack.append(child)
         return nodes
 
-    def _drop_session(self, digest: NamespaceDigest, session: SessionId) -> DropOutcome:
+    def _drop_session(self, digest: NamespaceDigest, session: SessionId, drop: bool = True) -> DropOutcome:
         self._lapsed.pop(session, None)
         self._release_pin(_hold_id(session))
         chain = self._resolve(digest, (), session)
@@ -1875,7 +1876,7 @@ class EngineLoop:
         num_missing = len(self._sessions[session].page_keys) - len(chain)
         index = self.engine.index
         num_dropped = 0
-        for node in reversed(chain):
+        for node in reversed(chain if drop else ()):
             # Stop at a shared page (another sequence's pages hang below) or a held one.
             if not node.is_leaf or not index.is_evictable(node):
                 break

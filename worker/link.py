@@ -61,6 +61,7 @@ from kvtier.domain.records import (
     Heartbeat,
     InvalidateCommand,
     InventorySnapshotChunk,
+    ModelFacts,
     ModelIdentity,
     NamespaceInventory,
     PageEventBatch,
@@ -96,9 +97,17 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
 UNSUPPORTED = "UNSUPPORTED"
 
 
-def registration_for(loop: EngineLoop, *, worker_id: str, address: str, boot_id: str) -> Registration:
+def registration_for(
+    loop: EngineLoop, *, worker_id: str, address: str, boot_id: str, has_chat_template: bool = False
+) -> Registration:
     engine = loop.engine
     pool = engine.pool
+    facts = ModelFacts(
+        vocab_size=engine.vocab_size,
+        max_context_tokens=engine.max_model_len,
+        eos_token_ids=tuple(sorted(engine.eos_token_ids)),
+        has_chat_template=has_chat_template,
+    )
     return Registration(
         worker_id=WorkerId(worker_id),
         address=address,
@@ -109,6 +118,7 @@ def registration_for(loop: EngineLoop, *, worker_id: str, address: str, boot_id:
             TierCapacity(tier=tier, capacity_pages=pages, capacity_bytes=pages * pool.geometry.page_bytes)
             for tier, pages in _tier_pages(loop)
         ),
+        facts=facts,
     )
 
 
@@ -168,6 +178,7 @@ class WorkerLink:
         max_backoff_s: float = 2.0,
         token: str | None = None,
         tls: ClientTls | None = None,
+        has_chat_template: bool = False,
     ) -> None:
         if not 1 <= max_batch_events <= convert.MAX_BATCH_EVENTS:
             raise ValueError(
@@ -175,7 +186,9 @@ class WorkerLink:
             )
         self._loop = loop
         self.controller_address = controller_address
-        self.registration = registration_for(loop, worker_id=worker_id, address=address, boot_id=boot_id)
+        self.registration = registration_for(
+            loop, worker_id=worker_id, address=address, boot_id=boot_id, has_chat_template=has_chat_template
+        )
         self._heartbeat_interval_s = heartbeat_interval_s
         self._batch_interval_s = batch_interval_s
         self._max_batch_events = max_batch_events
@@ -398,7 +411,7 @@ class WorkerLink:
     async def _carry_out(self, command: ControllerCommand) -> CommandAck:
         body = command.command
         if isinstance(body, DropCommand) and body.session_id is not None:
-            outcome = await self._loop.drop_session(body.namespace_digest, body.session_id)
+            outcome = await self._loop.drop_session(body.namespace_digest, body.session_id, drop=not body.keep_pages)
             log.info("session drop carried out", extra={
                 "command_id": command.command_id, "session_id": body.session_id,
                 "num_dropped": outcome.num_dropped, "num_kept": outcome.num_kept})

@@ -26,7 +26,7 @@ from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvtier.domain.errors import InvalidArgument, NotFound
+from kvtier.domain.errors import NotFound
 from kvtier.domain.hashing import NamespaceIdentity
 from kvtier.domain.records import BootId, WorkerId, WorkerStats
 from kvtier.engine.engine import Engine
@@ -78,9 +78,10 @@ def check_serves(namespace: NamespaceIdentity, served: NamespaceIdentity) -> Non
         )
     for name in _MODEL_FIELDS:
         got, want = getattr(namespace, name), getattr(served, name)
-        if got != want:
-            raise InvalidArgument(
-                f"namespace.{name} is {got!r} but model {served.model_id!r} on this worker has {want!r}",
+        if got != want:  # NOT_FOUND, as Route answers a namespace no worker serves
+            raise NotFound(
+                f"namespace.{name} is {got!r} but model {served.model_id!r} on this worker has {want!r}; "
+                "Router.ListModels lists the namespace fields to send",
                 field=f"namespace.{name}",
             )
 

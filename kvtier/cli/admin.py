@@ -1,5 +1,5 @@
-"""Operator commands over Admin gRPC: workers, tiers, sessions, lookup, invalidate, drain,
-pin, unpin, evict, snapshot (DESIGN §6 "Client and CLI"); ``kvtier.cli.bench`` and
+"""Operator commands over Admin gRPC: models (Router.ListModels), workers, tiers, sessions,
+lookup, invalidate, drain, pin, unpin, evict, snapshot (DESIGN §6 "Client and CLI"); ``kvtier.cli.bench`` and
 ``kvtier.cli.policy`` hold ``bench`` and ``policy``.
 
 Each command resolves where the controller is (``Remote``), makes its calls through
@@ -201,7 +201,40 @@ def _at(ms: int | None) -> str:
     return f"in {delta_s:.1f} s" if delta_s >= 0 else f"{-delta_s:.1f} s ago"
 
 
-# ---- workers and tiers -----------------------------------------------------------------------
+# ---- models, workers and tiers ----------------------------------------------------------------
+
+
+@app.command("models")
+def models_command(
+    controller: ControllerOption = None,
+    token: TokenOption = None,
+    timeout_s: TimeoutOption = 10.0,
+    as_json: JsonOption = False,
+) -> None:
+    """Served models: the exact namespace fields a frontend sends, vocabulary, context, EOS ids,
+    chat template, KV dtype and live workers (Router.ListModels; a frontend token is enough).
+
+    [bold]Examples[/bold]
+
+      kvtier models
+      kvtier models --json | jq '.models[0].namespace'
+    """
+    models = Remote.of(controller, token, timeout_s).run(lambda client: client.list_models())
+    if as_json:
+        print_json({"models": models})
+        return
+    table = Table(title=f"{len(models)} served model(s); send the namespace fields exactly as `--json` shows")
+    for name in ("model", "page", "kv dtype", "weights", "rope", "vocab", "context", "eos", "chat", "workers"):
+        table.add_column(name, justify="right" if name in ("page", "vocab", "context", "workers") else "left")
+    for m in models:
+        ns, facts = m.namespace, m.facts
+        table.add_row(
+            ns.model_id, str(ns.page_size), ns.kv_dtype, ns.weights_digest[:8] or "-", ns.rope_config or "-",
+            f"{facts.vocab_size:,}" if facts else "?", f"{facts.max_context_tokens:,}" if facts else "?",
+            ",".join(map(str, facts.eos_token_ids)) if facts else "?",
+            ("yes" if facts.has_chat_template else "no") if facts else "?", str(m.num_workers),
+        )
+    _console().print(table)
 
 
 @app.command("workers")

@@ -285,7 +285,7 @@ def up_command(
     """
     import signal
 
-    from kvtier.local.stack import StackOptions, start_local_stack
+    from kvtier.local import stack as local
 
     console = _console()
     # The worker settings' own checks, before anything starts; their errors name the flag.
@@ -294,7 +294,7 @@ def up_command(
         env={},
         overrides={"eviction_policy": eviction_policy, "session_hold_fraction": session_hold_fraction},
     )
-    options = StackOptions(
+    options = local.StackOptions(
         state_dir=state_dir,
         num_workers=workers,
         model=model,
@@ -310,7 +310,7 @@ def up_command(
     )
 
     async def run() -> None:
-        stack = await start_local_stack(options)
+        stack = await local.start_local_stack(options)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -320,9 +320,10 @@ def up_command(
         console.print(f"redis       {endpoints['redis']}")
         for worker_id, address in endpoints["workers"].items():
             console.print(f"{worker_id:<11} {address}")
-        console.print(
-            f"admin token {stack.options.state_dir / 'auth' / 'admin.token'}   (kvtier commands use it)"
-        )
+        auth_dir = stack.options.state_dir / local.AUTH_DIR
+        console.print(f"admin token {auth_dir / local.ADMIN_TOKEN_FILE}   (kvtier commands use it)")
+        console.print(f"frontend    {auth_dir / local.FRONTEND_TOKEN_FILE}   (tenant {local.DEFAULT_TENANT!r}: "
+                      "send `authorization: Bearer <token>`; `kvtier models --token <token>` lists what to send)")
         console.print(f"model       {endpoints['model_id']}   (Ctrl-C or `kvtier down` stops everything)")
         try:
             await stop.wait()

@@ -322,6 +322,7 @@ class ReturningRequest:
 @dataclass(frozen=True, slots=True)
 class EndRequest:
     session_id: SessionId
+    drop: bool = False  # free the session's private pages now; False keeps them as ordinary cache entries
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,6 +345,16 @@ class SessionInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What a frontend needs to know about a served model to build requests (Router.ListModels)."""
+
+    vocab_size: int
+    max_context_tokens: int
+    eos_token_ids: tuple[int, ...] = ()
+    has_chat_template: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Registration:
     """First event of a worker's link."""
 
@@ -354,6 +365,18 @@ class Registration:
     page_size: int
     capacities: tuple[TierCapacity, ...]
     adapters: tuple[str, ...] = ()
+    facts: ModelFacts | None = None  # None: the worker did not report them
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """One model as live workers serve it: the exact namespace fields to send (tenant: the
+    caller's, or empty), its facts, and how many live workers serve it."""
+
+    namespace: NamespaceIdentity
+    facts: ModelFacts | None
+    adapters: tuple[str, ...]
+    num_workers: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -498,6 +521,7 @@ class DropCommand:
     page_keys: tuple[PageKey, ...]
     session_id: SessionId | None = None
     whole_namespace: bool = False
+    keep_pages: bool = False  # with session_id: forget the session, keep its pages as ordinary cache entries
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,8 @@ STATE_FILE = "stack.json"
 AUTH_DIR = "auth"
 ADMIN_TOKEN_FILE = "admin.token"
 WORKER_TOKEN_FILE = "worker.token"
+FRONTEND_TOKEN_FILE = "frontend.token"
+DEFAULT_TENANT = "default"  # the tenant the local frontend token acts for
 TOKEN_TABLE_FILE = "tokens.yaml"
 
 
@@ -52,7 +54,7 @@ class StackOptions:
     emulated_nvme_link_bytes_per_s: float | None = None
     wait_scale: float = 1.0  # WorkerConfig.wait_scale of every worker
     max_restarts: int = 2
-    # Bearer-token auth for the stack (DESIGN §8): an admin and a worker token under
+    # Bearer-token auth for the stack (DESIGN §8): an admin, a worker and a frontend token under
     # state_dir/auth (0600). `kvtier up` and `kvtier demo` turn it on; off by default for
     # library use (tests, benchmarks), where clients dial without a token.
     auth: bool = False
@@ -82,6 +84,7 @@ class LocalStack:
     started_ray: bool
     vocab_size: int
     admin_token: str | None = None  # set when options.auth: acts for any tenant (the demo's client uses it)
+    frontend_token: str | None = None  # set when options.auth: acts for DEFAULT_TENANT only
 
     @property
     def controller_address(self) -> str:
@@ -205,7 +208,8 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
             ray.shutdown()
         raise
     stack = LocalStack(
-        options, controller, workers, namespace, started_ray, _vocab_size(options.model), admin_token=admin_token
+        options, controller, workers, namespace, started_ray, _vocab_size(options.model), admin_token=admin_token,
+        frontend_token=auth.frontend_token if auth else None,
     )
     (state_dir / STATE_FILE).write_text(json.dumps(stack.endpoints(), indent=2))
     return stack
@@ -220,14 +224,17 @@ async def _wait_until_routable(
     from kvtier.client import AsyncClient
 
     deadline = time.monotonic() + 60
-    async with AsyncClient(address, token=token) as client:
+    async with AsyncClient(address, token=token, max_retries=0) as client:
         while True:
-            decision = await client.route(namespace, [0])
-            if len(decision.workers) >= num_workers:
+            try:  # UNAVAILABLE until the first worker is live
+                num_routable = len((await client.route(namespace, [0])).workers)
+            except Unavailable:
+                num_routable = 0
+            if num_routable >= num_workers:
                 return
             if time.monotonic() > deadline:
                 raise FailedPrecondition(
-                    f"only {len(decision.workers)} of {num_workers} workers registered with the controller "
+                    f"only {num_routable} of {num_workers} workers registered with the controller "
                     "within 60 s; see the worker logs"
                 )
             await asyncio.sleep(0.1)
@@ -241,19 +248,22 @@ class LocalTokens:
     admin_token_file: Path
     worker_token_file: Path
     table_file: Path  # the controller's and workers' token table (hashes only)
+    frontend_token: str
+    frontend_token_file: Path  # a frontend's credential for DEFAULT_TENANT
 
 
 def ensure_local_tokens(state_dir: Path) -> LocalTokens:
-    """An admin and a worker token for a local stack, kept across restarts of the same
-    ``state_dir`` (a client holding the admin token keeps working), and the token table
-    that admits exactly these two."""
+    """An admin, a worker and a frontend token (tenant ``DEFAULT_TENANT``) for a local stack,
+    kept across restarts of the same ``state_dir`` (a client holding one keeps working), and
+    the token table that admits exactly these three."""
     from kvtier.rpc.auth import Role, TokenEntry, dump_token_table, hash_token, new_token, write_secret_file
 
     auth_dir = state_dir / AUTH_DIR
     auth_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(auth_dir, 0o700)
     tokens = {}
-    for role, name in ((Role.ADMIN, ADMIN_TOKEN_FILE), (Role.WORKER, WORKER_TOKEN_FILE)):
+    for role, name in ((Role.ADMIN, ADMIN_TOKEN_FILE), (Role.WORKER, WORKER_TOKEN_FILE),
+                       (Role.FRONTEND, FRONTEND_TOKEN_FILE)):
         path = auth_dir / name
         try:
             token = path.read_text(encoding="utf-8").strip()
@@ -264,10 +274,15 @@ def ensure_local_tokens(state_dir: Path) -> LocalTokens:
         write_secret_file(path, token + "\n")  # (re)asserts 0600 on a kept file too
         tokens[role] = token
     table = auth_dir / TOKEN_TABLE_FILE
-    entries = [TokenEntry(f"local-{role.value}", role, frozenset(), hash_token(t)) for role, t in tokens.items()]
+    entries = [
+        TokenEntry(f"local-{role.value}", role, frozenset({DEFAULT_TENANT}) if role is Role.FRONTEND else frozenset(),
+                   hash_token(t))
+        for role, t in tokens.items()
+    ]
     dump_token_table(entries, table)
     os.chmod(table, 0o600)
-    return LocalTokens(tokens[Role.ADMIN], auth_dir / ADMIN_TOKEN_FILE, auth_dir / WORKER_TOKEN_FILE, table)
+    return LocalTokens(tokens[Role.ADMIN], auth_dir / ADMIN_TOKEN_FILE, auth_dir / WORKER_TOKEN_FILE, table,
+                       tokens[Role.FRONTEND], auth_dir / FRONTEND_TOKEN_FILE)
 
 
 def local_admin_token(state_dir: Path, controller: str) -> str | None:

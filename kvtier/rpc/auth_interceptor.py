@@ -51,7 +51,7 @@ _WORKER = frozenset({Role.WORKER})
 _ADMIN_METHODS = ("Status", "ListWorkers", "ListSessions", "Lookup", "Invalidate", "Drain", "Pin", "Unpin",
                   "Evict", "SetPolicy", "GetPolicy", "PolicyHistory", "RollbackPolicy", "Snapshot")
 _RULES: dict[str, Mapping[str, frozenset[Role]]] = {
-    "kvtier.v1.Router": {"Route": _FRONTEND},
+    "kvtier.v1.Router": {"Route": _FRONTEND, "ListModels": _FRONTEND},
     "kvtier.v1.Sessions": {"Pause": _FRONTEND, "Returning": _FRONTEND, "End": _FRONTEND},
     "kvtier.v1.Worker": {"Generate": _FRONTEND, "Stats": _ADMIN, "CheckIntegrity": _ADMIN},
     "kvtier.v1.WorkerLink": {"Connect": _WORKER},

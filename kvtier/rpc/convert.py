@@ -64,6 +64,7 @@ from kvtier.domain.records import (
     ListSessionsRequest,
     LookupRequest,
     LookupResult,
+    ModelFacts,
     ModelIdentity,
     NamespaceInventory,
     PageEvent,
@@ -89,6 +90,7 @@ from kvtier.domain.records import (
     RouteDecision,
     RouteRequest,
     RunId,
+    ServedModel,
     SessionId,
     SessionInfo,
     SessionPage,
@@ -557,6 +559,31 @@ def to_proto_route_decision(decision: RouteDecision) -> router_pb2.RouteResponse
     )
 
 
+def to_proto_served_models(models: Sequence[ServedModel]) -> router_pb2.ListModelsResponse:
+    return router_pb2.ListModelsResponse(models=[
+        router_pb2.ServedModel(
+            namespace=to_proto_namespace_identity(m.namespace),
+            facts=to_proto_model_facts(m.facts) if m.facts is not None else None,
+            adapters=m.adapters,
+            num_workers=m.num_workers,
+        )
+        for m in models
+    ])
+
+
+def from_proto_served_models(msg: router_pb2.ListModelsResponse, path: str = "") -> tuple[ServedModel, ...]:
+    def one(m: router_pb2.ServedModel, p: str) -> ServedModel:
+        return ServedModel(
+            namespace=from_proto_namespace_identity(_required_message(m, "namespace", p), _join(p, "namespace")),
+            facts=from_proto_model_facts(m.facts, _join(p, "facts")) if m.HasField("facts") else None,
+            adapters=_list(m.adapters, _join(p, "adapters"),
+                           lambda a, q: _string(a, q, max_chars=MAX_IDENTITY_FIELD_CHARS)),
+            num_workers=m.num_workers,
+        )
+
+    return _list(msg.models, _join(path, "models"), one)
+
+
 def from_proto_route_decision(msg: router_pb2.RouteResponse, path: str = "") -> RouteDecision:
     reason = _string(msg.degraded_reason, _join(path, "degraded_reason"), max_chars=MAX_TEXT_CHARS)
     return RouteDecision(
@@ -786,11 +813,11 @@ def from_proto_returning_request(msg: sessions_pb2.ReturningRequest, path: str =
 
 
 def to_proto_end_request(request: EndRequest) -> sessions_pb2.EndRequest:
-    return sessions_pb2.EndRequest(session_id=request.session_id)
+    return sessions_pb2.EndRequest(session_id=request.session_id, drop=request.drop)
 
 
 def from_proto_end_request(msg: sessions_pb2.EndRequest, path: str = "") -> EndRequest:
-    return EndRequest(session_id=_session_id(msg.session_id, _join(path, "session_id")))
+    return EndRequest(session_id=_session_id(msg.session_id, _join(path, "session_id")), drop=msg.drop)
 
 
 def to_proto_session_info(info: SessionInfo) -> sessions_pb2.SessionInfo:
@@ -864,6 +891,29 @@ def to_proto_registration(registration: Registration) -> worker_link_pb2.Registe
         adapters=registration.adapters,
         page_size=registration.page_size,
         capacities=[to_proto_tier_capacity(c) for c in registration.capacities],
+        facts=to_proto_model_facts(registration.facts) if registration.facts is not None else None,
+    )
+
+
+def to_proto_model_facts(facts: ModelFacts) -> common_pb2.ModelFacts:
+    return common_pb2.ModelFacts(
+        vocab_size=facts.vocab_size,
+        max_context_tokens=facts.max_context_tokens,
+        eos_token_ids=facts.eos_token_ids,
+        has_chat_template=facts.has_chat_template,
+    )
+
+
+def from_proto_model_facts(msg: common_pb2.ModelFacts, path: str = "facts") -> ModelFacts:
+    if msg.vocab_size == 0:
+        raise _invalid(_join(path, "vocab_size"), "must be set (>= 1)")
+    if msg.max_context_tokens == 0:
+        raise _invalid(_join(path, "max_context_tokens"), "must be set (>= 1)")
+    return ModelFacts(
+        vocab_size=msg.vocab_size,
+        max_context_tokens=msg.max_context_tokens,
+        eos_token_ids=_token_ids(msg.eos_token_ids, _join(path, "eos_token_ids"), limit=MAX_STOP_TOKEN_IDS),
+        has_chat_template=msg.has_chat_template,
     )
 
 
@@ -881,6 +931,7 @@ def from_proto_registration(msg: worker_link_pb2.Register, path: str = "register
         adapters=_list(
             msg.adapters, adapters_path, lambda a, p: _string(a, p, max_chars=MAX_IDENTITY_FIELD_CHARS)
         ),
+        facts=from_proto_model_facts(msg.facts, _join(path, "facts")) if msg.HasField("facts") else None,
     )
 
 
@@ -1162,16 +1213,20 @@ def to_proto_drop_command(command: DropCommand) -> worker_link_pb2.DropCommand:
         page_keys=command.page_keys,
         session_id=command.session_id or "",
         whole_namespace=command.whole_namespace,
+        keep_pages=command.keep_pages,
     )
 
 
 def from_proto_drop_command(msg: worker_link_pb2.DropCommand, path: str = "drop") -> DropCommand:
     keys, session_id, whole_namespace = _command_target(msg, path)
+    if msg.keep_pages and session_id is None:
+        raise _invalid(_join(path, "keep_pages"), "may be true only with session_id")
     return DropCommand(
         namespace_digest=_digest(msg.namespace_digest, _join(path, "namespace_digest")),
         page_keys=keys,
         session_id=session_id,
         whole_namespace=whole_namespace,
+        keep_pages=msg.keep_pages,
     )
 
 

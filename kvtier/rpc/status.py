@@ -2,8 +2,13 @@
 
 Servers: decorate grpc.aio servicer methods with ``@rpc_errors`` (or wrap a block in
 ``async with error_boundary(context, "Router.Route")``). A raised ``KvtierError``
-aborts the call with its status code, its message as details, and the offending field
-in the ``kvtier-error-field`` trailing metadata. Any other exception is a bug: it is
+aborts the call with its status code, its message as details, and gRPC's standard rich
+error model in the ``grpc-status-details-bin`` trailer: a ``google.rpc.Status`` whose
+details are ``ErrorInfo`` (reason: the error class in UPPER_SNAKE_CASE, domain
+``kvtier.dev``), ``BadRequest`` naming the offending field, and, where they fit,
+``ResourceInfo`` (NOT_FOUND), ``QuotaFailure`` (RESOURCE_EXHAUSTED) and ``RetryInfo``
+(UNAVAILABLE, RESOURCE_EXHAUSTED). The ``kvtier-error-field`` and ``kvtier-error-type``
+trailers repeat the field and class for clients that read only those. Any other exception is a bug: it is
 logged with a fresh run id and the caller gets ``INTERNAL`` with that id and nothing
 else, never the exception's text.
 
@@ -13,7 +18,8 @@ kvtier server installs ``MalformedRequestInterceptor``, which decodes inside the
 answers ``INVALID_ARGUMENT`` (field ``request``) instead.
 
 Clients: ``error_from_rpc_error(rpc_error)`` turns a ``grpc.RpcError`` back into the
-matching ``KvtierError`` subclass, field included.
+matching ``KvtierError`` subclass, field included, reading the standard details first and
+the kvtier trailers when a server sent no details.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
 
 from kvtier.domain import errors
 from kvtier.domain.errors import InvalidArgument, KvtierError
@@ -38,6 +45,11 @@ logger = logging.getLogger(__name__)
 FIELD_METADATA_KEY = "kvtier-error-field"
 ERROR_TYPE_METADATA_KEY = "kvtier-error-type"
 RUN_ID_METADATA_KEY = "kvtier-run-id"
+DETAILS_METADATA_KEY = "grpc-status-details-bin"  # google.rpc.Status, serialized
+ERROR_DOMAIN = "kvtier.dev"  # ErrorInfo.domain
+# RetryInfo.retry_delay of UNAVAILABLE (a leader election, a Redis reconnect) and
+# RESOURCE_EXHAUSTED (a rate limit's window) answers.
+RETRY_DELAY_S = 1
 
 _STATUS_BY_ERROR_CODE: dict[str, grpc.StatusCode] = {
     "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
@@ -94,10 +106,52 @@ def metadata_value(text: str) -> str:
     return escaped if len(escaped) <= MAX_METADATA_VALUE_CHARS else escaped[: MAX_METADATA_VALUE_CHARS - 3] + "..."
 
 
+def _reason(err: KvtierError) -> str:
+    """``InvalidArgument`` → ``INVALID_ARGUMENT``: ErrorInfo.reason's UPPER_SNAKE_CASE."""
+    name = type(err).__name__
+    return "".join(f"_{c}" if c.isupper() and i else c for i, c in enumerate(name)).upper()
+
+
+def _resource_type(field: str | None) -> str:
+    """The kind of thing a NOT_FOUND names, from its field path (``namespace.model_id`` →
+    ``namespace``, ``session_id`` → ``session``)."""
+    head = (field or "").split(".", 1)[0].split("[", 1)[0]
+    return head.removesuffix("_id") or "resource"
+
+
+def rich_status(err: KvtierError, code: grpc.StatusCode) -> status_pb2.Status:
+    """``err`` as a ``google.rpc.Status`` with the details its code calls for."""
+    info = error_details_pb2.ErrorInfo(reason=_reason(err), domain=ERROR_DOMAIN,
+                                       metadata={"error_type": type(err).__name__})
+    details: list[Any] = [info]
+    if err.field:
+        info.metadata["field"] = err.field
+        details.append(error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=err.field, description=err.message)]))
+    if code is grpc.StatusCode.NOT_FOUND:
+        details.append(error_details_pb2.ResourceInfo(
+            resource_type=_resource_type(err.field), description=err.message))
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        details.append(error_details_pb2.QuotaFailure(violations=[
+            error_details_pb2.QuotaFailure.Violation(subject=err.field or "", description=err.message)]))
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+        retry = error_details_pb2.RetryInfo()
+        retry.retry_delay.FromSeconds(RETRY_DELAY_S)
+        details.append(retry)
+    status = status_pb2.Status(code=code.value[0], message=err.message)
+    for detail in details:
+        status.details.add().Pack(detail)
+    return status
+
+
 async def abort_with(context: grpc.aio.ServicerContext, err: KvtierError) -> NoReturn:
-    """Abort the current RPC with ``err``'s status code. Always raises (``grpc.aio.AbortError``)."""
+    """Abort the current RPC with ``err``'s status code and rich details. Always raises
+    (``grpc.aio.AbortError``)."""
     code = status_code_for(err)
-    metadata: list[tuple[str, str]] = [(ERROR_TYPE_METADATA_KEY, type(err).__name__)]
+    metadata: list[tuple[str, str | bytes]] = [
+        (ERROR_TYPE_METADATA_KEY, type(err).__name__),
+        (DETAILS_METADATA_KEY, rich_status(err, code).SerializeToString()),
+    ]
     if err.field:
         metadata.append((FIELD_METADATA_KEY, metadata_value(err.field)))
     if code is grpc.StatusCode.INTERNAL:
@@ -113,10 +167,13 @@ async def abort_with(context: grpc.aio.ServicerContext, err: KvtierError) -> NoR
 async def _abort_internal(context: grpc.aio.ServicerContext, rpc_name: str, exc: Exception) -> NoReturn:
     run_id = new_run_id()
     logger.error("unexpected error in %s (run id %s)", rpc_name, run_id, exc_info=exc)
+    message = f"internal error in {rpc_name}; the server log has the details under run id {run_id}"
+    status = status_pb2.Status(code=grpc.StatusCode.INTERNAL.value[0], message=message)
+    status.details.add().Pack(error_details_pb2.ErrorInfo(reason="INTERNAL", domain=ERROR_DOMAIN,
+                                                          metadata={"run_id": run_id}))
     await context.abort(
-        grpc.StatusCode.INTERNAL,
-        f"internal error in {rpc_name}; the server log has the details under run id {run_id}",
-        trailing_metadata=((RUN_ID_METADATA_KEY, run_id),),
+        grpc.StatusCode.INTERNAL, message,
+        trailing_metadata=((RUN_ID_METADATA_KEY, run_id), (DETAILS_METADATA_KEY, status.SerializeToString())),
     )
     raise AssertionError("context.abort() returned")
 
@@ -255,14 +312,50 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(unary_unary, response_serializer=serialize)
 
 
+def status_details(rpc_error: grpc.RpcError) -> status_pb2.Status | None:
+    """The ``google.rpc.Status`` a failed call carries, or None when it has none (or an
+    undecodable one, or one whose code disagrees with the call's)."""
+    metadata = dict(_from_call(rpc_error, "trailing_metadata", None) or ())
+    raw = metadata.get(DETAILS_METADATA_KEY)
+    if not isinstance(raw, bytes):
+        return None
+    status = status_pb2.Status()
+    try:
+        status.ParseFromString(raw)
+    except DecodeError:
+        return None
+    code: grpc.StatusCode | None = _from_call(rpc_error, "code", None)
+    return status if code is not None and status.code == code.value[0] else None
+
+
+def _from_details(status: status_pb2.Status) -> tuple[str | None, str | None]:
+    """(field, error class name) from a status's BadRequest and ErrorInfo details."""
+    field = error_type = None
+    for any_detail in status.details:
+        if any_detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            any_detail.Unpack(bad)
+            field = next((v.field for v in bad.field_violations if v.field), field)
+        elif any_detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            any_detail.Unpack(info)
+            if info.domain == ERROR_DOMAIN:
+                error_type = info.metadata.get("error_type") or None
+    return field, error_type
+
+
 def error_from_rpc_error(rpc_error: grpc.RpcError) -> KvtierError:
     """The ``KvtierError`` a failed call stands for (works for sync and aio calls)."""
     code: grpc.StatusCode | None = _from_call(rpc_error, "code", None)
     details: str = _from_call(rpc_error, "details", None) or str(rpc_error)
     metadata = dict(_from_call(rpc_error, "trailing_metadata", None) or ())
-    field = metadata.get(FIELD_METADATA_KEY) or None
+    status = status_details(rpc_error)
+    if status is not None:
+        field, error_type = _from_details(status)
+    else:
+        field, error_type = metadata.get(FIELD_METADATA_KEY) or None, metadata.get(ERROR_TYPE_METADATA_KEY)
     cls = _ERROR_BY_STATUS.get(code) if code is not None else None
-    named = _KNOWN_ERRORS.get(str(metadata.get(ERROR_TYPE_METADATA_KEY, "")))
+    named = _KNOWN_ERRORS.get(str(error_type or ""))
     if named is not None and code is not None and status_code_for(named) is code:
         cls = named  # e.g. ConfigError rather than plain InvalidArgument
     if cls is None:

@@ -359,7 +359,7 @@ async def test_non_loopback_without_auth_refuses_to_start_and_the_override_start
 # -- the local stack (`kvtier up`) -----------------------------------------------------------------
 
 
-async def test_local_stack_makes_an_admin_token_that_kvtier_status_picks_up(local_ray, tmp_path):
+async def test_local_stack_makes_admin_and_frontend_tokens_that_kvtier_commands_and_frontends_use(local_ray, tmp_path):
     from kvtier.local.stack import StackOptions, start_local_stack
 
     state = tmp_path / "state"
@@ -393,6 +393,19 @@ async def test_local_stack_makes_an_admin_token_that_kvtier_status_picks_up(loca
         async with AsyncClient(stack.controller_address) as anonymous:  # workers check tokens too
             with pytest.raises(errors.Unauthenticated):
                 await anonymous.complete(ns, PROMPT, worker=stack.workers[0].address)
+
+        # The frontend token: tenant "default", enough for ListModels, Route and Generate, not Admin.
+        frontend_file = state / "auth" / "frontend.token"
+        assert stat.S_IMODE(frontend_file.stat().st_mode) == 0o600
+        assert frontend_file.read_text().strip() == stack.frontend_token
+        assert hash_token(stack.frontend_token) in (state / "auth" / "tokens.yaml").read_text()
+        async with AsyncClient(stack.controller_address, token=stack.frontend_token) as frontend:
+            (model,) = await frontend.list_models()
+            assert model.namespace.tenant == "default"
+            _, final = await frontend.complete(model.namespace, PROMPT, SamplingParams(max_tokens=2))
+            assert final.usage.prompt_tokens == len(PROMPT)
+            with pytest.raises(errors.PermissionDenied):
+                await frontend.status()
     finally:
         await stack.stop()
 

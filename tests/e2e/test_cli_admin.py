@@ -155,6 +155,21 @@ def test_status_json_matches_admin_status(capsys, stack: Running) -> None:
     assert abs(shown["uptime_s"] - status.uptime_s) <= 5
 
 
+def test_models_lists_the_namespace_fields_a_frontend_sends(capsys, stack: Running) -> None:
+    (model,) = cli_json(capsys, stack, "models")["models"]
+    served = stack.stack.namespace
+    assert model["namespace"] == {**dataclasses.asdict(served), "tenant": ""}
+    assert model["num_workers"] == 1 and model["adapters"] == []
+    assert model["facts"]["vocab_size"] == stack.stack.vocab_size
+    assert model["facts"]["max_context_tokens"] >= 1 and model["facts"]["eos_token_ids"]
+    # The fields as listed route and generate (the tenant filled in).
+    namespace = dataclasses.replace(served, **{k: v for k, v in model["namespace"].items() if k != "tenant"},
+                                    tenant="models")
+    assert stack.client.route(namespace, [5, 6, 7]).workers[0].worker_id == stack.worker_id
+    code, out, err = cli(capsys, stack, "models")
+    assert code == 0 and served.model_id in out, err
+
+
 def test_workers_and_tiers(capsys, stack: Running) -> None:
     shown = cli_json(capsys, stack, "workers")
     (worker,) = shown["workers"]
@@ -358,7 +373,8 @@ def test_drain_waits_until_the_worker_is_empty_then_resume(capsys, stack: Runnin
     assert all(t["cached_pages"] + t["in_use_pages"] == t["pinned_pages"] for t in drained["tiers"])
 
     assert cli_json(capsys, stack, "workers")["workers"][0]["state"] == "draining"
-    assert stack.client.route(ns, prompt).workers == ()
+    with pytest.raises(Unavailable, match="draining"):
+        stack.client.route(ns, prompt)
     with pytest.raises(Unavailable):
         stack.client.complete(ns, prompt, SamplingParams(max_tokens=1))
 

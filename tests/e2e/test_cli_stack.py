@@ -55,6 +55,21 @@ def test_up_serves_and_down_stops_everything_it_started(tmp_path: Path):
         page_bytes = hbm["capacity_bytes"] // hbm["total_pages"]
         assert HBM_GIB * 2**30 - page_bytes < hbm["capacity_bytes"] <= HBM_GIB * 2**30
 
+        # The frontend token `kvtier up` wrote (and printed) lists the served model for tenant "default".
+        frontend_token = (state / "auth" / "frontend.token").read_text().strip()
+        models = subprocess.run(
+            [sys.executable, "-m", "kvtier.cli.main", "models", "--controller", endpoints["controller"],
+             "--token", frontend_token, "--json"],
+            capture_output=True, text=True, timeout=60, env=env,
+        )
+        assert models.returncode == 0, models.stderr
+        (model,) = json.loads(models.stdout)["models"]
+        assert model["namespace"]["tenant"] == "default" and model["num_workers"] == 1
+        deadline = time.monotonic() + 30
+        while "frontend.token" not in (tmp_path / "up.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert str(state / "auth" / "frontend.token") in (tmp_path / "up.log").read_text()
+
         down = subprocess.run(
             [sys.executable, "-m", "kvtier.cli.main", "down", "--state-dir", str(state)],
             capture_output=True, text=True, timeout=60,

@@ -114,6 +114,7 @@ class AdminServicer:
 
     def Status(self, request, context):
         """Controller, worker and tier summary.
+        Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -122,6 +123,7 @@ class AdminServicer:
     def ListWorkers(self, request, context):
         """Every registered worker with its capacity and load. Leader only (workers
         link to the leader).
+        Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -129,6 +131,7 @@ class AdminServicer:
 
     def ListSessions(self, request, context):
         """Sessions, optionally filtered by state, one page at a time.
+        Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -136,6 +139,7 @@ class AdminServicer:
 
     def Lookup(self, request, context):
         """Which workers hold a prefix, in which tiers (the directory's view).
+        Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -144,6 +148,7 @@ class AdminServicer:
     def Invalidate(self, request, context):
         """Bumps the policy epoch of the matching namespaces: their pages become
         unreachable at once and are reclaimed in the background.
+        Not idempotent: a retry repeats the action.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -156,6 +161,7 @@ class AdminServicer:
         cached pages in every tier (pinned pages stay), so its cache and its directory
         entries empty. Resuming puts it back into Route, with whatever it holds then.
         Leader only.
+        Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -163,6 +169,7 @@ class AdminServicer:
 
     def Pin(self, request, context):
         """Keeps a prefix's pages from being evicted below a tier.
+        Not idempotent: a retry repeats the action.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -170,6 +177,7 @@ class AdminServicer:
 
     def Unpin(self, request, context):
         """Releases a pin.
+        Not idempotent: a retry repeats the action.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -177,6 +185,7 @@ class AdminServicer:
 
     def Evict(self, request, context):
         """Drops (or demotes) a prefix's or a whole namespace's pages now.
+        Not idempotent: a retry repeats the action.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -185,6 +194,7 @@ class AdminServicer:
     def SetPolicy(self, request, context):
         """Installs a new tiering policy version; the leader acts on it at once, standbys
         within a second. Leader only.
+        Not idempotent: a retry repeats the action.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -192,6 +202,7 @@ class AdminServicer:
 
     def GetPolicy(self, request, context):
         """Returns the current (or a given) policy version.
+        Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -199,6 +210,7 @@ class AdminServicer:
 
     def PolicyHistory(self, request, context):
         """Lists policy versions, newest first.
+        Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -206,6 +218,7 @@ class AdminServicer:
 
     def RollbackPolicy(self, request, context):
         """Installs a copy of an earlier policy version as the newest version.
+        Not idempotent: a retry repeats the action.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -214,6 +227,7 @@ class AdminServicer:
     def Snapshot(self, request, context):
         """Asks workers for a full inventory snapshot and reconciles the directory with it.
         Leader only.
+        Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -53,6 +53,18 @@ class ModelIdentity(_message.Message):
     kv_dtype: str
     def __init__(self, model_id: _Optional[str] = ..., weights_digest: _Optional[str] = ..., tokenizer_digest: _Optional[str] = ..., rope_config: _Optional[str] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
 
+class ModelFacts(_message.Message):
+    __slots__ = ("vocab_size", "max_context_tokens", "eos_token_ids", "has_chat_template")
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    vocab_size: int
+    max_context_tokens: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    has_chat_template: bool
+    def __init__(self, vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
+
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
     IDS_FIELD_NUMBER: _ClassVar[int]

@@ -43,3 +43,25 @@ class RouteResponse(_message.Message):
     degraded: bool
     degraded_reason: str
     def __init__(self, workers: _Optional[_Iterable[_Union[RankedWorker, _Mapping]]] = ..., degraded: _Optional[bool] = ..., degraded_reason: _Optional[str] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServedModel(_message.Message):
+    __slots__ = ("namespace", "facts", "adapters", "num_workers")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    FACTS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    namespace: _common_pb2.NamespaceIdentity
+    facts: _common_pb2.ModelFacts
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    num_workers: int
+    def __init__(self, namespace: _Optional[_Union[_common_pb2.NamespaceIdentity, _Mapping]] = ..., facts: _Optional[_Union[_common_pb2.ModelFacts, _Mapping]] = ..., adapters: _Optional[_Iterable[str]] = ..., num_workers: _Optional[int] = ...) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ServedModel]
+    def __init__(self, models: _Optional[_Iterable[_Union[ServedModel, _Mapping]]] = ...) -> None: ...

@@ -41,6 +41,11 @@ class RouterStub:
                 request_serializer=kvtier_dot_v1_dot_router__pb2.RouteRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_router__pb2.RouteResponse.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/kvtier.v1.Router/ListModels',
+                request_serializer=kvtier_dot_v1_dot_router__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_router__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -50,6 +55,19 @@ class RouterServicer:
     def Route(self, request, context):
         """Ranks workers for a request by the longest cached prefix across workers and
         tiers, weighted by tier and load, with session affinity. Idempotent.
+        Fails with NOT_FOUND (BadRequest naming the namespace field that matched no served
+        model, and the served value) when no live worker serves the namespace; a list is
+        never empty.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListModels(self, request, context):
+        """The models live workers serve, with the exact namespace fields to send and what a
+        frontend needs to build requests. Answers only what the caller may use: the
+        namespace's tenant is the caller's (empty for a credential bound to several
+        tenants or to none). Frontend or admin role. Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -62,6 +80,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Route,
                     request_deserializer=kvtier_dot_v1_dot_router__pb2.RouteRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_router__pb2.RouteResponse.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=kvtier_dot_v1_dot_router__pb2.ListModelsRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_router__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -92,6 +115,33 @@ class Router:
             '/kvtier.v1.Router/Route',
             kvtier_dot_v1_dot_router__pb2.RouteRequest.SerializeToString,
             kvtier_dot_v1_dot_router__pb2.RouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Router/ListModels',
+            kvtier_dot_v1_dot_router__pb2.ListModelsRequest.SerializeToString,
+            kvtier_dot_v1_dot_router__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,31 +26,31 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as kvtier_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvtier/v1/sessions.proto\x12\tkvtier.v1\x1a\x16kvtier/v1/common.proto\"_\n\x0cPauseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttool_name\x18\x02 \x01(\t\x12\x18\n\x0b\x65xpected_ms\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x0e\n\x0c_expected_ms\"F\n\x10ReturningRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x06\x65ta_ms\x18\x02 \x01(\x04H\x00\x88\x01\x01\x42\t\n\x07_eta_ms\" \n\nEndRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x99\x03\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.kvtier.v1.SessionState\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x11\n\ttool_name\x18\x04 \x01(\t\x12\x19\n\x0cpaused_at_ms\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12#\n\x16predicted_return_at_ms\x18\x06 \x01(\x04H\x01\x88\x01\x01\x12\x36\n\x11prediction_source\x18\x07 \x01(\x0e\x32\x1b.kvtier.v1.PredictionSource\x12\x1b\n\x0eprefetch_at_ms\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12)\n\x0bparked_tier\x18\t \x01(\x0e\x32\x0f.kvtier.v1.TierH\x03\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\n \x01(\rB\x0f\n\r_paused_at_msB\x19\n\x17_predicted_return_at_msB\x11\n\x0f_prefetch_at_msB\x0e\n\x0c_parked_tier\"8\n\rPauseResponse\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.kvtier.v1.SessionInfo\"<\n\x11ReturningResponse\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.kvtier.v1.SessionInfo\"6\n\x0b\x45ndResponse\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.kvtier.v1.SessionInfo*\x96\x01\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14SESSION_STATE_ACTIVE\x10\x01\x12\x18\n\x14SESSION_STATE_PAUSED\x10\x02\x12\x1a\n\x16SESSION_STATE_RESUMING\x10\x03\x12\x17\n\x13SESSION_STATE_ENDED\x10\x04*\xbc\x01\n\x10PredictionSource\x12!\n\x1dPREDICTION_SOURCE_UNSPECIFIED\x10\x00\x12%\n!PREDICTION_SOURCE_CALLER_ESTIMATE\x10\x01\x12 \n\x1cPREDICTION_SOURCE_CALLER_ETA\x10\x02\x12\x1d\n\x19PREDICTION_SOURCE_HISTORY\x10\x03\x12\x1d\n\x19PREDICTION_SOURCE_DEFAULT\x10\x04\x32\xc4\x01\n\x08Sessions\x12:\n\x05Pause\x12\x17.kvtier.v1.PauseRequest\x1a\x18.kvtier.v1.PauseResponse\x12\x46\n\tReturning\x12\x1b.kvtier.v1.ReturningRequest\x1a\x1c.kvtier.v1.ReturningResponse\x12\x34\n\x03\x45nd\x12\x15.kvtier.v1.EndRequest\x1a\x16.kvtier.v1.EndResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvtier/v1/sessions.proto\x12\tkvtier.v1\x1a\x16kvtier/v1/common.proto\"_\n\x0cPauseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttool_name\x18\x02 \x01(\t\x12\x18\n\x0b\x65xpected_ms\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x0e\n\x0c_expected_ms\"F\n\x10ReturningRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x06\x65ta_ms\x18\x02 \x01(\x04H\x00\x88\x01\x01\x42\t\n\x07_eta_ms\".\n\nEndRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04\x64rop\x18\x02 \x01(\x08\"\x99\x03\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.kvtier.v1.SessionState\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x11\n\ttool_name\x18\x04 \x01(\t\x12\x19\n\x0cpaused_at_ms\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12#\n\x16predicted_return_at_ms\x18\x06 \x01(\x04H\x01\x88\x01\x01\x12\x36\n\x11prediction_source\x18\x07 \x01(\x0e\x32\x1b.kvtier.v1.PredictionSource\x12\x1b\n\x0eprefetch_at_ms\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12)\n\x0bparked_tier\x18\t \x01(\x0e\x32\x0f.kvtier.v1.TierH\x03\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\n \x01(\rB\x0f\n\r_paused_at_msB\x19\n\x17_predicted_return_at_msB\x11\n\x0f_prefetch_at_msB\x0e\n\x0c_parked_tier\"8\n\rPauseResponse\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.kvtier.v1.SessionInfo\"<\n\x11ReturningResponse\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.kvtier.v1.SessionInfo\"6\n\x0b\x45ndResponse\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.kvtier.v1.SessionInfo*\x96\x01\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14SESSION_STATE_ACTIVE\x10\x01\x12\x18\n\x14SESSION_STATE_PAUSED\x10\x02\x12\x1a\n\x16SESSION_STATE_RESUMING\x10\x03\x12\x17\n\x13SESSION_STATE_ENDED\x10\x04*\xbc\x01\n\x10PredictionSource\x12!\n\x1dPREDICTION_SOURCE_UNSPECIFIED\x10\x00\x12%\n!PREDICTION_SOURCE_CALLER_ESTIMATE\x10\x01\x12 \n\x1cPREDICTION_SOURCE_CALLER_ETA\x10\x02\x12\x1d\n\x19PREDICTION_SOURCE_HISTORY\x10\x03\x12\x1d\n\x19PREDICTION_SOURCE_DEFAULT\x10\x04\x32\xc4\x01\n\x08Sessions\x12:\n\x05Pause\x12\x17.kvtier.v1.PauseRequest\x1a\x18.kvtier.v1.PauseResponse\x12\x46\n\tReturning\x12\x1b.kvtier.v1.ReturningRequest\x1a\x1c.kvtier.v1.ReturningResponse\x12\x34\n\x03\x45nd\x12\x15.kvtier.v1.EndRequest\x1a\x16.kvtier.v1.EndResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvtier.v1.sessions_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SESSIONSTATE']._serialized_start=855
-  _globals['_SESSIONSTATE']._serialized_end=1005
-  _globals['_PREDICTIONSOURCE']._serialized_start=1008
-  _globals['_PREDICTIONSOURCE']._serialized_end=1196
+  _globals['_SESSIONSTATE']._serialized_start=869
+  _globals['_SESSIONSTATE']._serialized_end=1019
+  _globals['_PREDICTIONSOURCE']._serialized_start=1022
+  _globals['_PREDICTIONSOURCE']._serialized_end=1210
   _globals['_PAUSEREQUEST']._serialized_start=63
   _globals['_PAUSEREQUEST']._serialized_end=158
   _globals['_RETURNINGREQUEST']._serialized_start=160
   _globals['_RETURNINGREQUEST']._serialized_end=230
   _globals['_ENDREQUEST']._serialized_start=232
-  _globals['_ENDREQUEST']._serialized_end=264
-  _globals['_SESSIONINFO']._serialized_start=267
-  _globals['_SESSIONINFO']._serialized_end=676
-  _globals['_PAUSERESPONSE']._serialized_start=678
-  _globals['_PAUSERESPONSE']._serialized_end=734
-  _globals['_RETURNINGRESPONSE']._serialized_start=736
-  _globals['_RETURNINGRESPONSE']._serialized_end=796
-  _globals['_ENDRESPONSE']._serialized_start=798
-  _globals['_ENDRESPONSE']._serialized_end=852
-  _globals['_SESSIONS']._serialized_start=1199
-  _globals['_SESSIONS']._serialized_end=1395
+  _globals['_ENDREQUEST']._serialized_end=278
+  _globals['_SESSIONINFO']._serialized_start=281
+  _globals['_SESSIONINFO']._serialized_end=690
+  _globals['_PAUSERESPONSE']._serialized_start=692
+  _globals['_PAUSERESPONSE']._serialized_end=748
+  _globals['_RETURNINGRESPONSE']._serialized_start=750
+  _globals['_RETURNINGRESPONSE']._serialized_end=810
+  _globals['_ENDRESPONSE']._serialized_start=812
+  _globals['_ENDRESPONSE']._serialized_end=866
+  _globals['_SESSIONS']._serialized_start=1213
+  _globals['_SESSIONS']._serialized_end=1409
 # @@protoc_insertion_point(module_scope)

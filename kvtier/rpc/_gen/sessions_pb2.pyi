@@ -53,10 +53,12 @@ class ReturningRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., eta_ms: _Optional[int] = ...) -> None: ...
 
 class EndRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "drop")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DROP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    drop: bool
+    def __init__(self, session_id: _Optional[str] = ..., drop: _Optional[bool] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("session_id", "state", "worker_id", "tool_name", "paused_at_ms", "predicted_return_at_ms", "prediction_source", "prefetch_at_ms", "parked_tier", "num_cached_tokens")

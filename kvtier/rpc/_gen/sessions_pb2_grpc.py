@@ -28,6 +28,13 @@ if _version_not_supported:
 
 class SessionsStub:
     """Served by the controller to serving frontends.
+
+    A session starts with the first Route or Pause that names it (a Generate alone does
+    not start one: the worker tracks the session's pages, the controller hears of the
+    session from Route or Pause). Sessions are keyed by (tenant, session_id): another
+    tenant's session of the same id is NOT_FOUND. An idle session expires after the
+    controller's session TTL (an hour by default); an ended one is kept for a minute so
+    repeated Ends answer the same, then it is gone and the id may be reused.
     """
 
     def __init__(self, channel):
@@ -55,11 +62,20 @@ class SessionsStub:
 
 class SessionsServicer:
     """Served by the controller to serving frontends.
+
+    A session starts with the first Route or Pause that names it (a Generate alone does
+    not start one: the worker tracks the session's pages, the controller hears of the
+    session from Route or Pause). Sessions are keyed by (tenant, session_id): another
+    tenant's session of the same id is NOT_FOUND. An idle session expires after the
+    controller's session TTL (an hour by default); an ended one is kept for a minute so
+    repeated Ends answer the same, then it is gone and the id may be reused.
     """
 
     def Pause(self, request, context):
         """The session is waiting for a tool call; its pages may sink to a cheaper tier
-        and will be promoted back before the predicted return. Idempotent.
+        and will be promoted back before the predicted return. Starts the session when no
+        Route named it yet (PAUSED without a worker: nothing to park). Idempotent.
+        FAILED_PRECONDITION when the session is RESUMING or ENDED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -67,13 +83,17 @@ class SessionsServicer:
 
     def Returning(self, request, context):
         """The tool result is about to arrive; pulls the promotion forward. Idempotent.
+        NOT_FOUND for an unknown session; FAILED_PRECONDITION when it is ACTIVE or ENDED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def End(self, request, context):
-        """The session is over; its pages become ordinary cache entries. Idempotent.
+        """The session is over. Its pages become ordinary cache entries: unpinned, no longer
+        held for a return, shared with any request of the same namespace and evicted by
+        the worker's eviction policy under pressure. EndRequest.drop frees them at once.
+        Idempotent. NOT_FOUND for an unknown session.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -107,6 +127,13 @@ def add_SessionsServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Sessions:
     """Served by the controller to serving frontends.
+
+    A session starts with the first Route or Pause that names it (a Generate alone does
+    not start one: the worker tracks the session's pages, the controller hears of the
+    session from Route or Pause). Sessions are keyed by (tenant, session_id): another
+    tenant's session of the same id is NOT_FOUND. An idle session expires after the
+    controller's session TTL (an hour by default); an ended one is kept for a minute so
+    repeated Ends answer the same, then it is gone and the id may be reused.
     """
 
     @staticmethod

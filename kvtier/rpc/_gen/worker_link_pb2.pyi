@@ -21,7 +21,7 @@ PAGE_EVENT_KIND_MOVE: PageEventKind
 PAGE_EVENT_KIND_DROP: PageEventKind
 
 class Register(_message.Message):
-    __slots__ = ("worker_id", "address", "boot_id", "model", "adapters", "page_size", "capacities")
+    __slots__ = ("worker_id", "address", "boot_id", "model", "adapters", "page_size", "capacities", "facts")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class Register(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     CAPACITIES_FIELD_NUMBER: _ClassVar[int]
+    FACTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     boot_id: str
@@ -36,7 +37,8 @@ class Register(_message.Message):
     adapters: _containers.RepeatedScalarFieldContainer[str]
     page_size: int
     capacities: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierCapacity]
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., boot_id: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelIdentity, _Mapping]] = ..., adapters: _Optional[_Iterable[str]] = ..., page_size: _Optional[int] = ..., capacities: _Optional[_Iterable[_Union[_common_pb2.TierCapacity, _Mapping]]] = ...) -> None: ...
+    facts: _common_pb2.ModelFacts
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., boot_id: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelIdentity, _Mapping]] = ..., adapters: _Optional[_Iterable[str]] = ..., page_size: _Optional[int] = ..., capacities: _Optional[_Iterable[_Union[_common_pb2.TierCapacity, _Mapping]]] = ..., facts: _Optional[_Union[_common_pb2.ModelFacts, _Mapping]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("seq", "tiers", "queue_depth", "num_running_seqs")
@@ -175,16 +177,18 @@ class PrefetchCommand(_message.Message):
     def __init__(self, namespace_digest: _Optional[bytes] = ..., page_keys: _Optional[_Iterable[bytes]] = ..., target_tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., deadline_ms: _Optional[int] = ..., session_id: _Optional[str] = ..., return_in_ms: _Optional[int] = ..., away_ms: _Optional[int] = ..., return_spread: _Optional[float] = ...) -> None: ...
 
 class DropCommand(_message.Message):
-    __slots__ = ("namespace_digest", "page_keys", "session_id", "whole_namespace")
+    __slots__ = ("namespace_digest", "page_keys", "session_id", "whole_namespace", "keep_pages")
     NAMESPACE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PAGE_KEYS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     WHOLE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_PAGES_FIELD_NUMBER: _ClassVar[int]
     namespace_digest: bytes
     page_keys: _containers.RepeatedScalarFieldContainer[bytes]
     session_id: str
     whole_namespace: bool
-    def __init__(self, namespace_digest: _Optional[bytes] = ..., page_keys: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[str] = ..., whole_namespace: _Optional[bool] = ...) -> None: ...
+    keep_pages: bool
+    def __init__(self, namespace_digest: _Optional[bytes] = ..., page_keys: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[str] = ..., whole_namespace: _Optional[bool] = ..., keep_pages: _Optional[bool] = ...) -> None: ...
 
 class InvalidateCommand(_message.Message):
     __slots__ = ("scope", "policy_epoch")

@@ -60,21 +60,23 @@ class WorkerServicer:
     def Generate(self, request, context):
         """Generates tokens for one prompt. The stream carries zero or more TokenChunk
         events and ends with exactly one Final event. The caller cancels by closing
-        the stream; the worker then releases every page the request held.
+        the stream (or by its deadline passing); the worker then releases every page the
+        request held. Not idempotent unless SamplingParams.seed is set (or temperature is
+        0): a retry with a seed produces the same tokens.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def CheckIntegrity(self, request, context):
-        """Runs check_integrity() on every pool and index of the worker (tests, admin).
+        """Runs check_integrity() on every pool and index of the worker (tests, admin). Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
-        """Current occupancy and load of the worker (tests, admin).
+        """Current occupancy and load of the worker (tests, admin). Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

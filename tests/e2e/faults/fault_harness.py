@@ -44,6 +44,7 @@ import torch
 
 from kvtier.client import AsyncClient
 from kvtier.controller.directory import Directory
+from kvtier.domain.errors import NotFound, Unavailable
 from kvtier.domain.hashing import NamespaceIdentity
 from kvtier.domain.records import GenerateFinal, NamespaceInventory
 from kvtier.domain.tiers import Tier
@@ -124,6 +125,15 @@ def slowed(engine: Engine, step_s: float) -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------- (c) deadlines
+
+
+async def routed_workers(client: AsyncClient, namespace: NamespaceIdentity, prompt: Sequence[int]) -> list[str]:
+    """Ids of the workers Route offers for ``prompt``; none while no live worker serves the
+    namespace (Route then fails UNAVAILABLE or NOT_FOUND, saying why)."""
+    try:
+        return [w.worker_id for w in (await client.route(namespace, prompt)).workers]
+    except (Unavailable, NotFound):
+        return []
 
 
 async def within(awaitable: Awaitable[T], deadline_s: float, what: str) -> T:

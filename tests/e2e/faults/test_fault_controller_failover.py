@@ -34,6 +34,7 @@ from fault_harness import (
     greedy,
     prompts,
     redis_reader,
+    routed_workers,
     slowed,
     start_local_worker,
     stop_controller,
@@ -108,7 +109,7 @@ async def test_leader_killed_under_load_the_standby_takes_over_and_the_directory
     async with AsyncClient(both, timeout_s=30, retry_backoff_s=0.1, max_retries=8) as client:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 30
-        while not (await client.route(ns, shared)).workers:
+        while not await routed_workers(client, ns, shared):
             assert loop.time() < deadline, "the worker never registered with the leader"
             await asyncio.sleep(0.05)
         for prompt in work[:2]:

@@ -30,6 +30,7 @@ from fault_harness import (
     greedy,
     prompts,
     redis_reader,
+    routed_workers,
     start_local_worker,
     start_valkey,
     stop_controller,
@@ -163,7 +164,7 @@ async def test_a_model_upgrade_never_reuses_pages_persisted_by_the_old_weights(s
     assert restored >= 5, "the old weights' pages are still on disk, restored under their namespace"
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 10
-    while not any(w.worker_id == stack.worker.worker_id for w in (await stack.client.route(new, prompt)).workers):
+    while stack.worker.worker_id not in await routed_workers(stack.client, new, prompt):
         assert loop.time() < deadline, "the upgraded worker never registered"
         await asyncio.sleep(0.05)
     assert await stack.matched(new, prompt) == 0, "Route offered a prefix computed by the old weights"

@@ -30,6 +30,7 @@ from fault_harness import (
     greedy,
     prompts,
     redis_reader,
+    routed_workers,
     start_local_worker,
     start_valkey,
     stats_pages,
@@ -107,7 +108,7 @@ async def stack(fault_checkpoint, tmp_path_factory):
     s = Stack(valkey, root / "valkey", port, controller, local, proc, client, reader, reader_client)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 60
-    while len((await client.route(s.namespace, [1, 2, 3])).workers) < 2:
+    while len(await routed_workers(client, s.namespace, [1, 2, 3])) < 2:
         assert loop.time() < deadline, f"workers never registered: {proc.log_tail()}"
         await asyncio.sleep(0.1)
     yield s
@@ -251,7 +252,7 @@ async def test_a_worker_process_killed_mid_stream(stack, oracle):
         await within(_drain(events), 30, "the stream of the killed worker")
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 4 * LEASE_TTL_S + 5
-    while any(w.worker_id == "w-proc" for w in (await stack.client.route(ns, prompt)).workers):
+    while "w-proc" in await routed_workers(stack.client, ns, prompt):
         assert loop.time() < deadline, "the killed worker is still routed to"
         await asyncio.sleep(0.1)
     for p in [prompt, *prompts(3, 9, seed=6)]:
