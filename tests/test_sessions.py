@@ -36,7 +36,6 @@ from kvtier.domain.records import PauseRequest, SessionId, SessionState, TierOcc
 from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
 from kvtier.tiers.manager import TierConfig
-from kvtier.worker.engine_loop import HOLD_PREFIX
 from kvtier.worker.servicer import serve_worker
 
 from hf_checkpoints import build_checkpoint, hf_logits, load_hf
@@ -109,7 +108,7 @@ async def test_paused_session_is_parked_and_back_before_its_next_turn(worker, ch
         # Held until the prediction's high quantile, ranked by when the session is expected back
         # (the caller's 500 ms), since when it is away and the prediction's spread (a cold
         # caller estimate: the predictor's default sigma): the Prefetch carried them all.
-        hold = worker.loop._pins[HOLD_PREFIX + "s-park"]
+        hold = worker.loop.holds.view("s-park")
         assert abs(hold.expected.due_at_ms - (paused_at_ms + 500)) < 250
         assert abs(hold.expected.away_since_ms - paused_at_ms) < 250
         assert hold.expected.spread == pytest.approx(controller.orchestrator.predictor.params.default_sigma)
