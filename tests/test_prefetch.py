@@ -895,13 +895,13 @@ async def test_room_a_clean_hold_gives_up_is_taken_in_the_same_pass_not_after_a_
         assert (await loop.prefetch(digest, (), "s-soon", hold_s=30.0, due_s=0.5)).num_moved == 4
         step = engine.step
 
-        def slow_step():
+        def slow_step(**kwargs):
             time.sleep(step_s)
-            return step()
+            return step(**kwargs)
 
         monkeypatch.setattr(engine, "step", slow_step)
         running = asyncio.create_task(_session_run(loop, engine, "s-run", tuple(range(60, 64)), max_tokens=8))
-        while not engine.scheduler.running:
+        while not engine.num_running:
             await asyncio.sleep(0.01)
         # The free pages and two more, which only the hold has (its own, clean).
         big = tuple((40 + 3 * i) % 256 for i in range((engine.pool.num_free + 1) * PAGE_SIZE))
@@ -1034,9 +1034,9 @@ def test_the_median_of_a_return_still_to_come():
 
 @pytest.mark.asyncio
 async def test_a_running_sequence_takes_a_held_page_instead_of_being_preempted(tmp_path, monkeypatch):
-    """A sequence that outgrows the free pages while the rest of HBM is held (scheduler
-    ``release_pin``): the hold yields and the sequence runs on, instead of being preempted
-    and recomputed; its output is the one a run without holds gives."""
+    """A sequence that outgrows the free pages while the rest of HBM is held
+    (``Engine.step(release_pin=...)``): the hold yields and the sequence runs on, instead of
+    being preempted and recomputed; its output is the one a run without holds gives."""
     from kvtier.worker.engine_loop import EngineLoop
 
     monkeypatch.setattr(holds_module, "MAX_HELD_FRACTION", 1.0)

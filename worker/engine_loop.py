@@ -45,7 +45,6 @@ from kvtier.domain.records import (
     GenerateEvent,
     GenerateFinal,
     GenerateRequest,
-    IntegrityReport,
     IntegrityResult,
     InvalidationScope,
     NamespaceInventory,
@@ -68,6 +67,7 @@ from kvtier.tiers.transfer import TransferDone
 from kvtier.worker.admission import Admission, Admitted
 from kvtier.worker.commands import Commands, deliver, set_exception, set_result
 from kvtier.worker.holds import DropOutcome, Holds, PageCounts, SessionPages
+from kvtier.worker.integrity import check_integrity
 from kvtier.worker.load import EngineLoad, measure_load
 from kvtier.worker.page_events import PageEvents
 from kvtier.worker.room import Room
@@ -169,9 +169,6 @@ class EngineLoop:
         self.num_cancelled = 0
         self._runs: dict[str, _Run] = {}  # in the engine (engine thread only)
         self._reclaimed_at = 0.0
-        # Session holds yield before a running sequence is preempted: a hold is a prediction,
-        # a preemption recomputes for certain.
-        engine.scheduler.release_pin = self.holds.yield_weakest
         self._load = self._measure_load()
         self._load_at = time.monotonic()
         if engine.tiers is not None:
@@ -235,9 +232,11 @@ class EngineLoop:
                 # (or nothing, when admission failed or the request already finished).
                 self._post(lambda: self._abort(run))
 
-    # ---- queries and commands (each runs on the engine thread) -------------------------
+    # ---- queries and commands: each runs on the engine thread (the component's method says
+    # what it does); ``start_*`` return once the transfers are submitted, with a future that
+    # resolves once they are applied -----------------------------------------------------
     async def check_integrity(self) -> IntegrityResult:
-        return await self.call(self._check_integrity)
+        return await self.call(lambda: check_integrity(self.engine, set(self._runs), self.page_events))
 
     async def stats(self) -> EngineLoad:
         return await self.call(self._measure_load)
@@ -248,34 +247,24 @@ class EngineLoop:
         return self._load
 
     async def inventory(self, *, reset_page_events: bool = False) -> list[NamespaceInventory]:
-        """Every cached page by namespace and tier, parents before children; with
-        ``reset_page_events`` the buffered page events are discarded in the same step."""
         return await self.call(lambda: self.page_events.inventory(reset_page_events))
 
     def drain_page_events(self) -> list[PageEvent]:
-        """Page events since the last drain, oldest first (any thread)."""
         return self.page_events.drain()
 
     def consume_page_events_lost(self) -> bool:
-        """True once after the buffer overflowed: the receiver needs a full snapshot."""
         return self.page_events.consume_lost()
 
-    async def drop_pages(
-        self, digest: NamespaceDigest, keys: tuple[PageKey, ...], *, whole_namespace: bool = False
-    ) -> DropOutcome:
-        """Remove ``keys`` and their descendants (or every page of the namespace) from the
-        cache where no sequence holds them and no pin keeps them."""
+    async def drop_pages(self, digest: NamespaceDigest, keys: tuple[PageKey, ...], *,
+                         whole_namespace: bool = False) -> DropOutcome:
         return await self.call(lambda: self.commands.drop_pages(digest, keys, whole_namespace))
 
     async def demote(self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None,
                      dst: Tier, *, whole_namespace: bool = False) -> MoveOutcome:
-        """Move idle pages down to ``dst``: the listed ones and their descendants, the session's,
-        or the whole namespace's. Held and pinned pages stay. Returns once they are there."""
         return await (await self.start_demote(digest, keys, session, dst, whole_namespace=whole_namespace))
 
     async def start_demote(self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None,
                            dst: Tier, *, whole_namespace: bool = False) -> asyncio.Future[MoveOutcome]:
-        """Submit ``demote``'s transfers; the returned future resolves once they are applied."""
         done: asyncio.Future[MoveOutcome] = asyncio.get_running_loop().create_future()
         await self.call(lambda: self.commands.demote(digest, keys, session, dst, whole_namespace, done))
         return done
@@ -285,9 +274,6 @@ class EngineLoop:
         *, hold_s: float | None = None, due_s: float | None = None, away_s: float | None = None,
         spread: float | None = None,
     ) -> MoveOutcome:
-        """Promote the listed (or the session's) lower-tier pages into HBM, cached and idle; a
-        session's are held there up to ``hold_s`` seconds, ranked by when the session is
-        expected back (``kvtier.policy.holds.expected_return``). Returns once they are there."""
         return await (await self.start_prefetch(digest, keys, session, hold_s=hold_s, due_s=due_s,
                                                 away_s=away_s, spread=spread))
 
@@ -296,8 +282,8 @@ class EngineLoop:
         *, hold_s: float | None = None, due_s: float | None = None, away_s: float | None = None,
         spread: float | None = None,
     ) -> asyncio.Future[MoveOutcome]:
-        """Submit ``prefetch``'s transfers; the returned future resolves once they are applied
-        (and the hold taken). A draining worker refuses: its sessions' next turns go elsewhere."""
+        """A session's pages are held up to ``hold_s``, ranked by its return, due in ``due_s``
+        (``kvtier.policy.holds.expected_return``). A draining worker refuses."""
         if self.is_draining:
             raise FailedPrecondition(
                 "this worker is draining and takes no prefetch: the session's next turn is routed to another worker")
@@ -307,32 +293,24 @@ class EngineLoop:
         return done
 
     async def invalidate(self, scope: InvalidationScope, epoch: int) -> PageCounts:
-        """Mark the admitted namespaces ``scope`` makes stale at ``epoch`` and drop their idle
-        pages now; the rest (``num_kept``) go in background passes. Install the epoch in
-        ``epochs`` first, so no new request reaches the stale digests."""
+        """Install the epoch in ``epochs`` first, so no new request reaches the stale digests."""
         return await self.call(lambda: self.commands.invalidate(scope, epoch, self._busy_namespaces()))
 
     async def pin(self, command: PinCommand) -> PageCounts:
-        """Pin the listed pages held in ``command.tier`` or faster (``num_kept``: the rest)."""
         return await self.call(lambda: self.holds.pin(
             command, self.page_events.digests, is_stale=self.commands.is_stale(command.namespace_digest)))
 
     async def unpin(self, pin_id: PinId) -> int:
-        """Release a pin; the number of pages released (0 for an unknown or lapsed pin)."""
         return await self.call(lambda: self.holds.release(pin_id))
 
     async def set_draining(self, draining: bool) -> int:
-        """Start (or end) a drain: no new request is admitted and no prefetch taken while it
-        lasts. Starting one releases every session hold and forgets the lapsed ones: a hold keeps
-        pages for a session's next turn, which Route now sends to another worker, and a held page
-        is pinned, so the drain's drops would keep it. Returns the holds released."""
+        """No request is admitted and no prefetch taken while a drain lasts; starting one
+        releases every session hold (``Holds.release_for_drain``): their sessions' next turns
+        go elsewhere."""
         self.holds.is_draining = draining
-        if not draining:
-            return 0
-        return await self.call(self.holds.release_for_drain)
+        return await self.call(self.holds.release_for_drain) if draining else 0
 
     async def drop_session(self, digest: NamespaceDigest, session: SessionId) -> DropOutcome:
-        """Remove the session's private pages, deepest first; a shared prefix stays cached."""
         return await self.call(lambda: self.holds.drop_session(digest, session))
 
     async def session_pages(self, session: SessionId) -> SessionPages | None:
@@ -400,7 +378,9 @@ class EngineLoop:
                     op()
                 self._between_steps()
                 if self.engine.has_unfinished():
-                    outputs = self.engine.step()
+                    # Session holds yield before a running sequence is preempted: a hold is a
+                    # prediction, a preemption recomputes for certain.
+                    outputs = self.engine.step(release_pin=self.holds.yield_weakest)
                     if outputs:
                         self._dispatch(outputs)
                     else:
@@ -489,9 +469,6 @@ class EngineLoop:
         digest = run.digest = self.engine.digest_for(request.namespace)
         tiers = self.engine.tiers
         if tiers is not None and not tiers.config.simulate:
-            # Checked now, so a bad request fails before any token even when it waits.
-            request.sampling.validate()
-            self.engine.validate_prompt(list(request.prompt_token_ids))
             if self.admission.offer(run.run_id, run, request, digest):
                 self._admit_ready()
                 return
@@ -605,32 +582,6 @@ class EngineLoop:
     def _measure_load(self) -> EngineLoad:
         self.holds.count_held_pages()
         return measure_load(self.engine, self.room.free_hbm())
-
-    def _check_integrity(self) -> IntegrityResult:
-        checks: list[tuple[str, Tier | None, Callable[[], None]]] = [
-            ("pool", Tier.HBM, self.engine.pool.check_integrity),
-            ("radix", Tier.HBM, self.engine.index.check_integrity),
-            ("engine", None, self.engine.check_integrity),  # includes the DRAM/NVMe tiers
-            ("engine_loop", None, self._check_runs),
-        ]
-        reports = []
-        for component, tier, check in checks:
-            try:
-                check()
-            except (IntegrityError, AssertionError) as exc:
-                reports.append(IntegrityReport(component=component, tier=tier, problem=str(exc)))
-            else:
-                reports.append(IntegrityReport(component=component, tier=tier))
-        return IntegrityResult(reports=tuple(reports))
-
-    def _check_runs(self) -> None:
-        in_engine = self.engine.request_ids()
-        if in_engine != set(self._runs):
-            raise IntegrityError(
-                f"{len(in_engine)} requests in the scheduler but {len(self._runs)} runs in flight "
-                f"({len(in_engine - set(self._runs))} without a run, {len(set(self._runs) - in_engine)} without a request)"
-            )
-        self.page_events.check_integrity()
 
 
 def _shutting_down() -> Unavailable:

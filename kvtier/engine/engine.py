@@ -36,7 +36,7 @@ from kvtier.engine.attention.registry import get_backend
 from kvtier.engine.model import LlamaModel, load_model
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampler import make_generator, sample
-from kvtier.engine.scheduler import Scheduler, SchedulerConfig
+from kvtier.engine.scheduler import ReleasePin, Scheduler, SchedulerConfig
 from kvtier.engine.sequence import Sequence, SequenceStatus
 from kvtier.tiers.manager import TierConfig, TierManager
 
@@ -368,12 +368,15 @@ class Engine:
         )
 
     # ---- stepping -------------------------------------------------------------------
-    def step(self) -> list[StepOutput]:
+    def step(self, *, release_pin: ReleasePin | None = None) -> list[StepOutput]:
+        """One batch: prefills admitted now, or one decode token per running sequence.
+        ``release_pin`` lets a pin that may yield go (True) before a sequence is preempted or an
+        admission waits (a worker's session holds: ``Scheduler.schedule``)."""
         self.index.expire_pins()
         if self.tiers is not None:
             self.tiers.maintain()
         self.enforce_limits()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(release_pin)
         if batch is None:
             return []
         outputs: list[StepOutput] = []
