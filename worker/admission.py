@@ -34,13 +34,15 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from kvtier.cache.radix import RadixNode
+from kvtier.domain.errors import InvalidArgument
 from kvtier.domain.hashing import NamespaceDigest, PageKey, page_keys
 from kvtier.domain.records import GenerateRequest, SessionId
 from kvtier.domain.tiers import Tier
 from kvtier.engine.engine import Engine
 from kvtier.policy.holds import DeferralOutcome, deferral_outcome
+from kvtier.runtime.config import MAX_WAIT_SCALE
 from kvtier.tiers.manager import MoveOutcome, MoveTicket
-from kvtier.worker.holds import Holds, require_tiers
+from kvtier.worker.holds import Holds, is_in_range, require_tiers
 from kvtier.worker.room import Room
 
 R = TypeVar("R")
@@ -87,10 +89,14 @@ class Admission(Generic[R]):
     admitted, not yet stepped) request's pages in HBM."""
 
     def __init__(self, engine: Engine, holds: Holds, room: Room, *, wait_scale: float = 1.0) -> None:
+        if not is_in_range(wait_scale, MAX_WAIT_SCALE):
+            raise InvalidArgument(
+                f"wait_scale must be in (0, {MAX_WAIT_SCALE:g}], got {wait_scale!r}", field="wait_scale"
+            )
         self._engine = engine
         self._holds = holds
         self._room = room
-        self._wait_scale = wait_scale
+        self.wait_scale = float(wait_scale)  # multiplies the waits below (WorkerConfig.wait_scale)
         self._waiting: dict[str, _Waiting[R]] = {}
         self._pinned: dict[str, RadixNode] = {}  # run id -> its deepest HBM page, pinned
         # Requests that waited for holds due back soon, by HOLD_DEFERRAL_OUTCOMES, their waits in
@@ -142,7 +148,7 @@ class Admission(Generic[R]):
         the pages the engine's queue will allocate)."""
         tiers = require_tiers(self._engine)
         now = time.monotonic()
-        scale = self._wait_scale
+        scale = self.wait_scale
         # One request's room-making or promotion at a time, in arrival order: concurrent ones
         # share the link and all finish late; one after the other, the first waits only for its own.
         is_promoting = any(w.promotion is not None and not w.promotion.is_done for w in self._waiting.values())
@@ -243,7 +249,7 @@ class Admission(Generic[R]):
             return
         waited, wait.deferred_at = now - wait.deferred_at, None
         wait.hold_wait_s += waited  # a request may wait for such holds more than once
-        outcome = deferral_outcome(now - wait.waiting_since, HOLD_DEFER_S * self._wait_scale)
+        outcome = deferral_outcome(now - wait.waiting_since, HOLD_DEFER_S * self.wait_scale)
         self.deferrals[outcome] += 1
         self.deferral_wait_s += waited
         self._ended.append((waited, outcome))

@@ -39,7 +39,7 @@ from typing import TypeVar
 from opentelemetry.context import Context
 
 from kvtier.cache.epochs import EpochTable
-from kvtier.domain.errors import FailedPrecondition, IntegrityError, InvalidArgument, KvtierError, Unavailable
+from kvtier.domain.errors import FailedPrecondition, IntegrityError, KvtierError, Unavailable
 from kvtier.domain.hashing import NamespaceDigest, PageKey, short
 from kvtier.domain.records import (
     GenerateEvent,
@@ -54,13 +54,11 @@ from kvtier.domain.records import (
     RunId,
     SessionId,
     TokenChunk,
-    Usage,
 )
 from kvtier.domain.tiers import Tier
 from kvtier.engine.engine import Engine, GenerationResult, StepOutput
 from kvtier.policy.holds import expected_return
 from kvtier.runtime import tracing
-from kvtier.runtime.config import MAX_WAIT_SCALE
 from kvtier.runtime.log import get_logger, redact_tokens
 from kvtier.tiers.manager import MoveOutcome
 from kvtier.tiers.transfer import TransferDone
@@ -71,7 +69,7 @@ from kvtier.worker.integrity import check_integrity
 from kvtier.worker.load import EngineLoad, measure_load
 from kvtier.worker.page_events import PageEvents
 from kvtier.worker.room import Room
-from kvtier.worker.usage import WorkerRecorder, add_promotions, record_spans, usage_of
+from kvtier.worker.usage import WorkerRecorder, add_promotions, finish, record_spans
 
 log = get_logger("kvtier.worker.engine")
 
@@ -116,11 +114,6 @@ class _Inbox:
     is_closed: bool = False  # the thread has finished; nothing posted will run
 
 
-def _in_range(value: object, most: float) -> bool:
-    """``value`` is a number (not a bool) in (0, ``most``]; NaN is not."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= most
-
-
 class EngineLoop:
     """Owns ``engine`` on one thread; the asyncio side talks to it through ``submit`` and
     the ``async`` query methods. Start with ``start()``; stop with ``await close()``.
@@ -138,20 +131,12 @@ class EngineLoop:
         hold_fraction: float | None = None,
         wait_scale: float = 1.0,
     ) -> None:
-        if hold_fraction is not None and not _in_range(hold_fraction, 1.0):
-            raise InvalidArgument(
-                f"session_hold_fraction must be in (0, 1], got {hold_fraction!r}", field="session_hold_fraction"
-            )
-        if not _in_range(wait_scale, MAX_WAIT_SCALE):
-            raise InvalidArgument(
-                f"wait_scale must be in (0, {MAX_WAIT_SCALE:g}], got {wait_scale!r}", field="wait_scale"
-            )
         self.engine = engine
         self.holds = Holds(engine, hold_fraction=hold_fraction)
         self.page_events = PageEvents(engine.index)
         self.room = Room(engine, self.holds)
-        self.admission: Admission[_Run] = Admission(engine, self.holds, self.room, wait_scale=float(wait_scale))
-        self.commands = Commands(engine, self.holds, self.room, self.page_events, wait_scale=float(wait_scale))
+        self.admission: Admission[_Run] = Admission(engine, self.holds, self.room, wait_scale=wait_scale)
+        self.commands = Commands(engine, self.holds, self.room, self.page_events, wait_scale=self.admission.wait_scale)
         self._name = name
         self._on_failure = on_failure
         # Set by the server when the process exports metrics (kvtier.worker.metrics).
@@ -512,7 +497,8 @@ class EngineLoop:
         self.num_cancelled += 1
         self.commands.run_ended(run.digest)
         if tracing.is_enabled():
-            self._record_spans(run, result, time.perf_counter())
+            record_spans(run.run_id, run.request, result, self._times(run, result), self.span_attributes,
+                         run.trace_parent)
         log.info("generation cancelled", extra={"run_id": run.run_id, "generated_tokens": len(result.token_ids)})
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
@@ -538,34 +524,22 @@ class EngineLoop:
         waited = run.waited
         if waited is not None:
             add_promotions(result, waited.promoted_tokens_by_tier, waited.promotion_wait_s)
-        usage = usage_of(result)
         session = run.request.session_id
         # A session's next turn here: its last turn's pages are the history this one resumes.
         resumed = session is not None and self.holds.has_session(session)
         if session is not None:
             assert run.digest is not None
             self.holds.remember(session, run.digest, result.prompt_token_ids, result.token_ids)
-        now = time.perf_counter()
-        first = run.first_token_at if run.first_token_at is not None else now
-        ttft_ms = (first - run.submitted_at) * 1000.0
-        if self.metrics is not None:
-            self.metrics.record_request(result, ttft_ms / 1000.0, now - first, resumed=resumed)
-        if tracing.is_enabled():
-            self._record_spans(run, result, now, usage)
-        log.info("generation finished", extra={
-            "run_id": run.run_id, "finish_reason": result.finish_reason.value,
-            "prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens,
-            "generated_tokens": usage.generated_tokens, "recomputed_tokens": usage.recomputed_tokens,
-            "num_preemptions": result.num_preemptions, "ttft_ms": round(ttft_ms, 2),
-            "admission_wait_ms": round((waited.admission_wait_s if waited else 0.0) * 1000.0, 2),
-            "hold_wait_ms": round((waited.hold_wait_s if waited else 0.0) * 1000.0, 2)})
-        return GenerateFinal(usage=usage, finish_reason=result.finish_reason, run_id=run.run_id, ttft_ms=ttft_ms)
+        return finish(run.run_id, run.request, result, self._times(run, result), recorder=self.metrics,
+                      span_attributes=self.span_attributes, parent=run.trace_parent, resumed=resumed,
+                      admission_wait_s=waited.admission_wait_s if waited else 0.0,
+                      hold_wait_s=waited.hold_wait_s if waited else 0.0)
 
-    def _record_spans(self, run: _Run, result: GenerationResult, now: float, usage: Usage | None = None) -> None:
-        times = tracing.GenerationTimes(submitted_at=run.submitted_at, finished_at=now,
-                                        prefill_started_at=result.prefill_started_at,
-                                        first_token_at=run.first_token_at, promotion_wait_s=result.promotion_wait_s)
-        record_spans(run.run_id, run.request, result, times, self.span_attributes, run.trace_parent, usage)
+    @staticmethod
+    def _times(run: _Run, result: GenerationResult) -> tracing.GenerationTimes:
+        return tracing.GenerationTimes(submitted_at=run.submitted_at, finished_at=time.perf_counter(),
+                                       prefill_started_at=result.prefill_started_at,
+                                       first_token_at=run.first_token_at, promotion_wait_s=result.promotion_wait_s)
 
     def _transfer_done(self, done: TransferDone) -> None:  # a transfer thread; must not block
         if self.metrics is not None:

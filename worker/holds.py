@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvtier.cache.radix import RadixNode
-from kvtier.domain.errors import FailedPrecondition, NotFound
+from kvtier.domain.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvtier.domain.hashing import NamespaceDigest, PageKey, page_keys
 from kvtier.domain.records import PinCommand, PinId, SessionId
 from kvtier.domain.tiers import Tier
@@ -79,6 +79,11 @@ MAX_SESSIONS = 1 << 16
 def hold_id(session: SessionId) -> PinId:
     """The pin id of a session's hold (admin pin ids never start with ``HOLD_PREFIX``)."""
     return PinId(HOLD_PREFIX + session)
+
+
+def is_in_range(value: object, most: float) -> bool:
+    """``value`` is a number (not a bool) in (0, ``most``]; NaN is not."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= most
 
 
 def _now_ms() -> float:
@@ -171,6 +176,10 @@ class Holds:
     sessions' pages, and the tally of pages brought up for them."""
 
     def __init__(self, engine: Engine, *, hold_fraction: float | None = None) -> None:
+        if hold_fraction is not None and not is_in_range(hold_fraction, 1.0):
+            raise InvalidArgument(
+                f"session_hold_fraction must be in (0, 1], got {hold_fraction!r}", field="session_hold_fraction"
+            )
         self._engine = engine
         self._hold_fraction = hold_fraction  # None: MAX_HELD_FRACTION
         self._pins: dict[PinId, _Pin] = {}

@@ -25,11 +25,14 @@ from typing import Protocol
 
 from opentelemetry.context import Context
 
-from kvtier.domain.records import GenerateRequest, RunId, TokensByTier, Usage
+from kvtier.domain.records import GenerateFinal, GenerateRequest, RunId, TokensByTier, Usage
 from kvtier.domain.tiers import Tier
 from kvtier.engine.engine import GenerationResult
 from kvtier.runtime import tracing
+from kvtier.runtime.log import get_logger
 from kvtier.tiers.transfer import TransferDone
+
+log = get_logger("kvtier.worker.engine")
 
 
 class WorkerRecorder(Protocol):
@@ -99,3 +102,27 @@ def record_spans(
             "kvtier.nvme_tokens": by_tier.nvme_tokens,
         }
     tracing.record_generation(run_id, times, span_attributes, phase_attributes=phases, parent=parent)
+
+
+def finish(
+    run_id: RunId, request: GenerateRequest, result: GenerationResult, times: tracing.GenerationTimes, *,
+    recorder: WorkerRecorder | None, span_attributes: Mapping[str, str], parent: Context | None,
+    resumed: bool, admission_wait_s: float = 0.0, hold_wait_s: float = 0.0,
+) -> GenerateFinal:
+    """The final event of a finished generation, after its metrics, spans and log line
+    (``resumed``: a session's next turn on this worker; the waits: outside the engine, and of
+    that for holds due back soon)."""
+    usage = usage_of(result)
+    first = times.first_token_at if times.first_token_at is not None else times.finished_at
+    ttft_ms = (first - times.submitted_at) * 1000.0
+    if recorder is not None:
+        recorder.record_request(result, ttft_ms / 1000.0, times.finished_at - first, resumed=resumed)
+    if tracing.is_enabled():
+        record_spans(run_id, request, result, times, span_attributes, parent, usage)
+    log.info("generation finished", extra={
+        "run_id": run_id, "finish_reason": result.finish_reason.value,
+        "prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens,
+        "generated_tokens": usage.generated_tokens, "recomputed_tokens": usage.recomputed_tokens,
+        "num_preemptions": result.num_preemptions, "ttft_ms": round(ttft_ms, 2),
+        "admission_wait_ms": round(admission_wait_s * 1000.0, 2), "hold_wait_ms": round(hold_wait_s * 1000.0, 2)})
+    return GenerateFinal(usage=usage, finish_reason=result.finish_reason, run_id=run_id, ttft_ms=ttft_ms)
