@@ -455,7 +455,7 @@ def prefetch_summary(stats: Any) -> dict[str, Any]:
 
 
 def with_retaken(prefetch: dict[str, Any], retaken_bytes: int, wasted_bytes: int) -> dict[str, Any]:
-    """``prefetch_summary`` with the worker's retaken holds counted in (``EngineLoop._retake``):
+    """``prefetch_summary`` with the worker's retaken holds counted in (``Holds.retake``):
     ``retaken_bytes`` moved up again, prefetched bytes like any other; ``wasted_bytes`` of them
     had been brought up by a prefetch before and went down unused. The controller scores a
     pause's waste by where its pages are at the Route, so a hold that yielded and was retaken
@@ -759,15 +759,15 @@ def _tier_counters(actor: Any) -> tuple[dict[str, int], dict[str, float]]:
                  "demotions_without_copy": c.demotions_without_copy}
         server = getattr(worker, "_server", None)
         if server is not None:  # what became of session holds (taken, refused at the cap, yielded, ...)
-            waits["session_holds"] = dict(server.loop.hold_outcomes)
-            waits["retaken_pages"] = server.loop.retaken_pages
-            waits["retaken_waste_pages"] = server.loop.retaken_waste_pages
+            waits["session_holds"] = dict(server.loop.holds.outcomes)
+            waits["retaken_pages"] = server.loop.holds.retaken_pages
+            waits["retaken_waste_pages"] = server.loop.holds.retaken_waste_pages
             # the worker's own count: page moves up for sessions due back, and those wasted
-            waits["session_prefetched_pages"] = server.loop.session_prefetched_pages
-            waits["session_prefetch_wasted_pages"] = server.loop.session_prefetch_wasted_pages
+            waits["session_prefetched_pages"] = server.loop.holds.session_prefetched_pages
+            waits["session_prefetch_wasted_pages"] = server.loop.holds.session_prefetch_wasted_pages
             # requests that waited rather than displace holds due back soon, by how it ended
-            waits["hold_deferrals"] = dict(server.loop.hold_deferrals)
-            waits["hold_deferral_wait_s"] = round(server.loop.hold_deferral_wait_s, 3)
+            waits["hold_deferrals"] = dict(server.loop.admission.deferrals)
+            waits["hold_deferral_wait_s"] = round(server.loop.admission.deferral_wait_s, 3)
         for _ in range(5):
             try:
                 return {f"{a.label}->{b.label}": n for (a, b), n in dict(c.bytes_moved).items()}, waits
@@ -994,7 +994,7 @@ async def run_all(
     import ray
 
     from kvtier.engine.model.loader import write_random_checkpoint
-    from kvtier.worker.engine_loop import MAX_HELD_FRACTION
+    from kvtier.worker.holds import MAX_HELD_FRACTION
 
     workload = make_workload(spec, WORKLOAD_MODEL_CONFIG["vocab_size"])
     hold_fraction = MAX_HELD_FRACTION if spec.hold_fraction is None else spec.hold_fraction

@@ -348,7 +348,7 @@ async def test_evict_drops_or_demotes_a_prefix_and_keeps_pinned_pages(stack):
     await eventually(lambda: _nothing_held(stack, ns, prefix), what="the namespace to empty")
     assert not await held(stack, ns, other)
     digest = namespace_digest(stack.controller.router.epochs.apply(ns))
-    assert not any(stack.small.loop._key_digest.get(n.key) == digest for n in stack.small.engine.index.nodes())
+    assert not any(stack.small.loop.page_events.digests.get(n.key) == digest for n in stack.small.engine.index.nodes())
     await assert_intact(stack.small)
 
 

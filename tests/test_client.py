@@ -177,9 +177,9 @@ async def client(peers):
 def slow_down(monkeypatch, engine, step_s):
     step = engine.step
 
-    def slow_step():
+    def slow_step(**kwargs):
         time.sleep(step_s)
-        return step()
+        return step(**kwargs)
 
     monkeypatch.setattr(engine, "step", slow_step)
 

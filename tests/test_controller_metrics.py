@@ -183,7 +183,7 @@ async def test_wasted_prefetches_are_counted_when_ended_and_when_evicted(worker,
         history = prompt + out
         await client.pause("s-evicted", tool="slow", expected_ms=60_000)
         await client.returning("s-evicted")
-        await worker.loop._call(lambda: worker.engine.tiers.demote_all(Tier.DRAM))
+        await worker.loop.call(lambda: worker.engine.tiers.demote_all(Tier.DRAM))
 
         async def demoted_in_directory() -> bool:
             return await pages_in(client, namespace, history[:16], Tier.DRAM) == 4

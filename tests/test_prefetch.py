@@ -23,7 +23,9 @@ from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
 from kvtier.policy.placement import ParkPrices
 from kvtier.tiers.manager import TierConfig
-from kvtier.worker.engine_loop import HOLD_PREFIX
+from kvtier.worker import admission as admission_module
+from kvtier.worker import commands as commands_module
+from kvtier.worker import holds as holds_module
 from kvtier.worker.servicer import serve_worker
 
 from hf_checkpoints import build_checkpoint
@@ -47,8 +49,9 @@ def test_promote_latency_learns_the_overhead_beyond_the_copy():
     assert latency.overhead_ms() == pytest.approx(5.0)  # the 90 % point of ten: the ninth
     latency.observe(201.0, 1_000_000, 1e9)  # a second long wait pushes it up
     assert latency.overhead_ms() == pytest.approx(200.0)
-    latency.observe(0.0, 10_000_000, 1e9)  # faster than the bandwidth says: no negative overhead
-    assert min(latency._overheads) == 0.0
+    fresh = PromoteLatency(50.0, quantile=0.9, window=1)
+    fresh.observe(0.0, 10_000_000, 1e9)  # faster than the bandwidth says: no negative overhead
+    assert fresh.overhead_ms() == 0.0
     with pytest.raises(ValueError):
         PromoteLatency(1.0, quantile=0.0)
 
@@ -96,7 +99,7 @@ def tiers_of(worker, keys):
 
 
 async def demote_all(worker) -> int:
-    return await worker.loop._call(lambda: worker.engine.tiers.demote_all(Tier.DRAM))
+    return await worker.loop.call(lambda: worker.engine.tiers.demote_all(Tier.DRAM))
 
 
 async def prefetched(orchestrator, session: str) -> None:
@@ -181,11 +184,11 @@ async def test_a_session_expected_back_after_its_hold_ends_is_ranked_by_the_hold
         sent_ms = time.time() * 1000.0
         assert (await client.pause("s-long", tool="search", expected_ms=2_000)).parked_tier is Tier.HBM
         await prefetched(controller.orchestrator, "s-long")
-        expected = worker.loop._pins[HOLD_PREFIX + "s-long"].expected
+        expected = worker.loop.holds.view("s-long").expected
         assert expected.spread is None and expected.away_since_ms is None
         assert abs(expected.due_at_ms - (sent_ms + 500)) < 250
         await client.end("s-long")
-        assert HOLD_PREFIX + "s-long" not in worker.loop._pins
+        assert not worker.loop.holds.is_held("s-long")
 
 
 @in_module_loop
@@ -202,7 +205,7 @@ async def test_the_controllers_session_hold_max_s_bounds_every_hold(worker, flus
         await client.returning("s-bound")  # the prefetch at once, its hold bounded from then
         sent_ms = time.time() * 1000.0
         await prefetched(controller.orchestrator, "s-bound")
-        pin = worker.loop._pins[HOLD_PREFIX + "s-bound"]
+        pin = worker.loop.holds.view("s-bound")
         assert 0 < pin.expires_at_ms - sent_ms <= 500 + 250
         await client.end("s-bound")
 
@@ -223,7 +226,7 @@ async def test_a_session_kept_in_hbm_is_held_there_until_its_turn(worker, flushe
         await prefetched(orchestrator, "s-guard")
         # Ranked by its expected return, and once overdue by the return still to come: the
         # guard carried how long the session has been away and the prediction's spread.
-        expected = worker.loop._pins[HOLD_PREFIX + "s-guard"].expected
+        expected = worker.loop.holds.view("s-guard").expected
         assert expected.spread == pytest.approx(orchestrator.predictor.params.default_sigma)
         assert 1_500 < expected.due_at_ms - expected.away_since_ms < 2_500
         # ... so the worker's own demotion (pressure elsewhere) cannot take them meanwhile.
@@ -248,7 +251,6 @@ async def test_holds_share_a_capped_room_where_the_session_due_back_first_wins(
     was a guard's (pages that never left): a page that leaves HBM goes back onto its copy below
     without a write, so either costs one promotion if it goes. A later one is not taken. When
     the controller says when the session is expected back, that ranks the hold."""
-    import kvtier.worker.engine_loop as engine_loop
 
     namespace = worker.engine.namespace
     digest = namespace_digest(namespace)
@@ -259,22 +261,22 @@ async def test_holds_share_a_capped_room_where_the_session_due_back_first_wins(
             out, _ = await client.complete(namespace, prompt, GREEDY, session_id=session)
             histories[session] = history_keys(worker, prompt + out)
         # Room for one session's 4 pages and a half: two holds do not fit together.
-        monkeypatch.setattr(engine_loop, "MAX_HELD_FRACTION", 6 / worker.engine.pool.num_pages)
+        monkeypatch.setattr(holds_module, "MAX_HELD_FRACTION", 6 / worker.engine.pool.num_pages)
         loop = worker.loop
-        kept_id, paid_id = engine_loop._hold_id("s-kept"), engine_loop._hold_id("s-paid")
+        kept_id, paid_id = "s-kept", "s-paid"
         guard = await loop.prefetch(digest, (), "s-kept", hold_s=60.0)  # all in HBM: a guard
-        assert guard.num_moved == 0 and kept_id in loop._pins
+        assert guard.num_moved == 0 and loop.holds.is_held(kept_id)
         await demote_all(worker)
         assert tiers_of(worker, histories["s-kept"]) == [Tier.HBM] * 4  # held
         assert Tier.DRAM in tiers_of(worker, histories["s-paid"])
         # Due back sooner than the guard's session: it displaces the guard.
         paid = await loop.prefetch(digest, (), "s-paid", hold_s=30.0)
         assert paid.num_moved > 0
-        assert paid_id in loop._pins and kept_id not in loop._pins  # displaced
+        assert loop.holds.is_held(paid_id) and not loop.holds.is_held(kept_id)  # displaced
         assert tiers_of(worker, histories["s-paid"]) == [Tier.HBM] * 4
         # A hold due back later does not displace it: it is simply not taken.
         await loop.prefetch(digest, (), "s-kept", hold_s=60.0)
-        assert paid_id in loop._pins and kept_id not in loop._pins
+        assert loop.holds.is_held(paid_id) and not loop.holds.is_held(kept_id)
         await demote_all(worker)
         assert tiers_of(worker, histories["s-paid"]) == [Tier.HBM] * 4
         # A guard due back sooner displaces the paid hold: copying up earns no rank.
@@ -282,19 +284,19 @@ async def test_holds_share_a_capped_room_where_the_session_due_back_first_wins(
         assert tiers_of(worker, histories["s-kept"]) == [Tier.HBM] * 4
         guard = await loop.prefetch(digest, (), "s-kept", hold_s=10.0)
         assert guard.num_moved == 0
-        assert kept_id in loop._pins and paid_id not in loop._pins
+        assert loop.holds.is_held(kept_id) and not loop.holds.is_held(paid_id)
         await demote_all(worker)
         assert tiers_of(worker, histories["s-kept"]) == [Tier.HBM] * 4
         assert Tier.DRAM in tiers_of(worker, histories["s-paid"])
         # The controller's expected return ranks before the hold's lapse: held for up to a
         # minute but expected back in a second, s-paid is due before s-kept (lapsing in 10 s).
         await loop.prefetch(digest, (), "s-paid", hold_s=60.0, due_s=1.0)
-        assert paid_id in loop._pins and kept_id not in loop._pins
+        assert loop.holds.is_held(paid_id) and not loop.holds.is_held(kept_id)
         await demote_all(worker)
         assert tiers_of(worker, histories["s-paid"]) == [Tier.HBM] * 4
         for session in histories:
             await client.end(session)
-        assert not [p for p in loop._pins if p.startswith(engine_loop.HOLD_PREFIX)]
+        assert not loop.holds.snapshot().held
         assert (await worker.loop.check_integrity()).is_ok
 
 
@@ -315,8 +317,8 @@ async def park_with_a_page_in_another_move(worker, client, session: str, prompt:
         if not value:
             worker.engine.index.requeue(node)
 
-    await worker.loop._call(lambda: set_moving(True))
-    return history, keys, lambda: worker.loop._call(lambda: set_moving(False))
+    await worker.loop.call(lambda: set_moving(True))
+    return history, keys, lambda: worker.loop.call(lambda: set_moving(False))
 
 
 @in_module_loop
@@ -459,7 +461,7 @@ def _loop_on_a_slow_link(
 
 @pytest.mark.asyncio
 async def test_a_request_waits_for_its_pages_outside_the_engine_while_others_decode(tmp_path):
-    """Promotion before admission (worker/engine_loop.py, decision 0011): with a slow (emulated)
+    """Promotion before admission (worker/admission.py, decision 0011): with a slow (emulated)
     DRAM -> HBM link, a request whose prompt was demoted waits for its pages while a running
     sequence keeps decoding; it then reports them as promoted and generates what it would have."""
     from kvtier.domain.records import GenerateFinal, GenerateRequest, TokenChunk
@@ -487,7 +489,7 @@ async def test_a_request_waits_for_its_pages_outside_the_engine_while_others_dec
     try:
         cold = await run("cold", prompt, 4)
         assert cold.usage.cached_tokens == 0
-        assert await loop._call(lambda: engine.tiers.demote_all(Tier.DRAM)) > 0
+        assert await loop.call(lambda: engine.tiers.demote_all(Tier.DRAM)) > 0
         runner = asyncio.create_task(run("runner", tuple(range(100, 100 + 2 * PAGE_SIZE + 1)), 80))
         while not output("runner"):
             await asyncio.sleep(0.001)
@@ -518,7 +520,7 @@ async def _generate(loop, engine, prompt: tuple[int, ...]) -> None:
 
 @pytest.mark.asyncio
 async def test_a_request_that_needs_room_waits_for_a_background_demotion(tmp_path):
-    """Room before admission (worker/engine_loop.py, decision 0011): with HBM full of cached
+    """Room before admission (worker/admission.py, decision 0011): with HBM full of cached
     pages and a slow (emulated) HBM -> DRAM link, a new request waits outside the engine while
     pages are demoted in the background; the engine thread spills nothing synchronously."""
     engine, loop, _ = _loop_on_a_slow_link(tmp_path)
@@ -536,13 +538,13 @@ async def test_a_request_that_needs_room_waits_for_a_background_demotion(tmp_pat
 
 @pytest.mark.asyncio
 async def test_a_commanded_prefetch_makes_room_in_the_background(tmp_path):
-    """A Prefetch into a full HBM (worker/engine_loop.py, decision 0011): room is made by a
+    """A Prefetch into a full HBM (worker/admission.py, decision 0011): room is made by a
     background demotion before the pages come up, not by spills on the engine thread."""
     engine, loop, page_bytes = _loop_on_a_slow_link(tmp_path)
     try:
         parked = tuple(range(200, 200 + 4 * PAGE_SIZE))
         await _generate(loop, engine, parked)
-        assert await loop._call(lambda: engine.tiers.demote_all(Tier.DRAM)) > 0
+        assert await loop.call(lambda: engine.tiers.demote_all(Tier.DRAM)) > 0
         waited = engine.tiers.counters.spill_link_wait_s  # demote_all's own synchronous copies
         for first in range(0, 180, 30):  # HBM fills with other cached pages
             await _generate(loop, engine, tuple(range(first, first + 4 * PAGE_SIZE)))
@@ -589,13 +591,12 @@ def _tiers_in(engine, keys) -> list:
 
 @pytest.mark.asyncio
 async def test_holds_yield_to_a_waiting_request_the_session_due_back_last_first(tmp_path, monkeypatch):
-    """A hold is a prediction (worker/engine_loop.py ``_make_room``): when a request waiting for
+    """A hold is a prediction (worker/room.py ``Room.make``): when a request waiting for
     admission needs room that the idle pages cannot give, held sessions yield it, the one due
     back last first, and the room is still made in the background (no spill on the engine
     thread). The session due back soon keeps every page in HBM."""
-    import kvtier.worker.engine_loop as engine_loop
 
-    monkeypatch.setattr(engine_loop, "MAX_HELD_FRACTION", 1.0)  # both holds fit: only yielding frees them
+    monkeypatch.setattr(holds_module, "MAX_HELD_FRACTION", 1.0)  # both holds fit: only yielding frees them
     engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0)
     try:
         digest = namespace_digest(engine.namespace)
@@ -606,16 +607,16 @@ async def test_holds_yield_to_a_waiting_request_the_session_due_back_last_first(
         # lapses: s-soon may be held longer, but it is due back first.
         for session, hold_s, due_s in (("s-soon", 30.0, 1.0), ("s-late", 5.0, 4.0)):
             assert (await loop.prefetch(digest, (), session, hold_s=hold_s, due_s=due_s)).num_moved == 0
-        held = {engine_loop._hold_id("s-soon"), engine_loop._hold_id("s-late")}
-        assert held <= set(loop._pins)
+        held = {"s-soon", "s-late"}
+        assert held <= loop.holds.snapshot().held
         # Everything else in HBM is free: a prompt needing two pages more than that must take
         # them from a held session.
         num_free = engine.pool.num_free
         big = tuple((40 + 3 * i) % 256 for i in range((num_free + 1) * PAGE_SIZE))  # + its first output's page
         assert await _session_turn(loop, engine, "s-big", big)
         assert engine.scheduler.num_preemptions == 0
-        assert engine_loop._hold_id("s-late") not in loop._pins  # yielded
-        assert engine_loop._hold_id("s-soon") in loop._pins
+        assert not loop.holds.is_held("s-late")  # yielded
+        assert loop.holds.is_held("s-soon")
         assert _tiers_in(engine, _keys(engine, soon)) == [Tier.HBM] * 4
         assert Tier.DRAM in _tiers_in(engine, _keys(engine, late))  # moved down, not dropped
         assert engine.tiers.counters.spill_link_wait_s == 0.0
@@ -628,13 +629,12 @@ async def test_holds_yield_to_a_waiting_request_the_session_due_back_last_first(
 @pytest.mark.asyncio
 async def test_a_returning_sessions_request_takes_its_room_from_another_hold_not_its_own(tmp_path, monkeypatch):
     """A session back earlier than expected ranks its own hold the weakest; its request, short
-    of room, must not make room by yielding that hold (worker/engine_loop.py ``_make_room``,
+    of room, must not make room by yielding that hold (worker/room.py ``Room.make``,
     ``sparing``): its own pages are pinned for it, so that frees nothing, and the room would
     then be taken on the engine thread. The next weakest hold yields, in the background, and
     the output is the one a run without holds gives."""
-    import kvtier.worker.engine_loop as engine_loop
 
-    monkeypatch.setattr(engine_loop, "MAX_HELD_FRACTION", 1.0)
+    monkeypatch.setattr(holds_module, "MAX_HELD_FRACTION", 1.0)
     engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0)
     try:
         digest = namespace_digest(engine.namespace)
@@ -647,8 +647,8 @@ async def test_a_returning_sessions_request_takes_its_room_from_another_hold_not
         prompt = own + tuple((40 + 3 * i) % 256 for i in range((engine.pool.num_free + 1) * PAGE_SIZE - len(own) % PAGE_SIZE))
         out, final = await _session_run(loop, engine, "s-own", prompt)
         assert final.usage.cached_tokens == 4 * PAGE_SIZE
-        assert loop.hold_outcomes["yielded"] == 1  # s-other's, once
-        assert engine_loop._hold_id("s-other") not in loop._pins
+        assert loop.holds.outcomes["yielded"] == 1  # s-other's, once
+        assert not loop.holds.is_held("s-other")
         assert Tier.DRAM in _tiers_in(engine, _keys(engine, other))  # moved down, not dropped
         assert engine.tiers.counters.spill_link_wait_s == 0.0  # never on the engine thread
         assert engine.scheduler.num_preemptions == 0
@@ -663,7 +663,7 @@ async def test_a_returning_sessions_request_takes_its_room_from_another_hold_not
 async def test_the_worker_counts_the_pages_brought_up_for_a_session_and_those_it_did_not_find_in_hbm(tmp_path):
     """The controller judges a prefetch's waste from the directory, which lags the worker: pages
     given up just before the session's turn look in HBM to it. The worker counts it exactly when
-    the session's next request arrives (``_settle_prefetched``): of the page moves that brought
+    the session's next request arrives (``Holds.settle``): of the page moves that brought
     its pages up since its last generation, one per page still in HBM was used, every other
     move was wasted (pages below again, or brought up twice); a session that ends wastes all."""
     engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=100.0, num_pages=40)
@@ -673,9 +673,9 @@ async def test_the_worker_counts_the_pages_brought_up_for_a_session_and_those_it
         for i, session in enumerate(("s-used", "s-lost", "s-twice", "s-ended")):
             prompt = tuple(range(1 + 50 * i, 1 + 50 * i + 3 * PAGE_SIZE))
             histories[session] = prompt + tuple(await _session_turn(loop, engine, session, prompt))
-        await loop._call(lambda: engine.tiers.demote_all(Tier.DRAM))
+        await loop.call(lambda: engine.tiers.demote_all(Tier.DRAM))
         def counts() -> tuple[int, int]:
-            return loop.session_prefetched_pages, loop.session_prefetch_wasted_pages
+            return loop.holds.session_prefetched_pages, loop.holds.session_prefetch_wasted_pages
 
         async def up(session: str) -> None:
             assert (await loop.prefetch(digest, (), session)).num_moved == 3, session  # its private pages
@@ -709,7 +709,7 @@ async def test_the_worker_counts_the_pages_brought_up_for_a_session_and_those_it
         # A turn with nothing brought up for it counts nothing.
         await turn("s-used")
         assert counts() == (15, 9)
-        assert not loop._prefetched
+        assert loop.holds.snapshot().num_sessions_prefetched == 0
         assert (await loop.check_integrity()).is_ok
     finally:
         await loop.close()
@@ -734,12 +734,12 @@ async def test_a_prefetch_does_not_take_the_room_of_a_session_due_back_sooner(tm
             history = prompt + tuple(await _session_turn(loop, engine, session, prompt))
             keys[session] = _keys(engine, history)
             assert len(keys[session]) == 4
-        await loop._call(lambda: engine.tiers.demote_all(Tier.DRAM))
+        await loop.call(lambda: engine.tiers.demote_all(Tier.DRAM))
         assert engine.pool.num_free == 8
         # Due back in 10 s and 5 s: both holds refused (a cap of one page), their pages in HBM.
         for session, due_s in (("s-soon", 10.0), ("s-sooner", 5.0)):
             assert (await loop.prefetch(digest, (), session, hold_s=30.0, due_s=due_s)).num_moved == 4
-        assert loop.hold_outcomes["refused"] == 2 and not list(loop._holds())
+        assert loop.holds.outcomes["refused"] == 2 and not loop.holds.snapshot().held
         assert engine.tiers.num_reclaimable() == 8 and engine.pool.num_free == 0
         # Due back in 20 s: HBM has no room but theirs, which it may not take.
         late = await loop.prefetch(digest, (), "s-late", hold_s=30.0, due_s=20.0)
@@ -754,7 +754,7 @@ async def test_a_prefetch_does_not_take_the_room_of_a_session_due_back_sooner(tm
         # The turns settle what was brought up for them; nothing is awaited any more.
         for session in prompts:
             await _session_turn(loop, engine, session, prompts[session])
-        assert not loop._awaited
+        assert loop.holds.snapshot().num_awaited_pages == 0
         assert (await loop.check_integrity()).is_ok
     finally:
         await loop.close()
@@ -764,14 +764,13 @@ async def test_a_prefetch_does_not_take_the_room_of_a_session_due_back_sooner(tm
 async def _guard_due_soon(loop, engine, due_s: float) -> tuple[tuple[int, ...], str]:
     """One session (``s-soon``), its first turn done and held by a guard, due back in
     ``due_s``: its history and its hold's pin id."""
-    import kvtier.worker.engine_loop as engine_loop
 
     soon = tuple(range(1, 1 + 4 * PAGE_SIZE))
     soon += tuple(await _session_turn(loop, engine, "s-soon", soon))
     digest = namespace_digest(engine.namespace)
     assert (await loop.prefetch(digest, (), "s-soon", hold_s=30.0, due_s=due_s)).num_moved == 0
-    held = engine_loop._hold_id("s-soon")
-    assert held in loop._pins
+    held = "s-soon"
+    assert loop.holds.is_held(held)
     return soon, held
 
 
@@ -791,13 +790,12 @@ async def test_a_waiting_request_does_not_displace_a_session_due_back_within_a_s
     tmp_path, monkeypatch, comes_back
 ):
     """A request that needs a hold's room waits while that session is due back within
-    ``HOLD_DUE_SOON_S`` (worker/engine_loop.py ``_admit_awaiting``): the session's turn comes,
+    ``HOLD_DUE_SOON_S`` (worker/admission.py ``Admission.ready``): the session's turn comes,
     finds every page in HBM and promotes nothing, and the request runs after it, with the
     output a run without holds gives. The wait is bounded (``HOLD_DEFER_S``): a session that
-    is not back by then yields its hold to the request."""
-    import kvtier.worker.engine_loop as engine_loop
+    is not back by then yields its hold."""
 
-    monkeypatch.setattr(engine_loop, "HOLD_DEFER_S", 1.5)
+    monkeypatch.setattr(admission_module, "HOLD_DEFER_S", 1.5)
     engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0)
     try:
         soon, held = await _guard_due_soon(loop, engine, 0.5)
@@ -806,23 +804,23 @@ async def test_a_waiting_request_does_not_displace_a_session_due_back_within_a_s
         started = time.monotonic()
         waiting = asyncio.create_task(_session_run(loop, engine, "s-big", big))
         await asyncio.sleep(0.2)
-        assert not waiting.done() and held in loop._pins  # it waits; the hold stays
+        assert not waiting.done() and loop.holds.is_held(held)  # it waits; the hold stays
         if comes_back:
             _, resumed = await _session_run(loop, engine, "s-soon", soon + (7, 9))
             assert resumed.usage.promoted_tokens == 0
             assert resumed.usage.cached_tokens == len(soon) // PAGE_SIZE * PAGE_SIZE
-            assert loop.hold_outcomes["yielded"] == 0
+            assert loop.holds.outcomes["yielded"] == 0
         out, final = await asyncio.wait_for(waiting, 30)
         if comes_back:
-            assert loop.hold_outcomes["yielded"] == 0  # the hold ended with its session's turn
+            assert loop.holds.outcomes["yielded"] == 0  # the hold ended with its session's turn
             # The wait is counted, and ended with the room (no hold yielded), before the limit.
-            assert loop.hold_deferrals == {"room": 1, "timed_out": 0}
-            assert 0.0 < loop.hold_deferral_wait_s < engine_loop.HOLD_DEFER_S
+            assert loop.admission.deferrals == {"room": 1, "timed_out": 0}
+            assert 0.0 < loop.admission.deferral_wait_s < admission_module.HOLD_DEFER_S
         else:
-            assert time.monotonic() - started >= engine_loop.HOLD_DEFER_S
-            assert loop.hold_outcomes["yielded"] == 1 and held not in loop._pins
-            assert loop.hold_deferrals == {"room": 0, "timed_out": 1}
-            assert engine_loop.HOLD_DEFER_S / 2 < loop.hold_deferral_wait_s <= time.monotonic() - started
+            assert time.monotonic() - started >= admission_module.HOLD_DEFER_S
+            assert loop.holds.outcomes["yielded"] == 1 and not loop.holds.is_held(held)
+            assert loop.admission.deferrals == {"room": 0, "timed_out": 1}
+            assert admission_module.HOLD_DEFER_S / 2 < loop.admission.deferral_wait_s <= time.monotonic() - started
         assert engine.scheduler.num_preemptions == 0
         assert (await loop.check_integrity()).is_ok
     finally:
@@ -839,10 +837,9 @@ async def test_the_wait_scale_stretches_the_window_of_holds_due_back_soon_and_th
     of holds due back soon and the wait for them both 0.5 s, a hold due back in 1 s is not due
     soon and yields to a request at once; times 3 (1.5 s) it is spared, and the request waits
     the stretched 1.5 s for it before it yields."""
-    import kvtier.worker.engine_loop as engine_loop
 
-    monkeypatch.setattr(engine_loop, "HOLD_DUE_SOON_S", 0.5)
-    monkeypatch.setattr(engine_loop, "HOLD_DEFER_S", 0.5)
+    monkeypatch.setattr(admission_module, "HOLD_DUE_SOON_S", 0.5)
+    monkeypatch.setattr(admission_module, "HOLD_DEFER_S", 0.5)
     outs = []
     for scale in (1.0, 3.0):
         engine, loop, _ = _loop_on_a_slow_link(tmp_path / f"x{scale:g}", pages_per_s=200.0, wait_scale=scale)
@@ -852,12 +849,12 @@ async def test_the_wait_scale_stretches_the_window_of_holds_due_back_soon_and_th
             started = time.monotonic()
             out, _ = await asyncio.wait_for(_session_run(loop, engine, "s-big", big), 30)
             waited = time.monotonic() - started
-            assert loop.hold_outcomes["yielded"] == 1 and held not in loop._pins
+            assert loop.holds.outcomes["yielded"] == 1 and not loop.holds.is_held(held)
             if scale == 1.0:
-                assert loop.hold_deferrals == {"room": 0, "timed_out": 0}  # not due soon: no wait
+                assert loop.admission.deferrals == {"room": 0, "timed_out": 0}  # not due soon: no wait
             else:
-                assert loop.hold_deferrals == {"room": 0, "timed_out": 1}
-                assert waited >= 0.5 * scale and loop.hold_deferral_wait_s > 0.5 * scale / 2
+                assert loop.admission.deferrals == {"room": 0, "timed_out": 1}
+                assert waited >= 0.5 * scale and loop.admission.deferral_wait_s > 0.5 * scale / 2
             assert (await loop.check_integrity()).is_ok
             outs.append(out)
         finally:
@@ -868,7 +865,8 @@ async def test_the_wait_scale_stretches_the_window_of_holds_due_back_soon_and_th
 
 def test_a_wait_scale_outside_0_to_100_is_refused_naming_the_setting(tmp_path):
     from kvtier.domain.errors import InvalidArgument
-    from kvtier.worker.engine_loop import MAX_WAIT_SCALE, EngineLoop
+    from kvtier.runtime.config import MAX_WAIT_SCALE
+    from kvtier.worker.engine_loop import EngineLoop
 
     ckpt = build_checkpoint(tmp_path / "llama", "llama", seed=6)
     engine = Engine.from_pretrained(ckpt, page_size=PAGE_SIZE, num_pages=8)
@@ -881,16 +879,15 @@ def test_a_wait_scale_outside_0_to_100_is_refused_naming_the_setting(tmp_path):
 @pytest.mark.asyncio
 async def test_room_a_clean_hold_gives_up_is_taken_in_the_same_pass_not_after_a_step(tmp_path, monkeypatch, caplog):
     """A waiting request whose room a held session gives up, where the hold's pages were
-    prefetched and so kept their copy below: the hold yields (worker/engine_loop.py
-    ``_make_room``) and its pages are free to take at once, so the request is admitted in the
+    prefetched and so kept their copy below: the hold yields (worker/room.py
+    ``Room.make``) and its pages are free to take at once, so the request is admitted in the
     pass that made the room, not after the engine's next step. Here the request waits first
     for a hold due back soon (``HOLD_DEFER_S``), and a running sequence's every step takes
     0.5 s (a stand-in for a long GPU step): admitted a step later, it would wait that long
     more once the wait for the hold was over."""
-    import kvtier.worker.engine_loop as engine_loop
 
     step_s = 0.5
-    monkeypatch.setattr(engine_loop, "HOLD_DEFER_S", 1.0)
+    monkeypatch.setattr(admission_module, "HOLD_DEFER_S", 1.0)
     engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0)
     try:
         digest = namespace_digest(engine.namespace)
@@ -900,24 +897,24 @@ async def test_room_a_clean_hold_gives_up_is_taken_in_the_same_pass_not_after_a_
         assert (await loop.prefetch(digest, (), "s-soon", hold_s=30.0, due_s=0.5)).num_moved == 4
         step = engine.step
 
-        def slow_step():
+        def slow_step(**kwargs):
             time.sleep(step_s)
-            return step()
+            return step(**kwargs)
 
         monkeypatch.setattr(engine, "step", slow_step)
         running = asyncio.create_task(_session_run(loop, engine, "s-run", tuple(range(60, 64)), max_tokens=8))
-        while not engine.scheduler.running:
+        while not engine.num_running:
             await asyncio.sleep(0.01)
         # The free pages and two more, which only the hold has (its own, clean).
         big = tuple((40 + 3 * i) % 256 for i in range((engine.pool.num_free + 1) * PAGE_SIZE))
         with caplog.at_level(logging.INFO, logger="kvtier.worker.engine"):
             out, final = await asyncio.wait_for(_session_run(loop, engine, "s-big", big), 30)
         await asyncio.wait_for(running, 30)
-        assert loop.hold_outcomes["yielded"] == 1 and loop.hold_deferrals == {"room": 0, "timed_out": 1}
+        assert loop.holds.outcomes["yielded"] == 1 and loop.admission.deferrals == {"room": 0, "timed_out": 1}
         assert engine.scheduler.num_preemptions == 0 and final.usage.promoted_tokens == 0
         [done] = [r for r in caplog.records
                   if r.getMessage() == "generation finished" and getattr(r, "prompt_tokens", None) == len(big)]
-        assert done.hold_wait_ms >= engine_loop.HOLD_DEFER_S * 1000.0 / 2
+        assert done.hold_wait_ms >= admission_module.HOLD_DEFER_S * 1000.0 / 2
         # Admitted in the pass whose room-making ended the wait, not a step after it.
         assert done.admission_wait_ms - done.hold_wait_ms < step_s * 1000.0 / 2
         assert (await loop.check_integrity()).is_ok
@@ -930,7 +927,7 @@ async def test_room_a_clean_hold_gives_up_is_taken_in_the_same_pass_not_after_a_
 @pytest.mark.asyncio
 async def test_requests_that_arrive_together_do_not_take_a_held_session_s_room_on_the_engine_thread(tmp_path):
     """Two requests reach the engine loop in one pass; each fits in the free HBM pages, both
-    do not. The second counts the pages promised to the first (``_backlog_pages``), so it
+    do not. The second counts the pages promised to the first (``Room.backlog_pages``), so it
     waits outside the engine, where a hold due back within a second keeps its pages, instead
     of being admitted and taking them from the hold on the engine thread (the scheduler counts
     held pages as idle). The held session's turn then promotes nothing, and both requests
@@ -943,14 +940,14 @@ async def test_requests_that_arrive_together_do_not_take_a_held_session_s_room_o
         prompts = [tuple((40 + 3 * i) % 256 for i in range((n - 1) * PAGE_SIZE)),
                    tuple((41 + 5 * i) % 256 for i in range((n - 1) * PAGE_SIZE))]
         # Both are posted while the engine thread is busy, so it takes them in one pass.
-        loop._post(lambda: time.sleep(0.3))
+        loop.call(lambda: time.sleep(0.3))
         runs = [asyncio.create_task(_session_run(loop, engine, f"s-{i}", p)) for i, p in enumerate(prompts)]
         await asyncio.sleep(0.5)
-        assert held in loop._pins and loop.hold_outcomes["yielded"] == 0
+        assert loop.holds.is_held(held) and loop.holds.outcomes["yielded"] == 0
         _, resumed = await _session_run(loop, engine, "s-soon", soon + (7, 9))
         assert resumed.usage.promoted_tokens == 0
         outputs = [out for out, _ in await asyncio.wait_for(asyncio.gather(*runs), 30)]
-        assert loop.hold_outcomes["yielded"] == 0 and engine.scheduler.num_preemptions == 0
+        assert loop.holds.outcomes["yielded"] == 0 and engine.scheduler.num_preemptions == 0
         assert (await loop.check_integrity()).is_ok
     finally:
         await loop.close()
@@ -968,7 +965,7 @@ def test_a_hold_share_outside_0_to_1_is_refused_naming_the_setting(tmp_path):
         with pytest.raises(InvalidArgument, match="session_hold_fraction must be in") as exc:
             EngineLoop(engine, hold_fraction=bad)
         assert exc.value.field == "session_hold_fraction"
-    assert EngineLoop(engine, hold_fraction=0.25).hold_cap_pages == 2
+    assert EngineLoop(engine, hold_fraction=0.25).holds.cap_pages == 2
 
 
 @pytest.mark.asyncio
@@ -980,32 +977,31 @@ async def test_an_overdue_session_ranks_by_the_return_still_to_come(tmp_path, sp
     0.4), by 10.35 s it is expected back ~3 s later still, so a session due back in 1 s takes
     its place at the holds' cap. Without the spread (an older controller) the passed median
     still ranks it first, and the session due back in 1 s is not held."""
-    import kvtier.worker.engine_loop as engine_loop
 
     engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0, hold_pages=6)  # one session's 4 pages
-    assert loop.hold_cap_pages == 6
+    assert loop.holds.cap_pages == 6
     try:
         digest = namespace_digest(engine.namespace)
-        overdue_id, soon_id = engine_loop._hold_id("s-overdue"), engine_loop._hold_id("s-soon")
+        overdue_id, soon_id = "s-overdue", "s-soon"
         await _session_turn(loop, engine, "s-overdue", tuple(range(1, 1 + 4 * PAGE_SIZE)))
         await _session_turn(loop, engine, "s-soon", tuple(range(101, 101 + 4 * PAGE_SIZE)))
         await loop.prefetch(digest, (), "s-overdue", hold_s=30.0, due_s=0.05,
                             away_s=10.0 if spread else None, spread=spread)
-        assert overdue_id in loop._pins
+        assert loop.holds.is_held(overdue_id)
         await asyncio.sleep(0.3)  # past its median
         now_ms = time.time() * 1000.0
-        rank_in_s = (loop._pins[overdue_id].hold_rank() - now_ms) / 1000.0
+        rank_in_s = (loop.holds.view(overdue_id).rank_ms - now_ms) / 1000.0
         if spread:
             assert 2.0 < rank_in_s < 4.0
         else:
             assert rank_in_s < 0.0
         await loop.prefetch(digest, (), "s-soon", hold_s=30.0, due_s=1.0)
         if spread:
-            assert soon_id in loop._pins and overdue_id not in loop._pins
-            assert loop.hold_outcomes["displaced"] == 1
+            assert loop.holds.is_held(soon_id) and not loop.holds.is_held(overdue_id)
+            assert loop.holds.outcomes["displaced"] == 1
         else:
-            assert overdue_id in loop._pins and soon_id not in loop._pins
-            assert loop.hold_outcomes["refused"] == 1
+            assert loop.holds.is_held(overdue_id) and not loop.holds.is_held(soon_id)
+            assert loop.holds.outcomes["refused"] == 1
     finally:
         await loop.close()
         engine.tiers.close()
@@ -1017,7 +1013,7 @@ def test_the_median_of_a_return_still_to_come():
     the start, barely later early on, moving out past the median."""
     from statistics import NormalDist
 
-    from kvtier.worker.engine_loop import conditional_median_ms
+    from kvtier.policy.holds import conditional_median_ms
 
     def survival(t: float, median: float, sigma: float) -> float:
         return 1.0 - NormalDist().cdf(math.log(t / median) / sigma)
@@ -1040,13 +1036,12 @@ def test_the_median_of_a_return_still_to_come():
 
 @pytest.mark.asyncio
 async def test_a_running_sequence_takes_a_held_page_instead_of_being_preempted(tmp_path, monkeypatch):
-    """A sequence that outgrows the free pages while the rest of HBM is held (scheduler
-    ``release_pin``): the hold yields and the sequence runs on, instead of being preempted
-    and recomputed; its output is the one a run without holds gives."""
-    import kvtier.worker.engine_loop as engine_loop
+    """A sequence that outgrows the free pages while the rest of HBM is held
+    (``Engine.step(release_pin=...)``): the hold yields and the sequence runs on, instead of
+    being preempted and recomputed; its output is the one a run without holds gives."""
     from kvtier.worker.engine_loop import EngineLoop
 
-    monkeypatch.setattr(engine_loop, "MAX_HELD_FRACTION", 1.0)
+    monkeypatch.setattr(holds_module, "MAX_HELD_FRACTION", 1.0)
     ckpt = build_checkpoint(tmp_path / "llama", "llama", seed=6)
     prompt = tuple(range(7, 7 + 2 * PAGE_SIZE))
 
@@ -1060,12 +1055,12 @@ async def test_a_running_sequence_takes_a_held_page_instead_of_being_preempted(t
                 await _session_turn(loop, engine, "s-held", parked)
                 digest = namespace_digest(engine.namespace)
                 await loop.prefetch(digest, (), "s-held", hold_s=30.0)
-                assert engine_loop._hold_id("s-held") in loop._pins
+                assert loop.holds.is_held("s-held")
             # Admitted with room for its prompt; its output then needs more pages than are free.
             grow_to = engine.pool.num_free + 2
             out = await _session_turn(loop, engine, "s-long", prompt, max_tokens=grow_to * PAGE_SIZE - len(prompt))
             if held:
-                assert engine_loop._hold_id("s-held") not in loop._pins
+                assert not loop.holds.is_held("s-held")
             assert (await loop.check_integrity()).is_ok
             return out, engine.scheduler.num_preemptions
         finally:
@@ -1084,7 +1079,6 @@ async def _yield_the_later_hold(
     """Two held sessions (guards; ``s-late`` parked and prefetched when ``paid``), then a
     request that takes room from them: the one due back later (``s-late``, held
     ``late_hold_s``) yields. Returns both sessions' histories."""
-    import kvtier.worker.engine_loop as engine_loop
 
     digest = namespace_digest(engine.namespace)
     soon, late = tuple(range(1, 1 + 4 * PAGE_SIZE)), tuple(range(101, 101 + 4 * PAGE_SIZE))
@@ -1097,10 +1091,10 @@ async def _yield_the_later_hold(
         assert moved == (4 if paid and session == "s-late" else 0)
     big = tuple((40 + 3 * i) % 256 for i in range((engine.pool.num_free + 1) * PAGE_SIZE))
     await _session_turn(loop, engine, "s-big", big)
-    assert engine_loop._hold_id("s-late") not in loop._pins and loop.hold_outcomes["yielded"] == 1
+    assert not loop.holds.is_held("s-late") and loop.holds.outcomes["yielded"] == 1
     # The watermark's background demotion the turn left running (it takes s-big's leaf) lands.
     async def settled() -> bool:
-        return not await loop._call(lambda: any(n.moving for n in engine.index.nodes()))
+        return not await loop.call(lambda: any(n.moving for n in engine.index.nodes()))
 
     await eventually(settled, what="the watermark demotion")
     assert Tier.DRAM in _tiers_in(engine, _keys(engine, late[:-1]))
@@ -1110,31 +1104,30 @@ async def _yield_the_later_hold(
 @pytest.mark.asyncio
 @pytest.mark.parametrize("paid", [False, True], ids=["guard", "prefetched"])
 async def test_a_yielded_hold_is_retaken_once_room_comes_back(tmp_path, monkeypatch, paid):
-    """A hold that yielded is a prediction that still stands (worker/engine_loop.py
-    ``_retake``): once HBM has free room again, without a request waiting for it, the
+    """A hold that yielded is a prediction that still stands (worker/holds.py
+    ``Holds.retake``): once HBM has free room again, without a request waiting for it, the
     session's pages come back up and are held again, so its next turn promotes nothing; the
     pages moved are counted (``retaken_pages``), as waste only if a prefetch had moved them up
     (``retaken_waste_pages``: a guard's had not)."""
-    import kvtier.worker.engine_loop as engine_loop
 
-    monkeypatch.setattr(engine_loop, "MAX_HELD_FRACTION", 1.0)
+    monkeypatch.setattr(holds_module, "MAX_HELD_FRACTION", 1.0)
     engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0)
     try:
         _, late = await _yield_the_later_hold(loop, engine, late_hold_s=30.0, paid=paid)
         # s-big's pages fill HBM: too little is free for s-late's 4 pages and the watermark's
         # free share, so nothing comes back yet.
         reserve = (1.0 - engine.tiers.config.hbm_watermark.low) * engine.pool.num_pages
-        assert engine.pool.num_free - 4 < reserve and loop.hold_outcomes["retaken"] == 0
+        assert engine.pool.num_free - 4 < reserve and loop.holds.outcomes["retaken"] == 0
         # Its session pauses and the controller parks it: room comes back.
         await loop.demote(namespace_digest(engine.namespace), (), "s-big", Tier.DRAM)
-        await wait_for(lambda: engine_loop._hold_id("s-late") in loop._pins, what="the retaken hold")
+        await wait_for(lambda: loop.holds.is_held("s-late"), what="the retaken hold")
         keys = _keys(engine, late[:-1])
         assert _tiers_in(engine, keys) == [Tier.HBM] * 4
-        assert loop.hold_outcomes["retaken"] == 1 and loop.retaken_pages > 0
-        assert loop.retaken_waste_pages == (loop.retaken_pages if paid else 0)
+        assert loop.holds.outcomes["retaken"] == 1 and loop.holds.retaken_pages > 0
+        assert loop.holds.retaken_waste_pages == (loop.holds.retaken_pages if paid else 0)
         _, final = await _session_run(loop, engine, "s-late", late + (7, 8))
         assert final.usage.promoted_tokens == 0 and final.usage.cached_tokens == 4 * PAGE_SIZE
-        assert "s-late" not in loop._lapsed
+        assert not loop.holds.is_lapsed("s-late")
         assert (await loop.check_integrity()).is_ok
     finally:
         await loop.close()
@@ -1144,30 +1137,31 @@ async def test_a_yielded_hold_is_retaken_once_room_comes_back(tmp_path, monkeypa
 @pytest.mark.asyncio
 async def test_a_prefetch_never_takes_its_room_from_its_own_sessions_hold(tmp_path, monkeypatch):
     """A top-up for a held session short of room, whose prediction ranks a hair before the one
-    the session is held by (worker/engine_loop.py ``_make_room``, ``sparing``): the session's
+    the session is held by (worker/room.py ``Room.make``, ``sparing``): the session's
     own hold is not a weaker hold to yield; its pages would go down to make room for the same
     session's pages. In the agent run every top-up of such a session released its hold and
     took it again. A prefetch for any other session of that rank takes the room from it."""
-    import kvtier.worker.engine_loop as engine_loop
 
-    monkeypatch.setattr(engine_loop, "MAX_HELD_FRACTION", 1.0)
+    monkeypatch.setattr(holds_module, "MAX_HELD_FRACTION", 1.0)
     engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0)
     try:
         await _yield_the_later_hold(loop, engine, late_hold_s=30.0, paid=True)
-        await loop._call(lambda: engine.tiers.demote_all(Tier.DRAM))  # only holds are left in HBM
-        hold_id = engine_loop._hold_id("s-late")
-        # The room is back, so s-late's hold is retaken (``_retake``).
-        await wait_for(lambda: hold_id in loop._pins, what="the retake")
-        pin = loop._pins[hold_id]
-        rank = pin.hold_rank() - 1.0
+        await loop.call(lambda: engine.tiers.demote_all(Tier.DRAM))  # only holds are left in HBM
+        hold_id = "s-late"
+        # The room is back, so s-late's hold is retaken (``Holds.retake``).
+        await wait_for(lambda: loop.holds.is_held(hold_id), what="the retake")
+        pin = loop.holds.view(hold_id)
+        rank = pin.rank_ms - 1.0
 
         def short_of_room(session: str) -> bool:
-            return loop._needs_room(loop._free_hbm(sparing=rank) + 1, rank=rank, session=session)
+            return loop.room.needs(loop.room.free_hbm(sparing=rank) + 1, rank=rank, session=session)
 
-        assert await loop._call(lambda: short_of_room("s-late")) is False  # nothing may leave for it
-        assert loop._pins[hold_id] is pin and loop.hold_outcomes["yielded"] == 1  # the request's, before
-        assert await loop._call(lambda: short_of_room("s-other")) is True
-        assert loop.hold_outcomes["yielded"] == 2  # (retaken at once: the room is there)
+        assert await loop.call(lambda: short_of_room("s-late")) is False  # nothing may leave for it
+        still = loop.holds.view(hold_id)  # the same hold, not yielded and retaken anew
+        assert (still.expires_at_ms, still.expected) == (pin.expires_at_ms, pin.expected)
+        assert loop.holds.outcomes["yielded"] == 1  # the request's, before
+        assert await loop.call(lambda: short_of_room("s-other")) is True
+        assert loop.holds.outcomes["yielded"] == 2  # (retaken at once: the room is there)
         assert (await loop.check_integrity()).is_ok
     finally:
         await loop.close()
@@ -1180,29 +1174,28 @@ async def test_a_yielded_hold_is_not_retaken_after_it_would_have_lapsed_or_once_
 ):
     """Retaking is bounded by the hold it replaces: past the hold's lapse time (the session is
     overdue: a prediction no longer), or once the session ends, the pages stay where they are."""
-    import kvtier.worker.engine_loop as engine_loop
 
-    monkeypatch.setattr(engine_loop, "MAX_HELD_FRACTION", 1.0)
+    monkeypatch.setattr(holds_module, "MAX_HELD_FRACTION", 1.0)
     engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0)
     digest = namespace_digest(engine.namespace)
     try:
         _, late = await _yield_the_later_hold(loop, engine, late_hold_s=0.5)
-        assert "s-late" in loop._lapsed
+        assert loop.holds.is_lapsed("s-late")
         await asyncio.sleep(0.6)  # s-late's hold would have lapsed by now
         await loop.demote(digest, (), "s-big", Tier.DRAM)
-        await wait_for(lambda: "s-late" not in loop._lapsed, what="the lapsed hold forgotten")
-        assert loop.hold_outcomes["retaken"] == 0 and loop.retaken_pages == 0
+        await wait_for(lambda: not loop.holds.is_lapsed("s-late"), what="the lapsed hold forgotten")
+        assert loop.holds.outcomes["retaken"] == 0 and loop.holds.retaken_pages == 0
         assert Tier.DRAM in _tiers_in(engine, _keys(engine, late[:-1]))
         assert engine.pool.num_free >= 8  # there was room: the lapse kept it out
 
         # Yielded again, then the session ends before room comes back: forgotten with it.
         await loop.prefetch(digest, (), "s-late", hold_s=30.0, due_s=4.0)
-        assert engine_loop._hold_id("s-late") in loop._pins
+        assert loop.holds.is_held("s-late")
         await _session_turn(loop, engine, "s-big", tuple((41 + 3 * i) % 256 for i in range(
             (engine.pool.num_free + 1) * PAGE_SIZE)))
-        assert "s-late" in loop._lapsed
+        assert loop.holds.is_lapsed("s-late")
         await loop.drop_session(digest, "s-late")
-        assert "s-late" not in loop._lapsed
+        assert not loop.holds.is_lapsed("s-late")
         assert (await loop.check_integrity()).is_ok
     finally:
         await loop.close()
@@ -1214,24 +1207,23 @@ async def test_a_drain_releases_the_session_holds_and_refuses_prefetches_until_i
     """A draining worker's sessions come back elsewhere (Route skips it): their holds would only
     keep pinned pages the drain's drops must leave, so starting a drain releases them and
     forgets the lapsed ones, and a prefetch is refused until the drain ends."""
-    import kvtier.worker.engine_loop as engine_loop
     from kvtier.domain.errors import FailedPrecondition
 
     engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=200.0)
     digest = namespace_digest(engine.namespace)
     try:
         _, late = await _yield_the_later_hold(loop, engine, late_hold_s=30.0, paid=True)
-        assert engine_loop._hold_id("s-soon") in loop._pins and "s-late" in loop._lapsed
+        assert loop.holds.is_held("s-soon") and loop.holds.is_lapsed("s-late")
         assert engine.pool.counts().pinned > 0
         assert await loop.set_draining(True) == 1
-        assert not any(pin_id.startswith(HOLD_PREFIX) for pin_id in loop._pins) and not loop._lapsed
+        assert not loop.holds.snapshot().held and not loop.holds.snapshot().lapsed
         assert engine.pool.counts().pinned == 0  # nothing keeps a page from the drain's drops
         with pytest.raises(FailedPrecondition, match="draining"):
             await loop.prefetch(digest, (), "s-late", hold_s=30.0, due_s=1.0)
         assert Tier.DRAM in _tiers_in(engine, _keys(engine, late[:-1]))  # the refused prefetch moved nothing
         assert await loop.set_draining(False) == 0
         assert (await loop.prefetch(digest, (), "s-late", hold_s=30.0, due_s=1.0)).num_moved > 0
-        assert engine_loop._hold_id("s-late") in loop._pins
+        assert loop.holds.is_held("s-late")
         assert (await loop.check_integrity()).is_ok
     finally:
         await loop.close()
@@ -1243,12 +1235,11 @@ async def test_a_park_waits_for_the_session_pages_a_demotion_was_taking_down_and
     tmp_path, monkeypatch
 ):
     """A session's turn finishes, the watermark demotion takes its deepest idle page in the next
-    step, and its Pause's Demote comes while that page is on its way down. Not waiting (as
-    before), the page is skipped (moving) and so is every page above it (a page leaves HBM only
+    step, and its Pause's Demote comes while that page is on its way down. Not waiting, the
+    page is skipped (moving) and so is every page above it (a page leaves HBM only
     after its children): the park moves nothing, and the controller keeps the session in HBM
-    for its whole pause, holding it. The Demote now waits for the page to land, counts it, and
+    for its whole pause, holding it. The Demote waits for the page to land, counts it, and
     takes the rest of the chain down."""
-    import kvtier.worker.engine_loop as engine_loop
     from kvtier.tiers.transfer import TransferReason
 
     engine, loop, _ = _loop_on_a_slow_link(tmp_path, pages_per_s=20.0)  # a page takes 50 ms down
@@ -1257,14 +1248,14 @@ async def test_a_park_waits_for_the_session_pages_a_demotion_was_taking_down_and
     async def park_while_the_leaf_leaves(session: str, prompt: tuple[int, ...]):
         first, _ = await _session_run(loop, engine, session, prompt)
         keys = _keys(engine, (*prompt, first[0]))[:4]
-        assert await loop._call(lambda: engine.tiers.demote(Tier.HBM, Tier.DRAM, 1, TransferReason.WATERMARK)) == 1
+        assert await loop.call(lambda: engine.tiers.demote(Tier.HBM, Tier.DRAM, 1, TransferReason.WATERMARK)) == 1
         assert [engine.index.get(k).moving for k in keys] == [False, False, False, True]  # the leaf first
         outcome = await loop.demote(digest, (), session, Tier.DRAM)
-        await loop._call(engine.tiers.wait_idle)
+        await loop.call(engine.tiers.wait_idle)
         return outcome, _tiers_in(engine, keys)
 
     try:
-        monkeypatch.setattr(engine_loop, "MAX_DEMOTE_WAIT_S", 0.0)  # as before: no wait
+        monkeypatch.setattr(commands_module, "MAX_DEMOTE_WAIT_S", 0.0)  # no wait
         outcome, tiers = await park_while_the_leaf_leaves("s-before", tuple(range(40, 40 + 4 * PAGE_SIZE + 2)))
         assert (outcome.num_moved, outcome.num_skipped) == (0, 4)
         assert tiers == [Tier.HBM] * 3 + [Tier.DRAM]
@@ -1294,19 +1285,19 @@ async def test_a_hold_recalls_the_session_pages_a_demotion_was_taking_down(tmp_p
         prompt = tuple(range(40, 40 + 4 * PAGE_SIZE + 2))
         first, _ = await _session_run(loop, engine, "s-recall", prompt)
         keys = _keys(engine, (*prompt, first[0]))[:4]
-        leaving = await loop._call(lambda: engine.tiers.demote(Tier.HBM, Tier.DRAM, 4, TransferReason.WATERMARK))
+        leaving = await loop.call(lambda: engine.tiers.demote(Tier.HBM, Tier.DRAM, 4, TransferReason.WATERMARK))
         assert leaving == 4 and all(engine.index.get(k).moving for k in keys)
         digest = namespace_digest(engine.namespace)
         outcome = await loop.prefetch(digest, (), "s-recall", hold_s=30.0, due_s=1.0)
         assert (outcome.num_moved, outcome.num_skipped) == (0, 0)
-        await loop._call(engine.tiers.wait_idle)  # the demotion lands
+        await loop.call(engine.tiers.wait_idle)  # the demotion lands
         assert _tiers_in(engine, keys) == [Tier.HBM] * 4
         assert engine.tiers.counters.demotions_abandoned == 4
         _, final = await _session_run(loop, engine, "s-recall", (*prompt, first[0], 5, 6))
         assert final.usage.promoted_tokens == 0 and final.usage.cached_tokens >= 4 * PAGE_SIZE
         moved = engine.tiers.counters.bytes_moved.get((Tier.HBM, Tier.DRAM), 0)
         without_copy = engine.tiers.counters.demotions_without_copy
-        assert await loop._call(lambda: engine.tiers.demote_all(Tier.DRAM)) >= 4
+        assert await loop.call(lambda: engine.tiers.demote_all(Tier.DRAM)) >= 4
         assert engine.tiers.counters.demotions_without_copy - without_copy >= 4  # onto the recalled copies
         assert _tiers_in(engine, keys) == [Tier.DRAM] * 4
         assert engine.tiers.counters.bytes_moved.get((Tier.HBM, Tier.DRAM), 0) - moved < 4 * engine.geometry.page_bytes

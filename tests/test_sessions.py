@@ -40,7 +40,6 @@ from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
 from kvtier.policy.lateness import equal_hazard_aims
 from kvtier.tiers.manager import TierConfig
-from kvtier.worker.engine_loop import HOLD_PREFIX
 from kvtier.worker.servicer import serve_worker
 
 from hf_checkpoints import build_checkpoint, hf_logits, load_hf
@@ -113,7 +112,7 @@ async def test_paused_session_is_parked_and_back_before_its_next_turn(worker, ch
         # Held until the prediction's high quantile, ranked by when the session is expected back
         # (the caller's 500 ms), since when it is away and the prediction's spread (a cold
         # caller estimate: the predictor's default sigma): the Prefetch carried them all.
-        hold = worker.loop._pins[HOLD_PREFIX + "s-park"]
+        hold = worker.loop.holds.view("s-park")
         assert abs(hold.expected.due_at_ms - (paused_at_ms + 500)) < 250
         assert abs(hold.expected.away_since_ms - paused_at_ms) < 250
         assert hold.expected.spread == pytest.approx(controller.orchestrator.predictor.params.default_sigma)
@@ -198,12 +197,12 @@ async def test_end_keeps_the_pages_as_ordinary_cache_entries(worker, flushed_red
         keys = history_keys(worker, history)
         await client.pause("s-keep", tool="slow", expected_ms=60_000)
         await client.returning("s-keep")
-        assert HOLD_PREFIX + "s-keep" in worker.loop._pins
+        assert worker.loop.holds.is_held("s-keep")
         info = await client.end("s-keep")
         assert info.state is SessionState.ENDED
         assert not controller.orchestrator.timers.is_scheduled("s-keep")
         assert tiers_of(worker, keys) == [Tier.HBM] * len(keys)
-        assert HOLD_PREFIX + "s-keep" not in worker.loop._pins
+        assert not worker.loop.holds.is_held("s-keep")
         assert all(worker.engine.index.is_evictable(worker.engine.index.get(k)) for k in keys[-1:])
         # The same history again, without a session: every full page is a prefix hit.
         _, final = await client.complete(namespace, history + [9], GREEDY)

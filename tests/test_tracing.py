@@ -121,7 +121,7 @@ async def test_a_generation_has_phase_spans_under_generate_with_the_final_run_id
     spans.clear()
     first_tokens, first = await complete(worker, PROMPT)
     # Demote the cached pages, then hit them: the second request promotes from DRAM.
-    await worker.loop._call(lambda: worker.engine.tiers.demote_all(Tier.DRAM))
+    await worker.loop.call(lambda: worker.engine.tiers.demote_all(Tier.DRAM))
     tokens, final = await complete(worker, PROMPT[:12] + [3, 4])
     assert final.usage.promoted_tokens == 12 and first.run_id != final.run_id
 

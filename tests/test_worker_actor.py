@@ -99,7 +99,7 @@ async def test_phases_in_order_then_serve(tmp_path: Path, restore_logging):
     address = actor.serve()
     try:
         assert actor.phase() == "serve" and actor.address() == address
-        assert actor._server.loop.hold_cap_pages == 0.5 * pools["num_pages"]  # the configured share
+        assert actor._server.loop.holds.cap_pages == 0.5 * pools["num_pages"]  # the configured share
         actor.check_health()
         namespace = actor.namespace()
         with Client() as client:

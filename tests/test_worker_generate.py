@@ -211,9 +211,9 @@ def slow_down(monkeypatch, engine, step_s):
     cancellations and deadlines reliably fall mid-stream."""
     step = engine.step
 
-    def slow_step():
+    def slow_step(**kwargs):
         time.sleep(step_s)
-        return step()
+        return step(**kwargs)
 
     monkeypatch.setattr(engine, "step", slow_step)
 
@@ -375,12 +375,12 @@ async def test_an_engine_bug_fails_streams_and_marks_the_worker_not_serving(chec
     step = engine.step
     num_steps = 0
 
-    def failing_step():
+    def failing_step(**kwargs):
         nonlocal num_steps
         num_steps += 1
         if num_steps == 3:
             raise RuntimeError("kernel fault")
-        return step()
+        return step(**kwargs)
 
     engine.step = failing_step
     try:

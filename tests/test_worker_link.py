@@ -294,10 +294,10 @@ async def test_a_large_demotion_is_acknowledged_once_applied_while_decode_keeps_
         tickets.append(start_demotion(nodes, dst))
         return tickets[-1]
 
-    def counting_step():  # engine thread: a decode step while the park's transfer runs
+    def counting_step(**kwargs):  # engine thread: a decode step while the park's transfer runs
         if tickets and not tickets[0].is_done:
             steps_in_flight.append(len(tickets[0].transfer_ids))
-        return step()
+        return step(**kwargs)
 
     engine.tiers.start_demotion, engine.step = counting_start, counting_step
     server, peer, port = await start_peer()

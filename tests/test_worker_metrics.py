@@ -22,9 +22,11 @@ from kvtier.client import AsyncClient
 from kvtier.domain.hashing import namespace_digest
 from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
+from kvtier.policy.holds import ExpectedReturn
 from kvtier.runtime.telemetry import Telemetry
 from kvtier.tiers.manager import TierConfig
-from kvtier.worker.engine_loop import ExpectedReturn
+from kvtier.worker import holds as holds_module
+from kvtier.worker.holds import hold_id
 from kvtier.worker.metrics import GpuMetrics
 from kvtier.worker.servicer import serve_worker
 
@@ -94,7 +96,7 @@ async def test_metrics_exist_with_units_and_move_after_requests(served):
         await client.complete(ns, prompt, params, worker=server.address)
         before = scrape(telemetry.port)
         # Demote the cached pages, then reuse them: a prefix hit served from DRAM.
-        await server.loop._call(lambda: engine.tiers.demote_all(Tier.DRAM))
+        await server.loop.call(lambda: engine.tiers.demote_all(Tier.DRAM))
         _, final = await client.complete(ns, prompt[:24] + [1, 2], params, worker=server.address)
     after = scrape(telemetry.port)
     for family in FAMILIES:
@@ -130,7 +132,7 @@ async def test_resume_ttft_counts_a_sessions_next_turns_by_whether_they_promoted
         out, final = await client.complete(ns, history, params, worker=server.address, session_id="s-resume")
         assert final.usage.promoted_tokens == 0
         mid = scrape(telemetry.port)
-        await server.loop._call(lambda: engine.tiers.demote_all(Tier.DRAM))
+        await server.loop.call(lambda: engine.tiers.demote_all(Tier.DRAM))
         history += out + [42]
         _, final = await client.complete(ns, history, params, worker=server.address, session_id="s-resume")
         assert final.usage.promoted_tokens > 0
@@ -147,7 +149,6 @@ async def test_session_holds_are_counted_by_outcome(served, monkeypatch):
     """Holds of prefetched sessions: taken, displaced by one due back sooner, refused at the cap,
     yielded when room is needed now, retaken when the room is back; the scrape counts each by
     outcome."""
-    import kvtier.worker.engine_loop as engine_loop
 
     server, engine, telemetry = served
     ns = engine.namespace
@@ -158,31 +159,31 @@ async def test_session_holds_are_counted_by_outcome(served, monkeypatch):
             await client.complete(ns, [(step * i + 5) % 256 for i in range(17)], params,
                                   worker=server.address, session_id=session)
     loop = server.loop
-    monkeypatch.setattr(engine_loop, "MAX_HELD_FRACTION", 6 / engine.pool.num_pages)  # one session's pages
+    monkeypatch.setattr(holds_module, "MAX_HELD_FRACTION", 6 / engine.pool.num_pages)  # one session's pages
     before = scrape(telemetry.port)
     await loop.prefetch(digest, (), "s-late", hold_s=30.0, due_s=20.0)  # taken
     # Its chain (the shared-nothing prompt's pages) is what holds keep now, against the cap.
-    held = await loop._call(lambda: len(loop._held_keys()))
+    held = await loop.call(loop.holds.count_held_pages)
     assert held >= 4
     await wait_for(lambda: value(scrape(telemetry.port), "kvtier_session_hold_pages", kind="held") == held,
                    what="the held pages published")
     assert value(scrape(telemetry.port), "kvtier_session_hold_pages", kind="cap") == 6
     await loop.prefetch(digest, (), "s-soon", hold_s=30.0, due_s=1.0)  # taken: s-late displaced
     await loop.prefetch(digest, (), "s-late", hold_s=30.0, due_s=20.0)  # refused: s-soon is due first
-    assert await loop._call(loop._yield_hold)  # room needed now: s-soon yields
+    assert await loop.call(loop.holds.yield_weakest)  # room needed now: s-soon yields
     # HBM has room to spare here, so s-soon's hold is retaken at once (``_retake``).
-    await wait_for(lambda: engine_loop._hold_id("s-soon") in loop._pins, what="the yielded hold retaken")
+    await wait_for(lambda: loop.holds.is_held("s-soon"), what="the yielded hold retaken")
     after = scrape(telemetry.port)
 
     def delta(outcome: str) -> float:
         family = "kvtier_session_holds_total"
         return value(after, family, outcome=outcome) - value(before, family, outcome=outcome)
 
-    assert {o: delta(o) for o in engine_loop.HOLD_OUTCOMES} == {
+    assert {o: delta(o) for o in holds_module.HOLD_OUTCOMES} == {
         "taken": 3, "unheld": 0, "refused": 1, "displaced": 1, "yielded": 1, "retaken": 1}
     for session in ("s-soon", "s-late"):  # nothing held or waiting to be retaken is left behind
         await loop.drop_session(digest, session)
-    assert not [p for p in loop._pins if p.startswith(engine_loop.HOLD_PREFIX)] and not loop._lapsed
+    assert not loop.holds.snapshot().held and not loop.holds.snapshot().lapsed
 
 
 @in_module_loop
@@ -192,7 +193,6 @@ async def test_demotions_a_hold_recalled_and_those_onto_a_kept_copy_are_counted(
     the session is parked after all its pages go down onto those copies without a byte moved."""
     import asyncio
 
-    import kvtier.worker.engine_loop as engine_loop
     from kvtier.domain.hashing import page_keys
 
     server, engine, telemetry = served
@@ -210,18 +210,18 @@ async def test_demotions_a_hold_recalled_and_those_onto_a_kept_copy_are_counted(
 
     def demote_then_hold() -> None:  # one engine-thread turn: the copy cannot land in between
         assert engine.tiers.start_demotion(chain, Tier.DRAM).num_open > 0
-        loop._prefetch(digest, (), "s-recall", 30.0, held, expected=ExpectedReturn(time.time() * 1000.0 + 1000.0))
+        loop.commands.prefetch(digest, (), "s-recall", 30.0, held, expected=ExpectedReturn(time.time() * 1000.0 + 1000.0))
 
-    await loop._call(demote_then_hold)
+    await loop.call(demote_then_hold)
     await held
-    await loop._call(engine.tiers.wait_idle)
+    await loop.call(engine.tiers.wait_idle)
     assert [n.tier for n in chain] == [Tier.HBM] * 4
     mid = scrape(telemetry.port)
     assert value(mid, "kvtier_demotions_abandoned_total", reason="kept") - value(
         before, "kvtier_demotions_abandoned_total", reason="kept") == 4
     assert value(mid, "kvtier_demotions_abandoned_total", reason="reused") == value(
         before, "kvtier_demotions_abandoned_total", reason="reused")
-    await loop._call(lambda: loop._release_pin(engine_loop._hold_id("s-recall")))  # the session is back
+    await loop.unpin(hold_id("s-recall"))  # the session is back
     await loop.demote(digest, (), "s-recall", Tier.DRAM)  # and pauses again: onto the kept copies
     assert [n.tier for n in chain] == [Tier.DRAM] * 4
     after = scrape(telemetry.port)
@@ -274,7 +274,7 @@ async def test_quota_and_ttl_counters_are_exported_by_tenant_and_move(limited):
         await client.complete(acme, prompt, params, worker=server.address)
         await client.complete(globex, prompt, params, worker=server.address)
     # Over its HBM quota, acme's deepest pages went down to DRAM (the engine thread, after the step).
-    await server.loop._call(engine.enforce_limits)
+    await server.loop.call(engine.enforce_limits)
     await server.loop.stats()  # the load the scrape reads is published after each iteration
     after = scrape(telemetry.port)
     assert value(after, "kvtier_quota_pages_demoted_total") == 2
@@ -286,7 +286,7 @@ async def test_quota_and_ttl_counters_are_exported_by_tenant_and_move(limited):
     assert "globex" not in after  # not configured and not over a quota: no series of its own
 
     clock_offset_s[0] = 120.0  # globex's pages are now past their 60 s TTL
-    assert await server.loop._call(engine.enforce_limits) == 4
+    assert await server.loop.call(engine.enforce_limits) == 4
     expired = scrape(telemetry.port)
     assert value(expired, "kvtier_ttl_expired_pages_total") == 4
     assert "# HELP kvtier_ttl_expired_pages_total cached pages dropped because their namespace's TTL" in expired
@@ -395,7 +395,7 @@ async def test_pages_brought_up_for_a_session_and_those_its_turn_did_not_find_in
     loop = server.loop
     async with AsyncClient() as client:
         tokens, _ = await client.complete(ns, prompt, params, worker=server.address, session_id="s-wasted")
-        await loop._call(lambda: engine.tiers.demote_all(Tier.DRAM))
+        await loop.call(lambda: engine.tiers.demote_all(Tier.DRAM))
         moved = (await loop.prefetch(digest, (), "s-wasted")).num_moved
         assert moved >= 4
         await loop.demote(digest, (), "s-wasted", Tier.DRAM)

@@ -59,7 +59,7 @@ log = get_logger("kvtier.worker.actor")
 
 T = TypeVar("T")
 
-DEFAULT_HEARTBEAT_INTERVAL_S = 1.0  # until WorkerConfig has heartbeat_interval_s
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0  # WorkerConfig has no setting for it
 TINY_MODEL_DIR = "models/tiny"
 _KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _PHASES = ("init_device", "load_model", "allocate_pools", "serve")

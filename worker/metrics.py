@@ -203,16 +203,16 @@ class WorkerMetrics:
         yield Observation(self.engine.scheduler.num_preemptions, self.attrs)
 
     def _session_holds(self, _: CallbackOptions) -> Iterable[Observation]:
-        for outcome, n in list(self.loop.hold_outcomes.items()):
+        for outcome, n in list(self.loop.holds.outcomes.items()):
             yield Observation(n, {**self.attrs, "outcome": outcome})
 
     def _session_hold_pages(self, _: CallbackOptions) -> Iterable[Observation]:
-        yield Observation(self.loop.num_held_pages, {**self.attrs, "kind": "held"})
-        yield Observation(round(self.loop.hold_cap_pages), {**self.attrs, "kind": "cap"})
+        yield Observation(self.loop.holds.num_held_pages, {**self.attrs, "kind": "held"})
+        yield Observation(round(self.loop.holds.cap_pages), {**self.attrs, "kind": "cap"})
 
     def _session_prefetch_pages(self, _: CallbackOptions) -> Iterable[Observation]:
-        yield Observation(self.loop.session_prefetched_pages, {**self.attrs, "kind": "moved"})
-        yield Observation(self.loop.session_prefetch_wasted_pages, {**self.attrs, "kind": "wasted"})
+        yield Observation(self.loop.holds.session_prefetched_pages, {**self.attrs, "kind": "moved"})
+        yield Observation(self.loop.holds.session_prefetch_wasted_pages, {**self.attrs, "kind": "wasted"})
 
     def _bytes_moved(self, _: CallbackOptions) -> Iterable[Observation]:
         tiers = self.engine.tiers

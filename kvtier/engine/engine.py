@@ -17,6 +17,7 @@ import itertools
 import json
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,17 +26,17 @@ import torch
 from kvtier.cache.eviction import DEFAULT_POLICY, CostModel, make_engine_policy
 from kvtier.cache.page_pool import PagePool, PoolGeometry
 from kvtier.cache.quotas import QuotaTable, QuotaTracker
-from kvtier.cache.radix import EvictionPolicy, RadixIndex
+from kvtier.cache.radix import EvictionPolicy, RadixIndex, RadixNode
 from kvtier.cache.ttls import TtlSweeper, TtlTable
 from kvtier.domain.errors import IntegrityError, InvalidArgument, NotFound, ResourceExhausted
-from kvtier.domain.hashing import NamespaceDigest, NamespaceIdentity, namespace_digest
+from kvtier.domain.hashing import NamespaceDigest, NamespaceIdentity, PageKey, namespace_digest
 from kvtier.domain.params import FinishReason, SamplingParams
 from kvtier.domain.tiers import Tier
 from kvtier.engine.attention.registry import get_backend
 from kvtier.engine.model import LlamaModel, load_model
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampler import make_generator, sample
-from kvtier.engine.scheduler import Scheduler, SchedulerConfig
+from kvtier.engine.scheduler import ReleasePin, Scheduler, SchedulerConfig
 from kvtier.engine.sequence import Sequence, SequenceStatus
 from kvtier.tiers.manager import TierConfig, TierManager
 
@@ -304,6 +305,39 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ---- what a caller driving the engine may read ------------------------------------
+    @property
+    def num_queued(self) -> int:
+        """Requests added and not yet admitted (or preempted back into the queue)."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def request_ids(self) -> set[str]:
+        """Requests the scheduler holds, queued or running."""
+        return {seq.request_id for seq in (*self.scheduler.waiting, *self.scheduler.running)}
+
+    def busy_namespaces(self) -> set[NamespaceDigest]:
+        """Namespaces of the requests the scheduler holds, queued or running."""
+        return {seq.namespace for seq in (*self.scheduler.waiting, *self.scheduler.running)}
+
+    def queued_demand(self) -> list[tuple[list[PageKey], int]]:
+        """For each queued request: its full pages' keys, and the pages its admission
+        allocates (its tokens and the first one it generates)."""
+        return [(seq.full_page_keys(), seq.pages_for(seq.num_tokens + 1)) for seq in self.scheduler.waiting]
+
+    def cached_chain(self, keys: Iterable[PageKey]) -> list[RadixNode]:
+        """Cached nodes of the longest cached prefix of ``keys`` (root first)."""
+        chain: list[RadixNode] = []
+        for key in keys:
+            node = self.index.get(key)
+            if node is None:
+                break
+            chain.append(node)
+        return chain
+
     def get(self, request_id: str) -> Sequence:
         seq = self._seqs.get(request_id)
         if seq is None:
@@ -334,12 +368,15 @@ class Engine:
         )
 
     # ---- stepping -------------------------------------------------------------------
-    def step(self) -> list[StepOutput]:
+    def step(self, *, release_pin: ReleasePin | None = None) -> list[StepOutput]:
+        """One batch: prefills admitted now, or one decode token per running sequence.
+        ``release_pin`` lets a pin that may yield go (True) before a sequence is preempted or an
+        admission waits (a worker's session holds: ``Scheduler.schedule``)."""
         self.index.expire_pins()
         if self.tiers is not None:
             self.tiers.maintain()
         self.enforce_limits()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(release_pin)
         if batch is None:
             return []
         outputs: list[StepOutput] = []

@@ -28,6 +28,9 @@ from kvtier.domain.tiers import Tier
 from kvtier.engine.sequence import Sequence, SequenceStatus
 from kvtier.tiers.manager import TierManager
 
+# Releases one pin that may yield under pressure; False when none may.
+ReleasePin = Callable[[], bool]
+
 
 @dataclass(slots=True)
 class SchedulerConfig:
@@ -64,9 +67,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_admission_waits = 0  # requests that found no room when first considered
-        # Pins that yield under pressure (a worker's session holds): with no page free or
-        # evictable, ``release_pin`` lets one go (True) before a sequence is preempted.
-        self.release_pin: Callable[[], bool] | None = None
 
     @property
     def page_size(self) -> int:
@@ -109,15 +109,18 @@ class Scheduler:
             return self.tiers.free_hbm_page()
         return self.index.evict(1) == 1
 
-    def _allocate(self, seq: Sequence, num_pending: int, *, wait_leaving: bool = False) -> PageId | None:
+    def _allocate(
+        self, seq: Sequence, num_pending: int, release_pin: ReleasePin | None, *, wait_leaving: bool = False
+    ) -> PageId | None:
         """A page for ``seq``, which will cache ``num_pending`` new pages (this one included):
-        with the pool full, a tenant that would pass its quota gives up its own pages first.
+        with the pool full, a tenant that would pass its quota gives up its own pages first,
+        then ``release_pin`` lets pins go one by one.
         ``wait_leaving`` (a running sequence's next page): when every idle page is on its way
         down, wait for those copies to land rather than preempt."""
         page = self.pool.allocate()
         if page is None and self._free_page(seq, num_pending):
             page = self.pool.allocate()
-        while page is None and self.release_pin is not None and self.release_pin():
+        while page is None and release_pin is not None and release_pin():
             if self._free_page(seq, num_pending):
                 page = self.pool.allocate()
         if page is None and wait_leaving and self.tiers is not None and self.tiers.num_leaving(Tier.HBM) > 0:
@@ -129,7 +132,7 @@ class Scheduler:
                 page = self.pool.allocate()
         return page
 
-    def _try_admit(self, seq: Sequence) -> bool:
+    def _try_admit(self, seq: Sequence, release_pin: ReleasePin | None) -> bool:
         ps = self.page_size
         keys = seq.full_page_keys()
         match = self.index.match(keys, seq.tokens, count_hit=False)
@@ -183,7 +186,7 @@ class Scheduler:
             else:
                 pages[-1] = private
         while ok and len(pages) < total_pages:
-            page = self._allocate(seq, num_new)
+            page = self._allocate(seq, num_new, release_pin)
             if page is None:
                 ok = False
             else:
@@ -203,14 +206,18 @@ class Scheduler:
         return True
 
     # ---- scheduling -----------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch | None:
+    def schedule(self, release_pin: ReleasePin | None = None) -> ScheduledBatch | None:
+        """The next batch: newly admitted prefills when any fit, otherwise one decode token for
+        every running sequence. ``release_pin``: pins that yield under pressure (a worker's
+        session holds): with no page free or evictable, it lets one go (True) before a
+        sequence is preempted or an admission waits."""
         admitted: list[Sequence] = []
         budget = self.config.max_num_batched_tokens
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if admitted and seq.num_tokens > budget:
                 break
-            if not self._try_admit(seq):
+            if not self._try_admit(seq, release_pin):
                 if not seq.has_waited:
                     seq.has_waited = True
                     self.num_admission_waits += 1
@@ -223,13 +230,13 @@ class Scheduler:
             return ScheduledBatch(seqs=admitted, is_prefill=True)
         if not self.running:
             return None
-        return self._schedule_decode()
+        return self._schedule_decode(release_pin)
 
     def _victim_order(self) -> list[Sequence]:
         # Highest priority first; among equals, oldest first. Victims come from the end.
         return sorted(self.running, key=lambda s: (-s.priority, s.arrival))
 
-    def _schedule_decode(self) -> ScheduledBatch:
+    def _schedule_decode(self, release_pin: ReleasePin | None) -> ScheduledBatch:
         order = self._victim_order()
         batch: list[Sequence] = []
         preempted: list[Sequence] = []
@@ -243,12 +250,12 @@ class Scheduler:
                 capped.append(seq)
                 continue
             num_pending = len(seq.pages) + 1 - seq.num_registered
-            page = self._allocate(seq, num_pending, wait_leaving=True)
+            page = self._allocate(seq, num_pending, release_pin, wait_leaving=True)
             while page is None and order:
                 victim = order.pop()
                 self.preempt(victim)
                 preempted.append(victim)
-                page = self._allocate(seq, num_pending)
+                page = self._allocate(seq, num_pending, release_pin)
             if page is None:
                 # Nothing left to preempt but the sequence itself.
                 self.preempt(seq)
