@@ -141,7 +141,8 @@ class PagePool:
 
     def free_mask(self, pages: np.ndarray) -> np.ndarray:
         """Whether each of ``pages`` (an int array of valid ids) is free, in one gather."""
-        return self._is_free_view[pages]
+        mask: np.ndarray = self._is_free_view[pages]
+        return mask
 
     def is_shared(self, page: PageId) -> bool:
         """Another holder (a sequence or the index) could observe a write to this page."""

@@ -244,7 +244,7 @@ class QuotaTracker:
             if tenant is not None or digest is None:
                 self._tenant_of[digest] = tenant
             self._digests_of.setdefault(tenant, set()).add(digest)
-        return tenant  # type: ignore[return-value]
+        return tenant
 
     def forget(self, digest: NamespaceDigest) -> None:
         """Drop what is kept for ``digest``, a namespace the engine forgot (invalidated, its

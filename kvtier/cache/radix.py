@@ -296,7 +296,7 @@ class RadixIndex:
             raise IntegrityError(f"page {short(node.key)} cannot move below a child's tier")
         old = node.tier
         self._leave_location(node)
-        node.tier, node.page, node.checksum = tier, page, checksum
+        node.tier, node.page, node.checksum = tier, PageId(page), checksum
         if tier is Tier.HBM:
             self.pool.mark_cached(PageId(page))
             self._by_page[PageId(page)] = node

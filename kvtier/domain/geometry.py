@@ -152,7 +152,7 @@ class _ConfigReader:
                 raise InvalidArgument(
                     f"{self.source} field '{name}' must be {kind}, got {value!r}", field=name
                 )
-            return value
+            return int(value)
         if default is not None:
             return default
         aliases = "".join(f" (or '{n}')" for n in names[1:])

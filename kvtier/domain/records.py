@@ -159,7 +159,7 @@ class InvalidationScope:
         return _without_epoch(identity) == _without_epoch(self.namespace)
 
 
-def _without_epoch(identity: NamespaceIdentity) -> tuple:
+def _without_epoch(identity: NamespaceIdentity) -> tuple[object, ...]:
     return (
         identity.model_id,
         identity.weights_digest,

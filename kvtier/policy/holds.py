@@ -145,7 +145,7 @@ def weakest_hold(ranks: Mapping[K, float], *, weaker_than_ms: float | None = Non
                   if k != sparing and (weaker_than_ms is None or rank > weaker_than_ms)]
     if not candidates:
         return None
-    return max(candidates)[1]  # type: ignore[type-var]  # ties: the greatest id, so the choice is stable
+    return max(candidates)[1]  # ties: the greatest id, so the choice is stable
 
 
 def is_due_soon(ranks: Iterable[float], before_ms: float) -> bool:

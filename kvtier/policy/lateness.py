@@ -87,7 +87,7 @@ class _Curve:
             return self.grid[-1]
         lo, hi = self.max_hazard[i - 1], self.max_hazard[i]
         frac = (math.log(hazard) - math.log(lo)) / (math.log(hi) - math.log(lo)) if hi > lo else 0.0
-        return self.grid[i - 1] * (self.grid[i] / self.grid[i - 1]) ** frac
+        return float(self.grid[i - 1] * (self.grid[i] / self.grid[i - 1]) ** frac)
 
 
 def equal_hazard_aims(

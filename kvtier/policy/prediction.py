@@ -137,7 +137,7 @@ class ToolHistory:
         return self.total_weight / self._weight(self.num_observations - 1)
 
     def _weight(self, n: int) -> float:
-        return 2.0 ** (n / self.half_life_obs)
+        return float(2.0 ** (n / self.half_life_obs))
 
     def observe(self, duration_ms: float) -> tuple[int, float, bool]:
         """Add one duration; returns (bin, its new weight, whether every bin was rescaled)."""
@@ -189,7 +189,7 @@ class ToolHistory:
             if seen + w >= target:
                 lo, hi = bin_range_ms(b)
                 frac = (target - seen) / w if w > 0 else 0.5
-                return lo * (hi / lo) ** frac
+                return float(lo * (hi / lo) ** frac)
             seen += w
         return bin_range_ms(max(self.bins))[1]
 
