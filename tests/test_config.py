@@ -250,8 +250,8 @@ def test_link_emulation_is_off_by_default_and_validated() -> None:
     assert exc.value.field == "emulated_nvme_link_bytes_per_s"
 
 
-def test_the_session_hold_fraction_defaults_to_the_engine_loops_and_is_validated() -> None:
-    from kvtier.worker.engine_loop import MAX_HELD_FRACTION
+def test_the_session_hold_fraction_defaults_to_the_holds_and_is_validated() -> None:
+    from kvtier.worker.holds import MAX_HELD_FRACTION
 
     assert load_config(WorkerConfig, env={}).session_hold_fraction == MAX_HELD_FRACTION
     config = load_config(WorkerConfig, env={"KVTIER_SESSION_HOLD_FRACTION": "0.9"})

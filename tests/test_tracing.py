@@ -146,10 +146,14 @@ async def test_a_generation_has_phase_spans_under_generate_with_the_final_run_id
     assert warm["promote"].attributes["kvtier.dram_tokens"] == 12
     assert warm["prefill"].attributes["kvtier.computed_prompt_tokens"] == 2
 
-    # demote_all copies synchronously (no transfer job); the promotion is one job of 3 pages.
+    # Every copy is a transfer job: demote_all's synchronous moves down (HBM -> DRAM), then the
+    # promotion, one job of 3 pages.
     transfers = [s for s in spans.get_finished_spans() if s.name == "transfer"]
-    assert len(transfers) == 1
-    promotion = transfers[0]
+    ups = [s for s in transfers if s.attributes["kvtier.dst_tier"] == "hbm"]
+    assert len(ups) == 1 and len(transfers) > 1
+    assert all((s.attributes["kvtier.src_tier"], s.attributes["kvtier.dst_tier"]) == ("hbm", "dram")
+               for s in transfers if s not in ups)
+    promotion = ups[0]
     assert (promotion.attributes["kvtier.src_tier"], promotion.attributes["kvtier.dst_tier"]) == ("dram", "hbm")
     assert promotion.attributes["kvtier.reason"] == "promotion_on_hit"
     assert promotion.attributes["kvtier.num_pages"] == 3 and promotion.attributes["kvtier.status"] == "ok"

@@ -113,9 +113,9 @@ def slowed(engine: Engine, step_s: float) -> Iterator[None]:
     oracle, which runs a full forward pass per token) is still in flight when the fault strikes."""
     step = engine.step
 
-    def slow_step():
+    def slow_step(**kwargs):
         time.sleep(step_s)
-        return step()
+        return step(**kwargs)
 
     engine.step = slow_step
     try:
