@@ -69,7 +69,7 @@ class Clients:
         self._clients.clear()
 
 
-def tenant_of(key: str | None) -> str:
+def session_scope(key: str | None) -> str:
     """The session digest's tenant part: the key's hash (the stack maps keys to tenants)."""
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:32] if key else ""
 
@@ -180,7 +180,7 @@ def create_app(model: ServedModel, options: GatewayOptions) -> FastAPI:
         async def run(body: Any, key: str | None) -> Response:
             req = parse_chat(body)
             check_model(req.model)
-            call = Call(await clients.get(key), tenant_of(key), request.headers.get("x-session-id"),
+            call = Call(await clients.get(key), session_scope(key), request.headers.get("x-session-id"),
                         expected_ms(request), metrics)
             completion = ChatCompletion(model, req, call)
             if req.stream:
@@ -195,7 +195,7 @@ def create_app(model: ServedModel, options: GatewayOptions) -> FastAPI:
             req = parse_completion(body)
             check_model(req.model)
             client = await clients.get(key)
-            chunks = text_completion(model, req, client, tenant_of(key))
+            chunks = text_completion(model, req, client)
             if req.stream:
                 return await streamed(chunks, "completions")
             text, last = [], {}
@@ -225,7 +225,7 @@ def create_app(model: ServedModel, options: GatewayOptions) -> FastAPI:
 
 
 async def text_completion(
-    model: ServedModel, req: CompletionRequest, client: AsyncClient, tenant: str
+    model: ServedModel, req: CompletionRequest, client: AsyncClient
 ) -> AsyncIterator[dict[str, Any]]:
     """``/v1/completions`` chunks: the prompt as given (no chat template), text deltas, then
     one chunk with the finish reason and usage (the non-streaming handler joins them)."""
@@ -240,7 +240,7 @@ async def text_completion(
                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
 
     yield chunk("")
-    async for event in generation.run(client, model, tenant, ids, sampling, stops=req.sampling.stop):
+    async for event in generation.run(client, model, ids, sampling, stops=req.sampling.stop):
         if isinstance(event, Finished):
             final = chunk("", event.finish_reason)
             if req.include_usage or not req.stream:

@@ -46,10 +46,13 @@ EXTENSION_KEY = "kvtier"
 
 @dataclass(slots=True)
 class Call:
-    """What one request needs besides its body: its client, tenant, session and hints."""
+    """What one request needs besides its body: its client, session scope and hints.
+
+    ``session_scope`` stands for the tenant in the session digest: the hash of the request's
+    key, since keys are bound to tenants in the stack's token table."""
 
     client: AsyncClient
-    tenant: str
+    session_scope: str
     session_header: str | None
     tool_expected_ms: int | None
     metrics: GatewayMetrics
@@ -110,7 +113,7 @@ class ChatCompletion:
         self.model, self.req, self.call = model, req, call
         self.id = "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
-        self.session_id = sessions.session_id_for(call.tenant, req.messages, call.session_header)
+        self.session_id = sessions.session_id_for(call.session_scope, req.messages, call.session_header)
         self.prompt_ids = model.text.encode(chat_prompt(model, req))
         self.sampling = sampling_params(model, req.sampling, len(self.prompt_ids))
         self.is_buffered = req.tool_choice != "none" and bool(req.tools)
@@ -120,7 +123,7 @@ class ChatCompletion:
             await self._hint(self.call.client.returning(self.session_id))
         until = (lambda text: json_object_end(text.lstrip()) is not None) if self.req.is_forced else None
         stops = () if self.is_buffered else self.req.sampling.stop
-        async for event in generation.run(self.call.client, self.model, self.call.tenant, self.prompt_ids,
+        async for event in generation.run(self.call.client, self.model, self.prompt_ids,
                                           self.sampling, stops=stops, session_id=self.session_id, until=until):
             yield event
 

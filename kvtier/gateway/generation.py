@@ -43,7 +43,6 @@ _FINISH = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReaso
 async def run(
     client: AsyncClient,
     model: ServedModel,
-    tenant: str,
     prompt_ids: Sequence[int],
     sampling: SamplingParams,
     *,
@@ -51,8 +50,10 @@ async def run(
     session_id: str | None = None,
     until: Callable[[str], bool] | None = None,
 ) -> AsyncIterator[str | Finished]:
-    """Stream one generation. ``until(text_so_far)`` true ends it early with ``tool_calls``."""
-    namespace = model.namespace_for(tenant)
+    """Stream one generation. ``until(text_so_far)`` true ends it early with ``tool_calls``.
+
+    The namespace goes out with no tenant: the stack binds the tenant of the client's token."""
+    namespace = model.namespace
     decision = await client.route(namespace, prompt_ids, session_id)
     candidates = [w.address for w in decision.workers]
     if not candidates:

@@ -10,7 +10,7 @@ gateway is given, the same one the workers load.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.client import AsyncClient
@@ -28,9 +28,6 @@ class ServedModel:
     namespace: NamespaceIdentity
     text: ChatText
     context_tokens: int
-
-    def namespace_for(self, tenant: str) -> NamespaceIdentity:
-        return replace(self.namespace, tenant=tenant)
 
 
 def context_tokens(checkpoint: Path) -> int:

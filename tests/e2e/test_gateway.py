@@ -1,6 +1,7 @@
 """The gateway end to end: the official ``openai`` SDK over HTTP on loopback against
 ``kvtier.gateway`` in front of a real local stack (Valkey, Ray worker actor, controller,
-gRPC on loopback).
+gRPC on loopback), with auth on: every request's API key is a frontend token of the stack's
+token table, bound to tenant ``a`` or ``b``.
 
 The model is a small random-weight Llama with SmolLM2's real tokenizer and chat template
 (vocabulary 49152), so every text path runs on real tokens while the oracle, transformers'
@@ -24,12 +25,14 @@ from kvtier.client import AsyncClient
 from kvtier.domain.records import SessionState
 from kvtier.gateway.app import GatewayOptions, create_app
 from kvtier.gateway.model import describe_served_model
-from kvtier.local.stack import StackOptions, start_local_stack
+from kvtier.local.stack import AUTH_DIR, TOKEN_TABLE_FILE, StackOptions, start_local_stack
+from kvtier.rpc.auth import Role, TokenEntry, append_entry, hash_token
 
 from hf_checkpoints import build_checkpoint, load_hf
 from smollm2_text import save_tokenizer
 
 MODEL = "smollm2-random"
+KEY_A, KEY_B = "kvt_gateway-test-tenant-a", "kvt_gateway-test-tenant-b"
 PAGE = 16
 TOOLS = [{"type": "function", "function": {
     "name": "weather", "description": "Current weather in a city",
@@ -52,10 +55,15 @@ class Live:
         import uvicorn
 
         self.stack = await start_local_stack(StackOptions(
-            state_dir=self.state_dir, model=self.checkpoint, page_size=PAGE, max_restarts=0, lease_ttl_s=2.0))
-        self.admin = AsyncClient(self.stack.controller_address)
+            state_dir=self.state_dir, model=self.checkpoint, page_size=PAGE, max_restarts=0, lease_ttl_s=2.0,
+            auth=True))
+        table = self.state_dir.resolve() / AUTH_DIR / TOKEN_TABLE_FILE
+        for name, key, tenant in (("gw-a", KEY_A, "a"), ("gw-b", KEY_B, "b")):
+            append_entry(table, TokenEntry(name, Role.FRONTEND, frozenset({tenant}), hash_token(key)))
+        await asyncio.sleep(2.0)  # servers re-read their token table within a second of a change
+        self.admin = AsyncClient(self.stack.controller_address, token=self.stack.admin_token)
         self.model = await describe_served_model(self.admin, self.checkpoint)
-        self.app = create_app(self.model, GatewayOptions(self.stack.controller_address))
+        self.app = create_app(self.model, GatewayOptions(self.stack.controller_address, require_key=True))
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning"))
         self.serving = asyncio.ensure_future(self.server.serve())
         while not self.server.started:
@@ -89,7 +97,12 @@ def live(local_ray, checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sdk(live) -> openai.OpenAI:
-    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=live.url + "/v1", api_key=KEY_A, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def sdk_b(live) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.url + "/v1", api_key=KEY_B, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +200,8 @@ def test_completions_and_models(sdk, live, oracle):
 
 def post(live, body: bytes, path: str = "/v1/chat/completions", headers=None) -> tuple[int, dict]:
     request = urllib.request.Request(live.url + path, data=body, method="POST",
-                                     headers={"Content-Type": "application/json", **(headers or {})})
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {KEY_A}", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, json.loads(response.read())
@@ -240,3 +254,43 @@ def test_sdk_sees_typed_errors_and_the_gateway_stays_healthy(live, sdk):
         metrics = response.read().decode()
     assert 'kvtier_gateway_requests_total{endpoint="chat",status="404"}' in metrics
     assert "Oslo" not in metrics and "rivers" not in metrics
+
+
+def test_missing_or_unknown_key_is_401(live, sdk):
+    status, payload = post(live, chat(), headers={"Authorization": ""})
+    assert status == 401 and payload["error"]["code"] == "invalid_api_key"
+    stranger = openai.OpenAI(base_url=live.url + "/v1", api_key="kvt_nobody", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError):
+        stranger.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+
+def test_another_tenants_key_never_gets_a_cache_hit(sdk, sdk_b):
+    messages = [{"role": "system", "content": "Tenant isolation check: a long shared system prompt " * 4},
+                {"role": "user", "content": "Summarise it."}]
+    sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    again = sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    other = sdk_b.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_client_disconnects_mid_stream_cancel_their_generations(live, sdk):
+    for i in range(5):
+        stream = sdk.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Count to a thousand, run {i}."}],
+            max_tokens=400, temperature=0, stream=True)
+        for n, _ in enumerate(stream):
+            if n == 2:
+                break
+        stream.close()
+    worker = live.stack.workers[0].address
+
+    async def settled() -> bool:
+        for _ in range(100):
+            (info,) = await live.admin.list_workers()
+            if info.num_running_seqs == 0 and info.queue_depth == 0:
+                return (await live.admin.check_integrity(worker)).is_ok
+            await asyncio.sleep(0.1)
+        return False
+
+    assert live.run(settled())
