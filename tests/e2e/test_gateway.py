@@ -130,6 +130,24 @@ def test_greedy_chat_equals_transformers_generate(live, sdk, oracle):
     assert reply.usage.completion_tokens == 8 and reply.choices[0].finish_reason == "length"
 
 
+def test_stop_string_ends_the_output_before_it(sdk):
+    full = sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+    text = full.choices[0].message.content
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    if not stop.strip():
+        pytest.skip("the greedy output has no usable stop string in its middle")
+    for stream in (False, True):
+        reply = sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+                                            stop=[stop], stream=stream)
+        if stream:
+            chunks = list(reply)
+            got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            got, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+        assert got == text[:text.index(stop)] and finish == "stop"
+
+
 def test_streaming_matches_non_streaming_and_reports_usage(sdk):
     plain = sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
     chunks = list(sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
