@@ -228,7 +228,8 @@ async def text_completion(
     model: ServedModel, req: CompletionRequest, client: AsyncClient
 ) -> AsyncIterator[dict[str, Any]]:
     """``/v1/completions`` chunks: the prompt as given (no chat template), text deltas, then
-    one chunk with the finish reason and usage (the non-streaming handler joins them)."""
+    one chunk with the finish reason and usage (the non-streaming handler joins them). The
+    first chunk comes from the worker's first answer, so a refused request is an HTTP status."""
     ids = model.text.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
     if any(not 0 <= t < model.text.vocab_size for t in ids):
         raise ApiError(400, f"prompt token ids must be in [0, {model.text.vocab_size})", param="prompt")
@@ -239,7 +240,6 @@ async def text_completion(
         return {"id": cid, "object": "text_completion", "created": created, "model": model.name,
                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
 
-    yield chunk("")
     async for event in generation.run(client, model, ids, sampling, stops=req.sampling.stop):
         if isinstance(event, Finished):
             final = chunk("", event.finish_reason)

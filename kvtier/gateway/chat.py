@@ -181,10 +181,14 @@ class ChatCompletion:
     async def stream(self) -> AsyncIterator[dict[str, Any]]:
         """Chunks as OpenAI sends them: the role, content deltas (or tool-call deltas), the
         finish reason, then usage when asked for."""
+        events = aiter(self._events())
+        # Routing and the worker's first answer happen before the first chunk, so a refused
+        # request (no worker, unknown key) is an HTTP error status rather than an SSE event.
+        first = await anext(events)
         yield self._chunk({"role": "assistant", "content": ""})
         parts: list[str] = []
         fin: Finished | None = None
-        async for event in self._events():
+        async for event in _chain(first, events):
             if isinstance(event, Finished):
                 fin = event
             elif self.is_buffered:
@@ -204,6 +208,12 @@ class ChatCompletion:
         if self.req.include_usage:
             yield {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                    "model": self.model.name, "choices": [], "usage": usage_body(fin)}
+
+
+async def _chain(first: str | Finished, rest: AsyncIterator[str | Finished]) -> AsyncIterator[str | Finished]:
+    yield first
+    async for event in rest:
+        yield event
 
 
 def sse(chunk: dict[str, Any]) -> bytes:

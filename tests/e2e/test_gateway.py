@@ -208,6 +208,18 @@ def test_streamed_forced_call_arrives_as_tool_call_deltas(sdk):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_required_tool_choice_yields_a_call_or_counts_the_unparsed_one(live, sdk):
+    before = live.app.state.metrics.unparsed_tool_calls._value.get()
+    reply = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                                        tools=TOOLS, tool_choice="required", max_tokens=12, temperature=0)
+    choice = reply.choices[0]
+    if choice.finish_reason == "tool_calls":
+        assert choice.message.tool_calls[0].function.name
+    else:
+        assert choice.message.content.startswith("<tool_call>")
+        assert live.app.state.metrics.unparsed_tool_calls._value.get() == before + 1
+
+
 def test_completions_and_models(sdk, live, oracle):
     assert [m.id for m in sdk.models.list().data] == [MODEL]
     ids = live.model.text.encode("The rivers of Europe are")
@@ -278,8 +290,10 @@ def test_missing_or_unknown_key_is_401(live, sdk):
     status, payload = post(live, chat(), headers={"Authorization": ""})
     assert status == 401 and payload["error"]["code"] == "invalid_api_key"
     stranger = openai.OpenAI(base_url=live.url + "/v1", api_key="kvt_nobody", max_retries=0, timeout=60)
-    with pytest.raises(openai.AuthenticationError):
-        stranger.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    for stream in (False, True):
+        with pytest.raises(openai.AuthenticationError):
+            stranger.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=2, stream=stream)
 
 
 def test_another_tenants_key_never_gets_a_cache_hit(sdk, sdk_b):
