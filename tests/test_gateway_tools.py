@@ -85,3 +85,15 @@ def test_tools_block_and_calls_rendered_for_a_template_without_tools():
     assert out[2]["content"] == '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     assert out[3] == {"role": "tool", "content": "sunny"}
     assert forced_call_opening("weather").endswith('{"name": "weather", "arguments": ')
+
+
+def test_auto_mode_streams_text_up_to_the_first_call_tag():
+    from kvtier.gateway.chat import CallScan
+
+    scan = CallScan()
+    deltas = ["Let me ", "look <to", "ol_call>\n{", '"name": "w"}', "</tool_call>"]
+    streamed = "".join(scan.feed(d) for d in deltas)
+    assert streamed == "Let me look "
+    assert scan.rest() == '<tool_call>\n{"name": "w"}</tool_call>'
+    plain = CallScan()
+    assert "".join(plain.feed(d) for d in ["a < b", " and c"]) + plain.rest() == "a < b and c"

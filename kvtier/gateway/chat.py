@@ -3,8 +3,9 @@ OpenAI response or chunk stream built from it, with the session hints it implies
 
 Tool modes (``tool_choice``):
   ``none``      tools are left out of the prompt; the output is text.
-  ``auto``      tools are in the prompt; the whole output is parsed (``hermes`` parser) at the
-                end, so text and tool calls reach a streaming client after the generation.
+  ``auto``      tools are in the prompt; text streams live up to the first ``<tool_call>``,
+                and from there the output is parsed (``hermes`` parser) when the generation
+                ends, so tool calls reach a streaming client after it.
   ``required``  as ``auto``, with the assistant turn opened by ``<tool_call>``.
   a function    the assistant turn is opened with that call's name; the model writes the
                 arguments, the stream ends as soon as one JSON object closes, and the
@@ -186,17 +187,22 @@ class ChatCompletion:
         # request (no worker, unknown key) is an HTTP error status rather than an SSE event.
         first = await anext(events)
         yield self._chunk({"role": "assistant", "content": ""})
-        parts: list[str] = []
         fin: Finished | None = None
+        scan = CallScan() if self.is_buffered and not self.req.is_forced and self.req.tool_choice == "auto" \
+            else None
+        parts: list[str] = []
         async for event in _chain(first, events):
             if isinstance(event, Finished):
                 fin = event
+            elif scan is not None:
+                if text := scan.feed(event):
+                    yield self._chunk({"content": text})
             elif self.is_buffered:
                 parts.append(event)
             else:
                 yield self._chunk({"content": event})
         assert fin is not None, "generation.run ends with Finished"
-        result = self._finish("".join(parts), fin)
+        result = self._finish(scan.rest() if scan is not None else "".join(parts), fin)
         if self.is_buffered and result.content:
             yield self._chunk({"content": result.content})
         for index, c in enumerate(result.tool_calls):
@@ -208,6 +214,34 @@ class ChatCompletion:
         if self.req.include_usage:
             yield {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                    "model": self.model.name, "choices": [], "usage": usage_body(fin)}
+
+
+class CallScan:
+    """Streams ``auto``-mode text live up to the first ``<tool_call>``, and keeps the rest.
+
+    The last ``len("<tool_call>") - 1`` characters are held back while they could be the start
+    of the tag; from the tag on, everything is kept for the parser (``rest()``)."""
+
+    def __init__(self) -> None:
+        self.held = ""
+        self.tail: str | None = None
+
+    def feed(self, delta: str) -> str:
+        if self.tail is not None:
+            self.tail += delta
+            return ""
+        self.held += delta
+        i = self.held.find(HERMES_OPEN)
+        if i >= 0:
+            text, self.tail, self.held = self.held[:i], self.held[i:], ""
+            return text
+        keep = len(HERMES_OPEN) - 1
+        text, self.held = self.held[:-keep], self.held[-keep:]
+        return text
+
+    def rest(self) -> str:
+        """What was not streamed: the held characters, or the text from the first tag on."""
+        return self.tail if self.tail is not None else self.held
 
 
 async def _chain(first: str | Finished, rest: AsyncIterator[str | Finished]) -> AsyncIterator[str | Finished]:

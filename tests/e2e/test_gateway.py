@@ -220,6 +220,16 @@ def test_required_tool_choice_yields_a_call_or_counts_the_unparsed_one(live, sdk
         assert live.app.state.metrics.unparsed_tool_calls._value.get() == before + 1
 
 
+def test_auto_tool_choice_streams_the_same_text_as_non_streaming(sdk):
+    messages = [{"role": "user", "content": "Tell me about Oslo."}]
+    plain = sdk.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=8, temperature=0)
+    chunks = list(sdk.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=8,
+                                              temperature=0, stream=True))
+    if plain.choices[0].finish_reason == "tool_calls":
+        pytest.skip("the greedy output is a tool call")
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
+
+
 def test_completions_and_models(sdk, live, oracle):
     assert [m.id for m in sdk.models.list().data] == [MODEL]
     ids = live.model.text.encode("The rivers of Europe are")
