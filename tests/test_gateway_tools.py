@@ -7,7 +7,12 @@ import json
 import pytest
 
 from kvtier.gateway.tool_parsers import PARSERS, forced_arguments, get_parser, json_object_end
-from kvtier.gateway.tool_prompt import TOOLS_PREAMBLE, forced_call_opening, template_messages
+from kvtier.gateway.tool_prompt import (
+    TOOLS_PREAMBLE,
+    forced_arguments_opening,
+    forced_call_opening,
+    template_messages,
+)
 
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
 
@@ -85,6 +90,10 @@ def test_tools_block_and_calls_rendered_for_a_template_without_tools():
     assert out[2]["content"] == '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     assert out[3] == {"role": "tool", "content": "sunny"}
     assert forced_call_opening("weather").endswith('{"name": "weather", "arguments": ')
+    assert forced_arguments_opening({"function": {"parameters": {"required": ["city"]}}}) == '{"city": '
+    assert forced_arguments_opening(WEATHER) == ""
+    city = {"function": {"parameters": {"properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    assert forced_arguments_opening(city) == '{"city": "'
 
 
 def test_auto_mode_streams_text_up_to_the_first_call_tag():

@@ -7,8 +7,8 @@ Tool modes (``tool_choice``):
                 and from there the output is parsed (``hermes`` parser) when the generation
                 ends, so tool calls reach a streaming client after it.
   ``required``  as ``auto``, with the assistant turn opened by ``<tool_call>``.
-  a function    the assistant turn is opened with that call's name; the model writes the
-                arguments, the stream ends as soon as one JSON object closes, and the
+  a function    the assistant turn is opened with that call's name (and the first required
+                parameter's key, when the schema has one); the model writes the arguments, the stream ends as soon as one JSON object closes, and the
                 arguments are repaired into a valid object when the model breaks them.
 """
 
@@ -38,7 +38,7 @@ from kvtier.gateway.tool_parsers import (
     json_object_end,
     new_call_id,
 )
-from kvtier.gateway.tool_prompt import forced_call_opening, template_messages
+from kvtier.gateway.tool_prompt import forced_arguments_opening, forced_call_opening, template_messages
 from kvtier.runtime.log import get_logger
 
 log = get_logger("kvtier.gateway.chat")
@@ -69,12 +69,20 @@ def sampling_params(model: ServedModel, s: Sampling, num_prompt: int) -> Samplin
                           stop_token_ids=list(model.text.eos_token_ids))
 
 
+def forced_opening(req: ChatRequest) -> str:
+    """The arguments text the gateway writes for a forced call ("" when nothing is forced)."""
+    if not req.is_forced:
+        return ""
+    tool = next(t for t in req.tools if t["function"]["name"] == req.tool_choice)
+    return forced_arguments_opening(tool)
+
+
 def chat_prompt(model: ServedModel, req: ChatRequest) -> str:
     tools = req.tools if req.tool_choice != "none" else []
     messages = template_messages(req.messages, tools, template_has_tools=model.text.supports_tools)
     prompt = model.text.render(messages, tools if model.text.supports_tools else None)
     if req.is_forced:
-        prompt += forced_call_opening(req.tool_choice)
+        prompt += forced_call_opening(req.tool_choice, forced_opening(req))
     elif req.tool_choice == "required":
         prompt += HERMES_OPEN + "\n"
     return prompt
@@ -122,7 +130,9 @@ class ChatCompletion:
     async def _events(self) -> AsyncIterator[str | Finished]:
         if sessions.is_returning(self.req.messages):
             await self._hint(self.call.client.returning(self.session_id))
-        until = (lambda text: json_object_end(text.lstrip()) is not None) if self.req.is_forced else None
+        opening = forced_opening(self.req)
+        until = (lambda text: json_object_end((opening + text).lstrip()) is not None) if self.req.is_forced \
+            else None
         stops = () if self.is_buffered else self.req.sampling.stop
         async for event in generation.run(self.call.client, self.model, self.prompt_ids,
                                           self.sampling, stops=stops, session_id=self.session_id, until=until):
@@ -138,7 +148,7 @@ class ChatCompletion:
 
     def _finish(self, text: str, fin: Finished) -> ChatResult:
         if self.req.is_forced:
-            call = ToolCall(new_call_id(), self.req.tool_choice, forced_arguments(text))
+            call = ToolCall(new_call_id(), self.req.tool_choice, forced_arguments(forced_opening(self.req) + text))
             fin.finish_reason = "tool_calls"
             return ChatResult(None, [call], fin)
         if not self.is_buffered:

