@@ -190,9 +190,11 @@ def test_named_tool_choice_forces_a_valid_call_and_pauses_the_session(live, sdk)
     followup = messages + [choice.message.model_dump(exclude_none=True),
                            {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
     streamed = list(sdk.chat.completions.create(
-        model=MODEL, messages=followup, tools=TOOLS, tool_choice="none", max_tokens=4, temperature=0,
-        stream=True, extra_headers={"X-Session-Id": "gw-tool-session"}))
-    assert streamed[-1].choices[0].finish_reason == "length"
+        model=MODEL, messages=followup, tools=TOOLS, max_tokens=4, temperature=0,
+        stream=True, stream_options={"include_usage": True}, extra_headers={"X-Session-Id": "gw-tool-session"}))
+    assert streamed[-1].choices == [] and streamed[-1].usage.completion_tokens >= 1
+    # the tool call renders back as the text that forced it, so the whole first prompt is a prefix
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens >= reply.usage.prompt_tokens // PAGE * PAGE > 0
     sessions = live.run(live.admin.list_sessions())
     assert {s.session_id: s for s in sessions.sessions}["gw-tool-session"].state is not SessionState.PAUSED
 
