@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kvtier.client import AsyncClient
-from kvtier.domain.records import SessionState
+from kvtier.domain.records import PredictionSource, SessionState
 from kvtier.gateway.app import GatewayOptions, create_app
 from kvtier.gateway.model import describe_served_model
 from kvtier.local import real_model
@@ -186,6 +186,8 @@ def test_named_tool_choice_forces_a_valid_call_and_pauses_the_session(live, sdk)
     sessions = live.run(live.admin.list_sessions())
     paused = {s.session_id: s for s in sessions.sessions}["gw-tool-session"]
     assert paused.state is SessionState.PAUSED and paused.tool_name == "weather"
+    assert paused.prediction_source is PredictionSource.CALLER_ESTIMATE  # from X-Tool-Expected-Ms
+    assert paused.predicted_return_at_ms - paused.paused_at_ms == 5000
 
     followup = messages + [choice.message.model_dump(exclude_none=True),
                            {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
