@@ -36,6 +36,7 @@ from rich.table import Table
 # The command modules register their commands on app when imported.
 import kvtier.cli.admin  # noqa: F401
 import kvtier.cli.bench  # noqa: F401
+import kvtier.cli.gateway  # noqa: F401
 import kvtier.cli.policy  # noqa: F401
 import kvtier.cli.token  # noqa: F401
 from kvtier.cli.common import (

