@@ -39,7 +39,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import redis.asyncio as aredis
 from redis.exceptions import NoScriptError
@@ -84,6 +84,24 @@ def _monotonic_ms() -> float:
     return time.monotonic() * 1000.0
 
 
+_UNTIMED = contextlib.nullcontext()
+
+
+class _Timed:
+    """Reports one round trip's seconds to ``Directory.on_op``, failed ones included."""
+
+    __slots__ = ("_on_op", "_op", "_start")
+
+    def __init__(self, on_op: Callable[[str, float], None], op: str) -> None:
+        self._on_op, self._op = on_op, op
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self._on_op(self._op, time.perf_counter() - self._start)
+
+
 class Directory:
     """Async client of the directory. One per controller process; not shared across event loops.
 
@@ -119,8 +137,9 @@ class Directory:
         self._name_by_wid: dict[int, WorkerId] = {}
         self._deadline_ms: dict[int, float] = {}  # incarnations not retired (expired ones until retired)
         self._indexed: set[tuple[int, bytes]] = set()  # (wid, namespace) already in wns / namespaces
-        self._lookup_sha = self._scripts["lookup"].sha
-        self._meta_keys: dict[bytes, str] = {}
+        # The lookup's command arguments as bytes, which redis-py sends without encoding them.
+        self._lookup_sha = self._scripts["lookup"].sha.encode()
+        self._meta_keys: dict[bytes, bytes] = {}
         self.counters: collections.Counter[str] = collections.Counter()
         # Route's copy of what this object wrote (controller/directory_mirror.py). It answers
         # only while every live incarnation is one whose every write it saw: registered here
@@ -138,16 +157,10 @@ class Directory:
         for script in self._scripts.values():
             await self._redis.script_load(script.script)
 
-    @contextlib.contextmanager
-    def _timed(self, op: str) -> Iterator[None]:
+    def _timed(self, op: str) -> contextlib.AbstractContextManager[object]:
         if self.on_op is None:
-            yield
-            return
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.on_op(op, time.perf_counter() - start)
+            return _UNTIMED
+        return _Timed(self.on_op, op)
 
     async def _eval(self, name: str, key: str, *args: object) -> list:
         script = self._scripts[name]
@@ -425,13 +438,13 @@ class Directory:
         meta = self._meta_keys.get(namespace)
         if meta is None:
             check_namespace(namespace)
-            meta = self._meta_keys[namespace] = meta_key(namespace)
+            meta = self._meta_keys[namespace] = meta_key(namespace).encode()
         packed = pack_keys(keys)
         with self._timed("lookup"):
             try:  # inlined _eval: this is the hot path
-                reply = await self._lookup_redis.evalsha(self._lookup_sha, 1, meta, packed)
+                reply = await self._lookup_redis.execute_command("EVALSHA", self._lookup_sha, b"1", meta, packed)
             except NoScriptError:
-                reply = await self._eval("lookup", meta, packed)
+                reply = await self._eval("lookup", meta.decode(), packed)
         for w in reply[1::2]:
             if w not in self._name_by_wid:
                 await self.refresh_workers()  # a worker registered by another controller
