@@ -62,7 +62,6 @@ from kvtier.controller.directory_records import (
 from kvtier.controller.directory_scripts import (
     SCRIPTS,
     check_namespace,
-    kind_code,
     meta_key,
     pack_events,
     pack_keys,
@@ -388,9 +387,10 @@ class Directory:
                 rejected.append(RejectedEvent(i, RejectReason.BAD_NAMESPACE))
             else:
                 parts.setdefault(bytes(event.namespace_digest), []).append(i)
-        calls, extra, fresh = [], [], []
+        calls, extra, fresh, codes = [], [], [], []
         for ns, indexes in parts.items():
-            packed = pack_events(events[i] for i in indexes)
+            packed, ns_codes = pack_events(events[i] for i in indexes)
+            codes.append(ns_codes)
             calls.append(("apply_events", meta_key(ns), (self.fence_token, wid, seq_no, packed, root_key(ns))))
             if (wid, ns) not in self._indexed:
                 extra.append(("SADD", f"{GLOBAL_PREFIX}wns:{wid}", ns))
@@ -405,17 +405,16 @@ class Directory:
         self._indexed.update(fresh)
 
         applied, statuses = 0, set()
-        for (ns, indexes), reply in zip(parts.items(), replies, strict=True):
+        for (ns, indexes), ns_codes, reply in zip(parts.items(), codes, replies, strict=True):
             statuses.add(reply[0])
             if reply[0] == b"ok":
                 applied += int(reply[2])
                 refused = {int(reply[j]) for j in range(3, len(reply), 2)}
                 for j in range(3, len(reply), 2):
                     rejected.append(RejectedEvent(indexes[int(reply[j])], RejectReason(reply[j + 1].decode())))
-                self.mirror.apply(wid, ns, (
-                    (kind_code(e.kind), e.page_key, int(e.tier or 0), int(e.from_tier or 0))
-                    for j, e in enumerate(events[i] for i in indexes) if j not in refused
-                ))
+                if refused:
+                    ns_codes = [c for j, c in enumerate(ns_codes) if j not in refused]
+                self.mirror.apply(wid, ns, ns_codes)
         for r in rejected:
             self.counters[f"rejected.{r.reason.value}"] += 1
         rejected.sort()
