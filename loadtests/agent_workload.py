@@ -45,11 +45,11 @@ Pressure and geometry — what makes the comparison mean something on a CPU:
   shows in TTFT as it would there. ``--lower-tier dram`` runs the same workload on DRAM.
 
 Calibration (``loadtests/agent_calibration.py``; on unless ``--no-calibrate``). Before the first
-seed the run times a first turn and a resume of this workload's model and geometry on the engine,
-and host memcpy, and derives from them the slow-down and the emulated links below, which
-otherwise someone would have to know to set: ``slow_down`` = how many times slower than the
-design's this engine is (never below 1), links = a GPU's link-to-HBM ratio times the measured
-memcpy. ``--slow-down`` and ``--emulate-link`` / ``--link-gbps`` override their part; the JSON
+seed the run times a first turn and a resume of this workload's model and geometry on the engine
+and derives from them what otherwise someone would have to know to set: ``slow_down`` = how many
+times slower than the design's this engine is (never below 1), with the emulated links below on,
+so that pauses, transfers and recompute keep the design's ratios to the engine.
+``--slow-down`` and ``--link-gbps`` override their part; the JSON
 output and stderr say what was measured, derived and overridden (``calibration``). Under
 ``--busy`` the machine is measured busy.
 
@@ -58,8 +58,8 @@ a tool that sleeps: every policy's worker acknowledges a transfer that touches H
 than ``bytes / rate`` after it started (``kvtier.tiers.transfer``'s doc; DRAM <-> NVMe stays the real
 disk), and the orchestrator plans with the same rate. The rates keep a GPU's ratio of the
 bandwidth attention reads at to its links, HBM 3 TB/s : PCIe 25 GB/s : NVMe 7 GB/s (H100/H200
-class, PCIe 4 x16, one fast NVMe), scaled to this machine's "HBM": its host memcpy, as the calibration measures it
-(``--emulate-link``: the design machine's, 28 GB/s, torch ``copy_`` of 256 MiB fp32). At 28 GB/s PCIe becomes
+class, PCIe 4 x16, one fast NVMe), scaled to the design machine's "HBM": host memcpy measured at
+28 GB/s (torch ``copy_`` of 256 MiB fp32), then divided by the slow-down. So PCIe becomes
 28e9 x 25/3000 = 233 MB/s (HBM <-> DRAM) and NVMe 28e9 x 7/3000 = 65 MB/s (HBM <-> NVMe): a
 15 MiB private context takes ~65 ms over the one and ~240 ms over the other, 2.5-10x a 25 ms
 resume, as a several-GiB context over PCIe or NVMe is several times a resume's prefill on a GPU.
@@ -180,13 +180,13 @@ from typing import Any
 
 from loadtests.agent_calibration import (
     DESIGN,
+    DESIGN_LINK_BYTES_PER_S,
     GPU_HBM_BYTES_PER_S,
     GPU_NVME_BYTES_PER_S,
     GPU_PCIE_BYTES_PER_S,
     Calibration,
     MachineSpeed,
     calibrate,
-    emulated_links,
     measure_machine,
 )
 from loadtests.bench_engine import BENCH_CONFIG
@@ -208,9 +208,8 @@ WORKLOAD_MODEL_CONFIG = {
 # checksums, as the engine moves pages (O_DIRECT NVMe; memcpy for DRAM).
 CPU_FLOPS_PER_S = 30e9
 CPU_LINK_BYTES_PER_S = {"nvme": 0.5e9, "dram": 8e9}
-# Link emulation (module doc) at ``--emulate-link``'s fixed scale: the design machine's host
-# memcpy (agent_calibration.DESIGN); a calibrated run measures its own.
-EMULATED_LINK_BYTES_PER_S = emulated_links(DESIGN.memcpy_bytes_per_s)  # dram 233 MB/s, nvme 65 MB/s
+# Link emulation (module doc): a GPU's link-to-HBM ratios at the design machine's memcpy.
+EMULATED_LINK_BYTES_PER_S = DESIGN_LINK_BYTES_PER_S  # dram 233 MB/s, nvme 65 MB/s
 DEFAULT_SEEDS = (0, 1, 2)
 
 
@@ -1313,8 +1312,8 @@ def build_parser() -> argparse.ArgumentParser:
                             f"(module doc; default {','.join(map(str, DEFAULT_SEEDS))})")
     link = parser.add_mutually_exclusive_group()
     link.add_argument("--emulate-link", action="store_true",
-                      help="emulate a GPU's PCIe and NVMe links at the design machine's fixed scale instead of "
-                           "this machine's measured memcpy (module doc)")
+                      help="emulate a GPU's PCIe and NVMe links at the design machine's scale (module doc; "
+                           "what the calibration sets, here for runs with --no-calibrate or --slow-down)")
     link.add_argument("--link-gbps", type=parse_link_gbps, metavar="DRAM,NVME",
                       help="emulate HBM<->DRAM and HBM<->NVMe links at these GB/s")
     parser.add_argument("--inline-clients", action="store_true",
@@ -1377,8 +1376,8 @@ def measure_for(spec: WorkloadSpec) -> MachineSpeed:
 def calibration_line(calibration: dict[str, Any]) -> str:
     m, d = calibration["measured"], calibration["derived"]
     links = d["emulated_link_bytes_per_s"]
-    return (f"calibrated: first turn {m['first_turn_ms']:.0f} ms, resume {m['resume_ms']:.0f} ms, memcpy "
-            f"{m['memcpy_bytes_per_s'] / 1e9:.1f} GB/s -> slow-down {d['slow_down']:g}, links dram "
+    return (f"calibrated: first turn {m['first_turn_ms']:.0f} ms, resume {m['resume_ms']:.0f} ms "
+            f"-> slow-down {d['slow_down']:g}, links dram "
             f"{links['dram'] / 1e6:.0f} MB/s, nvme {links['nvme'] / 1e6:.0f} MB/s (before the slow-down)"
             + (f"; overridden: {', '.join(calibration['overridden'])}" if calibration["overridden"] else ""))
 

@@ -463,7 +463,7 @@ def test_the_default_command_line_plays_the_workload_calibrated_to_this_machine(
     """No flags: the slow-down and the emulated links come from the calibration of what the
     engine measured; --slow-down and --emulate-link / --link-gbps override their part, and the
     machine is measured only when some part is left to the calibration."""
-    slow = MachineSpeed(first_turn_ms=1200.0, resume_ms=90.0, memcpy_bytes_per_s=14e9)
+    slow = MachineSpeed(first_turn_ms=1200.0, resume_ms=90.0)
     derived = calibrate(slow)
     probes: list[int] = []
 
