@@ -22,7 +22,8 @@ _NO_KEY = bytes(KEY_BYTES)
 RECORD_BYTES = 13
 """Bytes per holder record in a page value (worker id u24, tier mask u8, child counts 3 x u24)."""
 KIND_CODES = {PageEventKind.INSERT: 1, PageEventKind.MOVE: 2, PageEventKind.DROP: 3}
-"""Event kinds as the scripts number them (``directory_mirror`` uses the same numbers)."""
+"""Event kinds as the scripts number them (``directory_mirror`` uses the same numbers); any other
+kind packs as 0, which the script rejects as ``bad_kind``."""
 
 
 def script_source(name: str, preludes: Sequence[str]) -> str:
@@ -64,12 +65,6 @@ def pack_keys(keys: Sequence[PageKey]) -> bytes:
         raise InvalidArgument(f"page key {bad} is {len(keys[bad])} bytes, expected {KEY_BYTES}",
                               field="page_keys")
     return packed
-
-
-def kind_code(kind: PageEventKind) -> int:
-    """The event kind as the scripts and the mirror read it; 0 (rejected as ``bad_kind``) for
-    anything else."""
-    return KIND_CODES.get(kind, 0)
 
 
 EventCodes = tuple[int, bytes, int, int]
