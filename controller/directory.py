@@ -39,7 +39,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import redis.asyncio as aredis
 from redis.exceptions import NoScriptError
@@ -62,7 +62,6 @@ from kvtier.controller.directory_records import (
 from kvtier.controller.directory_scripts import (
     SCRIPTS,
     check_namespace,
-    kind_code,
     meta_key,
     pack_events,
     pack_keys,
@@ -82,6 +81,24 @@ _WORKERS_KEY = GLOBAL_PREFIX + "workers"
 
 def _monotonic_ms() -> float:
     return time.monotonic() * 1000.0
+
+
+_UNTIMED = contextlib.nullcontext()
+
+
+class _Timed:
+    """Reports one round trip's seconds to ``Directory.on_op``, failed ones included."""
+
+    __slots__ = ("_on_op", "_op", "_start")
+
+    def __init__(self, on_op: Callable[[str, float], None], op: str) -> None:
+        self._on_op, self._op = on_op, op
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self._on_op(self._op, time.perf_counter() - self._start)
 
 
 class Directory:
@@ -119,8 +136,9 @@ class Directory:
         self._name_by_wid: dict[int, WorkerId] = {}
         self._deadline_ms: dict[int, float] = {}  # incarnations not retired (expired ones until retired)
         self._indexed: set[tuple[int, bytes]] = set()  # (wid, namespace) already in wns / namespaces
-        self._lookup_sha = self._scripts["lookup"].sha
-        self._meta_keys: dict[bytes, str] = {}
+        # The lookup's command arguments as bytes, which redis-py sends without encoding them.
+        self._lookup_sha = self._scripts["lookup"].sha.encode()
+        self._meta_keys: dict[bytes, bytes] = {}
         self.counters: collections.Counter[str] = collections.Counter()
         # Route's copy of what this object wrote (controller/directory_mirror.py). It answers
         # only while every live incarnation is one whose every write it saw: registered here
@@ -138,16 +156,10 @@ class Directory:
         for script in self._scripts.values():
             await self._redis.script_load(script.script)
 
-    @contextlib.contextmanager
-    def _timed(self, op: str) -> Iterator[None]:
+    def _timed(self, op: str) -> contextlib.AbstractContextManager[object]:
         if self.on_op is None:
-            yield
-            return
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.on_op(op, time.perf_counter() - start)
+            return _UNTIMED
+        return _Timed(self.on_op, op)
 
     async def _eval(self, name: str, key: str, *args: object) -> list:
         script = self._scripts[name]
@@ -375,9 +387,10 @@ class Directory:
                 rejected.append(RejectedEvent(i, RejectReason.BAD_NAMESPACE))
             else:
                 parts.setdefault(bytes(event.namespace_digest), []).append(i)
-        calls, extra, fresh = [], [], []
+        calls, extra, fresh, codes = [], [], [], []
         for ns, indexes in parts.items():
-            packed = pack_events(events[i] for i in indexes)
+            packed, ns_codes = pack_events(events[i] for i in indexes)
+            codes.append(ns_codes)
             calls.append(("apply_events", meta_key(ns), (self.fence_token, wid, seq_no, packed, root_key(ns))))
             if (wid, ns) not in self._indexed:
                 extra.append(("SADD", f"{GLOBAL_PREFIX}wns:{wid}", ns))
@@ -392,17 +405,16 @@ class Directory:
         self._indexed.update(fresh)
 
         applied, statuses = 0, set()
-        for (ns, indexes), reply in zip(parts.items(), replies, strict=True):
+        for (ns, indexes), ns_codes, reply in zip(parts.items(), codes, replies, strict=True):
             statuses.add(reply[0])
             if reply[0] == b"ok":
                 applied += int(reply[2])
                 refused = {int(reply[j]) for j in range(3, len(reply), 2)}
                 for j in range(3, len(reply), 2):
                     rejected.append(RejectedEvent(indexes[int(reply[j])], RejectReason(reply[j + 1].decode())))
-                self.mirror.apply(wid, ns, (
-                    (kind_code(e.kind), e.page_key, int(e.tier or 0), int(e.from_tier or 0))
-                    for j, e in enumerate(events[i] for i in indexes) if j not in refused
-                ))
+                if refused:
+                    ns_codes = [c for j, c in enumerate(ns_codes) if j not in refused]
+                self.mirror.apply(wid, ns, ns_codes)
         for r in rejected:
             self.counters[f"rejected.{r.reason.value}"] += 1
         rejected.sort()
@@ -425,13 +437,13 @@ class Directory:
         meta = self._meta_keys.get(namespace)
         if meta is None:
             check_namespace(namespace)
-            meta = self._meta_keys[namespace] = meta_key(namespace)
+            meta = self._meta_keys[namespace] = meta_key(namespace).encode()
         packed = pack_keys(keys)
         with self._timed("lookup"):
             try:  # inlined _eval: this is the hot path
-                reply = await self._lookup_redis.evalsha(self._lookup_sha, 1, meta, packed)
+                reply = await self._lookup_redis.execute_command("EVALSHA", self._lookup_sha, b"1", meta, packed)
             except NoScriptError:
-                reply = await self._eval("lookup", meta, packed)
+                reply = await self._eval("lookup", meta.decode(), packed)
         for w in reply[1::2]:
             if w not in self._name_by_wid:
                 await self.refresh_workers()  # a worker registered by another controller

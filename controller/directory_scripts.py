@@ -13,6 +13,7 @@ from pathlib import Path
 from kvtier.domain.errors import InvalidArgument
 from kvtier.domain.hashing import KEY_BYTES, PageKey
 from kvtier.domain.records import PageEvent, PageEventKind
+from kvtier.domain.tiers import Tier
 
 _LUA_DIR = Path(__file__).with_name("lua")
 _EVENT = struct.Struct("<BBBBi16s16s")  # kind, tier, from_tier, flags, depth, key, parent
@@ -21,7 +22,8 @@ _NO_KEY = bytes(KEY_BYTES)
 RECORD_BYTES = 13
 """Bytes per holder record in a page value (worker id u24, tier mask u8, child counts 3 x u24)."""
 KIND_CODES = {PageEventKind.INSERT: 1, PageEventKind.MOVE: 2, PageEventKind.DROP: 3}
-"""Event kinds as the scripts number them (``directory_mirror`` uses the same numbers)."""
+"""Event kinds as the scripts number them (``directory_mirror`` uses the same numbers); any other
+kind packs as 0, which the script rejects as ``bad_kind``."""
 
 
 def script_source(name: str, preludes: Sequence[str]) -> str:
@@ -65,25 +67,34 @@ def pack_keys(keys: Sequence[PageKey]) -> bytes:
     return packed
 
 
-def kind_code(kind: PageEventKind) -> int:
-    """The event kind as the scripts and the mirror read it; 0 (rejected as ``bad_kind``) for
-    anything else."""
-    return KIND_CODES.get(kind, 0)
+EventCodes = tuple[int, bytes, int, int]
+"""``(kind, page key, tier, from_tier)`` of one event as ``DirectoryMirror.apply`` reads it."""
+
+_TIER_CODES: dict[object, int] = {None: 0, **{t: int(t) for t in Tier}}
 
 
-def pack_events(events: Iterable[PageEvent]) -> bytes:
-    """Events as the ``apply_events`` script reads them (``_EVENT``). Out-of-range fields are
-    packed so that the script rejects the event with its reason instead of failing the batch."""
-    out = bytearray()
+def pack_events(events: Iterable[PageEvent]) -> tuple[bytes, list[EventCodes]]:
+    """Events as the ``apply_events`` script reads them (``_EVENT``), and each one's codes for
+    the mirror. Out-of-range fields are packed so that the script rejects the event with its
+    reason instead of failing the batch."""
+    out: list[bytes] = []
+    codes: list[EventCodes] = []
+    pack, tier_codes = _EVENT.pack, _TIER_CODES
     for e in events:
-        flags = _FLAG_PARENT if e.parent_key is not None else 0
-        key, parent = e.page_key, e.parent_key or _NO_KEY
+        kind = KIND_CODES.get(e.kind, 0)
+        key, parent, depth = e.page_key, e.parent_key, e.depth or 0
+        tier, from_tier = tier_codes.get(e.tier), tier_codes.get(e.from_tier)
+        if tier is None:
+            tier = int(e.tier) if 0 <= int(e.tier) < 256 else 255
+        if from_tier is None:
+            from_tier = int(e.from_tier) if 0 <= int(e.from_tier) < 256 else 255
+        codes.append((kind, key, tier, from_tier))
+        flags = _FLAG_PARENT if parent is not None else 0
+        if parent is None:
+            parent = _NO_KEY
         if len(key) != KEY_BYTES or len(parent) != KEY_BYTES:
             flags, key, parent = flags | _FLAG_BAD_KEY, _NO_KEY, _NO_KEY
-        depth = e.depth or 0
-        depth = depth if -(2**31) <= depth < 2**31 else -1
-        kind = kind_code(e.kind)
-        tier = int(e.tier or 0) if 0 <= int(e.tier or 0) < 256 else 255
-        from_tier = int(e.from_tier or 0) if 0 <= int(e.from_tier or 0) < 256 else 255
-        out += _EVENT.pack(kind, tier, from_tier, flags, depth, key, parent)
-    return bytes(out)
+        if not -(2**31) <= depth < 2**31:
+            depth = -1
+        out.append(pack(kind, tier, from_tier, flags, depth, key, parent))
+    return b"".join(out), codes

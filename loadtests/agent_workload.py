@@ -4,6 +4,10 @@
                                        [--records PATH] [--emulate-link | --link-gbps DRAM,NVME]
                                        [--seed N | --seeds N,M,...] [--hbm-sessions N]
                                        [--tools NAME,...] [--inline-clients] [--slow-down F] [--busy]
+                                       [--no-calibrate]
+
+The default run (no flags) is the one the README quotes: calibrated to this machine at start
+(below, "Calibration"), seeds 0, 1 and 2 pooled.
 
 Workload (``make_workload``, deterministic in ``seed``): ``num_tenants`` tenants, each with a
 shared system prompt; ``sessions_per_tenant`` sessions per tenant, staggered starts; each
@@ -40,13 +44,22 @@ Pressure and geometry — what makes the comparison mean something on a CPU:
   link is slower than the memory attention reads, as PCIe is on a GPU, so reactive promotion
   shows in TTFT as it would there. ``--lower-tier dram`` runs the same workload on DRAM.
 
-Link emulation (``--emulate-link``; off by default; decision 0011). A hardware stand-in, like
+Calibration (``loadtests/agent_calibration.py``; on unless ``--no-calibrate``). Before the first
+seed the run times a first turn and a resume of this workload's model and geometry on the engine
+and derives from them what otherwise someone would have to know to set: ``slow_down`` = how many
+times slower than the design's this engine is (never below 1), with the emulated links below on,
+so that pauses, transfers and recompute keep the design's ratios to the engine.
+``--slow-down`` and ``--link-gbps`` override their part; the JSON
+output and stderr say what was measured, derived and overridden (``calibration``). Under
+``--busy`` the machine is measured busy.
+
+Link emulation (on by default, through the calibration; decision 0011). A hardware stand-in, like
 a tool that sleeps: every policy's worker acknowledges a transfer that touches HBM no sooner
 than ``bytes / rate`` after it started (``kvtier.tiers.transfer``'s doc; DRAM <-> NVMe stays the real
 disk), and the orchestrator plans with the same rate. The rates keep a GPU's ratio of the
 bandwidth attention reads at to its links, HBM 3 TB/s : PCIe 25 GB/s : NVMe 7 GB/s (H100/H200
-class, PCIe 4 x16, one fast NVMe), scaled to this machine's "HBM": host memcpy measured at
-28 GB/s (torch ``copy_`` of 256 MiB fp32, one thread, load 0.8). So PCIe becomes
+class, PCIe 4 x16, one fast NVMe), scaled to the design machine's "HBM": host memcpy measured at
+28 GB/s (torch ``copy_`` of 256 MiB fp32), then divided by the slow-down. So PCIe becomes
 28e9 x 25/3000 = 233 MB/s (HBM <-> DRAM) and NVMe 28e9 x 7/3000 = 65 MB/s (HBM <-> NVMe): a
 15 MiB private context takes ~65 ms over the one and ~240 ms over the other, 2.5-10x a 25 ms
 resume, as a several-GiB context over PCIe or NVMe is several times a resume's prefill on a GPU.
@@ -75,7 +88,7 @@ keeps nearly every session in HBM, where they do not all fit: the NVMe-only conf
 shows what a slow tier cannot hide. ``--lower-tier dram`` (PCIe, ~0.2 s) is the one where
 parking and prefetch fit inside the pauses (decision 0011 has the numbers).
 
-Machine speed (``--slow-down F``). The workload is open loop: sessions start, and come back
+Machine speed (the calibration's slow-down, or ``--slow-down F``). The workload is open loop: sessions start, and come back
 from their tools, when it drew them to, however fast the engine is. It was sized on machines
 where a first turn takes ~0.2 s and a resume ~30 ms. On one several times slower the turns
 queue behind each other (on a machine 2-5x slower per token: first turns' TTFT p50
@@ -165,6 +178,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loadtests.agent_calibration import (
+    DESIGN,
+    DESIGN_LINK_BYTES_PER_S,
+    GPU_HBM_BYTES_PER_S,
+    GPU_NVME_BYTES_PER_S,
+    GPU_PCIE_BYTES_PER_S,
+    Calibration,
+    MachineSpeed,
+    calibrate,
+    measure_machine,
+)
 from loadtests.bench_engine import BENCH_CONFIG
 from loadtests.busy import add_busy_flag, busy_core
 
@@ -184,13 +208,9 @@ WORKLOAD_MODEL_CONFIG = {
 # checksums, as the engine moves pages (O_DIRECT NVMe; memcpy for DRAM).
 CPU_FLOPS_PER_S = 30e9
 CPU_LINK_BYTES_PER_S = {"nvme": 0.5e9, "dram": 8e9}
-# Link emulation (module doc): a GPU's bandwidths, and this machine's stand-in for its HBM.
-GPU_HBM_BYTES_PER_S, GPU_PCIE_BYTES_PER_S, GPU_NVME_BYTES_PER_S = 3e12, 25e9, 7e9
-HOST_MEMCPY_BYTES_PER_S = 28e9  # measured here: torch copy_ of 256 MiB fp32, one thread
-EMULATED_LINK_BYTES_PER_S = {
-    "dram": HOST_MEMCPY_BYTES_PER_S * GPU_PCIE_BYTES_PER_S / GPU_HBM_BYTES_PER_S,  # 233 MB/s
-    "nvme": HOST_MEMCPY_BYTES_PER_S * GPU_NVME_BYTES_PER_S / GPU_HBM_BYTES_PER_S,  # 65 MB/s
-}
+# Link emulation (module doc): a GPU's link-to-HBM ratios at the design machine's memcpy.
+EMULATED_LINK_BYTES_PER_S = DESIGN_LINK_BYTES_PER_S  # dram 233 MB/s, nvme 65 MB/s
+DEFAULT_SEEDS = (0, 1, 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1072,7 +1092,8 @@ def emulated_link_summary(spec: WorkloadSpec) -> dict[str, Any] | None:
         "bytes_per_s": spec.emulated_links(),
         "slow_down": spec.slow_down,
         "gpu_ratio": {"hbm": GPU_HBM_BYTES_PER_S, "pcie": GPU_PCIE_BYTES_PER_S, "nvme": GPU_NVME_BYTES_PER_S},
-        "host_memcpy_bytes_per_s": HOST_MEMCPY_BYTES_PER_S,
+        # The memcpy these rates are scaled to (the DRAM link's share of a GPU's HBM bandwidth).
+        "host_memcpy_bytes_per_s": spec.emulated_link_bytes_per_s["dram"] * GPU_HBM_BYTES_PER_S / GPU_PCIE_BYTES_PER_S,
         "is_default_ratio": spec.emulated_link_bytes_per_s == EMULATED_LINK_BYTES_PER_S,
     }
 
@@ -1266,7 +1287,7 @@ def write_plot(result: dict[str, Any], path: Path) -> list[Path]:
     return [path, cdf_path]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--plot", type=Path,
@@ -1285,23 +1306,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lower-tier", choices=LOWER_TIERS, default="nvme",
                         help="the tiered policies' tier below HBM (default nvme: see the module doc)")
     seeds = parser.add_mutually_exclusive_group()
-    seeds.add_argument("--seed", type=int, default=0, help="workload seed")
+    seeds.add_argument("--seed", type=int, help="one workload seed")
     seeds.add_argument("--seeds", type=parse_seeds, metavar="N,M,...",
-                       help="run each of these seeds in turn and report each and the median (module doc)")
+                       help="run each of these seeds in turn and report each, the median and the pool "
+                            f"(module doc; default {','.join(map(str, DEFAULT_SEEDS))})")
     link = parser.add_mutually_exclusive_group()
     link.add_argument("--emulate-link", action="store_true",
-                      help="emulate a GPU's PCIe and NVMe links at this machine's scale (module doc)")
+                      help="emulate a GPU's PCIe and NVMe links at the design machine's scale (module doc; "
+                           "what the calibration sets, here for runs with --no-calibrate or --slow-down)")
     link.add_argument("--link-gbps", type=parse_link_gbps, metavar="DRAM,NVME",
                       help="emulate HBM<->DRAM and HBM<->NVMe links at these GB/s")
     parser.add_argument("--inline-clients", action="store_true",
                         help="run the agents on the controller's event loop (module doc)")
-    parser.add_argument("--slow-down", type=parse_slow_down, metavar="F", default=1.0,
-                        help="play the same workload F times slower, for a machine whose engine is that much "
-                             "slower than the one it was designed on (module doc); default 1")
+    parser.add_argument("--slow-down", type=parse_slow_down, metavar="F",
+                        help="play the same workload F times slower instead of the factor the calibration "
+                             "measures (module doc)")
+    parser.add_argument("--no-calibrate", action="store_true",
+                        help="play the workload as designed (slow-down 1 unless --slow-down) over the machine's own "
+                             "links (unless --emulate-link or --link-gbps); nothing measured at start")
     parser.add_argument("--records", type=Path,
                         help="write every turn's record and every closed pause, per policy, to this JSON file")
     add_busy_flag(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def spec_from_args(args: argparse.Namespace, measure: Callable[[WorkloadSpec], MachineSpeed]) -> tuple[
+        WorkloadSpec, dict[str, Any] | None]:
+    """The run's spec from the command line, and what calibrated it (None: nothing measured).
+
+    By default the slow-down and the emulated links come from ``calibrate(measure(spec))``
+    (``loadtests/agent_calibration.py``); ``--slow-down`` and ``--emulate-link`` /
+    ``--link-gbps`` override their part, and ``measure`` runs only if some part is left to it.
+    """
     spec = WorkloadSpec.quick() if args.quick else WorkloadSpec()
     spec.lower_tier = args.lower_tier
     if args.hbm_sessions is not None:
@@ -1309,13 +1345,55 @@ def main(argv: list[str] | None = None) -> int:
     if args.tools is not None:
         spec.tools = args.tools
     spec.hold_fraction = args.hold_fraction
-    spec.slow_down = args.slow_down
     if args.margin_ms is not None:
         spec.margin_ms = args.margin_ms
     if args.emulate_link:
         spec.emulated_link_bytes_per_s = dict(EMULATED_LINK_BYTES_PER_S)
     elif args.link_gbps is not None:
         spec.emulated_link_bytes_per_s = args.link_gbps
+    links_given = args.emulate_link or args.link_gbps is not None
+    spec.slow_down = args.slow_down if args.slow_down is not None else 1.0
+    if args.no_calibrate or (links_given and args.slow_down is not None):
+        return spec, None
+    measured = measure(spec)
+    derived: Calibration = calibrate(measured)
+    if args.slow_down is None:
+        spec.slow_down = derived.slow_down
+    if not links_given:
+        spec.emulated_link_bytes_per_s = dict(derived.emulated_link_bytes_per_s)
+    return spec, {"measured": measured._asdict(), "design": DESIGN._asdict(), "derived": derived._asdict(),
+                  "overridden": [flag for flag, given in (("--slow-down", args.slow_down is not None),
+                                                          ("links", links_given)) if given]}
+
+
+def measure_for(spec: WorkloadSpec) -> MachineSpeed:
+    """``measure_machine`` on the workload's model with a session's first context and a resume's tokens."""
+    return measure_machine(WORKLOAD_MODEL_CONFIG, context_tokens=spec.system_prompt_tokens + spec.user_tokens,
+                           resume_tokens=spec.max_tokens + spec.tool_result_tokens, page_size=spec.page_size,
+                           repeats=3)
+
+
+def calibration_line(calibration: dict[str, Any]) -> str:
+    m, d = calibration["measured"], calibration["derived"]
+    links = d["emulated_link_bytes_per_s"]
+    return (f"calibrated: first turn {m['first_turn_ms']:.0f} ms, resume {m['resume_ms']:.0f} ms "
+            f"-> slow-down {d['slow_down']:g}, links dram "
+            f"{links['dram'] / 1e6:.0f} MB/s, nvme {links['nvme'] / 1e6:.0f} MB/s (before the slow-down)"
+            + (f"; overridden: {', '.join(calibration['overridden'])}" if calibration["overridden"] else ""))
+
+
+def seeds_of(args: argparse.Namespace) -> list[int] | None:
+    """The seeds to run and pool: ``--seeds``, or ``DEFAULT_SEEDS`` when no seed is named; None
+    for one ``--seed``."""
+    if args.seeds is not None:
+        return args.seeds
+    return None if args.seed is not None else list(DEFAULT_SEEDS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.seeds = seeds_of(args)
     policies = tuple(p for p in args.policies.split(",") if p)
     unknown = set(policies) - set(POLICIES)
     if unknown:
@@ -1325,6 +1403,10 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
+    with busy_core(args.busy):  # a busy machine is measured busy
+        spec, calibration = spec_from_args(args, measure_for)
+    if calibration is not None:
+        log(calibration_line(calibration))
     results: dict[int, dict[str, Any]] = {}
     for seed in args.seeds or [args.seed]:
         spec.seed = seed
@@ -1334,6 +1416,7 @@ def main(argv: list[str] | None = None) -> int:
             results[seed] = asyncio.run(run_all(spec, policies, log=log, keep_turns=args.records is not None,
                                                 inline_clients=args.inline_clients))
         results[seed]["busy"] = args.busy
+        results[seed]["calibration"] = calibration
         saturated = [name for name, flag in results[seed]["saturated"].items() if flag]
         if saturated:
             log(f"{SATURATED_WARNING}: {', '.join(saturated)}")
@@ -1350,11 +1433,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     summary = across_seeds(results)
     if args.json:
-        print(json.dumps({**summary, "runs": [results[seed] for seed in summary["seeds"]]}, indent=2, default=str))
+        print(json.dumps({**summary, "calibration": calibration, "runs": [results[seed] for seed in summary["seeds"]]},
+                         indent=2, default=str))
     else:
         for seed in summary["seeds"]:
             print(f"--- seed {seed}\n{table(results[seed])}")
         print(seeds_table(summary))
+        if calibration is not None:
+            print(calibration_line(calibration))
     return 0
 
 

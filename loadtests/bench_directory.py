@@ -8,10 +8,16 @@ Starts its own valkey-server on loopback (``kvtier.runtime.embedded_redis``) and
 * PING p50/p99 — the floor any single round trip pays from this client;
 * ``lookup`` p50/p99 of 64-page prefixes (full hits, one worker) at 10k and at N entries
   (default 1M), interleaved block by block with PING so machine noise hits both alike; the
-  headline ratio is the median over rounds of (lookup p50 / PING p50) of back-to-back blocks;
+  headline ratio is the median over rounds of (lookup p50 / PING p50) of back-to-back blocks,
+  printed with its range;
 * batched ingest: page events per second through ``apply_events`` (4096-event INSERT batches,
-  one batch in flight, Python-side packing included), measured while loading the N entries;
-* bytes per (page, holder) entry: ``used_memory`` growth / entries while loading.
+  one batch in flight, Python-side packing included), measured while loading the N entries.
+  Each batch alternates with its raw baseline: the same entries written as one HSET of the
+  directory's page values (16-byte field, 29-byte value) and one SADD of the keys, pipelined in
+  one round trip, its arguments built before the clock starts. The machine's limit for those bytes; the
+  ratio (ingest rate / raw rate per back-to-back pair) is printed as a median with its range;
+* bytes per (page, holder) entry: ``used_memory`` growth / entries while loading, less what
+  the raw baseline's keys hold (``MEMORY USAGE ... SAMPLES 0``).
 
 Targets (issue 5): lookup p50 <= 1.5x PING p50; ingest >= 50k events/s; lookup p50 at 1M
 <= 1.2x at 10k; <= 250 bytes per entry. Loops are bounded by count and by time.
@@ -76,6 +82,10 @@ async def timed_block(op: Callable[[], Awaitable[object]], count: int, max_s: fl
     return samples
 
 
+def median_range(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 async def ping_vs_lookup(client: aredis.Redis, directory: Directory, queries: list[list[bytes]],
                          rounds: int, per_round: int) -> dict[str, float]:
     """Alternating blocks of PING and lookup; returns p50/p99 in microseconds."""
@@ -99,23 +109,57 @@ async def ping_vs_lookup(client: aredis.Redis, directory: Directory, queries: li
     us = 1e6
     return {"ping_p50_us": percentile(pings, 0.5) * us, "ping_p99_us": percentile(pings, 0.99) * us,
             "lookup_p50_us": percentile(lookups, 0.5) * us, "lookup_p99_us": percentile(lookups, 0.99) * us,
-            "lookup_over_ping_median_of_rounds": statistics.median(ratios)}
+            "lookup_over_ping_median_of_rounds": statistics.median(ratios),
+            "lookup_over_ping_min": min(ratios), "lookup_over_ping_max": max(ratios)}
 
 
-async def load_chains(directory: Directory, first_chain: int, num_chains: int, seq: list[int]) -> float:
-    """Inserts chains in 4096-event batches; returns seconds spent inside apply_events."""
-    spent = 0.0
+RAW_HASH, RAW_SET = "bench:raw:pages", "bench:raw:index"
+RAW_VALUE = bytes(16) + bytes(13)  # a page value's size: parent key + one holder record
+
+
+def raw_commands(events: list[PageEvent]) -> tuple[tuple[object, ...], tuple[object, ...]]:
+    """The raw baseline of one batch: its entries as one HSET and one SADD (module docstring)."""
+    fields: list[object] = []
+    for e in events:
+        fields += (e.page_key, RAW_VALUE)
+    return ("HSET", RAW_HASH, *fields), ("SADD", RAW_SET, *(e.page_key for e in events))
+
+
+async def raw_write(client: aredis.Redis, commands: tuple[tuple[object, ...], ...]) -> float:
+    async with client.pipeline(transaction=False) as pipe:
+        for command in commands:
+            pipe.execute_command(*command)
+        t0 = time.perf_counter()
+        await pipe.execute()
+        return time.perf_counter() - t0
+
+
+async def load_chains(directory: Directory, first_chain: int, num_chains: int, seq: list[int],
+                      raw: aredis.Redis | None = None) -> tuple[float, float, list[float]]:
+    """Inserts chains in 4096-event batches, each followed (or preceded, alternately) by its raw
+    baseline when ``raw`` is given. Returns seconds inside apply_events, seconds of the raw
+    writes, and (ingest rate / raw rate) per batch."""
+    spent = raw_spent = 0.0
+    ratios: list[float] = []
     per_batch = BATCH // DEPTH
-    for start in range(first_chain, first_chain + num_chains, per_batch):
+    for n, start in enumerate(range(first_chain, first_chain + num_chains, per_batch)):
         events: list[PageEvent] = []
         for chain_id in range(start, min(start + per_batch, first_chain + num_chains)):
             events += chain_events(chain_id, chain_keys(chain_id))
+        commands = raw_commands(events) if raw is not None else ()
+        raw_s = await raw_write(raw, commands) if raw is not None and n % 2 else 0.0
         seq[0] += 1
         t0 = time.perf_counter()
         result = await directory.apply_events(WORKER, seq[0], events)
-        spent += time.perf_counter() - t0
+        apply_s = time.perf_counter() - t0
         assert result.outcome is Outcome.OK and result.num_applied == len(events), result
-    return spent
+        if raw is not None and not n % 2:
+            raw_s = await raw_write(raw, commands)
+        spent += apply_s
+        raw_spent += raw_s
+        if raw is not None:
+            ratios.append(raw_s / apply_s)  # equal batch sizes: rate ratio = time ratio inverted
+    return spent, raw_spent, ratios
 
 
 async def run(num_entries: int, rounds: int, per_round: int) -> dict[str, float | int | bool]:
@@ -134,8 +178,10 @@ async def run(num_entries: int, rounds: int, per_round: int) -> dict[str, float 
 
             big_chains = max(num_entries // DEPTH - small_chains, 0)
             mem_before = (await client.info("memory"))["used_memory"]
-            load_s = await load_chains(directory, small_chains, big_chains, seq)
-            mem_after = (await client.info("memory"))["used_memory"]
+            load_s, raw_s, ingest_ratios = await load_chains(directory, small_chains, big_chains, seq, raw=client)
+            raw_bytes = sum([await client.memory_usage(k, samples=0) or 0 for k in (RAW_HASH, RAW_SET)])
+            mem_after = (await client.info("memory"))["used_memory"] - raw_bytes
+            await client.unlink(RAW_HASH, RAW_SET)
             stats = await directory.stats(NS)
             num_chains = small_chains + big_chains
             queries = [chain_keys(c) for c in random.Random(3).sample(range(num_chains), min(2000, num_chains))]
@@ -148,6 +194,8 @@ async def run(num_entries: int, rounds: int, per_round: int) -> dict[str, float 
         # Median over rounds of (lookup p50 / PING p50) in back-to-back blocks: robust to drift.
         "lookup_p50_over_ping": small["lookup_over_ping_median_of_rounds"],
         "ingest_events_per_s": loaded / load_s if load_s else 0.0,
+        "raw_hset_events_per_s": loaded / raw_s if raw_s else 0.0,
+        **{f"ingest_over_raw_{k}": v for k, v in (median_range(ingest_ratios) if ingest_ratios else {}).items()},
         "lookup_p50_1m_over_10k": big["lookup_p50_us"] / small["lookup_p50_us"],
         "bytes_per_entry": (mem_after - mem_before) / loaded if loaded else 0.0,
         "lookup_p50_1m_over_10k_ping_normalized": (big["lookup_p50_us"] / big["ping_p50_us"])
@@ -155,6 +203,8 @@ async def run(num_entries: int, rounds: int, per_round: int) -> dict[str, float 
         "num_entries": stats.num_entries,
         "num_entries_small": small_chains * DEPTH,
         "prefix_pages": DEPTH,
+        "rounds": rounds,
+        "num_ingest_batches": len(ingest_ratios),
         "load_seconds": load_s,
         "used_memory_delta_bytes": mem_after - mem_before,
         "wall_seconds": time.perf_counter() - wall_start,
@@ -184,11 +234,17 @@ def main() -> None:
     print(f"PING p50/p99 (10k): {r['small_ping_p50_us']:.1f}/{r['small_ping_p99_us']:.1f} us")
     print(f"lookup {DEPTH} pages p50/p99 at {r['num_entries_small']:,} entries: "
           f"{r['small_lookup_p50_us']:.1f}/{r['small_lookup_p99_us']:.1f} us "
-          f"(median per-round ratio {r['lookup_p50_over_ping']:.2f}x PING; target <= 1.5)")
+          f"(median per-round ratio {r['lookup_p50_over_ping']:.2f}x PING, range "
+          f"{r['small_lookup_over_ping_min']:.2f}-{r['small_lookup_over_ping_max']:.2f} over "
+          f"{r['rounds']} rounds; target <= 1.5)")
     print(f"lookup p50/p99 at {r['num_entries']:,} entries: {r['big_lookup_p50_us']:.1f}/"
           f"{r['big_lookup_p99_us']:.1f} us = {r['lookup_p50_1m_over_10k']:.2f}x the 10k p50 "
           f"({r['lookup_p50_1m_over_10k_ping_normalized']:.2f}x PING-normalized; target <= 1.2)")
-    print(f"ingest: {r['ingest_events_per_s']:,.0f} page events/s (target >= 50,000)")
+    print(f"ingest: {r['ingest_events_per_s']:,.0f} page events/s (target >= 50,000); raw HSET+SADD of the "
+          f"same entries {r['raw_hset_events_per_s']:,.0f}/s")
+    if "ingest_over_raw_median" in r:
+        print(f"  ingest / raw per interleaved batch: median {r['ingest_over_raw_median']:.2f}, range "
+              f"{r['ingest_over_raw_min']:.2f}-{r['ingest_over_raw_max']:.2f} over {r['num_ingest_batches']} batches")
     print(f"memory: {r['bytes_per_entry']:.0f} bytes per (page, holder) entry (target <= 250)")
     met = [k for k in TARGETS if r[k + "_ok"]]
     print(f"wall time {r['wall_seconds']:.1f} s; targets met: {len(met)}/{len(TARGETS)}")

@@ -10,8 +10,10 @@ import pytest
 
 from kvtier.controller.prefetch import Outcome, PauseOutcome, PrefetchStats
 from kvtier.domain.tiers import Tier
+from loadtests.agent_calibration import MachineSpeed, calibrate
 from loadtests.agent_workload import (
     CPU_LINK_BYTES_PER_S,
+    DEFAULT_SEEDS,
     EMULATED_LINK_BYTES_PER_S,
     WORKLOAD_MODEL_CONFIG,
     TurnRecord,
@@ -19,6 +21,7 @@ from loadtests.agent_workload import (
     _page_bytes,
     _policy_options,
     across_seeds,
+    build_parser,
     emulated_link_summary,
     hbm_pages_for,
     headline,
@@ -35,7 +38,9 @@ from loadtests.agent_workload import (
     pct,
     prefetch_summary,
     saturation,
+    seeds_of,
     seeds_table,
+    spec_from_args,
     summarize,
     targets,
     tenant_tools,
@@ -452,3 +457,44 @@ def test_a_run_whose_first_turns_queue_past_half_the_start_window_is_flagged_sat
     assert summary["saturated_seeds"] == [1]
     assert "ENGINE SATURATED" in seeds_table(summary) and "in seeds 1" in seeds_table(summary)
     assert "ENGINE SATURATED" not in seeds_table(across_seeds({0: run({"kvtier": False})}))
+
+
+def test_the_default_command_line_plays_the_workload_calibrated_to_this_machine() -> None:
+    """No flags: the slow-down and the emulated links come from the calibration of what the
+    engine measured; --slow-down and --emulate-link / --link-gbps override their part, and the
+    machine is measured only when some part is left to the calibration."""
+    slow = MachineSpeed(first_turn_ms=1200.0, resume_ms=90.0)
+    derived = calibrate(slow)
+    probes: list[int] = []
+
+    def measure(spec: WorkloadSpec) -> MachineSpeed:
+        probes.append(spec.user_tokens)  # the workload's own geometry is what gets measured
+        return slow
+
+    def never(spec: WorkloadSpec) -> MachineSpeed:
+        raise AssertionError("nothing was left to measure")
+
+    spec, calibration = spec_from_args(build_parser().parse_args([]), measure)
+    assert probes == [WorkloadSpec().user_tokens]
+    assert spec.slow_down == derived.slow_down == 6.0
+    assert spec.emulated_link_bytes_per_s == derived.emulated_link_bytes_per_s
+    assert spec.emulated_links() == pytest.approx({t: r / 6.0 for t, r in derived.emulated_link_bytes_per_s.items()})
+    assert calibration["measured"] == slow._asdict() and calibration["overridden"] == []
+    quick, _ = spec_from_args(build_parser().parse_args(["--quick"]), measure)
+    assert probes[-1] == WorkloadSpec.quick().user_tokens and quick.slow_down == 6.0
+
+    spec, calibration = spec_from_args(build_parser().parse_args(["--slow-down", "2"]), measure)
+    assert spec.slow_down == 2.0 and spec.emulated_link_bytes_per_s == derived.emulated_link_bytes_per_s
+    assert calibration["overridden"] == ["--slow-down"]
+    spec, calibration = spec_from_args(build_parser().parse_args(["--emulate-link"]), measure)
+    assert spec.slow_down == 6.0 and spec.emulated_link_bytes_per_s == EMULATED_LINK_BYTES_PER_S
+    assert calibration["overridden"] == ["links"]
+    spec, calibration = spec_from_args(build_parser().parse_args(["--link-gbps", "1,0.5", "--slow-down", "3"]), never)
+    assert (spec.slow_down, spec.emulated_link_bytes_per_s, calibration) == (3.0, {"dram": 1e9, "nvme": 0.5e9}, None)
+    spec, calibration = spec_from_args(build_parser().parse_args(["--no-calibrate"]), never)
+    assert (spec.slow_down, spec.emulated_link_bytes_per_s, calibration) == (1.0, None, None)
+
+    # ... pooled over several seeds unless one is named.
+    assert seeds_of(build_parser().parse_args([])) == list(DEFAULT_SEEDS) and len(DEFAULT_SEEDS) >= 3
+    assert seeds_of(build_parser().parse_args(["--seeds", "5,6"])) == [5, 6]
+    assert seeds_of(build_parser().parse_args(["--seed", "4"])) is None

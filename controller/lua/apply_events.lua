@@ -44,15 +44,39 @@ local function held_mask(node)
 end
 
 local n = #blob / 40
+-- One pass reads every event's fields and lists every page value the loop can read (each
+-- event's key and an insert's parent), which preload fetches in a few calls.
+local keys, parents, wanted = {}, {}, {}
 for i = 1, n do
   local o = (i - 1) * 40
-  local kind, tier, from, flags = string.byte(blob, o + 1, o + 4)
-  local depth = struct.unpack('<i4', blob, o + 5)
-  local key = string.sub(blob, o + 9, o + 24)
+  local kind, _, _, flags = string.byte(blob, o + 1, o + 4)
+  if bit.band(flags, 2) == 0 then
+    local key = string.sub(blob, o + 9, o + 24)
+    keys[i] = key
+    wanted[#wanted + 1] = key
+    if kind == 1 and bit.band(flags, 1) ~= 0 then
+      local parent = string.sub(blob, o + 25, o + 40)
+      parents[i] = parent
+      if parent ~= root then
+        wanted[#wanted + 1] = parent
+      end
+    end
+  end
+end
+preload(b, wanted)
+
+for i = 1, n do
+  local o = (i - 1) * 40
+  local kind, tier, from, flags, d0, d1, d2, d3 = string.byte(blob, o + 1, o + 8)
+  local depth = d0 + 256 * d1 + 65536 * d2 + 16777216 * d3
+  if depth >= 2147483648 then
+    depth = depth - 4294967296  -- i32, two's complement
+  end
+  local key = keys[i]
   if bit.band(flags, 2) ~= 0 then
     reject(i, 'bad_key')
   elseif kind == 1 then
-    local parent = bit.band(flags, 1) ~= 0 and string.sub(blob, o + 25, o + 40) or NO_PARENT
+    local parent = parents[i] or NO_PARENT
     if depth == 1 and parent == root then
       parent = NO_PARENT
     end

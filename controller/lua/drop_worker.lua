@@ -22,8 +22,7 @@ for _, key in ipairs(redis.call('SRANDMEMBER', b.index, budget)) do
     end
     set_mask(b, key, node, 0, true)
   else
-    redis.call('SREM', b.index, key)
-    b.unindexed = true
+    index_member(b, key, false)
   end
 end
 flush(b)

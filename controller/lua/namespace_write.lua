@@ -16,6 +16,7 @@ local function fence_ok(token)
   return true
 end
 
+-- Little-endian u24 as 3 bytes.
 local function p24(x)
   return string.char(x % 256, math.floor(x / 256) % 256, math.floor(x / 65536))
 end
@@ -29,40 +30,113 @@ local function decode(v)
   return {parent = string.sub(v, 1, 16), recs = recs}
 end
 
+-- One 13-byte holder record (layout in namespace_keys.lua), built in one call.
+local function record(w, r)
+  local floor = math.floor
+  local c1, c2, c3 = r[2], r[3], r[4]
+  return string.char(w % 256, floor(w / 256) % 256, floor(w / 65536), r[1],
+                     c1 % 256, floor(c1 / 256) % 256, floor(c1 / 65536),
+                     c2 % 256, floor(c2 / 256) % 256, floor(c2 / 65536),
+                     c3 % 256, floor(c3 / 256) % 256, floor(c3 / 65536))
+end
+
 local function encode(node)
-  local wids = {}
-  for w in pairs(node.recs) do
-    wids[#wids + 1] = w
-  end
-  if #wids == 0 then
+  local recs = node.recs
+  local w, r = next(recs)
+  if w == nil then
     return nil
+  end
+  if next(recs, w) == nil then  -- one holder: the common case, without sorting
+    return node.parent .. record(w, r)
+  end
+  local wids = {}
+  for wid in pairs(recs) do
+    wids[#wids + 1] = wid
   end
   table.sort(wids)
   local parts = {node.parent}
-  for _, w in ipairs(wids) do
-    local r = node.recs[w]
-    parts[#parts + 1] = p24(w) .. string.char(r[1]) .. p24(r[2]) .. p24(r[3]) .. p24(r[4])
+  for _, wid in ipairs(wids) do
+    parts[#parts + 1] = record(wid, recs[wid])
   end
   return table.concat(parts)
 end
 
--- A write batch: decoded nodes cached by key, written back once by flush().
+-- Fields per multi-argument command (HMGET, HSET, SADD, SREM): well under the Lua C stack
+-- limit that unpack() hits near 8000 values.
+local CHUNK = 1000
+
+-- A write batch: decoded nodes cached by key, written back once by flush(). Page values and
+-- the worker's index set are only read before flush() writes them, so reading values ahead
+-- (preload) and deferring index changes to flush (members: key -> present) leave every result
+-- as if each call had gone to Redis in event order, at a few calls per batch instead of three
+-- per event.
 local function new_batch(epoch, wid)
   return {
     epoch = epoch, wid = wid, pages = nskey('p:' .. epoch), index = nskey('w:' .. epoch .. ':' .. wid),
-    nodes = {}, dirty = {}, tiers = {0, 0, 0}, entries = 0, pages_held = 0, orphans = 0, inversions = 0,
-    indexed = false, unindexed = false,
+    nodes = {}, raw = {}, dirty = {}, members = {}, tiers = {0, 0, 0}, entries = 0, pages_held = 0,
+    orphans = 0, inversions = 0, indexed = false, unindexed = false,
   }
+end
+
+-- Reads the page values of `keys` (a list, duplicates allowed) in a few HMGETs.
+local function preload(b, keys)
+  local want, seen = {}, {}
+  for _, key in ipairs(keys) do
+    if b.nodes[key] == nil and b.raw[key] == nil and not seen[key] then
+      seen[key] = true
+      want[#want + 1] = key
+    end
+  end
+  for first = 1, #want, CHUNK do
+    local last = math.min(first + CHUNK - 1, #want)
+    local got = redis.call('HMGET', b.pages, unpack(want, first, last))
+    for j = first, last do
+      b.raw[want[j]] = got[j - first + 1]  -- false when absent
+    end
+  end
 end
 
 local function load_node(b, key)
   local node = b.nodes[key]
   if node == nil then
-    local v = redis.call('HGET', b.pages, key)
+    local v = b.raw[key]
+    if v == nil then
+      v = redis.call('HGET', b.pages, key)
+    end
     node = v and decode(v) or false
     b.nodes[key] = node
   end
   return node or nil
+end
+
+-- Records that `key` is (present) or is not in the worker's index set; flush() writes it.
+local function index_member(b, key, present)
+  b.members[key] = present
+  if present then
+    b.indexed = true
+  else
+    b.unindexed = true
+  end
+end
+
+-- Runs `command key fields...` over `fields` in chunks (`step` values per field).
+local function call_chunked(command, key, fields, step)
+  local per = CHUNK * step
+  for first = 1, #fields, per do
+    redis.call(command, key, unpack(fields, first, math.min(first + per - 1, #fields)))
+  end
+end
+
+-- Tier mask -> {1 if a copy is in tier t else 0, for t = 1..3}.
+local IN_TIER = {[0] = {0, 0, 0}, {1, 0, 0}, {0, 1, 0}, {1, 1, 0}, {0, 0, 1}, {1, 0, 1}, {0, 1, 1}, {1, 1, 1}}
+
+-- What a record's held children add to (inversions, orphans) while the record's fastest tier
+-- is `f`: children in a faster tier are inversions; with no copy (f = 0) all are orphans.
+local function child_terms(rec, f)
+  if f == 0 then
+    return 0, rec[2] + rec[3] + rec[4]
+  end
+  return (f >= 2 and rec[2] or 0) + (f >= 3 and rec[3] or 0), 0
 end
 
 -- Sets the batch worker's tier mask on `key` (node must exist) and keeps every counter exact.
@@ -73,18 +147,16 @@ local function set_mask(b, key, node, new_mask, purge)
   if not rec then
     rec = {0, 0, 0, 0}
     node.recs[wid] = rec
-    redis.call('SADD', b.index, key)
-    b.indexed = true
+    index_member(b, key, true)
   end
   local old_mask = rec[1]
   local f_old, f_new = FASTEST[old_mask], FASTEST[new_mask]
   rec[1] = new_mask
   b.dirty[key] = true
-  for t = 1, 3 do
-    local bitv = bit.lshift(1, t - 1)
-    local was, now = bit.band(old_mask, bitv) ~= 0, bit.band(new_mask, bitv) ~= 0
-    if was ~= now then
-      b.tiers[t] = b.tiers[t] + (now and 1 or -1)
+  if old_mask ~= new_mask then
+    local was, now, tiers = IN_TIER[old_mask], IN_TIER[new_mask], b.tiers
+    for t = 1, 3 do
+      tiers[t] = tiers[t] + now[t] - was[t]
     end
   end
   if f_old ~= f_new then
@@ -131,41 +203,43 @@ local function set_mask(b, key, node, new_mask, purge)
         b.dirty[node.parent] = true
         if prec[1] == 0 and prec[2] + prec[3] + prec[4] == 0 then
           pnode.recs[wid] = nil  -- a ghost whose last child left
-          redis.call('SREM', b.index, node.parent)
-          b.unindexed = true
+          index_member(b, node.parent, false)
         end
       end
     end
     -- The edges to this page's own held children.
-    local c1, c2, c3 = rec[2], rec[3], rec[4]
-    local function terms(f)
-      if f == 0 then
-        return 0, c1 + c2 + c3
-      end
-      return (f >= 2 and c1 or 0) + (f >= 3 and c2 or 0), 0
-    end
-    local inv_old, orph_old = terms(f_old)
-    local inv_new, orph_new = terms(f_new)
+    local inv_old, orph_old = child_terms(rec, f_old)
+    local inv_new, orph_new = child_terms(rec, f_new)
     b.inversions = b.inversions + inv_new - inv_old
     b.orphans = b.orphans + orph_new - orph_old
   end
   -- A purged record's children stay counted as orphans until they are removed themselves.
   if new_mask == 0 and (purge or rec[2] + rec[3] + rec[4] == 0) then
     node.recs[wid] = nil
-    redis.call('SREM', b.index, key)
-    b.unindexed = true
+    index_member(b, key, false)
   end
 end
 
 local function flush(b)
+  local added, removed = {}, {}
+  for key, present in pairs(b.members) do
+    local list = present and added or removed
+    list[#list + 1] = key
+  end
+  call_chunked('SADD', b.index, added, 1)
+  call_chunked('SREM', b.index, removed, 1)
+  local set, gone = {}, {}
   for key in pairs(b.dirty) do
     local v = encode(b.nodes[key])
     if v then
-      redis.call('HSET', b.pages, key, v)
+      set[#set + 1] = key
+      set[#set + 1] = v
     else
-      redis.call('HDEL', b.pages, key)
+      gone[#gone + 1] = key
     end
   end
+  call_chunked('HSET', b.pages, set, 2)
+  call_chunked('HDEL', b.pages, gone, 1)
   local counts = nskey('c:' .. b.epoch)
   for t = 1, 3 do
     if b.tiers[t] ~= 0 then
