@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.cache.eviction import POLICY_NAMES, CostModel, ValuePolicy, make_policy
+from kvtier.cache.eviction import POLICY_NAMES, CostModel, ExpertPolicy, ValuePolicy, make_policy
 from kvtier.cache.page_pool import PagePool, PoolGeometry
 from kvtier.cache.radix import LRUPolicy, RadixIndex, RadixNode
 from kvtier.domain.errors import InvalidArgument
@@ -177,11 +177,12 @@ def test_cost_model_errors_name_the_field():
 
 
 def test_make_policy_by_name():
-    assert POLICY_NAMES == ("lru", "value")
+    assert POLICY_NAMES == ("lru", "value", "experts")
     assert isinstance(make_policy("lru"), LRUPolicy)
     policy = make_policy("Value", tiers=[Tier.HBM, Tier.NVME], default_weight=2.0)
     assert isinstance(policy, ValuePolicy) and policy.default_weight == 2.0
-    with pytest.raises(InvalidArgument, match="choose one of lru, value"):
+    assert isinstance(make_policy("experts", capacity_pages=10), ExpertPolicy)
+    with pytest.raises(InvalidArgument, match="choose one of lru, value, experts"):
         make_policy("lfu")
     with pytest.raises(InvalidArgument, match="'lru'"):
         make_policy("lru", tiers=[Tier.HBM])
@@ -268,7 +269,11 @@ class Driver:
     def __init__(self, policy: str, dram: int, nvme: int) -> None:
         self.clock = Clock()
         tiers = [Tier.HBM] + [t for t, n in ((Tier.DRAM, dram), (Tier.NVME, nvme)) if n]
-        params = {"cost": unit_cost(), "tiers": tiers} if policy == "value" else {}
+        params = {
+            "lru": {},
+            "value": {"cost": unit_cost(), "tiers": tiers},
+            "experts": {"cost": unit_cost(), "tiers": tiers, "capacity_pages": 6 + dram + nvme},
+        }[policy]
         self.index = RadixIndex(PagePool(6, PoolGeometry(1, 1, 1, 1)), make_policy(policy, **params), clock=self.clock)
         config = TierConfig(dram_pages=dram, nvme_slots=nvme, simulate=True)
         self.tiers = TierManager(self.index, config) if dram or nvme else None
@@ -344,7 +349,7 @@ class Driver:
             self.tiers.close()
 
 
-@pytest.mark.parametrize("policy", ["value", "lru"])
+@pytest.mark.parametrize("policy", ["value", "lru", "experts"])
 @pytest.mark.parametrize("dram,nvme", [(0, 0), (3, 3)])
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(OPS, max_size=40))
