@@ -192,8 +192,8 @@ class ExpertLearner:
         self._sample_below = round(self.sample_rate * 65536)
         sampled = max(1, round(capacity_pages * self.sample_rate))
         self.miniatures = [MiniatureCache(sampled) for _ in self.experts]
-        # A loss is a moving miss rate over about eight miniature turnovers of sampled uses.
-        window = loss_window or 8 * sampled
+        # A loss is a moving miss rate over about two miniature turnovers of sampled uses.
+        window = loss_window or 2 * sampled
         self._loss_step = 1.0 / max(1, window)
         self.losses = [0.0] * len(self.experts)
         # Scores stay within one capacity of ticks of ``last`` (``expert_scores``), and a
