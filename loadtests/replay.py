@@ -1,6 +1,6 @@
 """Trace replay of the eviction and tier policies: share of block references served from cache.
 
-    python -m loadtests.replay [--trace FILE] [--policy lru|kvtier]
+    python -m loadtests.replay [--trace FILE] [--policy lru|kvtier|value|experts]
         [--hbm-blocks N --dram-blocks N --nvme-blocks N] [--json]
     python -m loadtests.replay [--trace FILE] --sweep [--plot PATH] [--json]
 
@@ -30,7 +30,13 @@ first), which knows the future: how much any online policy could still gain.
 
 Besides the hit rate, ``compute_saved`` is the share of prefill FLOP-seconds the served
 blocks avoid (``CostModel``: a deep block costs more to recompute than a shallow one),
-which is what the value policy weighs.
+which is what the value policy weighs, and ``restore_saved_s`` is that time less the
+transfers that brought lower-tier hits back.
+
+Belady under these rules (one tier, a request holds its blocks, leaves first) equals a
+brute-force optimum on small traces (``tests/test_belady.py``). ``loadtests.replay_report``
+runs every trace (this one and ``loadtests.workloads``') against LRU, Belady and the
+infinite cache.
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ TRACE_NAMESPACE = b"mooncake-replay!"
 SWEEP_CAPACITIES = (1_000, 2_000, 5_000, 10_000, 20_000, 50_000)
 SWEEP_SPLIT = (0.2, 0.3, 0.5)  # HBM / DRAM / NVMe share of the total in tiered runs
 # Policy names on the command line: "kvtier" is the value policy over the tiers.
-CLI_POLICIES = {"lru": "lru", "kvtier": "value", "value": "value"}
+CLI_POLICIES = {"lru": "lru", "kvtier": "value", "value": "value", "experts": "experts"}
 BELADY = "belady"
 _TOKENS = (0,)  # a simulated page's tokens: matches compare keys only
 

@@ -86,22 +86,22 @@ def report(
     return out
 
 
-def _pct(x: float | None) -> str:
-    return "—" if x is None else f"{100 * x:.1f}"
+def _pct(x: float | None, digits: int = 2) -> str:
+    return "—" if x is None else f"{100 * x:.{digits}f}"
 
 
 def print_report(result: dict[str, object]) -> None:
     print(
         "| trace | blocks | LRU | Belady | infinite | policy | policy − LRU | gap closed "
         "| restore saved, ms/request (policy / LRU, tiered) |"
-    )
+    )  # hit rates in % of block references
     print("|---|---|---|---|---|---|---|---|---|")
     for name, data in result["traces"].items():
         for row in data["rows"]:
             print(
                 f"| {name} | {row['total_blocks']:,} | {_pct(row['lru'])} | {_pct(row['belady'])} "
                 f"| {_pct(data['infinite'])} | {_pct(row['policy'])} | {100 * (row['policy'] - row['lru']):+.2f} "
-                f"| {_pct(row['gap_closed'])} % | {row['restore_saved_ms_per_request']:.1f} / "
+                f"| {_pct(row['gap_closed'], 1)} % | {row['restore_saved_ms_per_request']:.1f} / "
                 f"{row['lru_restore_saved_ms_per_request']:.1f} |"
             )
 
