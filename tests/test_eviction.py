@@ -11,13 +11,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.cache.eviction import POLICY_NAMES, CostModel, ExpertPolicy, ValuePolicy, make_policy
+from kvtier.cache.eviction import POLICY_NAMES, CostModel, ExpertPolicy, ValuePolicy, make_policy, reorder
 from kvtier.cache.page_pool import PagePool, PoolGeometry
 from kvtier.cache.radix import LRUPolicy, RadixIndex, RadixNode
 from kvtier.domain.errors import InvalidArgument
 from kvtier.domain.geometry import geometry_from_config
 from kvtier.domain.hashing import NamespaceIdentity, namespace_digest
 from kvtier.domain.tiers import Tier
+from kvtier.policy.eviction import Expert
 from kvtier.tiers.manager import TierConfig, TierManager
 
 from factories import keys_for
@@ -151,6 +152,25 @@ def test_a_page_with_a_tier_below_costs_its_transfer_not_its_recompute():
     three = ValuePolicy(unit_cost(), tiers=(Tier.HBM, Tier.DRAM, Tier.NVME))
     assert three.restore_s(node(Tier.DRAM)) == 4.0  # demoted to NVMe: 0.25 B/s back
     assert three.restore_s(node(Tier.NVME)) == 12.0
+
+
+def test_expert_policy_reorders_the_queue_when_the_lead_changes():
+    pool = PagePool(4, PoolGeometry(1, 1, 1, 1, torch.float32))
+    policy = ExpertPolicy(unit_cost(), capacity_pages=4, experts=(Expert.LRU, Expert.FREQUENCY))
+    index = RadixIndex(pool, policy)
+    (a,) = put(index, [1])
+    hit(index, [a], times=3)
+    (b,) = put(index, [2])  # newer than a's last hit, used once
+    assert not reorder(index)  # LRU leads from the start: nothing to do
+    policy.learner.leader = 1  # as if frequency's miniature had won the paired test
+    assert reorder(index) and not reorder(index)  # once per change
+    assert evicted_order(index, 1) == [b]  # a's four uses outweigh b's recency
+
+    lru = RadixIndex(PagePool(4, PoolGeometry(1, 1, 1, 1)), ExpertPolicy(unit_cost(), capacity_pages=4))
+    (a,) = put(lru, [1])
+    hit(lru, [a], times=3)
+    put(lru, [2])
+    assert evicted_order(lru, 1) == [a]  # under LRU the same history loses a
 
 
 # ---- cost model and registry ---------------------------------------------------------

@@ -26,6 +26,10 @@ wherever the page moves; only the restore cost differs by tier.
 
 Within a tier with a tier below, every page costs the same to restore, so the order is
 by hits and age; depth only counts where a victim is dropped for good.
+
+``ExpertPolicy`` (decision 0014) is the learned alternative: recency, frequency, this value
+and a reuse-time expert, with ``kvtier.policy.eviction``'s learner choosing which one orders
+the index; ``reorder`` queues the candidates again when the lead changes.
 """
 
 from __future__ import annotations
@@ -221,21 +225,21 @@ class ExpertPolicy:
         self._ordered_by = self.learner.leading
         return True
 
-    def _cost_ratio(self, node: RadixNode) -> float:
-        restore_s = self._restore.restore_s(node)
-        if self._mean_restore_s == 0.0:
-            self._mean_restore_s = restore_s
-        return restore_s / self._mean_restore_s
+    def _cost_ratio(self, restore_s: float) -> float:
+        return restore_s / self._mean_restore_s if self._mean_restore_s > 0 else 1.0
 
     def priority(self, node: RadixNode) -> float:
         usage = self.learner.history.get(node.key) or Usage(last=node.last_access)
-        return self.learner.priority(usage, cost_ratio=self._cost_ratio(node))
+        return self.learner.priority(usage, cost_ratio=self._cost_ratio(self._restore.restore_s(node)))
 
     def on_access(self, node: RadixNode) -> None:
         parent = node.parent.key if node.parent is not None else None
         restore_s = self._restore.restore_s(node)
-        self._mean_restore_s += 0.01 * (restore_s - self._mean_restore_s) if self._mean_restore_s else restore_s
-        self.learner.observe(node.key, parent, node.last_access, cost_ratio=restore_s / self._mean_restore_s)
+        if self._mean_restore_s > 0:
+            self._mean_restore_s += 0.01 * (restore_s - self._mean_restore_s)  # a moving mean
+        else:
+            self._mean_restore_s = restore_s
+        self.learner.observe(node.key, parent, node.last_access, cost_ratio=self._cost_ratio(restore_s))
 
     def on_evict(self, node: RadixNode, priority: float) -> None:
         pass

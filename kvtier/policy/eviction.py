@@ -1,34 +1,36 @@
 """Eviction as a learned choice among experts (DESIGN §5 decision 15; decision 0014).
 
-Numbers in, numbers out: times are access ticks (one per request touching the cache),
-costs are ratios. The cache layer (``kvtier.cache.eviction.ExpertPolicy``) feeds it.
+Numbers in, numbers out: times are access ticks (the index counts one per lookup and one
+per page inserted), costs are ratios. The cache layer (``kvtier.cache.eviction.ExpertPolicy``) feeds it.
 
 Every expert scores a cached page in the same unit, ticks, and a higher score keeps the
 page longer; each score is fixed between two uses of the page, so an index can queue it:
 
-    LRU        last                                  (recency alone)
-    FREQUENCY  last + Ī × log2(1 + uses)             (each doubling of uses buys a mean gap)
-    VALUE      last + Ī × log2(1 + uses) × cost      (the same, weighed by restore cost)
-    REUSE      last − gap                            (the page's own predicted reuse gap)
+    LRU        last                                      (recency alone)
+    FREQUENCY  last + min(Ī × log2(uses), C)             (each doubling of uses buys a mean gap)
+    VALUE      last + min(Ī × log2(uses) × cost, C)      (the same, weighed by restore cost)
+    REUSE      last − min(gap, C)                        (the page's own predicted reuse gap)
 
-``last`` is the tick of the page's last use, ``uses`` how often it was used before (kept
-after an eviction, so a page that comes back is known), ``Ī`` the mean gap between uses
-over all pages, ``cost`` the page's restore cost relative to the mean, and ``gap`` the
-page's predicted time between uses: the moving mean of its own gaps once it has one, else
-its parent's (the next turn of a conversation, or an agent back from its tool, comes back
-about as late as its prefix last did; a shared prompt with many followers has a short
-gap), else the mean gap of all pages twice over (a page never seen again is the common
-case). REUSE ranks pages by ``last − gap``: evict the one whose next use is furthest
-away by its own history.
+``last`` is the tick of the page's last use, ``uses`` how often it was used, this use
+included (kept after an eviction, so a page that comes back is known), ``Ī`` the mean gap
+between uses over all pages, ``cost`` the page's restore cost relative to the mean, ``C``
+the capacity in pages, and ``gap`` the page's predicted time between uses: the moving mean
+of its own gaps once it has one, else its parent's (the next turn of a conversation, or an
+agent back from its tool, comes back about as late as its prefix last did; a shared prompt
+with many followers has a short gap), else the mean gap of all pages twice over (a page
+never seen again is the common case). REUSE evicts the page whose next use is furthest
+away by its own history. The bound ``C`` keeps every score within one cache turnover of
+``last``.
 
 The learner (``ExpertLearner``) runs each expert on a miniature cache: the pages whose key
-falls in a fixed hash sample, at the sampled share of the real capacity (as SHARDS
-sizes miss-ratio curves). Each sampled use is a hit or a miss for each miniature; an
-expert's loss is its moving miss rate, and its weight is ``exp(−η × (loss − best loss))``
-(Hedge over the miniatures' losses: the weighted mixture's loss stays within
-O(√(T log K)) of the best expert's over T sampled uses). The live priority is the
-weighted mean of the experts' scores. All scores are ticks around ``last``, so the mean
-moves between the experts' orders: all weight on LRU is LRU's order exactly.
+falls in a fixed hash sample, at the sampled share of the real capacity (as SHARDS sizes
+miss-ratio curves). Each sampled use is a hit or a miss for each miniature. A paired test
+compares each challenger with the leader on the same uses (a moving mean of leader's miss
+− challenger's miss, and its variance): the challenger leads once its advantage passes a
+margin and ``z`` standard errors, after a loss window of evidence since the last change.
+The live priority is the leader's score; LRU leads until another expert is measured
+better. The guarantee is empirical, not a regret bound: the live cache follows an expert
+only while its miniature misses significantly less than the leader's.
 """
 
 from __future__ import annotations
@@ -169,7 +171,8 @@ def sample_rate_for(capacity_pages: int, *, min_sampled_pages: int = 256) -> flo
 
 
 class ExpertLearner:
-    """Hedge over the experts' miniature caches; ``priority`` mixes their scores by weight."""
+    """Follows the expert whose miniature cache misses least, by a paired test against the
+    leader; ``priority`` is the leader's score of a page."""
 
     def __init__(
         self,
