@@ -180,7 +180,7 @@ class ExpertLearner:
         *,
         experts: Sequence[Expert] = tuple(Expert),
         margin: float = 0.005,
-        z: float = 3.0,
+        z: float = 5.0,
         loss_window: int | None = None,
         history_factor: int = 4,
     ) -> None:
