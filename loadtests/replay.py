@@ -1,6 +1,6 @@
 """Trace replay of the eviction and tier policies: share of block references served from cache.
 
-    python -m loadtests.replay [--trace FILE] [--policy lru|kvtier]
+    python -m loadtests.replay [--trace FILE] [--policy lru|kvtier|value|experts]
         [--hbm-blocks N --dram-blocks N --nvme-blocks N] [--json]
     python -m loadtests.replay [--trace FILE] --sweep [--plot PATH] [--json]
 
@@ -30,7 +30,13 @@ first), which knows the future: how much any online policy could still gain.
 
 Besides the hit rate, ``compute_saved`` is the share of prefill FLOP-seconds the served
 blocks avoid (``CostModel``: a deep block costs more to recompute than a shallow one),
-which is what the value policy weighs.
+which is what the value policy weighs, and ``restore_saved_s`` is that time less the
+transfers that brought lower-tier hits back.
+
+Belady under these rules (one tier, a request holds its blocks, leaves first) equals a
+brute-force optimum on small traces (``tests/test_belady.py``). ``loadtests.replay_report``
+runs every trace (this one and ``loadtests.workloads``') against LRU, Belady and the
+infinite cache.
 """
 
 from __future__ import annotations
@@ -45,20 +51,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.cache.eviction import CostModel, make_policy
+from kvtier.cache.eviction import CostModel, make_engine_policy, reorder
 from kvtier.cache.page_pool import PagePool, PoolGeometry
 from kvtier.cache.radix import RadixIndex, RadixNode
 from kvtier.domain.hashing import PageKey, next_key, root_key
 from kvtier.domain.tiers import Tier
 from kvtier.tiers.manager import TierConfig, TierManager
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+TRACE_FILE = Path("shared") / "traces" / "mooncake_synthetic_trace.jsonl"
+# The shared traces sit beside the repository, or beside the folder of its worktrees.
+DEFAULT_TRACE = next(
+    (p / TRACE_FILE for p in Path(__file__).resolve().parents[1:4] if (p / TRACE_FILE).is_file()),
+    Path(__file__).resolve().parents[2] / TRACE_FILE,
+)
 BLOCK_TOKENS = 512
 TRACE_NAMESPACE = b"mooncake-replay!"
 SWEEP_CAPACITIES = (1_000, 2_000, 5_000, 10_000, 20_000, 50_000)
 SWEEP_SPLIT = (0.2, 0.3, 0.5)  # HBM / DRAM / NVMe share of the total in tiered runs
 # Policy names on the command line: "kvtier" is the value policy over the tiers.
-CLI_POLICIES = {"lru": "lru", "kvtier": "value", "value": "value"}
+CLI_POLICIES = {"lru": "lru", "kvtier": "value", "value": "value", "experts": "experts"}
 BELADY = "belady"
 _TOKENS = (0,)  # a simulated page's tokens: matches compare keys only
 
@@ -75,27 +86,37 @@ class TraceRequest:
 
 
 def load_trace(path: str | Path) -> list[TraceRequest]:
-    """Requests in arrival order, each block id turned into the key of its whole prefix."""
-    memo: dict[tuple[PageKey, int], PageKey] = {}
-    root = root_key(TRACE_NAMESPACE)  # type: ignore[arg-type]
-    requests: list[TraceRequest] = []
+    """Requests of a Mooncake-format JSONL file in arrival order (see ``trace_from_records``)."""
+    records = []
     with open(path) as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
-                ids, timestamp = record["hash_ids"], int(record["timestamp"])
-            except (ValueError, KeyError, TypeError) as exc:
+                records.append(json.loads(line))
+            except ValueError as exc:
                 raise ValueError(f"{path}:{line_no}: not a Mooncake trace record ({exc})") from None
-            keys, parent = [], root
-            for block in ids:
-                key = memo.get((parent, block))
-                if key is None:
-                    key = memo[(parent, block)] = next_key(parent, (block,))
-                keys.append(key)
-                parent = key
-            requests.append(TraceRequest(timestamp, keys))
+    return trace_from_records(records, where=str(path))
+
+
+def trace_from_records(records: Sequence[dict], *, where: str = "trace") -> list[TraceRequest]:
+    """Requests in arrival order, each block id turned into the key of its whole prefix."""
+    memo: dict[tuple[PageKey, int], PageKey] = {}
+    root = root_key(TRACE_NAMESPACE)  # type: ignore[arg-type]
+    requests: list[TraceRequest] = []
+    for line_no, record in enumerate(records, 1):
+        try:
+            ids, timestamp = record["hash_ids"], int(record["timestamp"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{where}:{line_no}: not a Mooncake trace record ({exc})") from None
+        keys, parent = [], root
+        for block in ids:
+            key = memo.get((parent, block))
+            if key is None:
+                key = memo[(parent, block)] = next_key(parent, (block,))
+            keys.append(key)
+            parent = key
+        requests.append(TraceRequest(timestamp, keys))
     requests.sort(key=lambda r: r.timestamp_ms)  # stable: same-millisecond requests keep file order
     return requests
 
@@ -123,6 +144,7 @@ class ReplayResult:
     hits_by_tier: dict[Tier, int] = field(default_factory=lambda: dict.fromkeys(Tier, 0))
     compute_total_s: float = 0.0  # prefill seconds of every request without a cache
     compute_saved_s: float = 0.0  # of which the served blocks avoided
+    transfer_s: float = 0.0  # seconds spent bringing lower-tier hits back to HBM
     pages_dropped: int = 0
     pages_moved: dict[str, int] = field(default_factory=dict)
     elapsed_s: float = 0.0
@@ -140,6 +162,11 @@ class ReplayResult:
         return self.compute_saved_s / self.compute_total_s if self.compute_total_s else 0.0
 
     @property
+    def restore_saved_s(self) -> float:
+        """Prefill seconds the served blocks avoided, less the transfers that served them."""
+        return self.compute_saved_s - self.transfer_s
+
+    @property
     def hit_rate_by_tier(self) -> dict[str, float]:
         return {t.label: (n / self.num_refs if self.num_refs else 0.0) for t, n in self.hits_by_tier.items()}
 
@@ -151,6 +178,7 @@ class ReplayResult:
             "hit_rate": self.hit_rate,
             "hit_rate_by_tier": self.hit_rate_by_tier,
             "compute_saved": self.compute_saved,
+            "restore_saved_s": self.restore_saved_s,
             "pages_moved": self.pages_moved,
             "pages_dropped": self.pages_dropped,
             "elapsed_s": round(self.elapsed_s, 3),
@@ -184,7 +212,12 @@ class BeladyPolicy:
 
 
 class Replay:
-    """One engine's cache, simulated: the real index, policy and tier manager, no bytes."""
+    """One engine's cache, simulated: the real index, policy and tier manager, no bytes.
+
+    By default it builds them as an engine does (``make_engine_policy``, ``TierManager`` in
+    simulation mode); ``cache`` replays through an engine's own index and tier manager instead
+    (their pool's pages must hold one token each).
+    """
 
     def __init__(
         self,
@@ -195,27 +228,34 @@ class Replay:
         nvme_blocks: int = 0,
         label: str = "",
         trace: Sequence[TraceRequest] = (),
+        cache: tuple[RadixIndex, TierManager | None] | None = None,
+        cost: CostModel | None = None,
     ) -> None:
         if hbm_blocks < 1 or dram_blocks < 0 or nvme_blocks < 0:
             raise ValueError(
                 f"capacities need hbm >= 1 and dram, nvme >= 0 blocks, got {hbm_blocks}/{dram_blocks}/{nvme_blocks}"
             )
         self.now_s = 0.0  # trace time, the index's clock
-        self.cost = replay_cost_model()
-        tiers = [Tier.HBM] + [t for t, n in ((Tier.DRAM, dram_blocks), (Tier.NVME, nvme_blocks)) if n > 0]
+        self.cost = cost or replay_cost_model()
         self.belady = BeladyPolicy(trace) if policy == BELADY else None
-        params = {"cost": self.cost, "tiers": tiers} if policy == "value" else {}
-        eviction = self.belady or make_policy(policy, **params)
+        self.result = ReplayResult(label or policy, policy, hbm_blocks, dram_blocks, nvme_blocks)
+        if cache is not None:
+            self.index, self.tiers = cache
+            self.pool = self.index.pool
+            return
+        tiers = [Tier.HBM] + [t for t, n in ((Tier.DRAM, dram_blocks), (Tier.NVME, nvme_blocks)) if n > 0]
+        total = hbm_blocks + dram_blocks + nvme_blocks
+        eviction = self.belady or make_engine_policy(policy, cost=self.cost, tiers=tiers, capacity_pages=total)
         self.pool = PagePool(hbm_blocks, PoolGeometry(1, 1, 1, 1))
         self.index = RadixIndex(self.pool, eviction, clock=lambda: self.now_s)
         config = TierConfig(
             dram_pages=dram_blocks, nvme_slots=nvme_blocks, simulate=True, demotion_budget_bytes_per_s=None
         )
         self.tiers = TierManager(self.index, config)
-        self.result = ReplayResult(label or policy, policy, hbm_blocks, dram_blocks, nvme_blocks)
 
     def close(self) -> None:
-        self.tiers.close()
+        if self.tiers is not None:
+            self.tiers.close()
 
     def serve(self, request: TraceRequest) -> None:
         index, pool, hits = self.index, self.pool, self.result.hits_by_tier
@@ -229,11 +269,12 @@ class Replay:
             pool.acquire(page)
         hits[Tier.HBM] += num_hbm
         lower = nodes[num_hbm:]
-        if lower:
+        if lower and self.tiers is not None:
             sources = [n.tier for n in lower]
             promoted = self.tiers.promote(lower)  # each with one reference for us
             for tier in sources[: len(promoted)]:
                 hits[tier] += 1
+                self.result.transfer_s += self.cost.transfer_s(tier, Tier.HBM)
             held.extend(n.page for n in promoted)
         served = len(held)
         self.result.compute_saved_s += self.cost.prefix_recompute_s(served)
@@ -250,6 +291,7 @@ class Replay:
             index.insert(keys[i], keys[i - 1] if i else None, page, _TOKENS)
         for page in held:
             pool.release(page)
+        reorder(index)
 
     def run(self, trace: Sequence[TraceRequest], *, check_every: int = 0) -> ReplayResult:
         start = time.perf_counter()
@@ -258,10 +300,11 @@ class Replay:
                 self.belady.now = i
             self.serve(request)
             if check_every and i % check_every == 0:
-                self.tiers.check_integrity()
-        counters = self.tiers.counters
-        self.result.pages_dropped = counters.pages_dropped
-        self.result.pages_moved = {f"{s.label}->{d.label}": n for (s, d), n in counters.pages_moved.items()}
+                (self.tiers or self.index).check_integrity()
+        if self.tiers is not None:
+            counters = self.tiers.counters
+            self.result.pages_dropped = counters.pages_dropped
+            self.result.pages_moved = {f"{s.label}->{d.label}": n for (s, d), n in counters.pages_moved.items()}
         self.result.elapsed_s = time.perf_counter() - start
         return self.result
 
@@ -275,9 +318,16 @@ def replay(
     nvme_blocks: int = 0,
     label: str = "",
     check_every: int = 0,
+    cost: CostModel | None = None,
 ) -> ReplayResult:
     sim = Replay(
-        policy, hbm_blocks=hbm_blocks, dram_blocks=dram_blocks, nvme_blocks=nvme_blocks, label=label, trace=trace
+        policy,
+        hbm_blocks=hbm_blocks,
+        dram_blocks=dram_blocks,
+        nvme_blocks=nvme_blocks,
+        label=label,
+        trace=trace,
+        cost=cost,
     )
     try:
         return sim.run(trace, check_every=check_every)

@@ -11,13 +11,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.cache.eviction import POLICY_NAMES, CostModel, ValuePolicy, make_policy
+from kvtier.cache.eviction import POLICY_NAMES, CostModel, ExpertPolicy, ValuePolicy, make_policy, reorder
 from kvtier.cache.page_pool import PagePool, PoolGeometry
 from kvtier.cache.radix import LRUPolicy, RadixIndex, RadixNode
 from kvtier.domain.errors import InvalidArgument
 from kvtier.domain.geometry import geometry_from_config
 from kvtier.domain.hashing import NamespaceIdentity, namespace_digest
 from kvtier.domain.tiers import Tier
+from kvtier.policy.eviction import Expert
 from kvtier.tiers.manager import TierConfig, TierManager
 
 from factories import keys_for
@@ -153,6 +154,25 @@ def test_a_page_with_a_tier_below_costs_its_transfer_not_its_recompute():
     assert three.restore_s(node(Tier.NVME)) == 12.0
 
 
+def test_expert_policy_reorders_the_queue_when_the_lead_changes():
+    pool = PagePool(4, PoolGeometry(1, 1, 1, 1, torch.float32))
+    policy = ExpertPolicy(unit_cost(), capacity_pages=4, experts=(Expert.LRU, Expert.FREQUENCY))
+    index = RadixIndex(pool, policy)
+    (a,) = put(index, [1])
+    hit(index, [a], times=3)
+    (b,) = put(index, [2])  # newer than a's last hit, used once
+    assert not reorder(index)  # LRU leads from the start: nothing to do
+    policy.learner.leader = 1  # as if frequency's miniature had won the paired test
+    assert reorder(index) and not reorder(index)  # once per change
+    assert evicted_order(index, 1) == [b]  # a's four uses outweigh b's recency
+
+    lru = RadixIndex(PagePool(4, PoolGeometry(1, 1, 1, 1)), ExpertPolicy(unit_cost(), capacity_pages=4))
+    (a,) = put(lru, [1])
+    hit(lru, [a], times=3)
+    put(lru, [2])
+    assert evicted_order(lru, 1) == [a]  # under LRU the same history loses a
+
+
 # ---- cost model and registry ---------------------------------------------------------
 def test_cost_model_from_llama_3_1_8b_config():
     geometry = geometry_from_config(json.loads((EXAMPLES / "llama-3.1-8b.json").read_text()))
@@ -177,11 +197,12 @@ def test_cost_model_errors_name_the_field():
 
 
 def test_make_policy_by_name():
-    assert POLICY_NAMES == ("lru", "value")
+    assert POLICY_NAMES == ("lru", "value", "experts")
     assert isinstance(make_policy("lru"), LRUPolicy)
     policy = make_policy("Value", tiers=[Tier.HBM, Tier.NVME], default_weight=2.0)
     assert isinstance(policy, ValuePolicy) and policy.default_weight == 2.0
-    with pytest.raises(InvalidArgument, match="choose one of lru, value"):
+    assert isinstance(make_policy("experts", capacity_pages=10), ExpertPolicy)
+    with pytest.raises(InvalidArgument, match="choose one of lru, value, experts"):
         make_policy("lfu")
     with pytest.raises(InvalidArgument, match="'lru'"):
         make_policy("lru", tiers=[Tier.HBM])
@@ -268,7 +289,11 @@ class Driver:
     def __init__(self, policy: str, dram: int, nvme: int) -> None:
         self.clock = Clock()
         tiers = [Tier.HBM] + [t for t, n in ((Tier.DRAM, dram), (Tier.NVME, nvme)) if n]
-        params = {"cost": unit_cost(), "tiers": tiers} if policy == "value" else {}
+        params = {
+            "lru": {},
+            "value": {"cost": unit_cost(), "tiers": tiers},
+            "experts": {"cost": unit_cost(), "tiers": tiers, "capacity_pages": 6 + dram + nvme},
+        }[policy]
         self.index = RadixIndex(PagePool(6, PoolGeometry(1, 1, 1, 1)), make_policy(policy, **params), clock=self.clock)
         config = TierConfig(dram_pages=dram, nvme_slots=nvme, simulate=True)
         self.tiers = TierManager(self.index, config) if dram or nvme else None
@@ -349,7 +374,7 @@ class Driver:
             self.tiers.close()
 
 
-@pytest.mark.parametrize("policy", ["value", "lru"])
+@pytest.mark.parametrize("policy", ["value", "lru", "experts"])
 @pytest.mark.parametrize("dram,nvme", [(0, 0), (3, 3)])
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(OPS, max_size=40))

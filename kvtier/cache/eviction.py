@@ -26,6 +26,10 @@ wherever the page moves; only the restore cost differs by tier.
 
 Within a tier with a tier below, every page costs the same to restore, so the order is
 by hits and age; depth only counts where a victim is dropped for good.
+
+``ExpertPolicy`` (decision 0014) is the learned alternative: recency, frequency, this value
+and a reuse-time expert, with ``kvtier.policy.eviction``'s learner choosing which one orders
+the index; ``reorder`` queues the candidates again when the lead changes.
 """
 
 from __future__ import annotations
@@ -33,11 +37,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvtier.cache.radix import EvictionPolicy, LRUPolicy, RadixNode
+from kvtier.cache.radix import EvictionPolicy, LRUPolicy, RadixIndex, RadixNode
 from kvtier.domain.errors import InvalidArgument
 from kvtier.domain.geometry import ModelGeometry
 from kvtier.domain.hashing import NamespaceDigest
 from kvtier.domain.tiers import Tier
+from kvtier.policy.eviction import Expert, ExpertLearner, Usage
 
 
 def _default_bandwidth() -> dict[tuple[Tier, Tier], float]:
@@ -185,17 +190,84 @@ class ValuePolicy:
             self.clock = priority
 
 
+class ExpertPolicy:
+    """Eviction by experts and an online learner (``kvtier.policy.eviction``, decision 0014).
+
+    The index's access tick (``RadixNode.last_access``) is the learner's clock. A page's
+    restore cost (``ValuePolicy.restore_s``: the transfer back when a tier below will take it,
+    else its recompute at its depth) enters the value expert as a ratio to the moving mean,
+    so demoting and dropping are weighed by what each would cost to undo.
+    ``capacity_pages`` is the cache's size over all tiers (the learner's miniatures are that
+    size scaled by their sample).
+    """
+
+    name = "experts"
+
+    def __init__(
+        self,
+        cost: CostModel | None = None,
+        *,
+        tiers: Sequence[Tier] = (Tier.HBM,),
+        capacity_pages: int = 4096,
+        experts: Sequence[Expert] = tuple(Expert),
+    ) -> None:
+        self._restore = ValuePolicy(cost, tiers=tiers)
+        self.cost = self._restore.cost
+        self.learner = ExpertLearner(capacity_pages, experts=experts)
+        self._mean_restore_s = 0.0
+        self._ordered_by = self.learner.leading
+
+    def take_reorder(self) -> bool:
+        """True once after another expert took the lead: the pages queued under the last
+        leader's scores must be queued again (``reorder``)."""
+        if self.learner.leading is self._ordered_by:
+            return False
+        self._ordered_by = self.learner.leading
+        return True
+
+    def _cost_ratio(self, restore_s: float) -> float:
+        return restore_s / self._mean_restore_s if self._mean_restore_s > 0 else 1.0
+
+    def priority(self, node: RadixNode) -> float:
+        usage = self.learner.history.get(node.key) or Usage(last=node.last_access)
+        return self.learner.priority(usage, cost_ratio=self._cost_ratio(self._restore.restore_s(node)))
+
+    def on_access(self, node: RadixNode) -> None:
+        parent = node.parent.key if node.parent is not None else None
+        restore_s = self._restore.restore_s(node)
+        if self._mean_restore_s > 0:
+            self._mean_restore_s += 0.01 * (restore_s - self._mean_restore_s)  # a moving mean
+        else:
+            self._mean_restore_s = restore_s
+        self.learner.observe(node.key, parent, node.last_access, cost_ratio=self._cost_ratio(restore_s))
+
+    def on_evict(self, node: RadixNode, priority: float) -> None:
+        pass
+
+
+def reorder(index: RadixIndex) -> bool:
+    """Queue every candidate again when the index's policy asks for it (an expert policy whose
+    leader changed); the engine and the replay call this between requests. Returns whether it did."""
+    policy = index.policy
+    if isinstance(policy, ExpertPolicy) and policy.take_reorder():
+        index.reprioritize()
+        return True
+    return False
+
+
 _POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
     "lru": LRUPolicy,
     "value": ValuePolicy,
+    "experts": ExpertPolicy,
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_POLICIES)
 DEFAULT_POLICY = "value"
 
 # What each policy takes from the engine that runs it (``make_engine_policy``).
-_ENGINE_PARAMS: dict[str, Callable[[CostModel, Sequence[Tier]], dict[str, object]]] = {
-    "lru": lambda cost, tiers: {},
-    "value": lambda cost, tiers: {"cost": cost, "tiers": tuple(tiers)},
+_ENGINE_PARAMS: dict[str, Callable[[CostModel, Sequence[Tier], int], dict[str, object]]] = {
+    "lru": lambda cost, tiers, capacity: {},
+    "value": lambda cost, tiers, capacity: {"cost": cost, "tiers": tuple(tiers)},
+    "experts": lambda cost, tiers, capacity: {"cost": cost, "tiers": tuple(tiers), "capacity_pages": capacity},
 }
 
 
@@ -219,8 +291,11 @@ def make_policy(name: str, **params: object) -> EvictionPolicy:
         raise InvalidArgument(f"eviction policy {name!r}: {exc}", field="eviction_policy") from None
 
 
-def make_engine_policy(name: str, *, cost: CostModel, tiers: Sequence[Tier]) -> EvictionPolicy:
+def make_engine_policy(
+    name: str, *, cost: CostModel, tiers: Sequence[Tier], capacity_pages: int = 4096
+) -> EvictionPolicy:
     """The named policy configured for an engine (``WorkerConfig.eviction_policy``): each policy
-    takes the engine facts it uses — ``value`` its cost model and tiers, ``lru`` nothing."""
+    takes the engine facts it uses — ``value`` its cost model and tiers, ``experts`` those and the
+    pages of all tiers together (``capacity_pages``), ``lru`` nothing."""
     key, factory = _factory(name)
-    return factory(**_ENGINE_PARAMS[key](cost, tiers))
+    return factory(**_ENGINE_PARAMS[key](cost, tiers, capacity_pages))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kvtier.cache.eviction import DEFAULT_POLICY, CostModel, make_engine_policy
+from kvtier.cache.eviction import DEFAULT_POLICY, CostModel, make_engine_policy, reorder
 from kvtier.cache.page_pool import PagePool, PoolGeometry
 from kvtier.cache.quotas import QuotaTable, QuotaTracker
 from kvtier.cache.radix import EvictionPolicy, RadixIndex, RadixNode
@@ -134,11 +134,16 @@ class Engine:
             # tiers. Value-based eviction is the default (LRU stays selectable): the trace replay
             # shows it at or above LRU at every capacity (loadtests/replay.py).
             tiers = [Tier.HBM]
+            capacity_pages = num_pages
             if tier_config is not None:
                 tiers += [Tier.DRAM] if tier_config.dram_pages else []
                 tiers += [Tier.NVME] if tier_config.nvme_slots else []
+                capacity_pages += tier_config.dram_pages + tier_config.nvme_slots
             eviction_policy = make_engine_policy(
-                eviction_policy or DEFAULT_POLICY, cost=self._cost_model(model, self.geometry), tiers=tiers
+                eviction_policy or DEFAULT_POLICY,
+                cost=self._cost_model(model, self.geometry),
+                tiers=tiers,
+                capacity_pages=capacity_pages,
             )
         self.index = RadixIndex(self.pool, eviction_policy)
         self.tiers = TierManager(self.index, tier_config) if tier_config is not None else None
@@ -373,6 +378,7 @@ class Engine:
         ``release_pin`` lets a pin that may yield go (True) before a sequence is preempted or an
         admission waits (a worker's session holds: ``Scheduler.schedule``)."""
         self.index.expire_pins()
+        reorder(self.index)
         if self.tiers is not None:
             self.tiers.maintain()
         self.enforce_limits()

@@ -265,8 +265,10 @@ class WorkerConfig:
     )
     # The names of kvtier.cache.eviction.POLICY_NAMES (not imported here: that module loads torch).
     eviction_policy: str = setting(
-        "value", "which cached pages leave a tier first: value (restore cost x reuse, per byte) or lru",
-        choices=("value", "lru"),
+        "value",
+        "which cached pages leave a tier first: value (restore cost x reuse, per byte), lru, or experts "
+        "(recency, frequency, value and reuse-time experts, the one measured best on this workload leads)",
+        choices=("value", "lru", "experts"),
     )
     state_dir: Path = _state_dir()
     auth_token_file: Path | None = setting(None, "file holding this worker's bearer token (role worker)")
