@@ -88,7 +88,6 @@ from kvtier.domain.records import (
     WorkerStats,
 )
 from kvtier.domain.tiers import Tier
-from kvtier.rpc import convert
 from kvtier.rpc._gen import (
     admin_pb2,
     admin_pb2_grpc,
@@ -99,6 +98,60 @@ from kvtier.rpc._gen import (
     worker_pb2_grpc,
 )
 from kvtier.rpc.auth import read_token_file
+from kvtier.rpc.convert.admin import (
+    from_proto_controller_status,
+    from_proto_drain_response,
+    from_proto_evict_result,
+    from_proto_invalidate_result,
+    from_proto_lookup_result,
+    from_proto_pin_result,
+    from_proto_session_page,
+    from_proto_snapshot_result,
+    from_proto_unpin_result,
+    from_proto_worker_list,
+    to_proto_drain_request,
+    to_proto_evict_request,
+    to_proto_invalidate_request,
+    to_proto_list_sessions_request,
+    to_proto_lookup_request,
+    to_proto_pin_request,
+    to_proto_snapshot_request,
+    to_proto_unpin_request,
+)
+from kvtier.rpc.convert.limits import (
+    DEFAULT_LIST_SESSIONS_LIMIT,
+    DEFAULT_POLICY_HISTORY_LIMIT,
+    MAX_MESSAGE_BYTES,
+)
+from kvtier.rpc.convert.policy import (
+    from_proto_get_policy_response,
+    from_proto_policy_history,
+    from_proto_rollback_policy_response,
+    from_proto_set_policy_response,
+    to_proto_get_policy_request,
+    to_proto_policy_history_request,
+    to_proto_rollback_policy_request,
+    to_proto_set_policy_request,
+)
+from kvtier.rpc.convert.router import (
+    from_proto_route_decision,
+    from_proto_served_models,
+    to_proto_route_request,
+)
+from kvtier.rpc.convert.sessions import (
+    from_proto_end_response,
+    from_proto_pause_response,
+    from_proto_returning_response,
+    to_proto_end_request,
+    to_proto_pause_request,
+    to_proto_returning_request,
+)
+from kvtier.rpc.convert.worker import (
+    from_proto_generate_event,
+    from_proto_integrity_result,
+    from_proto_worker_stats,
+    to_proto_generate_request,
+)
 from kvtier.rpc.status import error_from_rpc_error
 from kvtier.rpc.tls import ClientTls, secure_or_insecure_channel
 from kvtier.runtime.config import ClientConfig
@@ -112,8 +165,8 @@ PrefixLike = Sequence[int] | TokenPrefix | PageKeyPrefix
 """A prefix as admin calls take it: token ids (the server derives the page keys) or a record."""
 
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.max_send_message_length", convert.MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", convert.MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     # Ping only while a call is open: a long stream whose worker died is noticed, and
     # servers with gRPC's default ping policy never see an idle channel ping.
     ("grpc.keepalive_time_ms", 30_000),
@@ -196,9 +249,9 @@ class AsyncClient:
         )
         stub = router_pb2_grpc.RouterStub(self._controller_channel())
         response = await self._unary(
-            "Router.Route", stub.Route, convert.to_proto_route_request(request), timeout_s, idempotent=True
+            "Router.Route", stub.Route, to_proto_route_request(request), timeout_s, idempotent=True
         )
-        return convert.from_proto_route_decision(response)
+        return from_proto_route_decision(response)
 
     async def list_models(self, *, timeout_s: float | None = None) -> tuple[ServedModel, ...]:
         """The models live workers serve, with the exact namespace fields to send (retried on UNAVAILABLE)."""
@@ -206,7 +259,7 @@ class AsyncClient:
         response = await self._unary(
             "Router.ListModels", stub.ListModels, router_pb2.ListModelsRequest(), timeout_s, idempotent=True
         )
-        return convert.from_proto_served_models(response)
+        return from_proto_served_models(response)
 
     # ---- generation -----------------------------------------------------------------
     async def generate(
@@ -240,7 +293,7 @@ class AsyncClient:
             request_id=RequestId(request_id) if request_id else None,
             priority=priority,
         )
-        message = convert.to_proto_generate_request(request)
+        message = to_proto_generate_request(request)
         if worker is not None:
             candidates = [worker]
         else:
@@ -258,7 +311,7 @@ class AsyncClient:
             try:
                 async for event in call:
                     has_output = True
-                    yield convert.from_proto_generate_event(event)
+                    yield from_proto_generate_event(event)
                 return
             except grpc.aio.AioRpcError as err:
                 if not has_output and err.code() is grpc.StatusCode.UNAVAILABLE and i + 1 < len(candidates):
@@ -301,9 +354,9 @@ class AsyncClient:
         request = PauseRequest(SessionId(session_id), tool_name=tool, expected_ms=expected_ms)
         stub = sessions_pb2_grpc.SessionsStub(self._controller_channel())
         response = await self._unary(
-            "Sessions.Pause", stub.Pause, convert.to_proto_pause_request(request), timeout_s, idempotent=True
+            "Sessions.Pause", stub.Pause, to_proto_pause_request(request), timeout_s, idempotent=True
         )
-        return convert.from_proto_pause_response(response)
+        return from_proto_pause_response(response)
 
     async def returning(
         self, session_id: str, eta_ms: int | None = None, *, timeout_s: float | None = None
@@ -314,27 +367,27 @@ class AsyncClient:
         response = await self._unary(
             "Sessions.Returning",
             stub.Returning,
-            convert.to_proto_returning_request(request),
+            to_proto_returning_request(request),
             timeout_s,
             idempotent=True,
         )
-        return convert.from_proto_returning_response(response)
+        return from_proto_returning_response(response)
 
     async def end(self, session_id: str, *, drop: bool = False, timeout_s: float | None = None) -> SessionInfo:
         """End the session: its pages stay as ordinary cache entries, or with ``drop`` are freed now."""
         request = EndRequest(SessionId(session_id), drop=drop)
         stub = sessions_pb2_grpc.SessionsStub(self._controller_channel())
         response = await self._unary(
-            "Sessions.End", stub.End, convert.to_proto_end_request(request), timeout_s, idempotent=True
+            "Sessions.End", stub.End, to_proto_end_request(request), timeout_s, idempotent=True
         )
-        return convert.from_proto_end_response(response)
+        return from_proto_end_response(response)
 
     # ---- admin (the operator surface behind the `kvtier` CLI; needs the admin role) ----------
     async def status(self, *, timeout_s: float | None = None) -> ControllerStatus:
         """The controller's ``Admin.Status`` (retried on UNAVAILABLE)."""
         stub = admin_pb2_grpc.AdminStub(self._controller_channel())
         response = await self._unary("Admin.Status", stub.Status, admin_pb2.StatusRequest(), timeout_s, idempotent=True)
-        return convert.from_proto_controller_status(response)
+        return from_proto_controller_status(response)
 
     async def list_workers(self, *, timeout_s: float | None = None) -> tuple[WorkerInfo, ...]:
         """Every registered worker, ordered by worker id (retried on UNAVAILABLE)."""
@@ -342,13 +395,13 @@ class AsyncClient:
         response = await self._unary(
             "Admin.ListWorkers", stub.ListWorkers, admin_pb2.ListWorkersRequest(), timeout_s, idempotent=True
         )
-        return convert.from_proto_worker_list(response)
+        return from_proto_worker_list(response)
 
     async def list_sessions(
         self,
         state: SessionState | None = None,
         *,
-        limit: int = convert.DEFAULT_LIST_SESSIONS_LIMIT,
+        limit: int = DEFAULT_LIST_SESSIONS_LIMIT,
         page_token: str | None = None,
         timeout_s: float | None = None,
     ) -> SessionPage:
@@ -358,17 +411,17 @@ class AsyncClient:
         response = await self._unary(
             "Admin.ListSessions",
             stub.ListSessions,
-            convert.to_proto_list_sessions_request(request),
+            to_proto_list_sessions_request(request),
             timeout_s,
             idempotent=True,
         )
-        return convert.from_proto_session_page(response)
+        return from_proto_session_page(response)
 
     async def iter_sessions(
         self,
         state: SessionState | None = None,
         *,
-        page_size: int = convert.DEFAULT_LIST_SESSIONS_LIMIT,
+        page_size: int = DEFAULT_LIST_SESSIONS_LIMIT,
         timeout_s: float | None = None,
     ) -> AsyncIterator[SessionInfo]:
         """Every session (in ``state``), page after page; each page has its own deadline."""
@@ -390,9 +443,9 @@ class AsyncClient:
         request = LookupRequest(namespace=namespace, prefix=_as_prefix(prefix))
         stub = admin_pb2_grpc.AdminStub(self._controller_channel())
         response = await self._unary(
-            "Admin.Lookup", stub.Lookup, convert.to_proto_lookup_request(request), timeout_s, idempotent=True
+            "Admin.Lookup", stub.Lookup, to_proto_lookup_request(request), timeout_s, idempotent=True
         )
-        return convert.from_proto_lookup_result(response)
+        return from_proto_lookup_result(response)
 
     async def invalidate(
         self, scope: InvalidationScope, reason: str = "", *, timeout_s: float | None = None
@@ -404,11 +457,11 @@ class AsyncClient:
         response = await self._unary(
             "Admin.Invalidate",
             stub.Invalidate,
-            convert.to_proto_invalidate_request(request),
+            to_proto_invalidate_request(request),
             timeout_s,
             idempotent=False,
         )
-        return convert.from_proto_invalidate_result(response)
+        return from_proto_invalidate_result(response)
 
     async def drain(
         self, worker_id: str, *, resume: bool = False, timeout_s: float | None = None
@@ -419,9 +472,9 @@ class AsyncClient:
         request = DrainRequest(worker_id=WorkerId(worker_id), resume=resume)
         stub = admin_pb2_grpc.AdminStub(self._controller_channel())
         response = await self._unary(
-            "Admin.Drain", stub.Drain, convert.to_proto_drain_request(request), timeout_s, idempotent=True
+            "Admin.Drain", stub.Drain, to_proto_drain_request(request), timeout_s, idempotent=True
         )
-        return convert.from_proto_drain_response(response)
+        return from_proto_drain_response(response)
 
     async def pin(
         self,
@@ -437,18 +490,18 @@ class AsyncClient:
         request = PinRequest(namespace=namespace, prefix=_as_prefix(prefix), tier=tier, ttl_s=ttl_s)
         stub = admin_pb2_grpc.AdminStub(self._controller_channel())
         response = await self._unary(
-            "Admin.Pin", stub.Pin, convert.to_proto_pin_request(request), timeout_s, idempotent=False
+            "Admin.Pin", stub.Pin, to_proto_pin_request(request), timeout_s, idempotent=False
         )
-        return convert.from_proto_pin_result(response)
+        return from_proto_pin_result(response)
 
     async def unpin(self, pin_id: str, *, timeout_s: float | None = None) -> UnpinResult:
         """Release a pin. Not retried: a repeat after a lost answer would report NOT_FOUND."""
         request = UnpinRequest(pin_id=PinId(pin_id))
         stub = admin_pb2_grpc.AdminStub(self._controller_channel())
         response = await self._unary(
-            "Admin.Unpin", stub.Unpin, convert.to_proto_unpin_request(request), timeout_s, idempotent=False
+            "Admin.Unpin", stub.Unpin, to_proto_unpin_request(request), timeout_s, idempotent=False
         )
-        return convert.from_proto_unpin_result(response)
+        return from_proto_unpin_result(response)
 
     async def evict(
         self,
@@ -469,9 +522,9 @@ class AsyncClient:
         )
         stub = admin_pb2_grpc.AdminStub(self._controller_channel())
         response = await self._unary(
-            "Admin.Evict", stub.Evict, convert.to_proto_evict_request(request), timeout_s, idempotent=False
+            "Admin.Evict", stub.Evict, to_proto_evict_request(request), timeout_s, idempotent=False
         )
-        return convert.from_proto_evict_result(response)
+        return from_proto_evict_result(response)
 
     async def set_policy(
         self,
@@ -488,11 +541,11 @@ class AsyncClient:
         response = await self._unary(
             "Admin.SetPolicy",
             stub.SetPolicy,
-            convert.to_proto_set_policy_request(request),
+            to_proto_set_policy_request(request),
             timeout_s,
             idempotent=False,
         )
-        return convert.from_proto_set_policy_response(response)
+        return from_proto_set_policy_response(response)
 
     async def get_policy(
         self, version: int | None = None, *, timeout_s: float | None = None
@@ -503,14 +556,14 @@ class AsyncClient:
         response = await self._unary(
             "Admin.GetPolicy",
             stub.GetPolicy,
-            convert.to_proto_get_policy_request(request),
+            to_proto_get_policy_request(request),
             timeout_s,
             idempotent=True,
         )
-        return convert.from_proto_get_policy_response(response)
+        return from_proto_get_policy_response(response)
 
     async def policy_history(
-        self, limit: int = convert.DEFAULT_POLICY_HISTORY_LIMIT, *, timeout_s: float | None = None
+        self, limit: int = DEFAULT_POLICY_HISTORY_LIMIT, *, timeout_s: float | None = None
     ) -> tuple[VersionedPolicy, ...]:
         """Installed versions, newest first."""
         request = PolicyHistoryRequest(limit=limit)
@@ -518,11 +571,11 @@ class AsyncClient:
         response = await self._unary(
             "Admin.PolicyHistory",
             stub.PolicyHistory,
-            convert.to_proto_policy_history_request(request),
+            to_proto_policy_history_request(request),
             timeout_s,
             idempotent=True,
         )
-        return convert.from_proto_policy_history(response)
+        return from_proto_policy_history(response)
 
     async def rollback_policy(
         self, to_version: int, reason: str = "", *, timeout_s: float | None = None
@@ -533,11 +586,11 @@ class AsyncClient:
         response = await self._unary(
             "Admin.RollbackPolicy",
             stub.RollbackPolicy,
-            convert.to_proto_rollback_policy_request(request),
+            to_proto_rollback_policy_request(request),
             timeout_s,
             idempotent=False,
         )
-        return convert.from_proto_rollback_policy_response(response)
+        return from_proto_rollback_policy_response(response)
 
     async def snapshot(
         self, worker_ids: Sequence[str] = (), *, wait: bool = False, timeout_s: float | None = None
@@ -550,11 +603,11 @@ class AsyncClient:
         response = await self._unary(
             "Admin.Snapshot",
             stub.Snapshot,
-            convert.to_proto_snapshot_request(request),
+            to_proto_snapshot_request(request),
             timeout_s,
             idempotent=True,
         )
-        return convert.from_proto_snapshot_result(response)
+        return from_proto_snapshot_result(response)
 
     # ---- worker inspection (tests, tools) ------------------------------------------------
     async def worker_stats(self, worker: str, *, timeout_s: float | None = None) -> WorkerStats:
@@ -562,7 +615,7 @@ class AsyncClient:
         response = await self._unary(
             "Worker.Stats", stub.Stats, worker_pb2.StatsRequest(), timeout_s, idempotent=True
         )
-        return convert.from_proto_worker_stats(response)
+        return from_proto_worker_stats(response)
 
     async def check_integrity(self, worker: str, *, timeout_s: float | None = None) -> IntegrityResult:
         stub = worker_pb2_grpc.WorkerStub(self._channel(worker))
@@ -573,7 +626,7 @@ class AsyncClient:
             timeout_s,
             idempotent=True,
         )
-        return convert.from_proto_integrity_result(response)
+        return from_proto_integrity_result(response)
 
     # ---- plumbing ----------------------------------------------------------------------
     def _controller_channel(self) -> grpc.aio.Channel:
@@ -761,7 +814,7 @@ class Client:
         return self._run(self._client.get_policy(version, **kwargs))
 
     def policy_history(
-        self, limit: int = convert.DEFAULT_POLICY_HISTORY_LIMIT, **kwargs: Any
+        self, limit: int = DEFAULT_POLICY_HISTORY_LIMIT, **kwargs: Any
     ) -> tuple[VersionedPolicy, ...]:
         return self._run(self._client.policy_history(limit, **kwargs))
 
