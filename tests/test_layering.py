@@ -61,7 +61,7 @@ class Module:
 
     @property
     def package(self) -> str:
-        """Short name of the top-level package: ``cache``, ``worker``; ``client`` for kvtier/client.py."""
+        """Short name of the top-level package: ``cache``, ``worker``; ``client`` for kvtier/client/."""
         parts = self.name.split(".")
         return parts[1] if len(parts) > 1 else ""
 
