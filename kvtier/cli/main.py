@@ -35,14 +35,17 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-# The command modules register their commands on app when imported.
-import kvtier.cli.bench  # noqa: F401
+# The command modules register their commands on app when imported, and `kvtier --help` lists
+# commands in registration order: the operator views first, then the cache and worker operations.
+# isort: off
+import kvtier.cli.workers  # noqa: F401
+import kvtier.cli.sessions  # noqa: F401
 import kvtier.cli.cache  # noqa: F401
 import kvtier.cli.drain  # noqa: F401
+import kvtier.cli.bench  # noqa: F401
 import kvtier.cli.policy  # noqa: F401
-import kvtier.cli.sessions  # noqa: F401
 import kvtier.cli.token  # noqa: F401
-import kvtier.cli.workers  # noqa: F401
+# isort: on
 from kvtier.cli.common import (
     _REPO_ROOT,
     _TIER_LABELS,
