@@ -32,12 +32,12 @@ from kvtier.domain.records import (
 )
 from kvtier.rpc._gen import admin_pb2
 from kvtier.rpc.convert.common import (
-    _capacities,
-    _occupancies,
     from_proto_invalidation_scope,
     from_proto_model_identity,
     from_proto_namespace_identity,
     from_proto_tokens_by_tier,
+    read_capacities,
+    read_occupancies,
     to_proto_invalidation_scope,
     to_proto_model_identity,
     to_proto_namespace_identity,
@@ -46,25 +46,25 @@ from kvtier.rpc.convert.common import (
     to_proto_tokens_by_tier,
 )
 from kvtier.rpc.convert.fields import (
-    _digest,
-    _EnumMap,
-    _join,
-    _list,
-    _list_limit,
-    _optional,
-    _optional_duration,
-    _optional_string,
-    _optional_tier,
-    _prefix_fields,
-    _prefix_from,
-    _required_message,
-    _string,
-    _tier,
+    EnumMap,
+    join_path,
+    optional_field,
+    prefix_fields,
+    read_digest,
+    read_list,
+    read_list_limit,
+    read_optional_duration,
+    read_optional_string,
+    read_optional_tier,
+    read_prefix,
+    read_string,
+    read_tier,
+    required_message,
 )
 from kvtier.rpc.convert.limits import DEFAULT_LIST_SESSIONS_LIMIT, MAX_IDENTITY_FIELD_CHARS, MAX_TEXT_CHARS
-from kvtier.rpc.convert.sessions import _SESSION_STATES, from_proto_session_info, to_proto_session_info
+from kvtier.rpc.convert.sessions import SESSION_STATES, from_proto_session_info, to_proto_session_info
 
-_WORKER_STATES = _EnumMap(WorkerState, admin_pb2.WorkerState, "WORKER_STATE_")
+_WORKER_STATES = EnumMap(WorkerState, admin_pb2.WorkerState, "WORKER_STATE_")
 
 
 def to_proto_controller_status(status: ControllerStatus) -> admin_pb2.StatusResponse:
@@ -87,17 +87,17 @@ def to_proto_controller_status(status: ControllerStatus) -> admin_pb2.StatusResp
 
 def from_proto_controller_status(msg: admin_pb2.StatusResponse, path: str = "") -> ControllerStatus:
     return ControllerStatus(
-        controller_id=_string(msg.controller_id, _join(path, "controller_id")),
+        controller_id=read_string(msg.controller_id, join_path(path, "controller_id")),
         is_leader=msg.is_leader,
-        leader_address=_optional_string(msg.leader_address, _join(path, "leader_address")),
-        version=_string(msg.version, _join(path, "version")),
+        leader_address=read_optional_string(msg.leader_address, join_path(path, "leader_address")),
+        version=read_string(msg.version, join_path(path, "version")),
         uptime_s=msg.uptime_s,
         num_workers=msg.num_workers,
         num_live_workers=msg.num_live_workers,
         num_active_sessions=msg.num_active_sessions,
         num_paused_sessions=msg.num_paused_sessions,
         num_resuming_sessions=msg.num_resuming_sessions,
-        tiers=_occupancies(msg.tiers, _join(path, "tiers")),
+        tiers=read_occupancies(msg.tiers, join_path(path, "tiers")),
         policy_version=msg.policy_version,
         is_directory_reachable=msg.is_directory_reachable,
     )
@@ -122,18 +122,18 @@ def to_proto_worker_info(info: WorkerInfo) -> admin_pb2.WorkerInfo:
 
 def from_proto_worker_info(msg: admin_pb2.WorkerInfo, path: str = "worker") -> WorkerInfo:
     return WorkerInfo(
-        worker_id=WorkerId(_string(msg.worker_id, _join(path, "worker_id"), required=True)),
-        address=_string(msg.address, _join(path, "address")),
-        boot_id=BootId(_string(msg.boot_id, _join(path, "boot_id"))),
-        state=_WORKER_STATES.parse(msg.state, _join(path, "state")),
-        model=from_proto_model_identity(_required_message(msg, "model", path), _join(path, "model")),
+        worker_id=WorkerId(read_string(msg.worker_id, join_path(path, "worker_id"), required=True)),
+        address=read_string(msg.address, join_path(path, "address")),
+        boot_id=BootId(read_string(msg.boot_id, join_path(path, "boot_id"))),
+        state=_WORKER_STATES.parse(msg.state, join_path(path, "state")),
+        model=from_proto_model_identity(required_message(msg, "model", path), join_path(path, "model")),
         page_size=msg.page_size,
-        capacities=_capacities(msg.capacities, _join(path, "capacities")),
-        tiers=_occupancies(msg.tiers, _join(path, "tiers")),
-        adapters=_list(
+        capacities=read_capacities(msg.capacities, join_path(path, "capacities")),
+        tiers=read_occupancies(msg.tiers, join_path(path, "tiers")),
+        adapters=read_list(
             msg.adapters,
-            _join(path, "adapters"),
-            lambda a, p: _string(a, p, max_chars=MAX_IDENTITY_FIELD_CHARS),
+            join_path(path, "adapters"),
+            lambda a, p: read_string(a, p, max_chars=MAX_IDENTITY_FIELD_CHARS),
         ),
         queue_depth=msg.queue_depth,
         num_running_seqs=msg.num_running_seqs,
@@ -146,13 +146,13 @@ def to_proto_worker_list(workers: Sequence[WorkerInfo]) -> admin_pb2.ListWorkers
 
 
 def from_proto_worker_list(msg: admin_pb2.ListWorkersResponse, path: str = "") -> tuple[WorkerInfo, ...]:
-    return _list(msg.workers, _join(path, "workers"), from_proto_worker_info)
+    return read_list(msg.workers, join_path(path, "workers"), from_proto_worker_info)
 
 
 
 def to_proto_list_sessions_request(request: ListSessionsRequest) -> admin_pb2.ListSessionsRequest:
     return admin_pb2.ListSessionsRequest(
-        state=_SESSION_STATES.to_wire[request.state] if request.state is not None else None,
+        state=SESSION_STATES.to_wire[request.state] if request.state is not None else None,
         limit=request.limit,
         page_token=request.page_token or "",
     )
@@ -162,9 +162,9 @@ def from_proto_list_sessions_request(
     msg: admin_pb2.ListSessionsRequest, path: str = ""
 ) -> ListSessionsRequest:
     return ListSessionsRequest(
-        state=_SESSION_STATES.parse(msg.state, _join(path, "state")) if msg.HasField("state") else None,
-        limit=_list_limit(msg, path, DEFAULT_LIST_SESSIONS_LIMIT),
-        page_token=_optional_string(msg.page_token, _join(path, "page_token"), max_chars=MAX_TEXT_CHARS),
+        state=SESSION_STATES.parse(msg.state, join_path(path, "state")) if msg.HasField("state") else None,
+        limit=read_list_limit(msg, path, DEFAULT_LIST_SESSIONS_LIMIT),
+        page_token=read_optional_string(msg.page_token, join_path(path, "page_token"), max_chars=MAX_TEXT_CHARS),
     )
 
 
@@ -176,24 +176,24 @@ def to_proto_session_page(page: SessionPage) -> admin_pb2.ListSessionsResponse:
 
 def from_proto_session_page(msg: admin_pb2.ListSessionsResponse, path: str = "") -> SessionPage:
     return SessionPage(
-        sessions=_list(msg.sessions, _join(path, "sessions"), from_proto_session_info),
-        next_page_token=_optional_string(
-            msg.next_page_token, _join(path, "next_page_token"), max_chars=MAX_TEXT_CHARS
+        sessions=read_list(msg.sessions, join_path(path, "sessions"), from_proto_session_info),
+        next_page_token=read_optional_string(
+            msg.next_page_token, join_path(path, "next_page_token"), max_chars=MAX_TEXT_CHARS
         ),
     )
 
 
 def to_proto_lookup_request(request: LookupRequest) -> admin_pb2.LookupRequest:
     return admin_pb2.LookupRequest(
-        namespace=to_proto_namespace_identity(request.namespace), **_prefix_fields(request.prefix)
+        namespace=to_proto_namespace_identity(request.namespace), **prefix_fields(request.prefix)
     )
 
 
 def from_proto_lookup_request(msg: admin_pb2.LookupRequest, path: str = "") -> LookupRequest:
     namespace = from_proto_namespace_identity(
-        _required_message(msg, "namespace", path), _join(path, "namespace")
+        required_message(msg, "namespace", path), join_path(path, "namespace")
     )
-    prefix = _prefix_from(msg, path)
+    prefix = read_prefix(msg, path)
     assert prefix is not None
     return LookupRequest(namespace=namespace, prefix=prefix)
 
@@ -206,7 +206,7 @@ def to_proto_worker_match(match: WorkerMatch) -> admin_pb2.WorkerMatch:
 
 def from_proto_worker_match(msg: admin_pb2.WorkerMatch, path: str = "") -> WorkerMatch:
     return WorkerMatch(
-        worker_id=WorkerId(_string(msg.worker_id, _join(path, "worker_id"), required=True)),
+        worker_id=WorkerId(read_string(msg.worker_id, join_path(path, "worker_id"), required=True)),
         matched_tokens=from_proto_tokens_by_tier(msg.matched_tokens),
     )
 
@@ -221,9 +221,9 @@ def to_proto_lookup_result(result: LookupResult) -> admin_pb2.LookupResponse:
 
 def from_proto_lookup_result(msg: admin_pb2.LookupResponse, path: str = "") -> LookupResult:
     return LookupResult(
-        namespace_digest=_digest(msg.namespace_digest, _join(path, "namespace_digest")),
+        namespace_digest=read_digest(msg.namespace_digest, join_path(path, "namespace_digest")),
         num_query_pages=msg.num_query_pages,
-        matches=_list(msg.matches, _join(path, "matches"), from_proto_worker_match),
+        matches=read_list(msg.matches, join_path(path, "matches"), from_proto_worker_match),
     )
 
 
@@ -235,8 +235,8 @@ def to_proto_invalidate_request(request: InvalidateRequest) -> admin_pb2.Invalid
 
 def from_proto_invalidate_request(msg: admin_pb2.InvalidateRequest, path: str = "") -> InvalidateRequest:
     return InvalidateRequest(
-        scope=from_proto_invalidation_scope(_required_message(msg, "scope", path), _join(path, "scope")),
-        reason=_string(msg.reason, _join(path, "reason"), max_chars=MAX_TEXT_CHARS),
+        scope=from_proto_invalidation_scope(required_message(msg, "scope", path), join_path(path, "scope")),
+        reason=read_string(msg.reason, join_path(path, "reason"), max_chars=MAX_TEXT_CHARS),
     )
 
 
@@ -256,7 +256,7 @@ def to_proto_drain_request(request: DrainRequest) -> admin_pb2.DrainRequest:
 
 def from_proto_drain_request(msg: admin_pb2.DrainRequest, path: str = "") -> DrainRequest:
     return DrainRequest(
-        worker_id=WorkerId(_string(msg.worker_id, _join(path, "worker_id"), required=True)), resume=msg.resume
+        worker_id=WorkerId(read_string(msg.worker_id, join_path(path, "worker_id"), required=True)), resume=msg.resume
     )
 
 
@@ -265,7 +265,7 @@ def to_proto_drain_response(info: WorkerInfo) -> admin_pb2.DrainResponse:
 
 
 def from_proto_drain_response(msg: admin_pb2.DrainResponse, path: str = "") -> WorkerInfo:
-    return from_proto_worker_info(_required_message(msg, "worker", path), _join(path, "worker"))
+    return from_proto_worker_info(required_message(msg, "worker", path), join_path(path, "worker"))
 
 
 def to_proto_pin_request(request: PinRequest) -> admin_pb2.PinRequest:
@@ -273,21 +273,21 @@ def to_proto_pin_request(request: PinRequest) -> admin_pb2.PinRequest:
         namespace=to_proto_namespace_identity(request.namespace),
         tier=int(request.tier),
         ttl_s=request.ttl_s,
-        **_prefix_fields(request.prefix),
+        **prefix_fields(request.prefix),
     )
 
 
 def from_proto_pin_request(msg: admin_pb2.PinRequest, path: str = "") -> PinRequest:
     namespace = from_proto_namespace_identity(
-        _required_message(msg, "namespace", path), _join(path, "namespace")
+        required_message(msg, "namespace", path), join_path(path, "namespace")
     )
-    prefix = _prefix_from(msg, path)
+    prefix = read_prefix(msg, path)
     assert prefix is not None
     return PinRequest(
         namespace=namespace,
         prefix=prefix,
-        tier=_tier(msg.tier, _join(path, "tier")),
-        ttl_s=_optional_duration(msg, "ttl_s", path, unit_ms=1000),
+        tier=read_tier(msg.tier, join_path(path, "tier")),
+        ttl_s=read_optional_duration(msg, "ttl_s", path, unit_ms=1000),
     )
 
 
@@ -299,9 +299,9 @@ def to_proto_pin_result(result: PinResult) -> admin_pb2.PinResponse:
 
 def from_proto_pin_result(msg: admin_pb2.PinResponse, path: str = "") -> PinResult:
     return PinResult(
-        pin_id=PinId(_string(msg.pin_id, _join(path, "pin_id"), required=True)),
+        pin_id=PinId(read_string(msg.pin_id, join_path(path, "pin_id"), required=True)),
         num_pinned_pages=msg.num_pinned_pages,
-        expires_at_ms=_optional(msg, "expires_at_ms"),
+        expires_at_ms=optional_field(msg, "expires_at_ms"),
     )
 
 
@@ -310,7 +310,7 @@ def to_proto_unpin_request(request: UnpinRequest) -> admin_pb2.UnpinRequest:
 
 
 def from_proto_unpin_request(msg: admin_pb2.UnpinRequest, path: str = "") -> UnpinRequest:
-    return UnpinRequest(pin_id=PinId(_string(msg.pin_id, _join(path, "pin_id"), required=True)))
+    return UnpinRequest(pin_id=PinId(read_string(msg.pin_id, join_path(path, "pin_id"), required=True)))
 
 
 def to_proto_unpin_result(result: UnpinResult) -> admin_pb2.UnpinResponse:
@@ -326,20 +326,20 @@ def to_proto_evict_request(request: EvictRequest) -> admin_pb2.EvictRequest:
         namespace=to_proto_namespace_identity(request.namespace),
         worker_id=request.worker_id or "",
         demote_to_tier=int(request.demote_to_tier) if request.demote_to_tier is not None else None,
-        **_prefix_fields(request.prefix),
+        **prefix_fields(request.prefix),
     )
 
 
 def from_proto_evict_request(msg: admin_pb2.EvictRequest, path: str = "") -> EvictRequest:
     namespace = from_proto_namespace_identity(
-        _required_message(msg, "namespace", path), _join(path, "namespace")
+        required_message(msg, "namespace", path), join_path(path, "namespace")
     )
-    worker_id = _optional_string(msg.worker_id, _join(path, "worker_id"))
+    worker_id = read_optional_string(msg.worker_id, join_path(path, "worker_id"))
     return EvictRequest(
         namespace=namespace,
-        prefix=_prefix_from(msg, path, required=False),
+        prefix=read_prefix(msg, path, required=False),
         worker_id=WorkerId(worker_id) if worker_id else None,
-        demote_to_tier=_optional_tier(msg, "demote_to_tier", path),
+        demote_to_tier=read_optional_tier(msg, "demote_to_tier", path),
     )
 
 
@@ -357,8 +357,8 @@ def to_proto_snapshot_request(request: SnapshotRequest) -> admin_pb2.SnapshotReq
 
 
 def from_proto_snapshot_request(msg: admin_pb2.SnapshotRequest, path: str = "") -> SnapshotRequest:
-    worker_ids = _list(
-        msg.worker_ids, _join(path, "worker_ids"), lambda w, p: WorkerId(_string(w, p, required=True))
+    worker_ids = read_list(
+        msg.worker_ids, join_path(path, "worker_ids"), lambda w, p: WorkerId(read_string(w, p, required=True))
     )
     return SnapshotRequest(worker_ids=worker_ids, wait=msg.wait)
 
@@ -374,8 +374,8 @@ def to_proto_worker_snapshot(snapshot: WorkerSnapshot) -> admin_pb2.WorkerSnapsh
 
 def from_proto_worker_snapshot(msg: admin_pb2.WorkerSnapshot, path: str = "") -> WorkerSnapshot:
     return WorkerSnapshot(
-        worker_id=WorkerId(_string(msg.worker_id, _join(path, "worker_id"), required=True)),
-        snapshot_id=SnapshotId(_string(msg.snapshot_id, _join(path, "snapshot_id"), required=True)),
+        worker_id=WorkerId(read_string(msg.worker_id, join_path(path, "worker_id"), required=True)),
+        snapshot_id=SnapshotId(read_string(msg.snapshot_id, join_path(path, "snapshot_id"), required=True)),
         is_complete=msg.is_complete,
         num_pages=msg.num_pages,
     )
@@ -386,4 +386,4 @@ def to_proto_snapshot_result(snapshots: Sequence[WorkerSnapshot]) -> admin_pb2.S
 
 
 def from_proto_snapshot_result(msg: admin_pb2.SnapshotResponse, path: str = "") -> tuple[WorkerSnapshot, ...]:
-    return _list(msg.snapshots, _join(path, "snapshots"), from_proto_worker_snapshot)
+    return read_list(msg.snapshots, join_path(path, "snapshots"), from_proto_worker_snapshot)

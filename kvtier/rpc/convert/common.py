@@ -16,14 +16,14 @@ from kvtier.domain.records import (
 )
 from kvtier.rpc._gen import common_pb2
 from kvtier.rpc.convert.fields import (
-    _invalid,
-    _join,
-    _list,
-    _string,
-    _tier,
-    _token_ids,
-    _unique_tiers,
-    _validate,
+    check_unique_tiers,
+    invalid,
+    join_path,
+    read_list,
+    read_string,
+    read_tier,
+    read_token_ids,
+    validate_as,
 )
 from kvtier.rpc.convert.limits import MAX_IDENTITY_FIELD_CHARS, MAX_STOP_TOKEN_IDS
 
@@ -51,12 +51,12 @@ def from_proto_namespace_identity(
     for name in _IDENTITY_STRINGS:
         value = getattr(msg, name)
         if len(value) > MAX_IDENTITY_FIELD_CHARS:  # the path is built only for the error (Route's hot path)
-            _string(value, _join(path, name), max_chars=MAX_IDENTITY_FIELD_CHARS)
-    _string(msg.model_id, _join(path, "model_id"), required=True)
+            read_string(value, join_path(path, name), max_chars=MAX_IDENTITY_FIELD_CHARS)
+    read_string(msg.model_id, join_path(path, "model_id"), required=True)
     if not msg.kv_dtype:
-        raise _invalid(_join(path, "kv_dtype"), f"must be set to one of {', '.join(KV_DTYPES)}")
+        raise invalid(join_path(path, "kv_dtype"), f"must be set to one of {', '.join(KV_DTYPES)}")
     if msg.page_size == 0:
-        raise _invalid(_join(path, "page_size"), "must be set (>= 1)")
+        raise invalid(join_path(path, "page_size"), "must be set (>= 1)")
     identity = NamespaceIdentity(
         model_id=msg.model_id,
         weights_digest=msg.weights_digest,
@@ -67,7 +67,7 @@ def from_proto_namespace_identity(
         page_size=msg.page_size,
         tenant=msg.tenant,
     )
-    _validate(identity.validate, "namespace", path)
+    validate_as(identity.validate, "namespace", path)
     return identity
 
 
@@ -83,11 +83,11 @@ def to_proto_model_identity(model: ModelIdentity) -> common_pb2.ModelIdentity:
 
 def from_proto_model_identity(msg: common_pb2.ModelIdentity, path: str = "model") -> ModelIdentity:
     for name in ("model_id", "weights_digest", "tokenizer_digest", "rope_config"):
-        _string(getattr(msg, name), _join(path, name), max_chars=MAX_IDENTITY_FIELD_CHARS)
-    _string(msg.model_id, _join(path, "model_id"), required=True)
+        read_string(getattr(msg, name), join_path(path, name), max_chars=MAX_IDENTITY_FIELD_CHARS)
+    read_string(msg.model_id, join_path(path, "model_id"), required=True)
     if msg.kv_dtype not in KV_DTYPES:
-        raise _invalid(
-            _join(path, "kv_dtype"), f"must be one of {', '.join(KV_DTYPES)}, got {msg.kv_dtype!r}"
+        raise invalid(
+            join_path(path, "kv_dtype"), f"must be one of {', '.join(KV_DTYPES)}, got {msg.kv_dtype!r}"
         )
     return ModelIdentity(
         model_id=msg.model_id,
@@ -122,7 +122,7 @@ def to_proto_tier_occupancy(occupancy: TierOccupancy) -> common_pb2.TierOccupanc
 
 def from_proto_tier_occupancy(msg: common_pb2.TierOccupancy, path: str = "") -> TierOccupancy:
     return TierOccupancy(
-        tier=_tier(msg.tier, _join(path, "tier")),
+        tier=read_tier(msg.tier, join_path(path, "tier")),
         total_pages=msg.total_pages,
         free_pages=msg.free_pages,
         cached_pages=msg.cached_pages,
@@ -132,9 +132,9 @@ def from_proto_tier_occupancy(msg: common_pb2.TierOccupancy, path: str = "") -> 
     )
 
 
-def _occupancies(items: Sequence[common_pb2.TierOccupancy], path: str) -> tuple[TierOccupancy, ...]:
-    occupancies = _list(items, path, from_proto_tier_occupancy)
-    _unique_tiers(occupancies, path)
+def read_occupancies(items: Sequence[common_pb2.TierOccupancy], path: str) -> tuple[TierOccupancy, ...]:
+    occupancies = read_list(items, path, from_proto_tier_occupancy)
+    check_unique_tiers(occupancies, path)
     return occupancies
 
 
@@ -148,15 +148,15 @@ def to_proto_tier_capacity(capacity: TierCapacity) -> common_pb2.TierCapacity:
 
 def from_proto_tier_capacity(msg: common_pb2.TierCapacity, path: str = "") -> TierCapacity:
     return TierCapacity(
-        tier=_tier(msg.tier, _join(path, "tier")),
+        tier=read_tier(msg.tier, join_path(path, "tier")),
         capacity_pages=msg.capacity_pages,
         capacity_bytes=msg.capacity_bytes,
     )
 
 
-def _capacities(items: Sequence[common_pb2.TierCapacity], path: str) -> tuple[TierCapacity, ...]:
-    capacities = _list(items, path, from_proto_tier_capacity)
-    _unique_tiers(capacities, path)
+def read_capacities(items: Sequence[common_pb2.TierCapacity], path: str) -> tuple[TierCapacity, ...]:
+    capacities = read_list(items, path, from_proto_tier_capacity)
+    check_unique_tiers(capacities, path)
     return capacities
 
 
@@ -176,20 +176,20 @@ def from_proto_invalidation_scope(
     which = msg.WhichOneof("scope")
     if which == "namespace":
         scope = InvalidationScope(
-            namespace=from_proto_namespace_identity(msg.namespace, _join(path, "namespace"))
+            namespace=from_proto_namespace_identity(msg.namespace, join_path(path, "namespace"))
         )
     elif which == "tenant":
         scope = InvalidationScope(
-            tenant=_string(msg.tenant, _join(path, "tenant"), max_chars=MAX_IDENTITY_FIELD_CHARS)
+            tenant=read_string(msg.tenant, join_path(path, "tenant"), max_chars=MAX_IDENTITY_FIELD_CHARS)
         )
     elif which == "model_id":
-        model_id = _string(msg.model_id, _join(path, "model_id"), max_chars=MAX_IDENTITY_FIELD_CHARS)
+        model_id = read_string(msg.model_id, join_path(path, "model_id"), max_chars=MAX_IDENTITY_FIELD_CHARS)
         scope = InvalidationScope(model_id=model_id)
     elif which == "all_namespaces" and msg.all_namespaces:
         scope = InvalidationScope(all_namespaces=True)
     else:
-        raise _invalid(path, "must set exactly one of namespace, tenant, model_id, all_namespaces=true")
-    _validate(scope.validate, "scope", path)
+        raise invalid(path, "must set exactly one of namespace, tenant, model_id, all_namespaces=true")
+    validate_as(scope.validate, "scope", path)
     return scope
 
 
@@ -206,12 +206,12 @@ def to_proto_model_facts(facts: ModelFacts) -> common_pb2.ModelFacts:
 
 def from_proto_model_facts(msg: common_pb2.ModelFacts, path: str = "facts") -> ModelFacts:
     if msg.vocab_size == 0:
-        raise _invalid(_join(path, "vocab_size"), "must be set (>= 1)")
+        raise invalid(join_path(path, "vocab_size"), "must be set (>= 1)")
     if msg.max_context_tokens == 0:
-        raise _invalid(_join(path, "max_context_tokens"), "must be set (>= 1)")
+        raise invalid(join_path(path, "max_context_tokens"), "must be set (>= 1)")
     return ModelFacts(
         vocab_size=msg.vocab_size,
         max_context_tokens=msg.max_context_tokens,
-        eos_token_ids=_token_ids(msg.eos_token_ids, _join(path, "eos_token_ids"), limit=MAX_STOP_TOKEN_IDS),
+        eos_token_ids=read_token_ids(msg.eos_token_ids, join_path(path, "eos_token_ids"), limit=MAX_STOP_TOKEN_IDS),
         has_chat_template=msg.has_chat_template,
     )

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from kvtier.domain.params import SamplingParams
-
 # Data-volume limits (ResourceExhausted when exceeded).
 MAX_PROMPT_TOKENS = 1 << 20  # prompt and prefix token ids per request
 MAX_PREFIX_PAGE_KEYS = MAX_PROMPT_TOKENS // 16  # page keys per prefix (the default page size)
@@ -25,4 +23,3 @@ MAX_DURATION_MS = 365 * 24 * 3600 * 1000
 MAX_MESSAGE_BYTES = 16 << 20
 DEFAULT_LIST_SESSIONS_LIMIT = 100
 DEFAULT_POLICY_HISTORY_LIMIT = 20
-_SAMPLING_DEFAULTS = SamplingParams()

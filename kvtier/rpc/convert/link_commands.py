@@ -27,41 +27,41 @@ from kvtier.domain.records import (
 from kvtier.rpc._gen import worker_link_pb2
 from kvtier.rpc.convert.common import from_proto_invalidation_scope, to_proto_invalidation_scope
 from kvtier.rpc.convert.fields import (
-    _digest,
-    _invalid,
-    _join,
-    _keys,
-    _optional,
-    _optional_duration,
-    _optional_spread,
-    _optional_string,
-    _required_message,
-    _string,
-    _tier,
+    invalid,
+    join_path,
+    optional_field,
+    read_digest,
+    read_keys,
+    read_optional_duration,
+    read_optional_spread,
+    read_optional_string,
+    read_string,
+    read_tier,
+    required_message,
 )
 from kvtier.rpc.convert.limits import MAX_COMMAND_PAGES
 
 
 def _command_keys(msg: Any, path: str) -> tuple[PageKey, ...]:
-    keys = _keys(msg.page_keys, _join(path, "page_keys"), limit=MAX_COMMAND_PAGES)
+    keys = read_keys(msg.page_keys, join_path(path, "page_keys"), limit=MAX_COMMAND_PAGES)
     if not keys:
-        raise _invalid(_join(path, "page_keys"), "must not be empty")
+        raise invalid(join_path(path, "page_keys"), "must not be empty")
     return keys
 
 
 def _command_target(msg: Any, path: str) -> tuple[tuple[PageKey, ...], SessionId | None, bool]:
     """Page keys, a session id or the whole namespace: exactly one addresses a command's pages."""
-    session_id = _optional_string(msg.session_id, _join(path, "session_id"))
+    session_id = read_optional_string(msg.session_id, join_path(path, "session_id"))
     if msg.whole_namespace:
         if session_id is not None:
-            raise _invalid(_join(path, "session_id"), "must be empty when whole_namespace is set")
+            raise invalid(join_path(path, "session_id"), "must be empty when whole_namespace is set")
         if msg.page_keys:
-            raise _invalid(_join(path, "page_keys"), "must be empty when whole_namespace is set")
+            raise invalid(join_path(path, "page_keys"), "must be empty when whole_namespace is set")
         return (), None, True
     if session_id is None:
         return _command_keys(msg, path), None, False
     if msg.page_keys:
-        raise _invalid(_join(path, "page_keys"), "must be empty when session_id is set")
+        raise invalid(join_path(path, "page_keys"), "must be empty when session_id is set")
     return (), SessionId(session_id), False
 
 
@@ -89,9 +89,9 @@ def to_proto_demote_command(command: DemoteCommand) -> worker_link_pb2.DemoteCom
 def from_proto_demote_command(msg: worker_link_pb2.DemoteCommand, path: str = "demote") -> DemoteCommand:
     keys, session_id, whole_namespace = _command_target(msg, path)
     return DemoteCommand(
-        namespace_digest=_digest(msg.namespace_digest, _join(path, "namespace_digest")),
+        namespace_digest=read_digest(msg.namespace_digest, join_path(path, "namespace_digest")),
         page_keys=keys,
-        target_tier=_tier(msg.target_tier, _join(path, "target_tier")),
+        target_tier=read_tier(msg.target_tier, join_path(path, "target_tier")),
         session_id=session_id,
         whole_namespace=whole_namespace,
     )
@@ -113,19 +113,19 @@ def to_proto_prefetch_command(command: PrefetchCommand) -> worker_link_pb2.Prefe
 def from_proto_prefetch_command(
     msg: worker_link_pb2.PrefetchCommand, path: str = "prefetch"
 ) -> PrefetchCommand:
-    session_id = _optional_string(msg.session_id, _join(path, "session_id"))
-    keys = _keys(msg.page_keys, _join(path, "page_keys"), limit=MAX_COMMAND_PAGES)
+    session_id = read_optional_string(msg.session_id, join_path(path, "session_id"))
+    keys = read_keys(msg.page_keys, join_path(path, "page_keys"), limit=MAX_COMMAND_PAGES)
     if not keys and session_id is None:
-        raise _invalid(_join(path, "page_keys"), "must not be empty unless session_id is set")
+        raise invalid(join_path(path, "page_keys"), "must not be empty unless session_id is set")
     return PrefetchCommand(
-        namespace_digest=_digest(msg.namespace_digest, _join(path, "namespace_digest")),
+        namespace_digest=read_digest(msg.namespace_digest, join_path(path, "namespace_digest")),
         page_keys=keys,
-        target_tier=_tier(msg.target_tier, _join(path, "target_tier")),
-        deadline_ms=_optional(msg, "deadline_ms"),
+        target_tier=read_tier(msg.target_tier, join_path(path, "target_tier")),
+        deadline_ms=optional_field(msg, "deadline_ms"),
         session_id=SessionId(session_id) if session_id else None,
-        return_in_ms=_optional_duration(msg, "return_in_ms", path),
-        away_ms=_optional_duration(msg, "away_ms", path),
-        return_spread=_optional_spread(msg, "return_spread", path),
+        return_in_ms=read_optional_duration(msg, "return_in_ms", path),
+        away_ms=read_optional_duration(msg, "away_ms", path),
+        return_spread=read_optional_spread(msg, "return_spread", path),
     )
 
 
@@ -143,9 +143,9 @@ def to_proto_drop_command(command: DropCommand) -> worker_link_pb2.DropCommand:
 def from_proto_drop_command(msg: worker_link_pb2.DropCommand, path: str = "drop") -> DropCommand:
     keys, session_id, whole_namespace = _command_target(msg, path)
     if msg.keep_pages and session_id is None:
-        raise _invalid(_join(path, "keep_pages"), "may be true only with session_id")
+        raise invalid(join_path(path, "keep_pages"), "may be true only with session_id")
     return DropCommand(
-        namespace_digest=_digest(msg.namespace_digest, _join(path, "namespace_digest")),
+        namespace_digest=read_digest(msg.namespace_digest, join_path(path, "namespace_digest")),
         page_keys=keys,
         session_id=session_id,
         whole_namespace=whole_namespace,
@@ -162,9 +162,9 @@ def to_proto_invalidate_command(command: InvalidateCommand) -> worker_link_pb2.I
 def from_proto_invalidate_command(
     msg: worker_link_pb2.InvalidateCommand, path: str = "invalidate"
 ) -> InvalidateCommand:
-    scope = from_proto_invalidation_scope(_required_message(msg, "scope", path), _join(path, "scope"))
+    scope = from_proto_invalidation_scope(required_message(msg, "scope", path), join_path(path, "scope"))
     if msg.policy_epoch == 0:
-        raise _invalid(_join(path, "policy_epoch"), "must be >= 1")
+        raise invalid(join_path(path, "policy_epoch"), "must be >= 1")
     return InvalidateCommand(scope=scope, policy_epoch=msg.policy_epoch)
 
 
@@ -178,7 +178,7 @@ def from_proto_request_snapshot_command(
     msg: worker_link_pb2.RequestSnapshotCommand, path: str = "request_snapshot"
 ) -> RequestSnapshotCommand:
     return RequestSnapshotCommand(
-        snapshot_id=SnapshotId(_string(msg.snapshot_id, _join(path, "snapshot_id"), required=True))
+        snapshot_id=SnapshotId(read_string(msg.snapshot_id, join_path(path, "snapshot_id"), required=True))
     )
 
 
@@ -191,7 +191,7 @@ def from_proto_drain_command(msg: worker_link_pb2.DrainCommand, path: str = "dra
 
 
 def _pin_id(value: str, path: str) -> PinId:
-    return PinId(_string(value, path, required=True))
+    return PinId(read_string(value, path, required=True))
 
 
 def to_proto_pin_command(command: PinCommand) -> worker_link_pb2.PinCommand:
@@ -206,11 +206,11 @@ def to_proto_pin_command(command: PinCommand) -> worker_link_pb2.PinCommand:
 
 def from_proto_pin_command(msg: worker_link_pb2.PinCommand, path: str = "pin") -> PinCommand:
     return PinCommand(
-        pin_id=_pin_id(msg.pin_id, _join(path, "pin_id")),
-        namespace_digest=_digest(msg.namespace_digest, _join(path, "namespace_digest")),
+        pin_id=_pin_id(msg.pin_id, join_path(path, "pin_id")),
+        namespace_digest=read_digest(msg.namespace_digest, join_path(path, "namespace_digest")),
         page_keys=_command_keys(msg, path),
-        tier=_tier(msg.tier, _join(path, "tier")),
-        expires_at_ms=_optional(msg, "expires_at_ms"),
+        tier=read_tier(msg.tier, join_path(path, "tier")),
+        expires_at_ms=optional_field(msg, "expires_at_ms"),
     )
 
 
@@ -219,7 +219,7 @@ def to_proto_unpin_command(command: UnpinCommand) -> worker_link_pb2.UnpinComman
 
 
 def from_proto_unpin_command(msg: worker_link_pb2.UnpinCommand, path: str = "unpin") -> UnpinCommand:
-    return UnpinCommand(pin_id=_pin_id(msg.pin_id, _join(path, "pin_id")))
+    return UnpinCommand(pin_id=_pin_id(msg.pin_id, join_path(path, "pin_id")))
 
 
 # Command type -> (oneof member, to_proto); oneof member -> from_proto.
@@ -257,8 +257,8 @@ def from_proto_controller_command(
 ) -> ControllerCommand:
     which = msg.WhichOneof("command")
     if which is None:
-        raise _invalid(_join(path, "command"), f"must set one of {', '.join(_COMMAND_PARSERS)}")
+        raise invalid(join_path(path, "command"), f"must set one of {', '.join(_COMMAND_PARSERS)}")
     return ControllerCommand(
         command_id=CommandId(msg.command_id),
-        command=_COMMAND_PARSERS[which](getattr(msg, which), _join(path, which)),
+        command=_COMMAND_PARSERS[which](getattr(msg, which), join_path(path, which)),
     )

@@ -25,28 +25,28 @@ from kvtier.domain.records import (
 )
 from kvtier.rpc._gen import worker_link_pb2
 from kvtier.rpc.convert.common import (
-    _capacities,
-    _occupancies,
     from_proto_model_facts,
     from_proto_model_identity,
+    read_capacities,
+    read_occupancies,
     to_proto_model_facts,
     to_proto_model_identity,
     to_proto_tier_capacity,
     to_proto_tier_occupancy,
 )
 from kvtier.rpc.convert.fields import (
-    _count,
-    _digest,
-    _EnumMap,
-    _invalid,
-    _join,
-    _key,
-    _list,
-    _optional_tier,
-    _required_message,
-    _string,
-    _tier,
-    _tier_or_none,
+    EnumMap,
+    check_count,
+    invalid,
+    join_path,
+    read_digest,
+    read_key,
+    read_list,
+    read_optional_tier,
+    read_string,
+    read_tier,
+    required_message,
+    tier_or_unset,
 )
 from kvtier.rpc.convert.limits import (
     MAX_BATCH_EVENTS,
@@ -55,7 +55,7 @@ from kvtier.rpc.convert.limits import (
     MAX_TEXT_CHARS,
 )
 
-_PAGE_EVENT_KINDS = _EnumMap(PageEventKind, worker_link_pb2.PageEventKind, "PAGE_EVENT_KIND_")
+_PAGE_EVENT_KINDS = EnumMap(PageEventKind, worker_link_pb2.PageEventKind, "PAGE_EVENT_KIND_")
 
 
 def to_proto_registration(registration: Registration) -> worker_link_pb2.Register:
@@ -73,19 +73,19 @@ def to_proto_registration(registration: Registration) -> worker_link_pb2.Registe
 
 def from_proto_registration(msg: worker_link_pb2.Register, path: str = "register") -> Registration:
     if msg.page_size == 0:
-        raise _invalid(_join(path, "page_size"), "must be set (>= 1)")
-    adapters_path = _join(path, "adapters")
+        raise invalid(join_path(path, "page_size"), "must be set (>= 1)")
+    adapters_path = join_path(path, "adapters")
     return Registration(
-        worker_id=WorkerId(_string(msg.worker_id, _join(path, "worker_id"), required=True)),
-        address=_string(msg.address, _join(path, "address"), required=True),
-        boot_id=BootId(_string(msg.boot_id, _join(path, "boot_id"), required=True)),
-        model=from_proto_model_identity(_required_message(msg, "model", path), _join(path, "model")),
+        worker_id=WorkerId(read_string(msg.worker_id, join_path(path, "worker_id"), required=True)),
+        address=read_string(msg.address, join_path(path, "address"), required=True),
+        boot_id=BootId(read_string(msg.boot_id, join_path(path, "boot_id"), required=True)),
+        model=from_proto_model_identity(required_message(msg, "model", path), join_path(path, "model")),
         page_size=msg.page_size,
-        capacities=_capacities(msg.capacities, _join(path, "capacities")),
-        adapters=_list(
-            msg.adapters, adapters_path, lambda a, p: _string(a, p, max_chars=MAX_IDENTITY_FIELD_CHARS)
+        capacities=read_capacities(msg.capacities, join_path(path, "capacities")),
+        adapters=read_list(
+            msg.adapters, adapters_path, lambda a, p: read_string(a, p, max_chars=MAX_IDENTITY_FIELD_CHARS)
         ),
-        facts=from_proto_model_facts(msg.facts, _join(path, "facts")) if msg.HasField("facts") else None,
+        facts=from_proto_model_facts(msg.facts, join_path(path, "facts")) if msg.HasField("facts") else None,
     )
 
 
@@ -101,7 +101,7 @@ def to_proto_heartbeat(heartbeat: Heartbeat) -> worker_link_pb2.Heartbeat:
 def from_proto_heartbeat(msg: worker_link_pb2.Heartbeat, path: str = "heartbeat") -> Heartbeat:
     return Heartbeat(
         seq=msg.seq,
-        tiers=_occupancies(msg.tiers, _join(path, "tiers")),
+        tiers=read_occupancies(msg.tiers, join_path(path, "tiers")),
         queue_depth=msg.queue_depth,
         num_running_seqs=msg.num_running_seqs,
     )
@@ -114,28 +114,28 @@ def to_proto_page_event(event: PageEvent) -> worker_link_pb2.PageEvent:
         page_key=event.page_key,
         parent_key=event.parent_key or b"",
         depth=event.depth or 0,
-        tier=_tier_or_none(event.tier),
+        tier=tier_or_unset(event.tier),
         from_tier=int(event.from_tier) if event.from_tier is not None else None,
     )
 
 
 def from_proto_page_event(msg: worker_link_pb2.PageEvent, path: str = "") -> PageEvent:
-    kind = _PAGE_EVENT_KINDS.parse(msg.kind, _join(path, "kind"))
+    kind = _PAGE_EVENT_KINDS.parse(msg.kind, join_path(path, "kind"))
     is_insert = kind is PageEventKind.INSERT
-    tier = _tier(msg.tier, _join(path, "tier")) if msg.tier or kind is not PageEventKind.DROP else None
-    from_tier = _optional_tier(msg, "from_tier", path)
+    tier = read_tier(msg.tier, join_path(path, "tier")) if msg.tier or kind is not PageEventKind.DROP else None
+    from_tier = read_optional_tier(msg, "from_tier", path)
     if from_tier is not None and kind is not PageEventKind.MOVE:
-        raise _invalid(_join(path, "from_tier"), f"must be unset for a {kind.name} event")
+        raise invalid(join_path(path, "from_tier"), f"must be unset for a {kind.name} event")
     if from_tier is not None and from_tier == tier:
-        raise _invalid(_join(path, "from_tier"), f"must differ from tier ({from_tier.label})")
+        raise invalid(join_path(path, "from_tier"), f"must differ from tier ({from_tier.label})")
     if is_insert and msg.depth == 0:
-        raise _invalid(_join(path, "depth"), "must be >= 1 for an INSERT event")
+        raise invalid(join_path(path, "depth"), "must be >= 1 for an INSERT event")
     return PageEvent(
         kind=kind,
-        namespace_digest=_digest(msg.namespace_digest, _join(path, "namespace_digest")),
-        page_key=_key(msg.page_key, _join(path, "page_key")),
+        namespace_digest=read_digest(msg.namespace_digest, join_path(path, "namespace_digest")),
+        page_key=read_key(msg.page_key, join_path(path, "page_key")),
         tier=tier,
-        parent_key=_key(msg.parent_key, _join(path, "parent_key")) if msg.parent_key or is_insert else None,
+        parent_key=read_key(msg.parent_key, join_path(path, "parent_key")) if msg.parent_key or is_insert else None,
         depth=msg.depth or None,
         from_tier=from_tier,
     )
@@ -150,8 +150,8 @@ def to_proto_page_event_batch(batch: PageEventBatch) -> worker_link_pb2.PageEven
 def from_proto_page_event_batch(
     msg: worker_link_pb2.PageEventBatch, path: str = "page_events"
 ) -> PageEventBatch:
-    events_path = _join(path, "events")
-    _count(msg.events, events_path, MAX_BATCH_EVENTS, volume=True)
+    events_path = join_path(path, "events")
+    check_count(msg.events, events_path, MAX_BATCH_EVENTS, volume=True)
     return PageEventBatch(
         seq=msg.seq,
         events=tuple(from_proto_page_event(e, f"{events_path}[{i}]") for i, e in enumerate(msg.events)),
@@ -164,10 +164,10 @@ def to_proto_inventory_page(page: InventoryPage) -> worker_link_pb2.InventoryPag
 
 def from_proto_inventory_page(msg: worker_link_pb2.InventoryPage, path: str = "") -> InventoryPage:
     if msg.depth == 0:
-        raise _invalid(_join(path, "depth"), "must be >= 1")
+        raise invalid(join_path(path, "depth"), "must be >= 1")
     return InventoryPage(
-        page_key=_key(msg.page_key, _join(path, "page_key")),
-        parent_key=_key(msg.parent_key, _join(path, "parent_key")),
+        page_key=read_key(msg.page_key, join_path(path, "page_key")),
+        parent_key=read_key(msg.parent_key, join_path(path, "parent_key")),
         depth=msg.depth,
     )
 
@@ -183,11 +183,11 @@ def to_proto_namespace_inventory(inventory: NamespaceInventory) -> worker_link_p
 def from_proto_namespace_inventory(
     msg: worker_link_pb2.NamespaceInventory, path: str = ""
 ) -> NamespaceInventory:
-    pages_path = _join(path, "pages")
-    _count(msg.pages, pages_path, MAX_SNAPSHOT_CHUNK_PAGES, volume=True)
+    pages_path = join_path(path, "pages")
+    check_count(msg.pages, pages_path, MAX_SNAPSHOT_CHUNK_PAGES, volume=True)
     return NamespaceInventory(
-        namespace_digest=_digest(msg.namespace_digest, _join(path, "namespace_digest")),
-        tier=_tier(msg.tier, _join(path, "tier")),
+        namespace_digest=read_digest(msg.namespace_digest, join_path(path, "namespace_digest")),
+        tier=read_tier(msg.tier, join_path(path, "tier")),
         pages=tuple(from_proto_inventory_page(p, f"{pages_path}[{i}]") for i, p in enumerate(msg.pages)),
     )
 
@@ -207,7 +207,7 @@ def to_proto_inventory_snapshot_chunk(
 def from_proto_inventory_snapshot_chunk(
     msg: worker_link_pb2.InventorySnapshotChunk, path: str = "snapshot"
 ) -> InventorySnapshotChunk:
-    inventories_path = _join(path, "inventories")
+    inventories_path = join_path(path, "inventories")
     num_pages = sum(len(inv.pages) for inv in msg.inventories)
     if num_pages > MAX_SNAPSHOT_CHUNK_PAGES:
         raise ResourceExhausted(
@@ -215,11 +215,11 @@ def from_proto_inventory_snapshot_chunk(
             field=inventories_path,
         )
     return InventorySnapshotChunk(
-        snapshot_id=SnapshotId(_string(msg.snapshot_id, _join(path, "snapshot_id"), required=True)),
+        snapshot_id=SnapshotId(read_string(msg.snapshot_id, join_path(path, "snapshot_id"), required=True)),
         chunk_index=msg.chunk_index,
         is_last=msg.is_last,
         as_of_seq=msg.as_of_seq,
-        inventories=_list(msg.inventories, inventories_path, from_proto_namespace_inventory),
+        inventories=read_list(msg.inventories, inventories_path, from_proto_namespace_inventory),
     )
 
 
@@ -236,8 +236,8 @@ def from_proto_command_ack(msg: worker_link_pb2.CommandAck, path: str = "ack") -
         return CommandAck(command_id=CommandId(msg.command_id), **counts)
     return CommandAck(
         command_id=CommandId(msg.command_id),
-        error_code=_string(msg.error_code, _join(path, "error_code"), required=True),
-        error_message=_string(msg.error_message, _join(path, "error_message"), max_chars=MAX_TEXT_CHARS),
+        error_code=read_string(msg.error_code, join_path(path, "error_code"), required=True),
+        error_message=read_string(msg.error_message, join_path(path, "error_message"), max_chars=MAX_TEXT_CHARS),
         **counts,
     )
 
@@ -266,5 +266,5 @@ _WORKER_EVENT_PARSERS: dict[str, Callable[[Any, str], WorkerEvent]] = {
 def from_proto_worker_event(msg: worker_link_pb2.WorkerEvent, path: str = "") -> WorkerEvent:
     which = msg.WhichOneof("event")
     if which is None:
-        raise _invalid(_join(path, "event"), f"must set one of {', '.join(_WORKER_EVENT_PARSERS)}")
-    return _WORKER_EVENT_PARSERS[which](getattr(msg, which), _join(path, which))
+        raise invalid(join_path(path, "event"), f"must set one of {', '.join(_WORKER_EVENT_PARSERS)}")
+    return _WORKER_EVENT_PARSERS[which](getattr(msg, which), join_path(path, which))

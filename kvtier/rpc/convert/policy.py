@@ -18,14 +18,14 @@ from kvtier.domain.records import (
 from kvtier.domain.tiers import Tier
 from kvtier.rpc._gen import admin_pb2
 from kvtier.rpc.convert.fields import (
-    _count,
-    _invalid,
-    _join,
-    _list,
-    _list_limit,
-    _optional,
-    _required_message,
-    _string,
+    check_count,
+    invalid,
+    join_path,
+    optional_field,
+    read_list,
+    read_list_limit,
+    read_string,
+    required_message,
 )
 from kvtier.rpc.convert.limits import DEFAULT_POLICY_HISTORY_LIMIT, MAX_TEXT_CHARS
 
@@ -43,12 +43,12 @@ def _by_tier_label(mapping: Mapping[Tier, Any], write: Callable[[Any], Any] = la
 
 
 def _tier_keyed(entries: Mapping[str, Any], path: str, read: Callable[[Any, str], Any]) -> dict[Tier, Any]:
-    _count(entries, path, len(Tier))
+    check_count(entries, path, len(Tier))
     result = {}
     for label in sorted(entries):
         tier = Tier.parse(label, field=f"{path}.{label}")
         if tier.label != label:
-            raise _invalid(f"{path}.{label}", f"must be spelled {tier.label!r}")
+            raise invalid(f"{path}.{label}", f"must be spelled {tier.label!r}")
         result[tier] = read(entries[label], f"{path}.{label}")
     return result
 
@@ -64,10 +64,10 @@ def to_proto_policy(policy: Policy) -> admin_pb2.Policy:
 
 def from_proto_policy(msg: admin_pb2.Policy, path: str = "policy") -> Policy:
     policy = Policy(
-        watermarks=_tier_keyed(msg.watermarks, _join(path, "watermarks"), from_proto_watermarks),
-        tier_weights=_tier_keyed(msg.tier_weights, _join(path, "tier_weights"), lambda v, p: v),
+        watermarks=_tier_keyed(msg.watermarks, join_path(path, "watermarks"), from_proto_watermarks),
+        tier_weights=_tier_keyed(msg.tier_weights, join_path(path, "tier_weights"), lambda v, p: v),
         budget_bytes_per_s=_tier_keyed(
-            msg.budget_bytes_per_s, _join(path, "budget_bytes_per_s"), lambda v, p: v
+            msg.budget_bytes_per_s, join_path(path, "budget_bytes_per_s"), lambda v, p: v
         ),
         eviction_policy=msg.eviction_policy,
     )
@@ -87,13 +87,13 @@ def to_proto_versioned_policy(versioned: VersionedPolicy) -> admin_pb2.Versioned
 
 def from_proto_versioned_policy(msg: admin_pb2.VersionedPolicy, path: str = "policy") -> VersionedPolicy:
     if msg.version == 0:
-        raise _invalid(_join(path, "version"), "must be >= 1")
+        raise invalid(join_path(path, "version"), "must be >= 1")
     return VersionedPolicy(
-        policy=from_proto_policy(_required_message(msg, "policy", path), _join(path, "policy")),
+        policy=from_proto_policy(required_message(msg, "policy", path), join_path(path, "policy")),
         version=msg.version,
-        set_by=_string(msg.set_by, _join(path, "set_by")),
+        set_by=read_string(msg.set_by, join_path(path, "set_by")),
         set_at_ms=msg.set_at_ms,
-        reason=_string(msg.reason, _join(path, "reason"), max_chars=MAX_TEXT_CHARS),
+        reason=read_string(msg.reason, join_path(path, "reason"), max_chars=MAX_TEXT_CHARS),
     )
 
 
@@ -107,9 +107,9 @@ def to_proto_set_policy_request(request: SetPolicyRequest) -> admin_pb2.SetPolic
 
 def from_proto_set_policy_request(msg: admin_pb2.SetPolicyRequest, path: str = "") -> SetPolicyRequest:
     return SetPolicyRequest(
-        policy=from_proto_policy(_required_message(msg, "policy", path), _join(path, "policy")),
-        expected_version=_optional(msg, "expected_version"),
-        reason=_string(msg.reason, _join(path, "reason"), max_chars=MAX_TEXT_CHARS),
+        policy=from_proto_policy(required_message(msg, "policy", path), join_path(path, "policy")),
+        expected_version=optional_field(msg, "expected_version"),
+        reason=read_string(msg.reason, join_path(path, "reason"), max_chars=MAX_TEXT_CHARS),
     )
 
 
@@ -118,7 +118,7 @@ def to_proto_set_policy_response(versioned: VersionedPolicy) -> admin_pb2.SetPol
 
 
 def from_proto_set_policy_response(msg: admin_pb2.SetPolicyResponse, path: str = "") -> VersionedPolicy:
-    return from_proto_versioned_policy(_required_message(msg, "policy", path), _join(path, "policy"))
+    return from_proto_versioned_policy(required_message(msg, "policy", path), join_path(path, "policy"))
 
 
 def to_proto_get_policy_request(request: GetPolicyRequest) -> admin_pb2.GetPolicyRequest:
@@ -126,9 +126,9 @@ def to_proto_get_policy_request(request: GetPolicyRequest) -> admin_pb2.GetPolic
 
 
 def from_proto_get_policy_request(msg: admin_pb2.GetPolicyRequest, path: str = "") -> GetPolicyRequest:
-    version = _optional(msg, "version")
+    version = optional_field(msg, "version")
     if version == 0:
-        raise _invalid(_join(path, "version"), "must be >= 1 (versions start at 1)")
+        raise invalid(join_path(path, "version"), "must be >= 1 (versions start at 1)")
     return GetPolicyRequest(version=version)
 
 
@@ -137,7 +137,7 @@ def to_proto_get_policy_response(versioned: VersionedPolicy) -> admin_pb2.GetPol
 
 
 def from_proto_get_policy_response(msg: admin_pb2.GetPolicyResponse, path: str = "") -> VersionedPolicy:
-    return from_proto_versioned_policy(_required_message(msg, "policy", path), _join(path, "policy"))
+    return from_proto_versioned_policy(required_message(msg, "policy", path), join_path(path, "policy"))
 
 
 def to_proto_policy_history_request(request: PolicyHistoryRequest) -> admin_pb2.PolicyHistoryRequest:
@@ -147,7 +147,7 @@ def to_proto_policy_history_request(request: PolicyHistoryRequest) -> admin_pb2.
 def from_proto_policy_history_request(
     msg: admin_pb2.PolicyHistoryRequest, path: str = ""
 ) -> PolicyHistoryRequest:
-    return PolicyHistoryRequest(limit=_list_limit(msg, path, DEFAULT_POLICY_HISTORY_LIMIT))
+    return PolicyHistoryRequest(limit=read_list_limit(msg, path, DEFAULT_POLICY_HISTORY_LIMIT))
 
 
 def to_proto_policy_history(policies: Sequence[VersionedPolicy]) -> admin_pb2.PolicyHistoryResponse:
@@ -157,7 +157,7 @@ def to_proto_policy_history(policies: Sequence[VersionedPolicy]) -> admin_pb2.Po
 def from_proto_policy_history(
     msg: admin_pb2.PolicyHistoryResponse, path: str = ""
 ) -> tuple[VersionedPolicy, ...]:
-    return _list(msg.policies, _join(path, "policies"), from_proto_versioned_policy)
+    return read_list(msg.policies, join_path(path, "policies"), from_proto_versioned_policy)
 
 
 def to_proto_rollback_policy_request(request: RollbackPolicyRequest) -> admin_pb2.RollbackPolicyRequest:
@@ -168,9 +168,9 @@ def from_proto_rollback_policy_request(
     msg: admin_pb2.RollbackPolicyRequest, path: str = ""
 ) -> RollbackPolicyRequest:
     if msg.to_version == 0:
-        raise _invalid(_join(path, "to_version"), "must be set (>= 1)")
+        raise invalid(join_path(path, "to_version"), "must be set (>= 1)")
     return RollbackPolicyRequest(
-        to_version=msg.to_version, reason=_string(msg.reason, _join(path, "reason"), max_chars=MAX_TEXT_CHARS)
+        to_version=msg.to_version, reason=read_string(msg.reason, join_path(path, "reason"), max_chars=MAX_TEXT_CHARS)
     )
 
 
@@ -181,4 +181,4 @@ def to_proto_rollback_policy_response(versioned: VersionedPolicy) -> admin_pb2.R
 def from_proto_rollback_policy_response(
     msg: admin_pb2.RollbackPolicyResponse, path: str = ""
 ) -> VersionedPolicy:
-    return from_proto_versioned_policy(_required_message(msg, "policy", path), _join(path, "policy"))
+    return from_proto_versioned_policy(required_message(msg, "policy", path), join_path(path, "policy"))

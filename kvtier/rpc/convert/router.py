@@ -4,14 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier.domain.records import (
-    RankedWorker,
-    RouteDecision,
-    RouteRequest,
-    ServedModel,
-    SessionId,
-    WorkerId,
-)
+from kvtier.domain.records import RankedWorker, RouteDecision, RouteRequest, ServedModel, SessionId, WorkerId
 from kvtier.rpc._gen import router_pb2
 from kvtier.rpc.convert.common import (
     from_proto_model_facts,
@@ -22,14 +15,14 @@ from kvtier.rpc.convert.common import (
     to_proto_tokens_by_tier,
 )
 from kvtier.rpc.convert.fields import (
-    _finite,
-    _join,
-    _list,
-    _optional_string,
-    _prefix_fields,
-    _prefix_from,
-    _required_message,
-    _string,
+    join_path,
+    prefix_fields,
+    read_finite,
+    read_list,
+    read_optional_string,
+    read_prefix,
+    read_string,
+    required_message,
 )
 from kvtier.rpc.convert.limits import MAX_IDENTITY_FIELD_CHARS, MAX_TEXT_CHARS
 
@@ -38,21 +31,21 @@ def to_proto_route_request(request: RouteRequest) -> router_pb2.RouteRequest:
     return router_pb2.RouteRequest(
         namespace=to_proto_namespace_identity(request.namespace),
         session_id=request.session_id or "",
-        **_prefix_fields(request.prefix),
+        **prefix_fields(request.prefix),
     )
 
 
 def from_proto_route_request(msg: router_pb2.RouteRequest, path: str = "") -> RouteRequest:
     namespace = from_proto_namespace_identity(
-        _required_message(msg, "namespace", path), _join(path, "namespace")
+        required_message(msg, "namespace", path), join_path(path, "namespace")
     )
-    prefix = _prefix_from(msg, path)
+    prefix = read_prefix(msg, path)
     assert prefix is not None
     return RouteRequest(
         namespace=namespace,
         prefix=prefix,
         session_id=SessionId(s)
-        if (s := _optional_string(msg.session_id, _join(path, "session_id")))
+        if (s := read_optional_string(msg.session_id, join_path(path, "session_id")))
         else None,
     )
 
@@ -69,10 +62,10 @@ def to_proto_ranked_worker(worker: RankedWorker) -> router_pb2.RankedWorker:
 
 def from_proto_ranked_worker(msg: router_pb2.RankedWorker, path: str = "") -> RankedWorker:
     return RankedWorker(
-        worker_id=WorkerId(_string(msg.worker_id, _join(path, "worker_id"), required=True)),
-        address=_string(msg.address, _join(path, "address"), required=True),
-        score=_finite(msg.score, _join(path, "score")),
-        matched_tokens=from_proto_tokens_by_tier(msg.matched_tokens, _join(path, "matched_tokens")),
+        worker_id=WorkerId(read_string(msg.worker_id, join_path(path, "worker_id"), required=True)),
+        address=read_string(msg.address, join_path(path, "address"), required=True),
+        score=read_finite(msg.score, join_path(path, "score")),
+        matched_tokens=from_proto_tokens_by_tier(msg.matched_tokens, join_path(path, "matched_tokens")),
         is_affinity=msg.is_affinity,
     )
 
@@ -100,19 +93,19 @@ def to_proto_served_models(models: Sequence[ServedModel]) -> router_pb2.ListMode
 def from_proto_served_models(msg: router_pb2.ListModelsResponse, path: str = "") -> tuple[ServedModel, ...]:
     def one(m: router_pb2.ServedModel, p: str) -> ServedModel:
         return ServedModel(
-            namespace=from_proto_namespace_identity(_required_message(m, "namespace", p), _join(p, "namespace")),
-            facts=from_proto_model_facts(m.facts, _join(p, "facts")) if m.HasField("facts") else None,
-            adapters=_list(m.adapters, _join(p, "adapters"),
-                           lambda a, q: _string(a, q, max_chars=MAX_IDENTITY_FIELD_CHARS)),
+            namespace=from_proto_namespace_identity(required_message(m, "namespace", p), join_path(p, "namespace")),
+            facts=from_proto_model_facts(m.facts, join_path(p, "facts")) if m.HasField("facts") else None,
+            adapters=read_list(m.adapters, join_path(p, "adapters"),
+                           lambda a, q: read_string(a, q, max_chars=MAX_IDENTITY_FIELD_CHARS)),
             num_workers=m.num_workers,
         )
 
-    return _list(msg.models, _join(path, "models"), one)
+    return read_list(msg.models, join_path(path, "models"), one)
 
 
 def from_proto_route_decision(msg: router_pb2.RouteResponse, path: str = "") -> RouteDecision:
-    reason = _string(msg.degraded_reason, _join(path, "degraded_reason"), max_chars=MAX_TEXT_CHARS)
+    reason = read_string(msg.degraded_reason, join_path(path, "degraded_reason"), max_chars=MAX_TEXT_CHARS)
     return RouteDecision(
-        workers=_list(msg.workers, _join(path, "workers"), from_proto_ranked_worker),
+        workers=read_list(msg.workers, join_path(path, "workers"), from_proto_ranked_worker),
         degraded_reason=reason if msg.degraded else None,
     )

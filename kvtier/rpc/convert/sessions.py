@@ -14,23 +14,23 @@ from kvtier.domain.records import (
 )
 from kvtier.rpc._gen import sessions_pb2
 from kvtier.rpc.convert.fields import (
-    _EnumMap,
-    _join,
-    _optional,
-    _optional_duration,
-    _optional_string,
-    _optional_tier,
-    _required_message,
-    _string,
+    EnumMap,
+    join_path,
+    optional_field,
+    read_optional_duration,
+    read_optional_string,
+    read_optional_tier,
+    read_string,
+    required_message,
 )
 from kvtier.rpc.convert.limits import MAX_TEXT_CHARS
 
-_SESSION_STATES = _EnumMap(SessionState, sessions_pb2.SessionState, "SESSION_STATE_")
-_PREDICTION_SOURCES = _EnumMap(PredictionSource, sessions_pb2.PredictionSource, "PREDICTION_SOURCE_")
+SESSION_STATES = EnumMap(SessionState, sessions_pb2.SessionState, "SESSION_STATE_")
+_PREDICTION_SOURCES = EnumMap(PredictionSource, sessions_pb2.PredictionSource, "PREDICTION_SOURCE_")
 
 
 def _session_id(value: str, path: str) -> SessionId:
-    return SessionId(_string(value, path, required=True))
+    return SessionId(read_string(value, path, required=True))
 
 
 def to_proto_pause_request(request: PauseRequest) -> sessions_pb2.PauseRequest:
@@ -41,9 +41,9 @@ def to_proto_pause_request(request: PauseRequest) -> sessions_pb2.PauseRequest:
 
 def from_proto_pause_request(msg: sessions_pb2.PauseRequest, path: str = "") -> PauseRequest:
     return PauseRequest(
-        session_id=_session_id(msg.session_id, _join(path, "session_id")),
-        tool_name=_optional_string(msg.tool_name, _join(path, "tool_name"), max_chars=MAX_TEXT_CHARS),
-        expected_ms=_optional_duration(msg, "expected_ms", path),
+        session_id=_session_id(msg.session_id, join_path(path, "session_id")),
+        tool_name=read_optional_string(msg.tool_name, join_path(path, "tool_name"), max_chars=MAX_TEXT_CHARS),
+        expected_ms=read_optional_duration(msg, "expected_ms", path),
     )
 
 
@@ -53,8 +53,8 @@ def to_proto_returning_request(request: ReturningRequest) -> sessions_pb2.Return
 
 def from_proto_returning_request(msg: sessions_pb2.ReturningRequest, path: str = "") -> ReturningRequest:
     return ReturningRequest(
-        session_id=_session_id(msg.session_id, _join(path, "session_id")),
-        eta_ms=_optional_duration(msg, "eta_ms", path),
+        session_id=_session_id(msg.session_id, join_path(path, "session_id")),
+        eta_ms=read_optional_duration(msg, "eta_ms", path),
     )
 
 
@@ -63,13 +63,13 @@ def to_proto_end_request(request: EndRequest) -> sessions_pb2.EndRequest:
 
 
 def from_proto_end_request(msg: sessions_pb2.EndRequest, path: str = "") -> EndRequest:
-    return EndRequest(session_id=_session_id(msg.session_id, _join(path, "session_id")), drop=msg.drop)
+    return EndRequest(session_id=_session_id(msg.session_id, join_path(path, "session_id")), drop=msg.drop)
 
 
 def to_proto_session_info(info: SessionInfo) -> sessions_pb2.SessionInfo:
     return sessions_pb2.SessionInfo(
         session_id=info.session_id,
-        state=_SESSION_STATES.to_wire[info.state],
+        state=SESSION_STATES.to_wire[info.state],
         worker_id=info.worker_id or "",
         tool_name=info.tool_name or "",
         paused_at_ms=info.paused_at_ms,
@@ -84,19 +84,19 @@ def to_proto_session_info(info: SessionInfo) -> sessions_pb2.SessionInfo:
 
 
 def from_proto_session_info(msg: sessions_pb2.SessionInfo, path: str = "session") -> SessionInfo:
-    worker_id = _optional_string(msg.worker_id, _join(path, "worker_id"))
+    worker_id = read_optional_string(msg.worker_id, join_path(path, "worker_id"))
     return SessionInfo(
-        session_id=_session_id(msg.session_id, _join(path, "session_id")),
-        state=_SESSION_STATES.parse(msg.state, _join(path, "state")),
+        session_id=_session_id(msg.session_id, join_path(path, "session_id")),
+        state=SESSION_STATES.parse(msg.state, join_path(path, "state")),
         worker_id=WorkerId(worker_id) if worker_id else None,
-        tool_name=_optional_string(msg.tool_name, _join(path, "tool_name"), max_chars=MAX_TEXT_CHARS),
-        paused_at_ms=_optional(msg, "paused_at_ms"),
-        predicted_return_at_ms=_optional(msg, "predicted_return_at_ms"),
+        tool_name=read_optional_string(msg.tool_name, join_path(path, "tool_name"), max_chars=MAX_TEXT_CHARS),
+        paused_at_ms=optional_field(msg, "paused_at_ms"),
+        predicted_return_at_ms=optional_field(msg, "predicted_return_at_ms"),
         prediction_source=_PREDICTION_SOURCES.parse_optional(
-            msg.prediction_source, _join(path, "prediction_source")
+            msg.prediction_source, join_path(path, "prediction_source")
         ),
-        prefetch_at_ms=_optional(msg, "prefetch_at_ms"),
-        parked_tier=_optional_tier(msg, "parked_tier", path),
+        prefetch_at_ms=optional_field(msg, "prefetch_at_ms"),
+        parked_tier=read_optional_tier(msg, "parked_tier", path),
         num_cached_tokens=msg.num_cached_tokens,
     )
 
@@ -106,7 +106,7 @@ def to_proto_pause_response(info: SessionInfo) -> sessions_pb2.PauseResponse:
 
 
 def from_proto_pause_response(msg: sessions_pb2.PauseResponse, path: str = "") -> SessionInfo:
-    return from_proto_session_info(_required_message(msg, "session", path), _join(path, "session"))
+    return from_proto_session_info(required_message(msg, "session", path), join_path(path, "session"))
 
 
 def to_proto_returning_response(info: SessionInfo) -> sessions_pb2.ReturningResponse:
@@ -114,7 +114,7 @@ def to_proto_returning_response(info: SessionInfo) -> sessions_pb2.ReturningResp
 
 
 def from_proto_returning_response(msg: sessions_pb2.ReturningResponse, path: str = "") -> SessionInfo:
-    return from_proto_session_info(_required_message(msg, "session", path), _join(path, "session"))
+    return from_proto_session_info(required_message(msg, "session", path), join_path(path, "session"))
 
 
 def to_proto_end_response(info: SessionInfo) -> sessions_pb2.EndResponse:
@@ -122,4 +122,4 @@ def to_proto_end_response(info: SessionInfo) -> sessions_pb2.EndResponse:
 
 
 def from_proto_end_response(msg: sessions_pb2.EndResponse, path: str = "") -> SessionInfo:
-    return from_proto_session_info(_required_message(msg, "session", path), _join(path, "session"))
+    return from_proto_session_info(required_message(msg, "session", path), join_path(path, "session"))

@@ -22,36 +22,33 @@ from kvtier.domain.records import (
 )
 from kvtier.rpc._gen import common_pb2, worker_pb2
 from kvtier.rpc.convert.common import (
-    _occupancies,
     from_proto_namespace_identity,
     from_proto_tokens_by_tier,
+    read_occupancies,
     to_proto_namespace_identity,
     to_proto_tier_occupancy,
     to_proto_tokens_by_tier,
 )
 from kvtier.rpc.convert.fields import (
-    _EnumMap,
-    _finite,
-    _invalid,
-    _join,
-    _list,
-    _optional,
-    _optional_string,
-    _required_message,
-    _string,
-    _tier,
-    _tier_or_none,
-    _token_ids,
-    _validate,
+    EnumMap,
+    invalid,
+    join_path,
+    optional_field,
+    read_finite,
+    read_list,
+    read_optional_string,
+    read_string,
+    read_tier,
+    read_token_ids,
+    required_message,
+    tier_or_unset,
+    validate_as,
 )
-from kvtier.rpc.convert.limits import (
-    _SAMPLING_DEFAULTS,
-    MAX_PROMPT_TOKENS,
-    MAX_STOP_TOKEN_IDS,
-    MAX_TEXT_CHARS,
-)
+from kvtier.rpc.convert.limits import MAX_PROMPT_TOKENS, MAX_STOP_TOKEN_IDS, MAX_TEXT_CHARS
 
-_FINISH_REASONS = _EnumMap(FinishReason, worker_pb2.FinishReason, "FINISH_REASON_")
+_FINISH_REASONS = EnumMap(FinishReason, worker_pb2.FinishReason, "FINISH_REASON_")
+
+_SAMPLING_DEFAULTS = SamplingParams()
 
 
 def to_proto_sampling_params(params: SamplingParams) -> worker_pb2.SamplingParams:
@@ -71,23 +68,23 @@ def to_proto_sampling_params(params: SamplingParams) -> worker_pb2.SamplingParam
 def from_proto_sampling_params(msg: worker_pb2.SamplingParams, path: str = "sampling") -> SamplingParams:
     params = SamplingParams(
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else _SAMPLING_DEFAULTS.max_tokens,
-        temperature=_finite(msg.temperature, _join(path, "temperature")),
+        temperature=read_finite(msg.temperature, join_path(path, "temperature")),
         top_k=msg.top_k,
         top_p=msg.top_p if msg.HasField("top_p") else _SAMPLING_DEFAULTS.top_p,
-        seed=_optional(msg, "seed"),
+        seed=optional_field(msg, "seed"),
         stop_token_ids=list(
-            _token_ids(msg.stop_token_ids, _join(path, "stop_token_ids"), limit=MAX_STOP_TOKEN_IDS)
+            read_token_ids(msg.stop_token_ids, join_path(path, "stop_token_ids"), limit=MAX_STOP_TOKEN_IDS)
         ),
         stop_sequences=[list(s.ids) for s in msg.stop_sequences],
         tool_call_sequence=list(msg.tool_call_sequence),
         ignore_eos=msg.ignore_eos,
     )
     # validate() bounds the number and length of the sequences before we scan them.
-    _validate(params.validate, "", path)
+    validate_as(params.validate, "", path)
     for i, sequence in enumerate(params.stop_sequences):
-        _token_ids(sequence, _join(path, f"stop_sequences[{i}].ids"), limit=len(sequence))
-    _token_ids(
-        params.tool_call_sequence, _join(path, "tool_call_sequence"), limit=len(params.tool_call_sequence)
+        read_token_ids(sequence, join_path(path, f"stop_sequences[{i}].ids"), limit=len(sequence))
+    read_token_ids(
+        params.tool_call_sequence, join_path(path, "tool_call_sequence"), limit=len(params.tool_call_sequence)
     )
     return params
 
@@ -105,24 +102,24 @@ def to_proto_generate_request(request: GenerateRequest) -> worker_pb2.GenerateRe
 
 def from_proto_generate_request(msg: worker_pb2.GenerateRequest, path: str = "") -> GenerateRequest:
     namespace = from_proto_namespace_identity(
-        _required_message(msg, "namespace", path), _join(path, "namespace")
+        required_message(msg, "namespace", path), join_path(path, "namespace")
     )
-    prompt = _token_ids(
-        msg.prompt_token_ids, _join(path, "prompt_token_ids"), limit=MAX_PROMPT_TOKENS, volume=True
+    prompt = read_token_ids(
+        msg.prompt_token_ids, join_path(path, "prompt_token_ids"), limit=MAX_PROMPT_TOKENS, volume=True
     )
     if not prompt:
-        raise _invalid(_join(path, "prompt_token_ids"), "must not be empty")
+        raise invalid(join_path(path, "prompt_token_ids"), "must not be empty")
     sampling = (
-        from_proto_sampling_params(msg.sampling, _join(path, "sampling"))
+        from_proto_sampling_params(msg.sampling, join_path(path, "sampling"))
         if msg.HasField("sampling")
         else SamplingParams()
     )
     if abs(msg.priority) > MAX_PRIORITY:
-        raise _invalid(
-            _join(path, "priority"), f"must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {msg.priority}"
+        raise invalid(
+            join_path(path, "priority"), f"must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {msg.priority}"
         )
-    session_id = _optional_string(msg.session_id, _join(path, "session_id"))
-    request_id = _optional_string(msg.request_id, _join(path, "request_id"))
+    session_id = read_optional_string(msg.session_id, join_path(path, "session_id"))
+    request_id = read_optional_string(msg.request_id, join_path(path, "request_id"))
     return GenerateRequest(
         namespace=namespace,
         prompt_token_ids=prompt,
@@ -138,7 +135,7 @@ def to_proto_token_chunk(chunk: TokenChunk) -> worker_pb2.TokenChunk:
 
 
 def from_proto_token_chunk(msg: worker_pb2.TokenChunk, path: str = "tokens") -> TokenChunk:
-    ids = _token_ids(msg.token_ids, _join(path, "token_ids"), limit=MAX_PROMPT_TOKENS, volume=True)
+    ids = read_token_ids(msg.token_ids, join_path(path, "token_ids"), limit=MAX_PROMPT_TOKENS, volume=True)
     return TokenChunk(token_ids=ids, index=msg.index)
 
 
@@ -175,10 +172,10 @@ def to_proto_generate_final(final: GenerateFinal) -> worker_pb2.GenerateFinal:
 
 def from_proto_generate_final(msg: worker_pb2.GenerateFinal, path: str = "final") -> GenerateFinal:
     return GenerateFinal(
-        usage=from_proto_usage(msg.usage, _join(path, "usage")),
-        finish_reason=_FINISH_REASONS.parse(msg.finish_reason, _join(path, "finish_reason")),
-        run_id=RunId(_string(msg.run_id, _join(path, "run_id"))),
-        ttft_ms=_finite(msg.ttft_ms, _join(path, "ttft_ms"), minimum=0.0),
+        usage=from_proto_usage(msg.usage, join_path(path, "usage")),
+        finish_reason=_FINISH_REASONS.parse(msg.finish_reason, join_path(path, "finish_reason")),
+        run_id=RunId(read_string(msg.run_id, join_path(path, "run_id"))),
+        ttft_ms=read_finite(msg.ttft_ms, join_path(path, "ttft_ms"), minimum=0.0),
     )
 
 
@@ -191,23 +188,23 @@ def to_proto_generate_event(event: GenerateEvent) -> worker_pb2.GenerateEvent:
 def from_proto_generate_event(msg: worker_pb2.GenerateEvent, path: str = "") -> GenerateEvent:
     which = msg.WhichOneof("event")
     if which == "tokens":
-        return from_proto_token_chunk(msg.tokens, _join(path, "tokens"))
+        return from_proto_token_chunk(msg.tokens, join_path(path, "tokens"))
     if which == "final":
-        return from_proto_generate_final(msg.final, _join(path, "final"))
-    raise _invalid(_join(path, "event"), "must set tokens or final")
+        return from_proto_generate_final(msg.final, join_path(path, "final"))
+    raise invalid(join_path(path, "event"), "must set tokens or final")
 
 
 def to_proto_integrity_report(report: IntegrityReport) -> worker_pb2.IntegrityReport:
     return worker_pb2.IntegrityReport(
-        component=report.component, tier=_tier_or_none(report.tier), problem=report.problem or ""
+        component=report.component, tier=tier_or_unset(report.tier), problem=report.problem or ""
     )
 
 
 def from_proto_integrity_report(msg: worker_pb2.IntegrityReport, path: str = "") -> IntegrityReport:
     return IntegrityReport(
-        component=_string(msg.component, _join(path, "component"), required=True),
-        tier=_tier(msg.tier, _join(path, "tier")) if msg.tier else None,
-        problem=_optional_string(msg.problem, _join(path, "problem"), max_chars=MAX_TEXT_CHARS),
+        component=read_string(msg.component, join_path(path, "component"), required=True),
+        tier=read_tier(msg.tier, join_path(path, "tier")) if msg.tier else None,
+        problem=read_optional_string(msg.problem, join_path(path, "problem"), max_chars=MAX_TEXT_CHARS),
     )
 
 
@@ -216,7 +213,7 @@ def to_proto_integrity_result(result: IntegrityResult) -> worker_pb2.CheckIntegr
 
 
 def from_proto_integrity_result(msg: worker_pb2.CheckIntegrityResponse, path: str = "") -> IntegrityResult:
-    return IntegrityResult(reports=_list(msg.reports, _join(path, "reports"), from_proto_integrity_report))
+    return IntegrityResult(reports=read_list(msg.reports, join_path(path, "reports"), from_proto_integrity_report))
 
 
 def to_proto_worker_stats(stats: WorkerStats) -> worker_pb2.StatsResponse:
@@ -231,9 +228,9 @@ def to_proto_worker_stats(stats: WorkerStats) -> worker_pb2.StatsResponse:
 
 def from_proto_worker_stats(msg: worker_pb2.StatsResponse, path: str = "") -> WorkerStats:
     return WorkerStats(
-        worker_id=WorkerId(_string(msg.worker_id, _join(path, "worker_id"), required=True)),
-        boot_id=BootId(_string(msg.boot_id, _join(path, "boot_id"))),
-        tiers=_occupancies(msg.tiers, _join(path, "tiers")),
+        worker_id=WorkerId(read_string(msg.worker_id, join_path(path, "worker_id"), required=True)),
+        boot_id=BootId(read_string(msg.boot_id, join_path(path, "boot_id"))),
+        tiers=read_occupancies(msg.tiers, join_path(path, "tiers")),
         queue_depth=msg.queue_depth,
         num_running_seqs=msg.num_running_seqs,
     )
