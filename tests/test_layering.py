@@ -87,7 +87,7 @@ def imports_of(module: Module, known: dict[str, Module]) -> list[tuple[str, int]
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            # `from kvtier.cli import admin` imports the module kvtier.cli.admin.
+            # `from kvtier.cli import flags` imports the module kvtier.cli.flags.
             targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
                        for a in node.names]
         else:

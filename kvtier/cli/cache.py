@@ -39,10 +39,7 @@ from kvtier.cli.flags import (
 from kvtier.client import AsyncClient
 from kvtier.domain.errors import InvalidArgument
 from kvtier.domain.hashing import NamespaceIdentity
-from kvtier.domain.records import (
-    InvalidationScope,
-    TokenPrefix,
-)
+from kvtier.domain.records import InvalidationScope, TokenPrefix
 
 
 @app.command("lookup")

@@ -26,10 +26,7 @@ from kvtier.cli.common import (
 )
 from kvtier.cli.flags import find_worker
 from kvtier.client import AsyncClient
-from kvtier.domain.records import (
-    WorkerInfo,
-    WorkerState,
-)
+from kvtier.domain.records import WorkerInfo, WorkerState
 
 
 def _requests(worker: WorkerInfo) -> int:

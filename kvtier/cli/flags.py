@@ -12,20 +12,10 @@ from typing import Annotated, Any
 
 import typer
 
-from kvtier.cli.common import (
-    EXIT_BAD_INPUT,
-    EXIT_FAILED,
-    CommandFailed,
-    Remote,
-)
+from kvtier.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, CommandFailed, Remote
 from kvtier.domain.errors import InvalidArgument
 from kvtier.domain.hashing import KV_DTYPES, NamespaceIdentity
-from kvtier.domain.records import (
-    ModelIdentity,
-    TierOccupancy,
-    WorkerInfo,
-    WorkerState,
-)
+from kvtier.domain.records import ModelIdentity, TierOccupancy, WorkerInfo, WorkerState
 from kvtier.domain.tiers import Tier
 
 ModelOption = Annotated[

@@ -21,10 +21,7 @@ from kvtier.cli.common import (
 from kvtier.cli.flags import format_at
 from kvtier.client import AsyncClient
 from kvtier.domain.errors import InvalidArgument
-from kvtier.domain.records import (
-    SessionInfo,
-    SessionState,
-)
+from kvtier.domain.records import SessionInfo, SessionState
 
 
 def _session_state(name: str | None) -> SessionState | None:

@@ -20,10 +20,7 @@ from kvtier.cli.common import (
     print_json,
 )
 from kvtier.cli.flags import format_ago, format_pages
-from kvtier.domain.records import (
-    WorkerInfo,
-    WorkerState,
-)
+from kvtier.domain.records import WorkerInfo, WorkerState
 from kvtier.domain.tiers import Tier
 
 

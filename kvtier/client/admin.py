@@ -44,12 +44,7 @@ from kvtier.domain.records import (
     WorkerStats,
 )
 from kvtier.domain.tiers import Tier
-from kvtier.rpc._gen import (
-    admin_pb2,
-    admin_pb2_grpc,
-    worker_pb2,
-    worker_pb2_grpc,
-)
+from kvtier.rpc._gen import admin_pb2, admin_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvtier.rpc.convert.admin import (
     from_proto_controller_status,
     from_proto_drain_response,
@@ -70,10 +65,7 @@ from kvtier.rpc.convert.admin import (
     to_proto_snapshot_request,
     to_proto_unpin_request,
 )
-from kvtier.rpc.convert.limits import (
-    DEFAULT_LIST_SESSIONS_LIMIT,
-    DEFAULT_POLICY_HISTORY_LIMIT,
-)
+from kvtier.rpc.convert.limits import DEFAULT_LIST_SESSIONS_LIMIT, DEFAULT_POLICY_HISTORY_LIMIT
 from kvtier.rpc.convert.policy import (
     from_proto_get_policy_response,
     from_proto_policy_history,
@@ -84,10 +76,7 @@ from kvtier.rpc.convert.policy import (
     to_proto_rollback_policy_request,
     to_proto_set_policy_request,
 )
-from kvtier.rpc.convert.worker import (
-    from_proto_integrity_result,
-    from_proto_worker_stats,
-)
+from kvtier.rpc.convert.worker import from_proto_integrity_result, from_proto_worker_stats
 
 PrefixLike = Sequence[int] | TokenPrefix | PageKeyPrefix
 """A prefix as admin calls take it: token ids (the server derives the page keys) or a record."""
@@ -154,7 +143,7 @@ class AdminClient(Connection):
         self, namespace: NamespaceIdentity, prefix: PrefixLike, *, timeout_s: float | None = None
     ) -> LookupResult:
         """Which workers hold ``prefix`` (token ids or page keys), in which tiers: the directory's view."""
-        request = LookupRequest(namespace=namespace, prefix=as_prefix(prefix))
+        request = LookupRequest(namespace=namespace, prefix=_as_prefix(prefix))
         stub = admin_pb2_grpc.AdminStub(self._controller_channel())
         response = await self._unary(
             "Admin.Lookup", stub.Lookup, to_proto_lookup_request(request), timeout_s, idempotent=True
@@ -201,7 +190,7 @@ class AdminClient(Connection):
     ) -> PinResult:
         """Keep ``prefix``'s pages in ``tier`` or faster until ``unpin`` (or ``ttl_s``). Not retried:
         a repeat would add a second pin."""
-        request = PinRequest(namespace=namespace, prefix=as_prefix(prefix), tier=tier, ttl_s=ttl_s)
+        request = PinRequest(namespace=namespace, prefix=_as_prefix(prefix), tier=tier, ttl_s=ttl_s)
         stub = admin_pb2_grpc.AdminStub(self._controller_channel())
         response = await self._unary(
             "Admin.Pin", stub.Pin, to_proto_pin_request(request), timeout_s, idempotent=False
@@ -230,7 +219,7 @@ class AdminClient(Connection):
         namespace's without ``prefix``. Not retried: the counts of a repeat would be wrong."""
         request = EvictRequest(
             namespace=namespace,
-            prefix=as_prefix(prefix) if prefix is not None else None,
+            prefix=_as_prefix(prefix) if prefix is not None else None,
             worker_id=WorkerId(worker_id) if worker_id else None,
             demote_to_tier=demote_to,
         )
@@ -343,7 +332,7 @@ class AdminClient(Connection):
         return from_proto_integrity_result(response)
 
 
-def as_prefix(prefix: PrefixLike) -> Prefix:
+def _as_prefix(prefix: PrefixLike) -> Prefix:
     if isinstance(prefix, TokenPrefix | PageKeyPrefix):
         return prefix
     return TokenPrefix(token_ids=tuple(prefix))

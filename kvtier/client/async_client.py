@@ -32,12 +32,7 @@ from kvtier.domain.records import (
     TokenChunk,
     TokenPrefix,
 )
-from kvtier.rpc._gen import (
-    router_pb2,
-    router_pb2_grpc,
-    sessions_pb2_grpc,
-    worker_pb2_grpc,
-)
+from kvtier.rpc._gen import router_pb2, router_pb2_grpc, sessions_pb2_grpc, worker_pb2_grpc
 from kvtier.rpc.convert.router import (
     from_proto_route_decision,
     from_proto_served_models,
@@ -51,10 +46,7 @@ from kvtier.rpc.convert.sessions import (
     to_proto_pause_request,
     to_proto_returning_request,
 )
-from kvtier.rpc.convert.worker import (
-    from_proto_generate_event,
-    to_proto_generate_request,
-)
+from kvtier.rpc.convert.worker import from_proto_generate_event, to_proto_generate_request
 from kvtier.rpc.status import error_from_rpc_error
 from kvtier.runtime.log import get_logger
 

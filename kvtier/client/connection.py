@@ -13,9 +13,7 @@ import grpc.aio
 
 from kvtier.domain.errors import DeadlineExceeded, InvalidArgument
 from kvtier.rpc.auth import read_token_file
-from kvtier.rpc.convert.limits import (
-    MAX_MESSAGE_BYTES,
-)
+from kvtier.rpc.convert.limits import MAX_MESSAGE_BYTES
 from kvtier.rpc.status import error_from_rpc_error
 from kvtier.rpc.tls import ClientTls, secure_or_insecure_channel
 from kvtier.runtime.config import ClientConfig

@@ -35,9 +35,7 @@ from kvtier.domain.records import (
     WorkerStats,
 )
 from kvtier.domain.tiers import Tier
-from kvtier.rpc.convert.limits import (
-    DEFAULT_POLICY_HISTORY_LIMIT,
-)
+from kvtier.rpc.convert.limits import DEFAULT_POLICY_HISTORY_LIMIT
 from kvtier.runtime.config import ClientConfig
 
 T = TypeVar("T")
