@@ -77,8 +77,9 @@ from kvtier.domain.records import (
     WorkerEvent,
     WorkerId,
 )
-from kvtier.rpc import convert
 from kvtier.rpc._gen import worker_link_pb2, worker_link_pb2_grpc
+from kvtier.rpc.convert.link_commands import to_proto_controller_command
+from kvtier.rpc.convert.link_events import from_proto_worker_event
 from kvtier.rpc.status import rpc_errors
 from kvtier.runtime.log import get_logger
 
@@ -550,7 +551,7 @@ class WorkerLinkServicer(worker_link_pb2_grpc.WorkerLinkServicer):
         first = await anext(aiter(request_iterator), None)
         if first is None:
             return
-        registration = convert.from_proto_worker_event(first)
+        registration = from_proto_worker_event(first)
         if not isinstance(registration, Registration):
             raise FailedPrecondition(
                 "the first WorkerEvent of a WorkerLink stream must be `register`, got "
@@ -564,7 +565,7 @@ class WorkerLinkServicer(worker_link_pb2_grpc.WorkerLinkServicer):
             reader = asyncio.create_task(self._read(session, request_iterator))
             writer = asyncio.create_task(self._links.run_writer(session))
             while (command := await self._next_command(session, reader)) is not None:
-                yield convert.to_proto_controller_command(command)
+                yield to_proto_controller_command(command)
         finally:
             self._links.close(session)
             for task in (reader, writer):
@@ -592,7 +593,7 @@ class WorkerLinkServicer(worker_link_pb2_grpc.WorkerLinkServicer):
     ) -> None:
         async for message in request_iterator:
             try:
-                event = convert.from_proto_worker_event(message)
+                event = from_proto_worker_event(message)
             except (InvalidArgument, ResourceExhausted) as err:
                 self._links.reject_message(session, err)
             else:

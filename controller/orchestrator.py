@@ -62,10 +62,10 @@ from kvtier.controller.predictor import ToolReturnPredictor
 from kvtier.controller.prefetch import MoveReason, Outcome, PauseOutcome, PrefetchStats
 from kvtier.controller.registry import Registry
 from kvtier.controller.session_serial import SessionSerial
+from kvtier.controller.session_tenancy import is_visible_to, session_not_found, tenant_of_paused_start
 from kvtier.controller.sessions import PrefetchState, SessionRecord, SessionStore
 from kvtier.controller.tier_moves import SendCommand, SentPrefetch, TierMoves
 from kvtier.controller.timer_queue import TimerQueue, wall_clock_ms
-from kvtier.domain.errors import NotFound
 from kvtier.domain.hashing import NamespaceDigest
 from kvtier.domain.records import (
     CommandAck,
@@ -203,8 +203,8 @@ class Orchestrator:
         """The session's record; NOT_FOUND when there is none or it belongs to a tenant the
         caller may not act for (the same answer, so ids of other tenants' sessions leak nothing)."""
         record = await self.store.get(session)
-        if record is None or (caller is not None and record.tenant and not caller.may_act_for(record.tenant)):
-            raise NotFound(f"no session {session!r}; a Route or Pause naming it starts one", field="session_id")
+        if record is None or not is_visible_to(record.tenant, caller):
+            raise session_not_found(session)
         return record
 
     def _now(self) -> int:
@@ -332,7 +332,7 @@ class Orchestrator:
             record = await self.store.get(request.session_id)
             if record is None:  # a Pause starts the session (sessions.proto): no worker, nothing to park
                 record = SessionRecord(session_id=request.session_id, state=SessionState.ACTIVE,
-                                       tenant=_own_tenant(caller, request.session_id))
+                                       tenant=tenant_of_paused_start(caller, request.session_id))
             else:
                 record = await self._get(request.session_id, caller)
             if record.state is SessionState.PAUSED:
@@ -596,14 +596,3 @@ class Orchestrator:
         """When, after the pause, the pages must be back: the low quantile of the prediction."""
         return prefetch_target_ms(prediction, at_low_quantile=self.params.prefetch_at_low_quantile)
 
-
-def _own_tenant(caller: Principal | None, session: SessionId) -> str:
-    """The tenant a session started by a Pause belongs to: the caller's only tenant ("" for an
-    admin or with authentication off). A token bound to several tenants cannot say which, so
-    its sessions start with a Route (which names the namespace's tenant)."""
-    if caller is None or not caller.tenants:
-        return ""
-    if len(caller.tenants) > 1:
-        raise NotFound(f"no session {session!r}; a token bound to several tenants starts a session with a "
-                       "Route naming its session_id", field="session_id")
-    return next(iter(caller.tenants))

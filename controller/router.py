@@ -40,12 +40,16 @@ from kvtier.domain.records import (
 )
 from kvtier.domain.tiers import Tier
 from kvtier.policy.routing import Candidate, RouterParams, WorkerLoad, rank_workers
-from kvtier.rpc import convert
 from kvtier.rpc._gen import router_pb2, router_pb2_grpc
 from kvtier.rpc.auth import Principal
 from kvtier.rpc.auth_interceptor import principal_name as principal_name
 from kvtier.rpc.auth_interceptor import principal_tenant as principal_tenant
 from kvtier.rpc.auth_interceptor import resolve_tenant as resolve_tenant
+from kvtier.rpc.convert.router import (
+    from_proto_route_request,
+    to_proto_route_decision,
+    to_proto_served_models,
+)
 from kvtier.rpc.status import rpc_errors
 from kvtier.runtime import tracing
 from kvtier.runtime.log import get_logger
@@ -260,15 +264,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.RouteResponse:
         self._router.access.check_serving()
-        route = convert.from_proto_route_request(request)
+        route = from_proto_route_request(request)
         decision = await tracing.traced_route(  # the `route` span (a no-op with tracing off)
             self._router.route(route, principal_tenant(context)), route, context.invocation_metadata()
         )
-        return convert.to_proto_route_decision(decision)
+        return to_proto_route_decision(decision)
 
     @rpc_errors
     async def ListModels(
         self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ListModelsResponse:
         self._router.access.check_serving()  # workers link to the leader: a standby knows none
-        return convert.to_proto_served_models(self._router.list_models(principal_tenant(context)))
+        return to_proto_served_models(self._router.list_models(principal_tenant(context)))

@@ -43,10 +43,17 @@ from kvtier.domain.records import (
     WorkerId,
 )
 from kvtier.domain.tiers import Tier
-from kvtier.rpc import convert
 from kvtier.rpc._gen import sessions_pb2, sessions_pb2_grpc
 from kvtier.rpc.auth import Principal
 from kvtier.rpc.auth_interceptor import principal_tenant
+from kvtier.rpc.convert.sessions import (
+    from_proto_end_request,
+    from_proto_pause_request,
+    from_proto_returning_request,
+    to_proto_end_response,
+    to_proto_pause_response,
+    to_proto_returning_response,
+)
 from kvtier.rpc.status import rpc_errors
 
 KEY_PREFIX = "kvt:session:"
@@ -255,21 +262,21 @@ class SessionsServicer(sessions_pb2_grpc.SessionsServicer):
         self, request: sessions_pb2.PauseRequest, context: grpc.aio.ServicerContext
     ) -> sessions_pb2.PauseResponse:
         self._check_serving()
-        info = await self._hints.pause(convert.from_proto_pause_request(request), caller=principal_tenant(context))
-        return convert.to_proto_pause_response(info)
+        info = await self._hints.pause(from_proto_pause_request(request), caller=principal_tenant(context))
+        return to_proto_pause_response(info)
 
     @rpc_errors
     async def Returning(
         self, request: sessions_pb2.ReturningRequest, context: grpc.aio.ServicerContext
     ) -> sessions_pb2.ReturningResponse:
         self._check_serving()
-        info = await self._hints.returning(convert.from_proto_returning_request(request), caller=principal_tenant(context))
-        return convert.to_proto_returning_response(info)
+        info = await self._hints.returning(from_proto_returning_request(request), caller=principal_tenant(context))
+        return to_proto_returning_response(info)
 
     @rpc_errors
     async def End(
         self, request: sessions_pb2.EndRequest, context: grpc.aio.ServicerContext
     ) -> sessions_pb2.EndResponse:
         self._check_serving()
-        info = await self._hints.end(convert.from_proto_end_request(request), caller=principal_tenant(context))
-        return convert.to_proto_end_response(info)
+        info = await self._hints.end(from_proto_end_request(request), caller=principal_tenant(context))
+        return to_proto_end_response(info)

@@ -53,7 +53,7 @@ from kvtier.domain.records import (
     WorkerInfo,
     WorkerSnapshot,
 )
-from kvtier.rpc.convert import MAX_COMMAND_PAGES
+from kvtier.rpc.convert.limits import MAX_COMMAND_PAGES
 from kvtier.runtime.log import get_logger
 
 log = get_logger("kvtier.controller.worker_admin")

@@ -36,8 +36,26 @@ from kvtier.domain.records import (
 from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
 from kvtier.engine.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
-from kvtier.rpc import convert
 from kvtier.rpc._gen import admin_pb2, admin_pb2_grpc
+from kvtier.rpc.convert.admin import (
+    from_proto_controller_status,
+    from_proto_drain_response,
+    from_proto_lookup_result,
+    from_proto_session_page,
+    from_proto_snapshot_result,
+    from_proto_worker_list,
+    to_proto_drain_request,
+    to_proto_list_sessions_request,
+    to_proto_lookup_request,
+    to_proto_snapshot_request,
+)
+from kvtier.rpc.convert.policy import (
+    from_proto_get_policy_response,
+    from_proto_policy_history,
+    from_proto_rollback_policy_response,
+    from_proto_set_policy_response,
+    to_proto_set_policy_request,
+)
 from kvtier.rpc.status import FIELD_METADATA_KEY
 from kvtier.worker.servicer import serve_worker
 
@@ -112,17 +130,17 @@ async def test_set_policy_refuses_bad_input_naming_the_field_and_keeps_working(w
         assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and error_field(err) == "policy"
 
         # Nothing was stored; a good policy goes in as version 2, stale expectations fail.
-        status = convert.from_proto_controller_status(await admin.Status(admin_pb2.StatusRequest()))
+        status = from_proto_controller_status(await admin.Status(admin_pb2.StatusRequest()))
         assert status.policy_version == 1
         good = dataclasses.replace(Policy.default(), tier_weights={Tier.HBM: 2.0})
         request = SetPolicyRequest(good, expected_version=1, reason="test")
-        installed = convert.from_proto_set_policy_response(
-            await admin.SetPolicy(convert.to_proto_set_policy_request(request)))
+        installed = from_proto_set_policy_response(
+            await admin.SetPolicy(to_proto_set_policy_request(request)))
         assert (installed.version, installed.policy, installed.set_by, installed.reason) == (
             2, good, "anonymous", "test")
-        err = await rpc_error(admin.SetPolicy(convert.to_proto_set_policy_request(request)))
+        err = await rpc_error(admin.SetPolicy(to_proto_set_policy_request(request)))
         assert err.code() is grpc.StatusCode.FAILED_PRECONDITION and error_field(err) == "expected_version"
-        status = convert.from_proto_controller_status(await admin.Status(admin_pb2.StatusRequest()))
+        status = from_proto_controller_status(await admin.Status(admin_pb2.StatusRequest()))
         assert status.policy_version == 2
 
         err = await rpc_error(admin.GetPolicy(admin_pb2.GetPolicyRequest(version=7)))
@@ -158,19 +176,19 @@ async def test_a_policy_changes_how_route_ranks_and_a_rollback_restores_it(worke
 
         # Cached tokens worth nothing: the tie goes to the lower worker id.
         worthless = dataclasses.replace(Policy.default(), tier_weights={})
-        installed = convert.from_proto_set_policy_response(await admin.SetPolicy(
-            convert.to_proto_set_policy_request(SetPolicyRequest(worthless, reason="flat")))).version
+        installed = from_proto_set_policy_response(await admin.SetPolicy(
+            to_proto_set_policy_request(SetPolicyRequest(worthless, reason="flat")))).version
         assert await ranking() == ["w-a", "w-b"]
         scores = {w.worker_id: w.score for w in (await client.route(namespace, prompt)).workers}
         assert scores["w-a"] == scores["w-b"]
 
-        history = convert.from_proto_policy_history(await admin.PolicyHistory(admin_pb2.PolicyHistoryRequest()))
+        history = from_proto_policy_history(await admin.PolicyHistory(admin_pb2.PolicyHistoryRequest()))
         assert [v.version for v in history] == [installed, installed - 1] and history[0].reason == "flat"
-        back = convert.from_proto_rollback_policy_response(await admin.RollbackPolicy(
+        back = from_proto_rollback_policy_response(await admin.RollbackPolicy(
             admin_pb2.RollbackPolicyRequest(to_version=installed - 1)))
         assert back.version == installed + 1 and back.policy == history[1].policy
         assert await ranking() == ["w-b", "w-a"]
-        current = convert.from_proto_get_policy_response(await admin.GetPolicy(admin_pb2.GetPolicyRequest()))
+        current = from_proto_get_policy_response(await admin.GetPolicy(admin_pb2.GetPolicyRequest()))
         assert current == back
 
 
@@ -184,18 +202,18 @@ async def test_a_standby_follows_the_stored_policy_and_refuses_leader_only_rpcs(
     ):
         assert leader.is_leader and not standby.is_leader
         policy = dataclasses.replace(Policy.default(), tier_weights={Tier.HBM: 3.0})
-        await leader_admin.SetPolicy(convert.to_proto_set_policy_request(SetPolicyRequest(policy)))
+        await leader_admin.SetPolicy(to_proto_set_policy_request(SetPolicyRequest(policy)))
 
         async def standby_version():
-            return convert.from_proto_controller_status(
+            return from_proto_controller_status(
                 await standby_admin.Status(admin_pb2.StatusRequest())).policy_version == 2
 
         await eventually(standby_version, what="the standby to load version 2")
         assert standby.router.params.tier_weights == {Tier.HBM: 3.0}  # it would route with it
-        got = convert.from_proto_get_policy_response(await standby_admin.GetPolicy(admin_pb2.GetPolicyRequest()))
+        got = from_proto_get_policy_response(await standby_admin.GetPolicy(admin_pb2.GetPolicyRequest()))
         assert got.version == 2 and got.policy == policy
         for call in (
-            standby_admin.SetPolicy(convert.to_proto_set_policy_request(SetPolicyRequest(policy))),
+            standby_admin.SetPolicy(to_proto_set_policy_request(SetPolicyRequest(policy))),
             standby_admin.RollbackPolicy(admin_pb2.RollbackPolicyRequest(to_version=1)),
             standby_admin.ListWorkers(admin_pb2.ListWorkersRequest()),
             standby_admin.Drain(admin_pb2.DrainRequest(worker_id="w-a")),
@@ -218,7 +236,7 @@ async def test_drain_takes_a_worker_out_empties_it_and_resume_brings_it_back(wor
         AsyncClient(controller.address) as client,
         admin_of(controller) as admin,
     ):
-        listed = convert.from_proto_worker_list(await admin.ListWorkers(admin_pb2.ListWorkersRequest()))
+        listed = from_proto_worker_list(await admin.ListWorkers(admin_pb2.ListWorkersRequest()))
         assert [(w.worker_id, w.state, w.address) for w in listed] == [
             ("w-a", WorkerState.LIVE, w_a.address), ("w-b", WorkerState.LIVE, w_b.address)]
         assert listed[1].page_size == PAGE_SIZE and listed[1].model.model_id == namespace.model_id
@@ -227,13 +245,13 @@ async def test_drain_takes_a_worker_out_empties_it_and_resume_brings_it_back(wor
         assert await hbm_cached_pages(client, w_b) >= 4
 
         async def lookup():
-            return convert.from_proto_lookup_result(await admin.Lookup(
-                convert.to_proto_lookup_request(LookupRequest(namespace, TokenPrefix(tuple(prompt))))))
+            return from_proto_lookup_result(await admin.Lookup(
+                to_proto_lookup_request(LookupRequest(namespace, TokenPrefix(tuple(prompt))))))
 
         await eventually(lambda: _holds(lookup(), "w-b", 16), what="w-b's pages in the directory")
 
-        drained = convert.from_proto_drain_response(await admin.Drain(
-            convert.to_proto_drain_request(DrainRequest(WorkerId("w-b")))))
+        drained = from_proto_drain_response(await admin.Drain(
+            to_proto_drain_request(DrainRequest(WorkerId("w-b")))))
         assert drained.worker_id == "w-b" and drained.state is WorkerState.DRAINING
         assert [w.worker_id for w in (await client.route(namespace, prompt)).workers] == ["w-a"]
         with pytest.raises(errors.Unavailable):  # the worker itself refuses new requests
@@ -243,14 +261,14 @@ async def test_drain_takes_a_worker_out_empties_it_and_resume_brings_it_back(wor
         assert all(w_b.engine.index.get(k) is None for k in keys)
         await eventually(lambda: _holds(lookup(), "w-b", 0), what="w-b's entries to leave the directory")
         assert (await client.check_integrity(w_b.address)).is_ok
-        listed = convert.from_proto_worker_list(await admin.ListWorkers(admin_pb2.ListWorkersRequest()))
+        listed = from_proto_worker_list(await admin.ListWorkers(admin_pb2.ListWorkersRequest()))
         assert [w.state for w in listed] == [WorkerState.LIVE, WorkerState.DRAINING]
         # Draining again is harmless.
         again = await admin.Drain(admin_pb2.DrainRequest(worker_id="w-b"))
-        assert convert.from_proto_drain_response(again).state is WorkerState.DRAINING
+        assert from_proto_drain_response(again).state is WorkerState.DRAINING
 
-        resumed = convert.from_proto_drain_response(await admin.Drain(
-            convert.to_proto_drain_request(DrainRequest(WorkerId("w-b"), resume=True))))
+        resumed = from_proto_drain_response(await admin.Drain(
+            to_proto_drain_request(DrainRequest(WorkerId("w-b"), resume=True))))
         assert resumed.state is WorkerState.LIVE
         assert [w.worker_id for w in (await client.route(namespace, prompt)).workers] == ["w-a", "w-b"]
         _, final = await client.complete(namespace, prompt, ONE_TOKEN, worker=w_b.address)
@@ -293,8 +311,8 @@ async def test_list_sessions_pages_return_every_session_exactly_once(workers, fl
             seen, token, num_pages = [], "", 0
             while True:
                 request = ListSessionsRequest(state=state, limit=limit or 100, page_token=token or None)
-                page = convert.from_proto_session_page(await admin.ListSessions(
-                    convert.to_proto_list_sessions_request(request)))
+                page = from_proto_session_page(await admin.ListSessions(
+                    to_proto_list_sessions_request(request)))
                 seen.extend(page.sessions)
                 num_pages += 1
                 if not page.next_page_token:
@@ -331,8 +349,8 @@ async def test_snapshot_waits_for_the_whole_inventory(workers, flushed_redis_url
         for start in (300, 400):
             await client.complete(namespace, list(range(start, start + 9)), ONE_TOKEN, worker=w_a.address)
         applied = controller.links.counters["snapshots.applied"]
-        snapshots = convert.from_proto_snapshot_result(await admin.Snapshot(
-            convert.to_proto_snapshot_request(SnapshotRequest(wait=True))))
+        snapshots = from_proto_snapshot_result(await admin.Snapshot(
+            to_proto_snapshot_request(SnapshotRequest(wait=True))))
         assert [s.worker_id for s in snapshots] == ["w-a", "w-b"]
         assert all(s.is_complete for s in snapshots)
         assert controller.links.counters["snapshots.applied"] == applied + 2
@@ -341,8 +359,8 @@ async def test_snapshot_waits_for_the_whole_inventory(workers, flushed_redis_url
             assert snapshot.num_pages == sum(len(inv.pages) for inv in inventory)
         assert snapshots[0].num_pages >= 4  # this test's two prompts: 2 full pages each
 
-        one = convert.from_proto_snapshot_result(await admin.Snapshot(
-            convert.to_proto_snapshot_request(SnapshotRequest(worker_ids=(WorkerId("w-b"),)))))
+        one = from_proto_snapshot_result(await admin.Snapshot(
+            to_proto_snapshot_request(SnapshotRequest(worker_ids=(WorkerId("w-b"),)))))
         assert [s.worker_id for s in one] == ["w-b"] and one[0].snapshot_id != snapshots[1].snapshot_id
         err = await rpc_error(admin.Snapshot(admin_pb2.SnapshotRequest(worker_ids=["w-a", "w-nobody"])))
         assert err.code() is grpc.StatusCode.NOT_FOUND and error_field(err) == "worker_id"

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvtier.cli import policy as cli_policy
-from kvtier.cli.admin import NamespaceFlags, parse_tokens, tokens_from_flags
 from kvtier.cli.common import CommandFailed, Remote, jsonable, remote_error, resolve_controller
+from kvtier.cli.flags import NamespaceFlags, parse_tokens, tokens_from_flags
 from kvtier.cli.main import main
 from kvtier.domain.errors import (
     DeadlineExceeded,

@@ -29,8 +29,17 @@ from kvtier.domain.records import (
 )
 from kvtier.engine import Engine, FinishReason, SamplingParams
 from kvtier.engine.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
-from kvtier.rpc import convert
 from kvtier.rpc._gen import router_pb2_grpc, sessions_pb2_grpc, worker_pb2_grpc
+from kvtier.rpc.convert.router import from_proto_route_request, to_proto_route_decision
+from kvtier.rpc.convert.sessions import (
+    from_proto_end_request,
+    from_proto_pause_request,
+    from_proto_returning_request,
+    to_proto_end_response,
+    to_proto_pause_response,
+    to_proto_returning_response,
+)
+from kvtier.rpc.convert.worker import to_proto_generate_event
 from kvtier.rpc.status import abort_with, rpc_errors
 from kvtier.worker.servicer import serve_worker
 
@@ -96,13 +105,13 @@ class ScriptedRouter(router_pb2_grpc.RouterServicer):
 
     @rpc_errors
     async def Route(self, request, context):
-        self.requests.append(convert.from_proto_route_request(request))
+        self.requests.append(from_proto_route_request(request))
         self.metadata.append(dict(context.invocation_metadata()))
         await asyncio.sleep(self.delay_s)
         if self.num_failures > 0:
             self.num_failures -= 1
             await abort_with(context, self.fail_with)
-        return convert.to_proto_route_decision(self.decision)
+        return to_proto_route_decision(self.decision)
 
 
 class ScriptedSessions(sessions_pb2_grpc.SessionsServicer):
@@ -119,18 +128,18 @@ class ScriptedSessions(sessions_pb2_grpc.SessionsServicer):
 
     @rpc_errors
     async def Pause(self, request, context):
-        parsed = convert.from_proto_pause_request(request)
-        return await self._answer(context, parsed, SessionState.PAUSED, convert.to_proto_pause_response)
+        parsed = from_proto_pause_request(request)
+        return await self._answer(context, parsed, SessionState.PAUSED, to_proto_pause_response)
 
     @rpc_errors
     async def Returning(self, request, context):
-        parsed = convert.from_proto_returning_request(request)
-        return await self._answer(context, parsed, SessionState.RESUMING, convert.to_proto_returning_response)
+        parsed = from_proto_returning_request(request)
+        return await self._answer(context, parsed, SessionState.RESUMING, to_proto_returning_response)
 
     @rpc_errors
     async def End(self, request, context):
-        parsed = convert.from_proto_end_request(request)
-        return await self._answer(context, parsed, SessionState.ENDED, convert.to_proto_end_response)
+        parsed = from_proto_end_request(request)
+        return await self._answer(context, parsed, SessionState.ENDED, to_proto_end_response)
 
 
 class DyingWorker(worker_pb2_grpc.WorkerServicer):
@@ -142,7 +151,7 @@ class DyingWorker(worker_pb2_grpc.WorkerServicer):
     @rpc_errors
     async def Generate(self, request, context):
         self.num_calls += 1
-        yield convert.to_proto_generate_event(TokenChunk(token_ids=(1,), index=0))
+        yield to_proto_generate_event(TokenChunk(token_ids=(1,), index=0))
         await abort_with(context, errors.Unavailable("worker lost its GPU"))
 
 

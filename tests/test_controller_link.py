@@ -46,8 +46,16 @@ from kvtier.domain.records import (
 from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
 from kvtier.engine.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
-from kvtier.rpc import convert
 from kvtier.rpc._gen import admin_pb2, admin_pb2_grpc, worker_link_pb2_grpc
+from kvtier.rpc.convert.admin import (
+    from_proto_controller_status,
+    from_proto_lookup_result,
+    from_proto_worker_list,
+    to_proto_lookup_request,
+)
+from kvtier.rpc.convert.limits import MAX_BATCH_EVENTS
+from kvtier.rpc.convert.link_commands import from_proto_controller_command
+from kvtier.rpc.convert.link_events import to_proto_worker_event
 from kvtier.worker.servicer import serve_worker
 
 from live_controller import controller_at, linked
@@ -117,15 +125,15 @@ async def test_route_ranks_the_worker_holding_the_prefix_first(workers, flushed_
 
         async with grpc.aio.insecure_channel(controller.address) as channel:
             admin = admin_pb2_grpc.AdminStub(channel)
-            lookup = convert.from_proto_lookup_result(await admin.Lookup(
-                convert.to_proto_lookup_request(LookupRequest(namespace, TokenPrefix(tuple(full))))))
+            lookup = from_proto_lookup_result(await admin.Lookup(
+                to_proto_lookup_request(LookupRequest(namespace, TokenPrefix(tuple(full))))))
             assert lookup.namespace_digest == namespace_digest(namespace) and lookup.num_query_pages == 4
             assert [(m.worker_id, m.matched_tokens.hbm_tokens) for m in lookup.matches] == [("w-a", 16)]
-            status = convert.from_proto_controller_status(await admin.Status(admin_pb2.StatusRequest()))
+            status = from_proto_controller_status(await admin.Status(admin_pb2.StatusRequest()))
             assert status.is_leader and status.leader_address == controller.address
             assert (status.num_workers, status.num_live_workers) == (2, 2) and status.is_directory_reachable
             assert status.tiers[0].tier is Tier.HBM and status.tiers[0].total_pages == 512
-            workers = convert.from_proto_worker_list(await admin.ListWorkers(admin_pb2.ListWorkersRequest()))
+            workers = from_proto_worker_list(await admin.ListWorkers(admin_pb2.ListWorkersRequest()))
             assert [w.worker_id for w in workers] == ["w-a", "w-b"]
         assert controller.links.num_rejected == 0
 
@@ -182,18 +190,18 @@ class RawWorker:
             model=ModelIdentity.of(namespace), page_size=PAGE_SIZE,
             capacities=(TierCapacity(Tier.HBM, 64, 64 << 15),),
         )
-        await call.write(convert.to_proto_worker_event(registration))
+        await call.write(to_proto_worker_event(registration))
         return cls(call, worker_id)
 
     async def _read(self):
         async for message in self.call:
-            command = convert.from_proto_controller_command(message)
+            command = from_proto_controller_command(message)
             self.commands.append(command)
             await self.send(CommandAck(command.command_id))
 
     async def send(self, event):
         async with self._write_lock:
-            await self.call.write(convert.to_proto_worker_event(event))
+            await self.call.write(to_proto_worker_event(event))
 
     async def close(self):
         self.call.cancel()
@@ -225,7 +233,7 @@ async def test_malformed_batches_are_rejected_counted_and_the_stream_stays_up(
         async with grpc.aio.insecure_channel(controller.address) as channel:
             # The first event must be Register.
             call = worker_link_pb2_grpc.WorkerLinkStub(channel).Connect()
-            await call.write(convert.to_proto_worker_event(Heartbeat(seq=1, tiers=())))
+            await call.write(to_proto_worker_event(Heartbeat(seq=1, tiers=())))
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await call.read()
             assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
@@ -237,7 +245,7 @@ async def test_malformed_batches_are_rejected_counted_and_the_stream_stays_up(
                 await raw.send(PageEventBatch(1, tuple(chain_inserts(digest, keys[:2]))))
                 await raw.send(PageEventBatch(1, tuple(chain_inserts(digest, keys[2:3], 3, keys[1]))))
                 await raw.send(PageEventBatch(0, ()))
-                oversize = chain_inserts(digest, keys[:1]) * (convert.MAX_BATCH_EVENTS + 1)
+                oversize = chain_inserts(digest, keys[:1]) * (MAX_BATCH_EVENTS + 1)
                 await raw.send(PageEventBatch(2, tuple(oversize)))
                 await raw.send(PageEventBatch(3, (PageEvent.insert(digest, keys[2], keys[1], 0, Tier.HBM),)))
                 stray_parent = page_keys(digest, list(range(900, 908)), PAGE_SIZE)[1]

@@ -4,7 +4,9 @@ invalid wire input is rejected with an error that names the field."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
+import pkgutil
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +22,46 @@ from kvtier.domain.params import MAX_STOP_SEQUENCE_TOKENS, MAX_STOP_SEQUENCES, F
 from kvtier.domain.tiers import Tier
 from kvtier.rpc import convert
 from kvtier.rpc._gen import admin_pb2, common_pb2, router_pb2, sessions_pb2, worker_link_pb2, worker_pb2
+from kvtier.rpc.convert.admin import (
+    from_proto_drain_request,
+    from_proto_evict_request,
+    from_proto_invalidate_request,
+    from_proto_list_sessions_request,
+    from_proto_lookup_request,
+    from_proto_pin_request,
+)
+from kvtier.rpc.convert.common import from_proto_namespace_identity, to_proto_namespace_identity
+from kvtier.rpc.convert.limits import (
+    MAX_BATCH_EVENTS,
+    MAX_COMMAND_PAGES,
+    MAX_DURATION_MS,
+    MAX_LIST_LIMIT,
+    MAX_PROMPT_TOKENS,
+    MAX_SNAPSHOT_CHUNK_PAGES,
+    MAX_STOP_TOKEN_IDS,
+)
+from kvtier.rpc.convert.link_commands import from_proto_controller_command
+from kvtier.rpc.convert.link_events import from_proto_worker_event
+from kvtier.rpc.convert.policy import (
+    from_proto_get_policy_response,
+    from_proto_policy_history_request,
+    from_proto_rollback_policy_request,
+    from_proto_set_policy_request,
+)
+from kvtier.rpc.convert.router import from_proto_route_request
+from kvtier.rpc.convert.sessions import (
+    from_proto_end_request,
+    from_proto_pause_request,
+    from_proto_pause_response,
+    from_proto_returning_request,
+    from_proto_session_info,
+)
+from kvtier.rpc.convert.worker import (
+    from_proto_generate_event,
+    from_proto_generate_final,
+    from_proto_generate_request,
+    from_proto_sampling_params,
+)
 
 # --------------------------------------------------------------------------- strategies
 
@@ -29,10 +71,10 @@ TEXT = st.text(max_size=12)
 NAME = st.text(min_size=1, max_size=12)
 OPT_NAME = st.none() | NAME
 OPT_U64 = st.none() | U64
-# Caller-given durations are bounded (convert.MAX_DURATION_MS, a year).
-OPT_DURATION_MS = st.none() | st.integers(0, convert.MAX_DURATION_MS)
+# Caller-given durations are bounded (MAX_DURATION_MS, a year).
+OPT_DURATION_MS = st.none() | st.integers(0, MAX_DURATION_MS)
 OPT_SPREAD = st.none() | st.floats(min_value=1e-6, max_value=10.0, allow_nan=False)
-OPT_DURATION_S = st.none() | st.integers(0, convert.MAX_DURATION_MS // 1000)
+OPT_DURATION_S = st.none() | st.integers(0, MAX_DURATION_MS // 1000)
 TOKEN = st.integers(0, 2**31 - 1)
 TOKENS = st.lists(TOKEN, max_size=40).map(tuple)
 KEY = st.binary(min_size=KEY_BYTES, max_size=KEY_BYTES)
@@ -264,7 +306,7 @@ versioned_policies = st.builds(
 worker_snapshots = st.builds(
     r.WorkerSnapshot, worker_id=NAME, snapshot_id=NAME, is_complete=st.booleans(), num_pages=U64
 )
-LIMIT = st.integers(1, convert.MAX_LIST_LIMIT)
+LIMIT = st.integers(1, MAX_LIST_LIMIT)
 
 # name (as in to_proto_<name> / from_proto_<name>) → strategy of domain values
 ROUND_TRIPS: dict[str, st.SearchStrategy[Any]] = {
@@ -445,8 +487,22 @@ ROUND_TRIPS: dict[str, st.SearchStrategy[Any]] = {
 }
 
 
+def _defined_converters() -> dict[str, Callable[[Any], Any]]:
+    """Every ``to_proto_*`` / ``from_proto_*`` defined in a module of ``kvtier.rpc.convert``."""
+    found = {}
+    for info in pkgutil.iter_modules(convert.__path__):
+        module = importlib.import_module(f"{convert.__name__}.{info.name}")
+        for name, value in vars(module).items():
+            if name.startswith(("to_proto_", "from_proto_")) and value.__module__ == module.__name__:
+                found[name] = value
+    return found
+
+
+CONVERTERS = _defined_converters()
+
+
 def _converters(name: str) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
-    return getattr(convert, f"to_proto_{name}"), getattr(convert, f"from_proto_{name}")
+    return CONVERTERS[f"to_proto_{name}"], CONVERTERS[f"from_proto_{name}"]
 
 
 @pytest.mark.parametrize("name", sorted(ROUND_TRIPS))
@@ -465,8 +521,8 @@ def test_round_trip(name: str) -> None:
 
 
 def test_every_converter_pair_is_round_tripped() -> None:
-    to_names = {n.removeprefix("to_proto_") for n in dir(convert) if n.startswith("to_proto_")}
-    from_names = {n.removeprefix("from_proto_") for n in dir(convert) if n.startswith("from_proto_")}
+    to_names = {n.removeprefix("to_proto_") for n in CONVERTERS if n.startswith("to_proto_")}
+    from_names = {n.removeprefix("from_proto_") for n in CONVERTERS if n.startswith("from_proto_")}
     assert to_names == from_names
     assert to_names == set(ROUND_TRIPS)
 
@@ -479,7 +535,7 @@ def test_every_record_has_a_converter() -> None:
     }
     returned: set[type] = set()
     for name in ROUND_TRIPS:
-        returned |= _types_in(typing.get_type_hints(getattr(convert, f"from_proto_{name}"))["return"])
+        returned |= _types_in(typing.get_type_hints(CONVERTERS[f"from_proto_{name}"])["return"])
     assert record_types - inside_other_messages <= returned
 
 
@@ -504,19 +560,19 @@ def test_wire_enums_match_domain_enums() -> None:
 
 def test_policy_epoch_never_travels() -> None:
     identity = NamespaceIdentity(model_id="m", policy_epoch=7)
-    decoded = convert.from_proto_namespace_identity(convert.to_proto_namespace_identity(identity))
+    decoded = from_proto_namespace_identity(to_proto_namespace_identity(identity))
     assert decoded == dataclasses.replace(identity, policy_epoch=0)
 
 
 def test_unset_sampling_fields_take_domain_defaults() -> None:
-    assert convert.from_proto_sampling_params(worker_pb2.SamplingParams()) == SamplingParams()
+    assert from_proto_sampling_params(worker_pb2.SamplingParams()) == SamplingParams()
     request = worker_pb2.GenerateRequest(namespace=_ns(), prompt_token_ids=[1])
-    assert convert.from_proto_generate_request(request).sampling == SamplingParams()
+    assert from_proto_generate_request(request).sampling == SamplingParams()
 
 
 def test_unset_list_limits_take_defaults() -> None:
-    assert convert.from_proto_list_sessions_request(admin_pb2.ListSessionsRequest()).limit == 100
-    assert convert.from_proto_policy_history_request(admin_pb2.PolicyHistoryRequest()).limit == 20
+    assert from_proto_list_sessions_request(admin_pb2.ListSessionsRequest()).limit == 100
+    assert from_proto_policy_history_request(admin_pb2.PolicyHistoryRequest()).limit == 20
 
 
 # --------------------------------------------------------------------------- invalid input
@@ -591,65 +647,65 @@ INVALID: list[tuple[str, Callable[[Any], Any], Any, type[KvtierError], str]] = [
     # identity fields
     (
         "route-no-namespace",
-        convert.from_proto_route_request,
+        from_proto_route_request,
         _route(namespace=None),
         InvalidArgument,
         "namespace",
     ),
     (
         "model-id-missing",
-        convert.from_proto_route_request,
+        from_proto_route_request,
         _route(namespace=_ns(model_id="")),
         InvalidArgument,
         "namespace.model_id",
     ),
     (
         "kv-dtype-missing",
-        convert.from_proto_route_request,
+        from_proto_route_request,
         _route(namespace=_ns(kv_dtype="")),
         InvalidArgument,
         "namespace.kv_dtype",
     ),
     (
         "kv-dtype-unknown",
-        convert.from_proto_generate_request,
+        from_proto_generate_request,
         _generate(namespace=_ns(kv_dtype="int3")),
         InvalidArgument,
         "namespace.kv_dtype",
     ),
     (
         "page-size-missing",
-        convert.from_proto_generate_request,
+        from_proto_generate_request,
         _generate(namespace=_ns(page_size=0)),
         InvalidArgument,
         "namespace.page_size",
     ),
     (
         "identity-field-too-long",
-        convert.from_proto_route_request,
+        from_proto_route_request,
         _route(namespace=_ns(tenant="t" * 10_000)),
         InvalidArgument,
         "namespace.tenant",
     ),
     # prefixes
-    ("route-no-prefix", convert.from_proto_route_request, _route(token_ids=None), InvalidArgument, "prefix"),
+    ("route-no-prefix", from_proto_route_request, _route(token_ids=None), InvalidArgument, "prefix"),
     (
         "negative-token",
-        convert.from_proto_route_request,
+        from_proto_route_request,
         _route(token_ids=common_pb2.TokenIds(ids=[5, -1])),
         InvalidArgument,
         "token_ids.ids[1]",
     ),
     (
         "short-page-key",
-        convert.from_proto_lookup_request,
+        from_proto_lookup_request,
         admin_pb2.LookupRequest(namespace=_ns(), page_keys=common_pb2.PageKeys(keys=[KEY16, b"short"])),
         InvalidArgument,
         "page_keys.keys[1]",
     ),
     (
         "pin-tier-unset",
-        convert.from_proto_pin_request,
+        from_proto_pin_request,
         admin_pb2.PinRequest(namespace=_ns(), token_ids=common_pb2.TokenIds(ids=[1])),
         InvalidArgument,
         "tier",
@@ -657,93 +713,93 @@ INVALID: list[tuple[str, Callable[[Any], Any], Any, type[KvtierError], str]] = [
     # generate
     (
         "empty-prompt",
-        convert.from_proto_generate_request,
+        from_proto_generate_request,
         _generate(prompt_token_ids=[]),
         InvalidArgument,
         "prompt_token_ids",
     ),
     (
         "prompt-too-long",
-        convert.from_proto_generate_request,
-        _generate(prompt_token_ids=[1] * (convert.MAX_PROMPT_TOKENS + 1)),
+        from_proto_generate_request,
+        _generate(prompt_token_ids=[1] * (MAX_PROMPT_TOKENS + 1)),
         ResourceExhausted,
         "prompt_token_ids",
     ),
     (
         "negative-prompt-token",
-        convert.from_proto_generate_request,
+        from_proto_generate_request,
         _generate(prompt_token_ids=[1, 2, -3]),
         InvalidArgument,
         "prompt_token_ids[2]",
     ),
-    ("priority", convert.from_proto_generate_request, _generate(priority=5000), InvalidArgument, "priority"),
+    ("priority", from_proto_generate_request, _generate(priority=5000), InvalidArgument, "priority"),
     (
         "max-tokens-zero",
-        convert.from_proto_generate_request,
+        from_proto_generate_request,
         _sampling(max_tokens=0),
         InvalidArgument,
         "sampling.max_tokens",
     ),
     (
         "top-p-zero",
-        convert.from_proto_generate_request,
+        from_proto_generate_request,
         _sampling(top_p=0.0),
         InvalidArgument,
         "sampling.top_p",
     ),
     (
         "temperature-negative",
-        convert.from_proto_generate_request,
+        from_proto_generate_request,
         _sampling(temperature=-0.5),
         InvalidArgument,
         "sampling.temperature",
     ),
     (
         "temperature-nan",
-        convert.from_proto_generate_request,
+        from_proto_generate_request,
         _sampling(temperature=math.nan),
         InvalidArgument,
         "sampling.temperature",
     ),
     (
         "too-many-stop-sequences",
-        convert.from_proto_generate_request,
+        from_proto_generate_request,
         _sampling(stop_sequences=[common_pb2.TokenIds(ids=[1])] * (MAX_STOP_SEQUENCES + 1)),
         InvalidArgument,
         "sampling.stop_sequences",
     ),
     (
         "negative-stop-token",
-        convert.from_proto_generate_request,
+        from_proto_generate_request,
         _sampling(stop_sequences=[common_pb2.TokenIds(ids=[4]), common_pb2.TokenIds(ids=[-4])]),
         InvalidArgument,
         "sampling.stop_sequences[1].ids[0]",
     ),
     (
         "too-many-stop-token-ids",
-        convert.from_proto_generate_request,
-        _sampling(stop_token_ids=[1] * (convert.MAX_STOP_TOKEN_IDS + 1)),
+        from_proto_generate_request,
+        _sampling(stop_token_ids=[1] * (MAX_STOP_TOKEN_IDS + 1)),
         InvalidArgument,
         "sampling.stop_token_ids",
     ),
-    ("event-unset", convert.from_proto_generate_event, worker_pb2.GenerateEvent(), InvalidArgument, "event"),
+    ("event-unset", from_proto_generate_event, worker_pb2.GenerateEvent(), InvalidArgument, "event"),
     (
         "finish-reason-unset",
-        convert.from_proto_generate_event,
+        from_proto_generate_event,
         worker_pb2.GenerateEvent(final=worker_pb2.GenerateFinal(run_id="r")),
         InvalidArgument,
         "final.finish_reason",
     ),
     (
         "finish-reason-unknown",
-        convert.from_proto_generate_event,
+        from_proto_generate_event,
         worker_pb2.GenerateEvent(final=worker_pb2.GenerateFinal(finish_reason=99)),
         InvalidArgument,
         "final.finish_reason",
     ),
     (
         "ttft-negative",
-        convert.from_proto_generate_final,
+        from_proto_generate_final,
         worker_pb2.GenerateFinal(finish_reason=worker_pb2.FINISH_REASON_STOP, ttft_ms=-1.0),
         InvalidArgument,
         "final.ttft_ms",
@@ -751,28 +807,28 @@ INVALID: list[tuple[str, Callable[[Any], Any], Any, type[KvtierError], str]] = [
     # sessions
     (
         "pause-no-session",
-        convert.from_proto_pause_request,
+        from_proto_pause_request,
         sessions_pb2.PauseRequest(),
         InvalidArgument,
         "session_id",
     ),
     (
         "session-id-too-long",
-        convert.from_proto_end_request,
+        from_proto_end_request,
         sessions_pb2.EndRequest(session_id="s" * 1000),
         InvalidArgument,
         "session_id",
     ),
     (
         "session-state-unknown",
-        convert.from_proto_pause_response,
+        from_proto_pause_response,
         sessions_pb2.PauseResponse(session=sessions_pb2.SessionInfo(session_id="s", state=42)),
         InvalidArgument,
         "session.state",
     ),
     (
         "parked-tier-unknown",
-        convert.from_proto_session_info,
+        from_proto_session_info,
         sessions_pb2.SessionInfo(session_id="s", state=sessions_pb2.SESSION_STATE_PAUSED, parked_tier=9),
         InvalidArgument,
         "session.parked_tier",
@@ -780,133 +836,133 @@ INVALID: list[tuple[str, Callable[[Any], Any], Any, type[KvtierError], str]] = [
     # worker link
     (
         "worker-event-unset",
-        convert.from_proto_worker_event,
+        from_proto_worker_event,
         worker_link_pb2.WorkerEvent(),
         InvalidArgument,
         "event",
     ),
     (
         "register-no-worker-id",
-        convert.from_proto_worker_event,
+        from_proto_worker_event,
         _register(worker_id=""),
         InvalidArgument,
         "register.worker_id",
     ),
     (
         "register-no-model",
-        convert.from_proto_worker_event,
+        from_proto_worker_event,
         _register(model=None),
         InvalidArgument,
         "register.model",
     ),
     (
         "register-page-size",
-        convert.from_proto_worker_event,
+        from_proto_worker_event,
         _register(page_size=0),
         InvalidArgument,
         "register.page_size",
     ),
     (
         "register-duplicate-tier",
-        convert.from_proto_worker_event,
+        from_proto_worker_event,
         _register(capacities=[common_pb2.TierCapacity(tier=1), common_pb2.TierCapacity(tier=1)]),
         InvalidArgument,
         "register.capacities[1].tier",
     ),
     (
         "heartbeat-unknown-tier",
-        convert.from_proto_worker_event,
+        from_proto_worker_event,
         worker_link_pb2.WorkerEvent(heartbeat=worker_link_pb2.Heartbeat(tiers=[OCC(tier=1), OCC(tier=7)])),
         InvalidArgument,
         "heartbeat.tiers[1].tier",
     ),
     (
         "heartbeat-tier-unset",
-        convert.from_proto_worker_event,
+        from_proto_worker_event,
         worker_link_pb2.WorkerEvent(heartbeat=worker_link_pb2.Heartbeat(tiers=[OCC()])),
         InvalidArgument,
         "heartbeat.tiers[0].tier",
     ),
     (
         "batch-too-large",
-        convert.from_proto_worker_event,
-        _events(*[_page_event()] * (convert.MAX_BATCH_EVENTS + 1)),
+        from_proto_worker_event,
+        _events(*[_page_event()] * (MAX_BATCH_EVENTS + 1)),
         ResourceExhausted,
         "page_events.events",
     ),
     (
         "event-short-key",
-        convert.from_proto_worker_event,
+        from_proto_worker_event,
         _events(_page_event(), _page_event(page_key=b"x" * 15)),
         InvalidArgument,
         "page_events.events[1].page_key",
     ),
     (
         "event-short-digest",
-        convert.from_proto_worker_event,
+        from_proto_worker_event,
         _events(_page_event(namespace_digest=b"")),
         InvalidArgument,
         "page_events.events[0].namespace_digest",
     ),
     (
         "event-kind-unset",
-        convert.from_proto_worker_event,
+        from_proto_worker_event,
         _events(_page_event(kind=0)),
         InvalidArgument,
         "page_events.events[0].kind",
     ),
     (
         "move-to-same-tier",
-        convert.from_proto_worker_event,
+        from_proto_worker_event,
         _events(_page_event(kind=worker_link_pb2.PAGE_EVENT_KIND_MOVE, from_tier=common_pb2.TIER_HBM)),
         InvalidArgument,
         "page_events.events[0].from_tier",
     ),
     (
         "insert-tier-unset",
-        convert.from_proto_worker_event,
+        from_proto_worker_event,
         _events(_page_event(tier=0)),
         InvalidArgument,
         "page_events.events[0].tier",
     ),
     (
         "move-tier-unset",
-        convert.from_proto_worker_event,
+        from_proto_worker_event,
         _events(_page_event(kind=worker_link_pb2.PAGE_EVENT_KIND_MOVE, tier=0)),
         InvalidArgument,
         "page_events.events[0].tier",
     ),
     (
         "insert-with-from-tier",
-        convert.from_proto_worker_event,
+        from_proto_worker_event,
         _events(_page_event(from_tier=common_pb2.TIER_DRAM)),
         InvalidArgument,
         "page_events.events[0].from_tier",
     ),
     (
         "insert-depth-zero",
-        convert.from_proto_worker_event,
+        from_proto_worker_event,
         _events(_page_event(depth=0)),
         InvalidArgument,
         "page_events.events[0].depth",
     ),
     (
         "insert-without-parent",
-        convert.from_proto_worker_event,
+        from_proto_worker_event,
         _events(_page_event(parent_key=b"")),
         InvalidArgument,
         "page_events.events[0].parent_key",
     ),
     (
         "drop-short-parent",
-        convert.from_proto_worker_event,
+        from_proto_worker_event,
         _events(_page_event(kind=worker_link_pb2.PAGE_EVENT_KIND_DROP, parent_key=b"p")),
         InvalidArgument,
         "page_events.events[0].parent_key",
     ),
     (
         "snapshot-chunk-too-large",
-        convert.from_proto_worker_event,
+        from_proto_worker_event,
         worker_link_pb2.WorkerEvent(
             snapshot=worker_link_pb2.InventorySnapshotChunk(
                 snapshot_id="s",
@@ -915,7 +971,7 @@ INVALID: list[tuple[str, Callable[[Any], Any], Any, type[KvtierError], str]] = [
                         namespace_digest=KEY16,
                         tier=1,
                         pages=[worker_link_pb2.InventoryPage(page_key=KEY16, parent_key=KEY16, depth=1)]
-                        * (convert.MAX_SNAPSHOT_CHUNK_PAGES // 2 + 1),
+                        * (MAX_SNAPSHOT_CHUNK_PAGES // 2 + 1),
                     )
                 ]
                 * 2,
@@ -926,15 +982,15 @@ INVALID: list[tuple[str, Callable[[Any], Any], Any, type[KvtierError], str]] = [
     ),
     (
         "failed-ack-without-code",
-        convert.from_proto_worker_event,
+        from_proto_worker_event,
         worker_link_pb2.WorkerEvent(ack=worker_link_pb2.CommandAck(command_id=3, ok=False)),
         InvalidArgument,
         "ack.error_code",
     ),
-    ("command-unset", convert.from_proto_controller_command, _command(), InvalidArgument, "command"),
+    ("command-unset", from_proto_controller_command, _command(), InvalidArgument, "command"),
     (
         "demote-unknown-tier",
-        convert.from_proto_controller_command,
+        from_proto_controller_command,
         _command(
             demote=worker_link_pb2.DemoteCommand(namespace_digest=KEY16, page_keys=[KEY16], target_tier=9)
         ),
@@ -943,14 +999,14 @@ INVALID: list[tuple[str, Callable[[Any], Any], Any, type[KvtierError], str]] = [
     ),
     (
         "demote-no-keys",
-        convert.from_proto_controller_command,
+        from_proto_controller_command,
         _command(demote=worker_link_pb2.DemoteCommand(namespace_digest=KEY16, target_tier=2)),
         InvalidArgument,
         "demote.page_keys",
     ),
     (
         "demote-keys-and-session",
-        convert.from_proto_controller_command,
+        from_proto_controller_command,
         _command(demote=worker_link_pb2.DemoteCommand(namespace_digest=KEY16, page_keys=[KEY16], target_tier=2,
                                                       session_id="s")),
         InvalidArgument,
@@ -958,17 +1014,17 @@ INVALID: list[tuple[str, Callable[[Any], Any], Any, type[KvtierError], str]] = [
     ),
     (
         "prefetch-no-keys-no-session",
-        convert.from_proto_controller_command,
+        from_proto_controller_command,
         _command(prefetch=worker_link_pb2.PrefetchCommand(namespace_digest=KEY16, target_tier=1)),
         InvalidArgument,
         "prefetch.page_keys",
     ),
     (
         "prefetch-too-many-keys",
-        convert.from_proto_controller_command,
+        from_proto_controller_command,
         _command(
             prefetch=worker_link_pb2.PrefetchCommand(
-                namespace_digest=KEY16, page_keys=[KEY16] * (convert.MAX_COMMAND_PAGES + 1), target_tier=1
+                namespace_digest=KEY16, page_keys=[KEY16] * (MAX_COMMAND_PAGES + 1), target_tier=1
             )
         ),
         ResourceExhausted,
@@ -976,16 +1032,16 @@ INVALID: list[tuple[str, Callable[[Any], Any], Any, type[KvtierError], str]] = [
     ),
     (
         "prefetch-return-past-a-year",
-        convert.from_proto_controller_command,
+        from_proto_controller_command,
         _command(prefetch=worker_link_pb2.PrefetchCommand(namespace_digest=KEY16, target_tier=1, session_id="s",
-                                                          return_in_ms=convert.MAX_DURATION_MS + 1)),
+                                                          return_in_ms=MAX_DURATION_MS + 1)),
         InvalidArgument,
         "prefetch.return_in_ms",
     ),
     *(
         (
             f"prefetch-return-spread-{label}",
-            convert.from_proto_controller_command,
+            from_proto_controller_command,
             _command(prefetch=worker_link_pb2.PrefetchCommand(namespace_digest=KEY16, target_tier=1, session_id="s",
                                                               return_in_ms=1_000, return_spread=spread)),
             InvalidArgument,
@@ -995,7 +1051,7 @@ INVALID: list[tuple[str, Callable[[Any], Any], Any, type[KvtierError], str]] = [
     ),
     (
         "invalidate-epoch-zero",
-        convert.from_proto_controller_command,
+        from_proto_controller_command,
         _command(
             invalidate=worker_link_pb2.InvalidateCommand(
                 scope=common_pb2.InvalidationScope(all_namespaces=True)
@@ -1006,14 +1062,14 @@ INVALID: list[tuple[str, Callable[[Any], Any], Any, type[KvtierError], str]] = [
     ),
     (
         "drop-whole-namespace-and-keys",
-        convert.from_proto_controller_command,
+        from_proto_controller_command,
         _command(drop=worker_link_pb2.DropCommand(namespace_digest=KEY16, page_keys=[KEY16], whole_namespace=True)),
         InvalidArgument,
         "drop.page_keys",
     ),
     (
         "demote-whole-namespace-and-session",
-        convert.from_proto_controller_command,
+        from_proto_controller_command,
         _command(demote=worker_link_pb2.DemoteCommand(namespace_digest=KEY16, target_tier=2, session_id="s",
                                                       whole_namespace=True)),
         InvalidArgument,
@@ -1021,42 +1077,42 @@ INVALID: list[tuple[str, Callable[[Any], Any], Any, type[KvtierError], str]] = [
     ),
     (
         "pin-command-no-id",
-        convert.from_proto_controller_command,
+        from_proto_controller_command,
         _command(pin=worker_link_pb2.PinCommand(namespace_digest=KEY16, page_keys=[KEY16], tier=1)),
         InvalidArgument,
         "pin.pin_id",
     ),
     (
         "pin-command-no-keys",
-        convert.from_proto_controller_command,
+        from_proto_controller_command,
         _command(pin=worker_link_pb2.PinCommand(pin_id="p", namespace_digest=KEY16, tier=1)),
         InvalidArgument,
         "pin.page_keys",
     ),
     (
         "pin-command-no-tier",
-        convert.from_proto_controller_command,
+        from_proto_controller_command,
         _command(pin=worker_link_pb2.PinCommand(pin_id="p", namespace_digest=KEY16, page_keys=[KEY16])),
         InvalidArgument,
         "pin.tier",
     ),
     (
         "pin-command-short-digest",
-        convert.from_proto_controller_command,
+        from_proto_controller_command,
         _command(pin=worker_link_pb2.PinCommand(pin_id="p", namespace_digest=b"x", page_keys=[KEY16], tier=1)),
         InvalidArgument,
         "pin.namespace_digest",
     ),
     (
         "unpin-command-no-id",
-        convert.from_proto_controller_command,
+        from_proto_controller_command,
         _command(unpin=worker_link_pb2.UnpinCommand()),
         InvalidArgument,
         "unpin.pin_id",
     ),
     (
         "snapshot-command-no-id",
-        convert.from_proto_controller_command,
+        from_proto_controller_command,
         _command(request_snapshot=worker_link_pb2.RequestSnapshotCommand()),
         InvalidArgument,
         "request_snapshot.snapshot_id",
@@ -1064,35 +1120,35 @@ INVALID: list[tuple[str, Callable[[Any], Any], Any, type[KvtierError], str]] = [
     # admin
     (
         "scope-unset",
-        convert.from_proto_invalidate_request,
+        from_proto_invalidate_request,
         admin_pb2.InvalidateRequest(scope=common_pb2.InvalidationScope()),
         InvalidArgument,
         "scope",
     ),
     (
         "scope-all-false",
-        convert.from_proto_invalidate_request,
+        from_proto_invalidate_request,
         admin_pb2.InvalidateRequest(scope=common_pb2.InvalidationScope(all_namespaces=False)),
         InvalidArgument,
         "scope",
     ),
     (
         "scope-empty-tenant",
-        convert.from_proto_invalidate_request,
+        from_proto_invalidate_request,
         admin_pb2.InvalidateRequest(scope=common_pb2.InvalidationScope(tenant="")),
         InvalidArgument,
         "scope.tenant",
     ),
     (
         "scope-namespace-model-id",
-        convert.from_proto_invalidate_request,
+        from_proto_invalidate_request,
         admin_pb2.InvalidateRequest(scope=common_pb2.InvalidationScope(namespace=_ns(model_id=""))),
         InvalidArgument,
         "scope.namespace.model_id",
     ),
     (
         "scope-namespace-page-size",
-        convert.from_proto_controller_command,
+        from_proto_controller_command,
         _command(
             invalidate=worker_link_pb2.InvalidateCommand(
                 scope=common_pb2.InvalidationScope(namespace=_ns(kv_dtype="int3")), policy_epoch=2
@@ -1103,98 +1159,98 @@ INVALID: list[tuple[str, Callable[[Any], Any], Any, type[KvtierError], str]] = [
     ),
     (
         "list-sessions-limit",
-        convert.from_proto_list_sessions_request,
+        from_proto_list_sessions_request,
         admin_pb2.ListSessionsRequest(limit=0),
         InvalidArgument,
         "limit",
     ),
     (
         "drain-no-worker",
-        convert.from_proto_drain_request,
+        from_proto_drain_request,
         admin_pb2.DrainRequest(),
         InvalidArgument,
         "worker_id",
     ),
     (
         "evict-unknown-tier",
-        convert.from_proto_evict_request,
+        from_proto_evict_request,
         admin_pb2.EvictRequest(namespace=_ns(), demote_to_tier=5),
         InvalidArgument,
         "demote_to_tier",
     ),
     (
         "rollback-version",
-        convert.from_proto_rollback_policy_request,
+        from_proto_rollback_policy_request,
         admin_pb2.RollbackPolicyRequest(),
         InvalidArgument,
         "to_version",
     ),
     (
         "set-policy-unset",
-        convert.from_proto_set_policy_request,
+        from_proto_set_policy_request,
         admin_pb2.SetPolicyRequest(),
         InvalidArgument,
         "policy",
     ),
     (
         "watermark-low-above-high",
-        convert.from_proto_set_policy_request,
+        from_proto_set_policy_request,
         _policy(watermarks={"hbm": admin_pb2.Watermarks(high=0.5, low=0.7)}),
         InvalidArgument,
         "policy.watermarks.hbm.low",
     ),
     (
         "watermark-not-fraction",
-        convert.from_proto_set_policy_request,
+        from_proto_set_policy_request,
         _policy(watermarks={"dram": admin_pb2.Watermarks(high=1.5, low=0.7)}),
         InvalidArgument,
         "policy.watermarks.dram.high",
     ),
     (
         "watermark-unknown-tier",
-        convert.from_proto_set_policy_request,
+        from_proto_set_policy_request,
         _policy(watermarks={"ssd": admin_pb2.Watermarks(high=0.9, low=0.7)}),
         InvalidArgument,
         "policy.watermarks.ssd",
     ),
     (
         "weight-negative",
-        convert.from_proto_set_policy_request,
+        from_proto_set_policy_request,
         _policy(tier_weights={"nvme": -1.0}),
         InvalidArgument,
         "policy.tier_weights.nvme",
     ),
     (
         "budget-unknown-tier",
-        convert.from_proto_set_policy_request,
+        from_proto_set_policy_request,
         _policy(budget_bytes_per_s={"HBM": 10}),
         InvalidArgument,
         "policy.budget_bytes_per_s.HBM",
     ),
     (
         "eviction-policy-empty",
-        convert.from_proto_set_policy_request,
+        from_proto_set_policy_request,
         _policy(eviction_policy=""),
         InvalidArgument,
         "policy.eviction_policy",
     ),
     (
         "pause-expected-beyond-a-year",
-        convert.from_proto_pause_request,
+        from_proto_pause_request,
         sessions_pb2.PauseRequest(session_id="s", expected_ms=2**64 - 1),
         InvalidArgument,
         "expected_ms",
     ),
     (
         "returning-eta-beyond-a-year",
-        convert.from_proto_returning_request,
-        sessions_pb2.ReturningRequest(session_id="s", eta_ms=convert.MAX_DURATION_MS + 1),
+        from_proto_returning_request,
+        sessions_pb2.ReturningRequest(session_id="s", eta_ms=MAX_DURATION_MS + 1),
         InvalidArgument,
         "eta_ms",
     ),
     (
         "pin-ttl-beyond-a-year",
-        convert.from_proto_pin_request,
+        from_proto_pin_request,
         admin_pb2.PinRequest(
             namespace=common_pb2.NamespaceIdentity(model_id="m", kv_dtype="fp32", page_size=4),
             token_ids=common_pb2.TokenIds(ids=[1]), tier=common_pb2.TIER_HBM, ttl_s=2**63,
@@ -1204,7 +1260,7 @@ INVALID: list[tuple[str, Callable[[Any], Any], Any, type[KvtierError], str]] = [
     ),
     (
         "versioned-policy-version-zero",
-        convert.from_proto_get_policy_response,
+        from_proto_get_policy_response,
         admin_pb2.GetPolicyResponse(policy=admin_pb2.VersionedPolicy(policy=_policy().policy)),
         InvalidArgument,
         "policy.version",
@@ -1229,7 +1285,7 @@ def test_invalid_input_names_the_field(
 def test_unknown_tier_error_lists_valid_tiers() -> None:
     message = _register(capacities=[common_pb2.TierCapacity(tier=4)])
     with pytest.raises(InvalidArgument, match="hbm=1, dram=2, nvme=3"):
-        convert.from_proto_worker_event(message)
+        from_proto_worker_event(message)
 
 
 # --------------------------------------------------------------------------- tiers and policy (domain)

@@ -61,7 +61,7 @@ class Module:
 
     @property
     def package(self) -> str:
-        """Short name of the top-level package: ``cache``, ``worker``; ``client`` for kvtier/client.py."""
+        """Short name of the top-level package: ``cache``, ``worker``; ``client`` for kvtier/client/."""
         parts = self.name.split(".")
         return parts[1] if len(parts) > 1 else ""
 
@@ -87,7 +87,7 @@ def imports_of(module: Module, known: dict[str, Module]) -> list[tuple[str, int]
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            # `from kvtier.cli import admin` imports the module kvtier.cli.admin.
+            # `from kvtier.cli import flags` imports the module kvtier.cli.flags.
             targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
                        for a in node.names]
         else:

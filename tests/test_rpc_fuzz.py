@@ -41,7 +41,6 @@ from kvtier.controller.server import serve_controller
 from kvtier.domain.hashing import NamespaceIdentity
 from kvtier.domain.records import GenerateRequest, RouteRequest, TokenPrefix
 from kvtier.engine import Engine, SamplingParams
-from kvtier.rpc import convert
 from kvtier.rpc._gen import (
     admin_pb2,
     common_pb2,
@@ -50,6 +49,19 @@ from kvtier.rpc._gen import (
     worker_link_pb2,
     worker_pb2,
     worker_pb2_grpc,
+)
+from kvtier.rpc.convert.common import to_proto_namespace_identity
+from kvtier.rpc.convert.limits import (
+    MAX_DURATION_MS,
+    MAX_MESSAGE_BYTES,
+    MAX_PROMPT_TOKENS,
+    MAX_STOP_TOKEN_IDS,
+)
+from kvtier.rpc.convert.router import to_proto_route_request
+from kvtier.rpc.convert.worker import (
+    from_proto_integrity_result,
+    from_proto_worker_stats,
+    to_proto_generate_request,
 )
 from kvtier.rpc.status import FIELD_METADATA_KEY
 from kvtier.runtime.config import ControllerConfig
@@ -78,8 +90,8 @@ ALLOWED = frozenset(
 )
 # The client may send more than the server accepts, so oversize messages reach the server.
 CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 4 * convert.MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", convert.MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", 4 * MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 SERVICES = (
     (router_pb2, "Router", "controller"),
@@ -155,7 +167,7 @@ class Servers:
 
 
 def _good_generate(namespace: NamespaceIdentity, steps: int = GOOD_STEPS) -> worker_pb2.GenerateRequest:
-    return convert.to_proto_generate_request(
+    return to_proto_generate_request(
         GenerateRequest(
             namespace=namespace,
             prompt_token_ids=GOOD_PROMPT,
@@ -222,7 +234,7 @@ def servers(redis_url, tmp_path_factory) -> Iterator[Servers]:
 
 
 def _routed(servers: Servers) -> list[str]:
-    request = convert.to_proto_route_request(RouteRequest(servers.namespace, TokenPrefix(GOOD_PROMPT)))
+    request = to_proto_route_request(RouteRequest(servers.namespace, TokenPrefix(GOOD_PROMPT)))
     raw = servers.channels["controller"].unary_unary("/kvtier.v1.Router/Route")(
         request.SerializeToString(), timeout=10
     )
@@ -500,16 +512,16 @@ def test_a_million_prompt_tokens_are_refused_by_the_context_limit(servers):
 
 
 def test_more_prompt_tokens_than_any_request_may_carry_is_resource_exhausted(servers):
-    over = convert.MAX_PROMPT_TOKENS + 1
+    over = MAX_PROMPT_TOKENS + 1
     _expect(servers, "/kvtier.v1.Worker/Generate", _generate(servers, prompt=[7] * over),
             grpc.StatusCode.RESOURCE_EXHAUSTED, "prompt_token_ids")
-    route = convert.to_proto_route_request(RouteRequest(servers.namespace, TokenPrefix((1,))))
+    route = to_proto_route_request(RouteRequest(servers.namespace, TokenPrefix((1,))))
     route.token_ids.ids.extend([1] * over)
     _expect(servers, "/kvtier.v1.Router/Route", route, grpc.StatusCode.RESOURCE_EXHAUSTED, "token_ids.ids")
 
 
 def test_route_with_a_million_token_prefix_answers_in_time(servers):
-    route = convert.to_proto_route_request(RouteRequest(servers.namespace, TokenPrefix(tuple(range(10**6)))))
+    route = to_proto_route_request(RouteRequest(servers.namespace, TokenPrefix(tuple(range(10**6)))))
     raw = servers.channels["controller"].unary_unary("/kvtier.v1.Router/Route")(
         route.SerializeToString(), timeout=CALL_TIMEOUT_S
     )
@@ -526,7 +538,7 @@ def test_route_with_a_million_token_prefix_answers_in_time(servers):
         ({"stop_sequences": [[1] * 65]}, "sampling.stop_sequences[0]"),
         ({"stop_sequences": [[]]}, "sampling.stop_sequences[0]"),
         ({"stop_sequences": [[1], [1, -4]]}, "sampling.stop_sequences[1].ids[1]"),
-        ({"stop_token_ids": [1] * (convert.MAX_STOP_TOKEN_IDS + 1)}, "sampling.stop_token_ids"),
+        ({"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, "sampling.stop_token_ids"),
         ({"tool_call_sequence": [2] * 65}, "sampling.tool_call_sequence"),
         ({"temperature": float("nan")}, "sampling.temperature"),
         ({"temperature": -1.0}, "sampling.temperature"),
@@ -592,10 +604,10 @@ def test_missing_identity_fields_are_invalid_argument_naming_the_field(servers, 
     if rpc_path.endswith("Generate"):
         message = _generate(servers)
     elif rpc_path.endswith("Route"):
-        message = convert.to_proto_route_request(RouteRequest(servers.namespace, TokenPrefix(GOOD_PROMPT)))
+        message = to_proto_route_request(RouteRequest(servers.namespace, TokenPrefix(GOOD_PROMPT)))
     else:
         message = admin_pb2.LookupRequest(
-            namespace=convert.to_proto_namespace_identity(servers.namespace), token_ids=common_pb2.TokenIds(ids=[1])
+            namespace=to_proto_namespace_identity(servers.namespace), token_ids=common_pb2.TokenIds(ids=[1])
         )
     if strip == "namespace":
         message.ClearField("namespace")
@@ -630,17 +642,17 @@ def test_a_field_path_holding_any_text_still_travels_as_valid_metadata(servers):
 
 
 def test_a_message_over_the_maximum_size_is_resource_exhausted(servers):
-    over = length_delimited(4, b"s" * (convert.MAX_MESSAGE_BYTES + 1024))  # RouteRequest.session_id
+    over = length_delimited(4, b"s" * (MAX_MESSAGE_BYTES + 1024))  # RouteRequest.session_id
     _expect(servers, "/kvtier.v1.Router/Route", over, grpc.StatusCode.RESOURCE_EXHAUSTED, None)
-    prompt = length_delimited(2, varint(5) * (convert.MAX_MESSAGE_BYTES + 1024))  # packed prompt ids
+    prompt = length_delimited(2, varint(5) * (MAX_MESSAGE_BYTES + 1024))  # packed prompt ids
     _expect(servers, "/kvtier.v1.Worker/Generate", prompt, grpc.StatusCode.RESOURCE_EXHAUSTED, None)
 
 
 @pytest.mark.parametrize("hint", ["Pause", "Returning"])
-@pytest.mark.parametrize("duration_ms", [2**64 - 1, convert.MAX_DURATION_MS + 1])
+@pytest.mark.parametrize("duration_ms", [2**64 - 1, MAX_DURATION_MS + 1])
 def test_session_hint_durations_beyond_a_year_are_invalid_argument(servers, hint, duration_ms):
     session = f"s-edge-{hint}-{duration_ms}"
-    route = convert.to_proto_route_request(
+    route = to_proto_route_request(
         RouteRequest(servers.namespace, TokenPrefix(GOOD_PROMPT), session_id=session)
     )
     servers.channels["controller"].unary_unary("/kvtier.v1.Router/Route")(route.SerializeToString(), timeout=10)
@@ -653,14 +665,14 @@ def test_session_hint_durations_beyond_a_year_are_invalid_argument(servers, hint
 
 def test_session_hints_at_the_duration_limits_are_answered(servers):
     session = "s-edge-limits"
-    route = convert.to_proto_route_request(
+    route = to_proto_route_request(
         RouteRequest(servers.namespace, TokenPrefix(GOOD_PROMPT), session_id=session)
     )
     servers.channels["controller"].unary_unary("/kvtier.v1.Router/Route")(route.SerializeToString(), timeout=10)
     sessions = {r.name: r for r in RPCS if r.path.startswith("/kvtier.v1.Sessions/")}
     for rpc, message in [
-        (sessions["Pause"], sessions_pb2.PauseRequest(session_id=session, expected_ms=convert.MAX_DURATION_MS)),
-        (sessions["Returning"], sessions_pb2.ReturningRequest(session_id=session, eta_ms=convert.MAX_DURATION_MS)),
+        (sessions["Pause"], sessions_pb2.PauseRequest(session_id=session, expected_ms=MAX_DURATION_MS)),
+        (sessions["Returning"], sessions_pb2.ReturningRequest(session_id=session, eta_ms=MAX_DURATION_MS)),
         (sessions["Pause"], sessions_pb2.PauseRequest(session_id=session, expected_ms=0)),
         (sessions["Returning"], sessions_pb2.ReturningRequest(session_id=session, eta_ms=0)),
         (sessions["End"], sessions_pb2.EndRequest(session_id=session)),
@@ -700,11 +712,11 @@ def test_after_the_fuzzing_no_page_is_held_and_every_pool_is_consistent(servers)
     stub = worker_pb2_grpc.WorkerStub(servers.channels["worker"])
     deadline = time.monotonic() + 15
     while True:
-        stats = convert.from_proto_worker_stats(stub.Stats(worker_pb2.StatsRequest(), timeout=10))
+        stats = from_proto_worker_stats(stub.Stats(worker_pb2.StatsRequest(), timeout=10))
         if sum(t.in_use_pages for t in stats.tiers) == 0 and stats.queue_depth == stats.num_running_seqs == 0:
             break
         assert time.monotonic() < deadline, f"pages still held: {stats}"
         time.sleep(0.05)
-    result = convert.from_proto_integrity_result(stub.CheckIntegrity(worker_pb2.CheckIntegrityRequest(), timeout=10))
+    result = from_proto_integrity_result(stub.CheckIntegrity(worker_pb2.CheckIntegrityRequest(), timeout=10))
     assert result.is_ok, result.problems
     assert servers.link.is_connected, "the real worker's link must survive the fuzzed WorkerLink streams"

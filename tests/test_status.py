@@ -14,8 +14,8 @@ from grpc_status import rpc_status
 
 from kvtier.domain import errors
 from kvtier.domain.errors import KvtierError
-from kvtier.rpc import convert
 from kvtier.rpc._gen import sessions_pb2, sessions_pb2_grpc
+from kvtier.rpc.convert.sessions import from_proto_pause_request
 from kvtier.rpc.status import (
     FIELD_METADATA_KEY,
     RUN_ID_METADATA_KEY,
@@ -76,7 +76,7 @@ class Sessions(sessions_pb2_grpc.SessionsServicer):
 
     @rpc_errors
     async def Pause(self, request: sessions_pb2.PauseRequest, context: grpc.aio.ServicerContext) -> object:
-        pause = convert.from_proto_pause_request(request)
+        pause = from_proto_pause_request(request)
         raise errors.NotFound(f"session {pause.session_id!r} is not known", field="session_id")
 
 

@@ -25,8 +25,9 @@ from kvtier.domain.records import GenerateFinal, GenerateRequest, RouteRequest, 
 from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
 from kvtier.engine.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
-from kvtier.rpc import convert
 from kvtier.rpc._gen import router_pb2_grpc, worker_pb2_grpc
+from kvtier.rpc.convert.router import to_proto_route_request
+from kvtier.rpc.convert.worker import from_proto_generate_event, to_proto_generate_request
 from kvtier.runtime import tracing
 from kvtier.runtime.config import ControllerConfig
 from kvtier.runtime.telemetry import Telemetry
@@ -91,8 +92,8 @@ async def complete(server, prompt, *, metadata=None) -> tuple[list[int], Generat
     tokens: list[int] = []
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
-        async for msg in stub.Generate(convert.to_proto_generate_request(request), metadata=metadata):
-            event = convert.from_proto_generate_event(msg)
+        async for msg in stub.Generate(to_proto_generate_request(request), metadata=metadata):
+            event = from_proto_generate_event(msg)
             if isinstance(event, GenerateFinal):
                 return tokens, event
             tokens.extend(event.token_ids)
@@ -208,7 +209,7 @@ async def test_a_callers_traceparent_parents_generate_and_route(worker, spans, f
                                session_id="s-42")
         async with grpc.aio.insecure_channel(controller.address) as channel:
             await router_pb2_grpc.RouterStub(channel).Route(
-                convert.to_proto_route_request(request), metadata=TRACEPARENT)
+                to_proto_route_request(request), metadata=TRACEPARENT)
     finally:
         await link.stop()
         await controller.stop(0)

@@ -19,8 +19,14 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvtier.domain.records import GenerateFinal, GenerateRequest, TokenChunk
 from kvtier.engine import Engine, FinishReason, SamplingParams, SchedulerConfig
-from kvtier.rpc import convert
 from kvtier.rpc._gen import worker_pb2, worker_pb2_grpc
+from kvtier.rpc.convert.limits import MAX_MESSAGE_BYTES
+from kvtier.rpc.convert.worker import (
+    from_proto_generate_event,
+    from_proto_integrity_result,
+    from_proto_worker_stats,
+    to_proto_generate_request,
+)
 from kvtier.rpc.status import FIELD_METADATA_KEY
 from kvtier.worker.servicer import WORKER_SERVICE, serve_worker
 
@@ -68,7 +74,7 @@ async def small_worker(checkpoint):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def channels(worker, small_worker):
-    opts = [("grpc.max_receive_message_length", convert.MAX_MESSAGE_BYTES)]
+    opts = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
     main = grpc.aio.insecure_channel(worker.address, options=opts)
     small = grpc.aio.insecure_channel(small_worker.address, options=opts)
     yield {"main": main, "small": small}
@@ -88,7 +94,7 @@ def random_prompts(n, lens, seed):
 def request(server, prompt, max_tokens=8, **namespace_changes):
     namespace = dataclasses.replace(server.engine.namespace, **namespace_changes)
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return convert.to_proto_generate_request(
+    return to_proto_generate_request(
         GenerateRequest(namespace=namespace, prompt_token_ids=tuple(prompt), sampling=sampling)
     )
 
@@ -98,7 +104,7 @@ async def collect(stub_, message, **kwargs):
     tokens: list[int] = []
     final = None
     async for msg in stub_.Generate(message, **kwargs):
-        event = convert.from_proto_generate_event(msg)
+        event = from_proto_generate_event(msg)
         if isinstance(event, TokenChunk):
             assert final is None, "no token may follow the final event"
             assert event.index == len(tokens)
@@ -120,7 +126,7 @@ async def wait_idle(stub_, timeout_s=10.0):
     """Poll Stats until no page is held and nothing is queued or running."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
-        stats = convert.from_proto_worker_stats(await stub_.Stats(worker_pb2.StatsRequest()))
+        stats = from_proto_worker_stats(await stub_.Stats(worker_pb2.StatsRequest()))
         (hbm,) = stats.tiers
         if hbm.in_use_pages == 0 and stats.queue_depth == 0 and stats.num_running_seqs == 0:
             return stats
@@ -129,7 +135,7 @@ async def wait_idle(stub_, timeout_s=10.0):
 
 
 async def assert_consistent(stub_):
-    result = convert.from_proto_integrity_result(
+    result = from_proto_integrity_result(
         await stub_.CheckIntegrity(worker_pb2.CheckIntegrityRequest())
     )
     assert {r.component for r in result.reports} >= {"pool", "radix", "engine", "engine_loop"}
@@ -229,7 +235,7 @@ async def test_two_hundred_cancellations_leak_no_page(worker, channels, monkeypa
         async with limit:
             call = stub(channels).Generate(request(worker, prompt, max_tokens=200), timeout=60)
             for _ in range(rng.randint(1, 3)):
-                event = convert.from_proto_generate_event(await call.read())
+                event = from_proto_generate_event(await call.read())
                 assert isinstance(event, TokenChunk)
             call.cancel()
             assert call.cancelled()

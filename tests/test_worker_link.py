@@ -37,8 +37,9 @@ from kvtier.domain.records import (
 from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
 from kvtier.engine.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
-from kvtier.rpc import convert
 from kvtier.rpc._gen import worker_link_pb2_grpc
+from kvtier.rpc.convert.link_commands import to_proto_controller_command
+from kvtier.rpc.convert.link_events import from_proto_worker_event
 from kvtier.tiers.manager import TierConfig
 from kvtier.worker.link import WorkerLink, snapshot_chunks
 from kvtier.worker.servicer import serve_worker
@@ -76,7 +77,7 @@ class RecordingLink(worker_link_pb2_grpc.WorkerLinkServicer):
 
         async def read():
             async for message in request_iterator:
-                connection.events.append(convert.from_proto_worker_event(message))
+                connection.events.append(from_proto_worker_event(message))
 
         reader = asyncio.create_task(read())
         command = None
@@ -86,7 +87,7 @@ class RecordingLink(worker_link_pb2_grpc.WorkerLinkServicer):
                 done, _ = await asyncio.wait({command, reader}, return_when=asyncio.FIRST_COMPLETED)
                 if reader in done:
                     return
-                yield convert.to_proto_controller_command(command.result())
+                yield to_proto_controller_command(command.result())
         finally:
             for task in (reader, command):
                 if task is not None:

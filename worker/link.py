@@ -76,8 +76,10 @@ from kvtier.domain.records import (
     WorkerId,
 )
 from kvtier.domain.tiers import Tier
-from kvtier.rpc import convert
 from kvtier.rpc._gen import worker_link_pb2, worker_link_pb2_grpc
+from kvtier.rpc.convert.limits import MAX_BATCH_EVENTS, MAX_MESSAGE_BYTES, MAX_SNAPSHOT_CHUNK_PAGES
+from kvtier.rpc.convert.link_commands import from_proto_controller_command
+from kvtier.rpc.convert.link_events import to_proto_worker_event
 from kvtier.rpc.tls import ClientTls, secure_or_insecure_channel
 from kvtier.runtime.log import get_logger
 from kvtier.tiers.moves import MoveOutcome
@@ -88,8 +90,8 @@ log = get_logger("kvtier.worker.link")
 # Keepalive pings detect a controller that vanished without closing the connection
 # (the stream is open for the channel's whole life, so pings never go out idle).
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.max_send_message_length", convert.MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", convert.MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 0),
@@ -134,7 +136,7 @@ def snapshot_chunks(
     snapshot_id: SnapshotId,
     inventories: Sequence[NamespaceInventory],
     as_of_seq: int,
-    max_pages: int = convert.MAX_SNAPSHOT_CHUNK_PAGES,
+    max_pages: int = MAX_SNAPSHOT_CHUNK_PAGES,
 ) -> list[InventorySnapshotChunk]:
     """Split inventories into chunks of at most ``max_pages`` pages (always at least one chunk)."""
     chunks: list[list[NamespaceInventory]] = [[]]
@@ -180,9 +182,9 @@ class WorkerLink:
         tls: ClientTls | None = None,
         has_chat_template: bool = False,
     ) -> None:
-        if not 1 <= max_batch_events <= convert.MAX_BATCH_EVENTS:
+        if not 1 <= max_batch_events <= MAX_BATCH_EVENTS:
             raise ValueError(
-                f"max_batch_events must be in [1, {convert.MAX_BATCH_EVENTS}], got {max_batch_events}"
+                f"max_batch_events must be in [1, {MAX_BATCH_EVENTS}], got {max_batch_events}"
             )
         self._loop = loop
         self.controller_address = controller_address
@@ -263,7 +265,7 @@ class WorkerLink:
         async with secure_or_insecure_channel(self.controller_address, self._tls, CHANNEL_OPTIONS) as channel:
             call = worker_link_pb2_grpc.WorkerLinkStub(channel).Connect(metadata=self._metadata)
             try:
-                await call.write(convert.to_proto_worker_event(self.registration))
+                await call.write(to_proto_worker_event(self.registration))
                 self._outbox = outbox = asyncio.Queue()
                 await self._send_snapshot(SnapshotId(f"connect-{uuid.uuid4().hex[:12]}"))
                 tasks = [
@@ -293,7 +295,7 @@ class WorkerLink:
     async def _write_loop(self, call: grpc.aio.StreamStreamCall, outbox: asyncio.Queue[WorkerEvent]) -> None:
         while True:
             event = await outbox.get()
-            await call.write(convert.to_proto_worker_event(event))
+            await call.write(to_proto_worker_event(event))
 
     async def _read_loop(self, call: grpc.aio.StreamStreamCall) -> None:
         while True:
@@ -351,7 +353,7 @@ class WorkerLink:
     async def _execute(self, message: worker_link_pb2.ControllerCommand) -> None:
         command_id = CommandId(message.command_id)
         try:
-            command = convert.from_proto_controller_command(message)
+            command = from_proto_controller_command(message)
             if isinstance(command.command, DemoteCommand | PrefetchCommand):
                 self._ack_when_applied(command, await self._start_move(command))
                 return

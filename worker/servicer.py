@@ -30,10 +30,15 @@ from kvtier.domain.errors import NotFound
 from kvtier.domain.hashing import NamespaceIdentity
 from kvtier.domain.records import BootId, WorkerId, WorkerStats
 from kvtier.engine.engine import Engine
-from kvtier.rpc import convert
 from kvtier.rpc._gen import worker_pb2, worker_pb2_grpc
 from kvtier.rpc.auth import TokenTable, TokenTableFile
 from kvtier.rpc.auth_interceptor import principal_tenant, resolve_tenant, server_interceptors
+from kvtier.rpc.convert.worker import (
+    from_proto_generate_request,
+    to_proto_generate_event,
+    to_proto_integrity_result,
+    to_proto_worker_stats,
+)
 from kvtier.rpc.server_options import (
     SERVER_OPTIONS,
     advertised_host,
@@ -96,7 +101,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Generate(
         self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.GenerateEvent]:
-        generate = convert.from_proto_generate_request(request)
+        generate = from_proto_generate_request(request)
         namespace = resolve_tenant(generate.namespace, principal_tenant(context))
         check_serves(namespace, self._loop.engine.namespace)
         self._loop.engine.validate_prompt(list(generate.prompt_token_ids))  # the model's vocabulary and context
@@ -105,19 +110,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         parent = tracing.remote_parent(context.invocation_metadata())  # None unless tracing is on
         async with contextlib.aclosing(self._loop.submit(generate, trace_parent=parent)) as events:
             async for event in events:
-                yield convert.to_proto_generate_event(event)
+                yield to_proto_generate_event(event)
 
     @rpc_errors
     async def CheckIntegrity(
         self, request: worker_pb2.CheckIntegrityRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.CheckIntegrityResponse:
-        return convert.to_proto_integrity_result(await self._loop.check_integrity())
+        return to_proto_integrity_result(await self._loop.check_integrity())
 
     @rpc_errors
     async def Stats(
         self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.StatsResponse:
-        return convert.to_proto_worker_stats(await self.stats())
+        return to_proto_worker_stats(await self.stats())
 
     async def stats(self) -> WorkerStats:
         load = await self._loop.stats()

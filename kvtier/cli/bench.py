@@ -12,7 +12,6 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from kvtier.cli.admin import ModelOption, NamespaceFlags
 from kvtier.cli.common import (
     EXIT_BAD_INPUT,
     CommandFailed,
@@ -26,6 +25,7 @@ from kvtier.cli.common import (
     print_json,
     stderr_console,
 )
+from kvtier.cli.flags import ModelOption, NamespaceFlags
 from kvtier.client import AsyncClient
 from kvtier.domain.errors import InvalidArgument
 

@@ -35,9 +35,7 @@ from rich.console import Console
 
 from kvtier.domain.errors import KvtierError
 from kvtier.domain.tiers import Tier
-from kvtier.policy.capacity import (
-    validate_budget,
-)
+from kvtier.policy.capacity import validate_budget
 from kvtier.runtime.config import WorkerConfig, load_config, settings_of
 
 if TYPE_CHECKING:

@@ -1,8 +1,10 @@
 """The ``kvtier`` command line (DESIGN §6 "Client and CLI"): the local commands and ``main``.
 
 This module holds the local commands (plan, up, down, demo, and the process entry points)
-and ``status``; the operator commands (workers, tiers, sessions, lookup, invalidate, drain,
-pin, unpin, evict, snapshot) live in ``kvtier.cli.admin``, ``bench`` in ``kvtier.cli.bench``,
+and ``status``; the operator commands live by group in ``kvtier.cli.workers`` (models,
+workers, tiers), ``kvtier.cli.sessions``, ``kvtier.cli.cache`` (lookup, invalidate, pin, unpin,
+evict) and ``kvtier.cli.drain`` (drain, snapshot), with their shared flags in
+``kvtier.cli.flags``; ``bench`` is in ``kvtier.cli.bench``,
 the ``policy`` group in ``kvtier.cli.policy`` and ``token`` in ``kvtier.cli.token``. All of
 them register on ``kvtier.cli.common.app``.
 
@@ -33,12 +35,18 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-# The command modules register their commands on app when imported.
-import kvtier.cli.admin  # noqa: F401
+# The command modules register their commands on app when imported, and `kvtier --help` lists
+# commands in registration order: the operator views first, then the cache and worker operations.
+# isort: off
+import kvtier.cli.workers  # noqa: F401
+import kvtier.cli.sessions  # noqa: F401
+import kvtier.cli.cache  # noqa: F401
+import kvtier.cli.drain  # noqa: F401
 import kvtier.cli.bench  # noqa: F401
 import kvtier.cli.gateway  # noqa: F401
 import kvtier.cli.policy  # noqa: F401
 import kvtier.cli.token  # noqa: F401
+# isort: on
 from kvtier.cli.common import (
     _REPO_ROOT,
     _TIER_LABELS,

@@ -10,7 +10,7 @@ import grpc
 import grpc.aio
 
 from kvtier.domain.errors import ConfigError, Unavailable
-from kvtier.rpc.convert import MAX_MESSAGE_BYTES
+from kvtier.rpc.convert.limits import MAX_MESSAGE_BYTES
 
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -45,7 +45,6 @@ from kvtier.domain.records import (
 from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
 from kvtier.engine.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
-from kvtier.rpc import convert
 from kvtier.rpc._gen import (
     admin_pb2,
     admin_pb2_grpc,
@@ -56,6 +55,16 @@ from kvtier.rpc._gen import (
     worker_pb2_grpc,
 )
 from kvtier.rpc.auth import hash_token
+from kvtier.rpc.convert.link_events import to_proto_worker_event
+from kvtier.rpc.convert.router import to_proto_route_request
+from kvtier.rpc.convert.sessions import (
+    from_proto_end_response,
+    from_proto_pause_response,
+    to_proto_end_request,
+    to_proto_pause_request,
+    to_proto_returning_request,
+)
+from kvtier.rpc.convert.worker import to_proto_generate_request
 from kvtier.rpc.status import FIELD_METADATA_KEY
 from kvtier.runtime.config import ControllerConfig
 from kvtier.worker.link import WorkerLink
@@ -157,21 +166,21 @@ async def call_route(cluster, who):
     _, worker, ch = cluster
     request = RouteRequest(namespace(worker, "a"), TokenPrefix(tuple(PROMPT)))
     await router_pb2_grpc.RouterStub(ch["controller"]).Route(
-        convert.to_proto_route_request(request), metadata=bearer(who), timeout=10)
+        to_proto_route_request(request), metadata=bearer(who), timeout=10)
 
 
 async def call_sessions_end(cluster, who):
     _, worker, ch = cluster
     await call_route_with_session(cluster, "admin", "s-auth")  # the session exists, so End succeeds
     await sessions_pb2_grpc.SessionsStub(ch["controller"]).End(
-        convert.to_proto_end_request(EndRequest(SessionId("s-auth"))), metadata=bearer(who), timeout=10)
+        to_proto_end_request(EndRequest(SessionId("s-auth"))), metadata=bearer(who), timeout=10)
 
 
 async def call_route_with_session(cluster, who, session):
     _, worker, ch = cluster
     request = RouteRequest(namespace(worker, "a"), TokenPrefix(tuple(PROMPT)), session_id=SessionId(session))
     await router_pb2_grpc.RouterStub(ch["controller"]).Route(
-        convert.to_proto_route_request(request), metadata=bearer(who), timeout=10)
+        to_proto_route_request(request), metadata=bearer(who), timeout=10)
 
 
 async def call_admin_status(cluster, who):
@@ -184,7 +193,7 @@ async def call_generate(cluster, who):
     _, worker, ch = cluster
     request = GenerateRequest(namespace(worker, "a"), tuple(PROMPT), SamplingParams(max_tokens=2))
     call = worker_pb2_grpc.WorkerStub(ch["worker"]).Generate(
-        convert.to_proto_generate_request(request), metadata=bearer(who), timeout=30)
+        to_proto_generate_request(request), metadata=bearer(who), timeout=30)
     events = [event async for event in call]
     assert events and events[-1].HasField("final")
 
@@ -207,7 +216,7 @@ async def call_worker_link(cluster, who):
     )
     try:
         with contextlib.suppress(asyncio.InvalidStateError):  # a refused call may end before the write
-            await call.write(convert.to_proto_worker_event(registration))
+            await call.write(to_proto_worker_event(registration))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 10
         while controller.registry.get(worker_id) is None:
@@ -285,7 +294,7 @@ async def test_a_multi_tenant_frontend_must_name_its_tenant(cluster):
     request = RouteRequest(namespace(worker), TokenPrefix(tuple(PROMPT)))
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await router_pb2_grpc.RouterStub(ch["controller"]).Route(
-            convert.to_proto_route_request(request), metadata=bearer("fe-ab"), timeout=10)
+            to_proto_route_request(request), metadata=bearer("fe-ab"), timeout=10)
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert dict(info.value.trailing_metadata())[FIELD_METADATA_KEY] == "namespace.tenant"
 
@@ -424,17 +433,17 @@ async def test_a_frontend_cannot_touch_another_tenants_session(cluster):
     await call_route_with_session(cluster, "fe-a", "s-owned")
     stub = sessions_pb2_grpc.SessionsStub(ch["controller"])
     for rpc, message in (
-        (stub.Pause, convert.to_proto_pause_request(PauseRequest(SessionId("s-owned"), tool_name="t"))),
-        (stub.Returning, convert.to_proto_returning_request(ReturningRequest(SessionId("s-owned")))),
-        (stub.End, convert.to_proto_end_request(EndRequest(SessionId("s-owned")))),
+        (stub.Pause, to_proto_pause_request(PauseRequest(SessionId("s-owned"), tool_name="t"))),
+        (stub.Returning, to_proto_returning_request(ReturningRequest(SessionId("s-owned")))),
+        (stub.End, to_proto_end_request(EndRequest(SessionId("s-owned")))),
     ):
         assert await code_of(rpc(message, metadata=bearer("fe-b"), timeout=10)) is grpc.StatusCode.NOT_FOUND
     hijack = RouteRequest(namespace(worker, "b"), TokenPrefix(tuple(PROMPT)), session_id=SessionId("s-owned"))
     await router_pb2_grpc.RouterStub(ch["controller"]).Route(
-        convert.to_proto_route_request(hijack), metadata=bearer("fe-b"), timeout=10)
-    paused = await stub.Pause(convert.to_proto_pause_request(PauseRequest(SessionId("s-owned"), tool_name="t")),
+        to_proto_route_request(hijack), metadata=bearer("fe-b"), timeout=10)
+    paused = await stub.Pause(to_proto_pause_request(PauseRequest(SessionId("s-owned"), tool_name="t")),
                               metadata=bearer("fe-a"), timeout=10)
-    assert convert.from_proto_pause_response(paused).state is SessionState.PAUSED
-    ended = await stub.End(convert.to_proto_end_request(EndRequest(SessionId("s-owned"))),
+    assert from_proto_pause_response(paused).state is SessionState.PAUSED
+    ended = await stub.End(to_proto_end_request(EndRequest(SessionId("s-owned"))),
                            metadata=bearer("fe-a"), timeout=10)
-    assert convert.from_proto_end_response(ended).state is SessionState.ENDED
+    assert from_proto_end_response(ended).state is SessionState.ENDED

@@ -49,7 +49,6 @@ from kvtier.domain.records import (
 from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
 from kvtier.engine.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
-from kvtier.rpc import convert
 from kvtier.rpc._gen import (
     admin_pb2,
     admin_pb2_grpc,
@@ -58,6 +57,9 @@ from kvtier.rpc._gen import (
     sessions_pb2_grpc,
     worker_link_pb2_grpc,
 )
+from kvtier.rpc.convert.admin import from_proto_controller_status
+from kvtier.rpc.convert.link_events import to_proto_worker_event
+from kvtier.rpc.convert.router import to_proto_route_request
 from kvtier.runtime.config import ControllerConfig
 from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import serve_worker
@@ -130,7 +132,7 @@ async def test_redis_restart_under_load_degrades_routing_then_the_directory_conv
     async def poll_route_and_health(channel):
         router = router_pb2_grpc.RouterStub(channel)
         checker = health_pb2_grpc.HealthStub(channel)
-        request = convert.to_proto_route_request(RouteRequest(namespace, TokenPrefix(tuple(range(40)))))
+        request = to_proto_route_request(RouteRequest(namespace, TokenPrefix(tuple(range(40)))))
         while not stop.is_set():
             try:
                 response = await router.Route(request, timeout=5)
@@ -196,7 +198,7 @@ async def test_redis_restart_under_load_degrades_routing_then_the_directory_conv
 async def status_of(address: str):
     async with grpc.aio.insecure_channel(address) as channel:
         response = await admin_pb2_grpc.AdminStub(channel).Status(admin_pb2.StatusRequest(), timeout=2)
-    return convert.from_proto_controller_status(response)
+    return from_proto_controller_status(response)
 
 
 @in_module_loop
@@ -232,7 +234,7 @@ async def test_standby_takes_over_when_the_leader_is_killed(flushed_redis_url, t
         assert [s.is_leader for s in statuses] == [True, False]
         assert [s.leader_address for s in statuses] == [a_address, a_address]
         async with grpc.aio.insecure_channel(standby.address) as channel:
-            request = convert.to_proto_route_request(
+            request = to_proto_route_request(
                 RouteRequest(namespace=_namespace(), prefix=TokenPrefix((1, 2, 3, 4))))
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await router_pb2_grpc.RouterStub(channel).Route(request)
@@ -292,10 +294,10 @@ async def test_a_paused_leader_is_fenced_steps_down_and_closes_its_links(flushed
                 model=ModelIdentity.of(namespace), page_size=PAGE_SIZE,
                 capacities=(TierCapacity(Tier.HBM, 8, 8),),
             )
-            await call.write(convert.to_proto_worker_event(registration))
-            await call.write(convert.to_proto_worker_event(Heartbeat(1, ())))
+            await call.write(to_proto_worker_event(registration))
+            await call.write(to_proto_worker_event(Heartbeat(1, ())))
             first = PageEvent.insert(digest, keys[0], root_key(digest), 1, Tier.HBM)
-            await call.write(convert.to_proto_worker_event(PageEventBatch(1, (first,))))
+            await call.write(to_proto_worker_event(PageEventBatch(1, (first,))))
             await wait_for(lambda: controller.links.counters["batches.applied"] == 1, what="the first batch")
             term_a = controller.access.lease.term
 
@@ -308,7 +310,7 @@ async def test_a_paused_leader_is_fenced_steps_down_and_closes_its_links(flushed
 
             # It wakes up and writes: refused; it stands down and ends the worker's stream.
             second = PageEvent.insert(digest, keys[1], keys[0], 2, Tier.HBM)
-            await call.write(convert.to_proto_worker_event(PageEventBatch(2, (second,))))
+            await call.write(to_proto_worker_event(PageEventBatch(2, (second,))))
             with pytest.raises(grpc.aio.AioRpcError) as closed:
                 await call.read()
             assert closed.value.code() is grpc.StatusCode.UNAVAILABLE
@@ -323,7 +325,7 @@ async def test_a_paused_leader_is_fenced_steps_down_and_closes_its_links(flushed
             await wait_for(lambda: controller.access.leader_address == "127.0.0.1:9", timeout_s=5,
                            what="the deposed controller to see the new leader")
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await router_pb2_grpc.RouterStub(channel).Route(convert.to_proto_route_request(
+                await router_pb2_grpc.RouterStub(channel).Route(to_proto_route_request(
                     RouteRequest(namespace=namespace, prefix=TokenPrefix((1, 2, 3, 4)))))
             assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
             assert "the leader is 127.0.0.1:9" in refused.value.details()
