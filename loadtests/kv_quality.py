@@ -1,6 +1,7 @@
 """Quality of an FP8 KV cache against the full-precision cache, on one real model.
 
     python -m loadtests.kv_quality --model DIR [--json] [--quick] [--format e4m3|e5m2]
+    python -m loadtests.kv_quality --model DIR --granularity [--json]
 
 Both sides run kvtier's own model (``LlamaModel``) and attention backend over paged K/V; they
 differ only in the pages: fp32 tensors, or FP8 pages (``Fp8Pages``: codes + scales in the
@@ -15,6 +16,9 @@ FP8 quantizer, in prefill and in decode, so what is measured is the cache's effe
   (3) multi-turn chats through the model's chat template: each turn's greedy continuation
       with both caches, over the same (full-precision) history, and the first token where
       they part (``null``: identical for the whole continuation).
+
+``--granularity`` instead measures the relative RMS error of the model's own K and V (512
+tokens of that text) under each scale granularity and format, the evidence for decision 0015.
 
 ``--scale-error F`` multiplies every scale the FP8 side reads by F: a broken quantizer, which
 the thresholds must catch (the test suite runs ``--quick`` both ways). Runs on CPU, fp32
@@ -38,7 +42,7 @@ import torch.nn.functional as F
 
 from kvtier.engine.attention import get_backend
 from kvtier.engine.attention.base import AttentionBackend, AttentionMetadata, KvLayer
-from kvtier.engine.attention.fp8 import Fp8KvLayer, Fp8Pages
+from kvtier.engine.attention.fp8 import FORMATS, Fp8KvLayer, Fp8Pages, encode, pow2_scales
 from kvtier.engine.model.llama import LlamaModel
 from kvtier.engine.model.loader import load_model
 
@@ -256,6 +260,47 @@ def measure_chats(
     return results
 
 
+def granularity_study(model_dir: str | Path, num_tokens: int = 512) -> list[dict[str, object]]:
+    """Relative RMS error of the model's K and V under each scale granularity, per format."""
+    from transformers import AutoTokenizer
+
+    model = load_model(model_dir, torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = tokenizer(reference_text(), add_special_tokens=False)["input_ids"][:num_tokens]
+    seq = PagedSequence(model, len(ids), None, get_backend("auto", "cpu", page_size=PAGE_SIZE))
+    seq.feed(ids)
+    pool = seq.pool[: -(-len(ids) // PAGE_SIZE)]  # [pages, L, 2, P, H, D]
+    n, layers, _, page, heads, dim = pool.shape
+    by_page = pool.permute(1, 2, 4, 0, 3, 5)  # [L, 2, H, pages, P, D]
+    by_token = by_page.reshape(layers, 2, heads, n * page, dim)
+
+    def rel_error(approx: torch.Tensor, plane: int) -> float:
+        exact = by_page[:, plane]
+        return round(((approx - exact).norm() / exact.norm()).item(), 4)
+
+    def fake(x: torch.Tensor, dims: tuple[int, ...], fmt, exact: bool = False) -> torch.Tensor:
+        amax = x.abs().amax(dim=dims, keepdim=True)
+        scale = (amax / fmt.max_value).clamp_min(1e-30) if exact else pow2_scales(amax, fmt)
+        return encode(x, scale, fmt).float() * scale
+
+    rows = []
+    for name, fmt in FORMATS.items():
+        variants = {
+            "per layer, plane, head (pow2)": fake(by_token, (3, 4), fmt),
+            "per page, head (pow2)": fake(by_page, (4, 5), fmt),
+            "per page, head (exact amax)": fake(by_page, (4, 5), fmt, exact=True),
+            "per token, head (pow2)": fake(by_token, (4,), fmt),
+        }
+        for variant, approx in variants.items():
+            approx = approx.reshape(by_page.shape)
+            rows.append({"format": name, "granularity": variant, "k_error": rel_error(approx[:, 0], 0),
+                         "v_error": rel_error(approx[:, 1], 1)})  # fmt: skip
+    bf16 = by_page.to(torch.bfloat16).float()
+    rows.append({"format": "bf16", "granularity": "-", "k_error": rel_error(bf16[:, 0], 0),
+                 "v_error": rel_error(bf16[:, 1], 1)})  # fmt: skip
+    return rows
+
+
 def run(
     model_dir: str | Path,
     *,
@@ -312,8 +357,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale-error", type=float, default=1.0, help="multiply scales read by this (fault injection)")
     parser.add_argument("--backend", default="auto", help="attention backend (auto, cpu-fused, torch-reference)")
     parser.add_argument("--quick", action="store_true", help="one 256-token window and one chat turn")
+    parser.add_argument("--granularity", action="store_true", help="K/V error by scale granularity, then exit")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    if args.granularity:
+        rows = granularity_study(args.model)
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        for row in [] if args.json else rows:
+            print(f"{row['format']:>5} {row['granularity']:<32} K {row['k_error']:.4f}  V {row['v_error']:.4f}")
+        return 0
     kwargs = dict(kv_format=args.format, scale_error=args.scale_error, backend_name=args.backend)
     if args.quick:
         result = run(args.model, window=256, num_windows=1, max_new_tokens=24, chats=[CHATS[0][:1]], **kwargs)
