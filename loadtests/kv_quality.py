@@ -262,10 +262,7 @@ def measure_chats(
 
 def granularity_study(model_dir: str | Path, num_tokens: int = 512) -> list[dict[str, object]]:
     """Relative RMS error of the model's K and V under each scale granularity, per format."""
-    from transformers import AutoTokenizer
-
-    model = load_model(model_dir, torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model, tokenizer = load(model_dir)
     ids = tokenizer(reference_text(), add_special_tokens=False)["input_ids"][:num_tokens]
     seq = PagedSequence(model, len(ids), None, get_backend("auto", "cpu", page_size=PAGE_SIZE))
     seq.feed(ids)
@@ -301,9 +298,17 @@ def granularity_study(model_dir: str | Path, num_tokens: int = 512) -> list[dict
     return rows
 
 
+def load(model_dir: str | Path) -> tuple[LlamaModel, object]:
+    """kvtier's fp32 model and the checkpoint's tokenizer."""
+    from transformers import AutoTokenizer
+
+    return load_model(model_dir, torch.float32), AutoTokenizer.from_pretrained(str(model_dir))
+
+
 def run(
     model_dir: str | Path,
     *,
+    loaded: tuple[LlamaModel, object] | None = None,
     kv_format: str = "e4m3",
     window: int = 2048,
     num_windows: int = 4,
@@ -312,12 +317,10 @@ def run(
     scale_error: float = 1.0,
     backend_name: str = "auto",
 ) -> dict[str, object]:
-    from transformers import AutoTokenizer
-
+    """The comparison; ``loaded`` (from ``load``) skips reading the checkpoint again."""
     if not 2 <= window <= 2048:
         raise ValueError(f"window must be in [2, 2048], got {window}")
-    model = load_model(model_dir, torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model, tokenizer = loaded or load(model_dir)
     backend = get_backend(backend_name, "cpu", page_size=PAGE_SIZE)
     fp8_backend = backend if scale_error == 1.0 else ScaleErrorBackend(backend, scale_error)
     max_tokens = max(window, 2048)

@@ -64,13 +64,16 @@ def test_engine_matches_transformers_greedy_tokens_and_logits(checkpoint, tokeni
     torch.testing.assert_close(steps, want, atol=2e-3, rtol=0)
 
 
-def quick_quality(checkpoint, scale_error: float) -> dict:
-    return kv_quality.run(checkpoint, window=128, num_windows=1, chats=[], scale_error=scale_error)
-
-
 def test_fp8_cache_quality_gate_passes_and_a_2x_scale_error_fails_it(checkpoint) -> None:
-    good = quick_quality(checkpoint, 1.0)["text"]
+    # 128 tokens: the correct cache measured +0.9 % perplexity, 97 % top-1, KL 0.008; scales
+    # off by 2x: perplexity x1,267, 4 % top-1 (decision 0015, table 2).
+    loaded = kv_quality.load(checkpoint)
+
+    def quick_quality(scale_error: float) -> dict:
+        result = kv_quality.run(checkpoint, loaded=loaded, window=128, num_windows=1, chats=[], scale_error=scale_error)
+        return result["text"]
+
+    good = quick_quality(1.0)
     assert good["ppl_increase"] < 0.03 and good["top1_agreement"] >= 0.9 and good["mean_kl"] < 0.02
-    for factor in (2.0, 0.5):
-        broken = quick_quality(checkpoint, factor)["text"]
-        assert broken["ppl_increase"] >= 0.03 or broken["top1_agreement"] < 0.9 or broken["mean_kl"] >= 0.02
+    broken = quick_quality(2.0)
+    assert broken["ppl_increase"] >= 0.03 or broken["top1_agreement"] < 0.9 or broken["mean_kl"] >= 0.02
