@@ -2,6 +2,7 @@
 
     python -m loadtests.bench_attention [--json] [--iterations N]
     python -m loadtests.bench_attention --device cuda --backend triton [--dtype bfloat16]
+    python -m loadtests.bench_attention --kv-dtype fp8 [--json] [--device cuda --backend triton]
 
 The dense baseline is ``scaled_dot_product_attention`` on ``q [B, H, 1, D]`` and contiguous
 ``k/v [B, kv_heads, ctx, D]`` holding the same values as the pool. Two forms are timed,
@@ -18,6 +19,12 @@ an H200 mostly idle. One CUDA sample is the mean of ``CUDA_CALLS_PER_SAMPLE`` ba
 calls between two synchronisations: per-call host overhead (Python, kernel launches) is
 counted, as a serving loop without CUDA graphs pays it, but it overlaps the GPU work of
 the previous call instead of adding a synchronisation per call.
+
+``--kv-dtype fp8`` times decode over FP8 pages (e4m3 codes + scales, decoded in the kernel)
+against the same backend over a bf16 pool holding the same values, the two interleaved in
+every iteration; it prints the median ratio fp8/bf16 with its range, the bytes of one page
+of each kind and how many more FP8 pages fit in the same bytes (for the benchmark's pool
+and for two real model geometries).
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kvtier.domain.page_layout import PageLayout
 from kvtier.engine.attention.base import AttentionBackend, AttentionMetadata, ReferenceBackend
+from kvtier.engine.attention.fp8 import quantize_pages
 from kvtier.engine.attention.registry import get_backend
 
 GEOMETRIES = (
@@ -167,6 +176,128 @@ def measure_decode(
     return result
 
 
+# (name, layers, kv heads, head_dim) of real models, for the page-bytes comparison.
+MODEL_PAGE_GEOMETRIES = (("SmolLM2-135M", 30, 3, 64), ("Llama-3.1-8B", 32, 8, 128))
+
+
+def page_bytes_row(name: str, num_layers: int, kv_heads: int, head_dim: int, page_size: int) -> dict:
+    bf16 = PageLayout("bf16", num_layers, 2, page_size, kv_heads, head_dim)
+    fp8 = PageLayout("fp8", num_layers, 2, page_size, kv_heads, head_dim)
+    return {
+        "geometry": name,
+        "page_size": page_size,
+        "bf16_page_bytes": bf16.page_bytes,
+        "fp8_page_bytes": fp8.page_bytes,
+        "fp8_scale_bytes": fp8.scale_bytes,
+        "fp8_over_bf16_bytes": fp8.page_bytes / bf16.page_bytes,
+        "pages_in_same_bytes": bf16.page_bytes / fp8.page_bytes,
+    }
+
+
+def measure_fp8_decode(
+    num_seqs: int = 8,
+    context_len: int = 2048,
+    num_heads: int = 8,
+    num_kv_heads: int = 8,
+    head_dim: int = 128,
+    page_size: int = 16,
+    *,
+    num_layers: int = 2,
+    pool_slack: float = 2.0,
+    iterations: int = 20,
+    warmup: int = 3,
+    backend: AttentionBackend | None = None,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> dict:
+    """One decode step over FP8 pages and over a bf16 pool with the same values, interleaved.
+
+    Returns the median of the per-iteration ratios fp8/bf16 with their min and max, the
+    median times, and ``max_abs_diff`` between the two outputs (the quantization's effect).
+    """
+    device = torch.device(device)
+    backend = backend or get_backend("auto", device, page_size=page_size)
+    gen = torch.Generator(device).manual_seed(seed)
+    rng = random.Random(seed)
+    pages_per_seq = -(-context_len // page_size)
+    num_used = num_seqs * pages_per_seq
+    num_pages = max(num_used, int(num_used * pool_slack))
+    values = torch.zeros(num_pages, num_layers, 2, page_size, num_kv_heads, head_dim, device=device)
+    page_ids = rng.sample(range(num_pages), num_used)
+    values[torch.tensor(page_ids, device=device)] = torch.randn(
+        num_used, num_layers, 2, page_size, num_kv_heads, head_dim, generator=gen, device=device
+    )
+    bf16_pool = values.to(torch.bfloat16)
+    fp8_pages = quantize_pages(values)
+    del values
+    layer = num_layers - 1
+    tables = [page_ids[i * pages_per_seq : (i + 1) * pages_per_seq] for i in range(num_seqs)]
+    md = AttentionMetadata.build([1] * num_seqs, [context_len] * num_seqs, tables, page_size, device=device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q = torch.randn(num_seqs, num_heads, head_dim, generator=gen, device=device).to(dtype)
+    scale = head_dim**-0.5
+    variants: dict[str, Callable[[], torch.Tensor]] = {
+        "bf16": lambda: backend.forward(q, bf16_pool[:, layer], md, scale),
+        "fp8": lambda: backend.forward(q, fp8_pages[:, layer], md, scale),
+    }
+    max_abs_diff = (variants["fp8"]().float() - variants["bf16"]().float()).abs().max().item()
+    for _ in range(warmup):
+        for fn in variants.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for i in range(iterations):
+        order = list(variants) if i % 2 == 0 else list(reversed(variants))  # neither side always goes first
+        for name in order:
+            times[name].append(_time_ms(variants[name], device))
+    ratios = [f / b for f, b in zip(times["fp8"], times["bf16"], strict=True)]
+    return {
+        "num_seqs": num_seqs,
+        "context_len": context_len,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "page_size": page_size,
+        "device": device.type,
+        "threads": torch.get_num_threads(),
+        "iterations": iterations,
+        "backend": backend.name,
+        "bf16_ms": statistics.median(times["bf16"]),
+        "fp8_ms": statistics.median(times["fp8"]),
+        "fp8_over_bf16_decode": statistics.median(ratios),
+        "fp8_over_bf16_min": min(ratios),
+        "fp8_over_bf16_max": max(ratios),
+        "max_abs_diff": max_abs_diff,
+        "page_bytes": page_bytes_row("bench pool", num_layers, num_kv_heads, head_dim, page_size),
+    }
+
+
+def fp8_main(args: argparse.Namespace, device: torch.device) -> None:
+    backend = get_backend(args.backend, device, page_size=16)
+    geometries = GEOMETRIES + (CUDA_GEOMETRIES if device.type == "cuda" else ())
+    results = [
+        measure_fp8_decode(seqs, ctx, heads, kv_heads, iterations=args.iterations, backend=backend, device=device)
+        for seqs, ctx, heads, kv_heads in geometries
+    ]
+    pages = [page_bytes_row(*g, page_size=16) for g in MODEL_PAGE_GEOMETRIES]
+    if args.json:
+        print(json.dumps({"decode": results, "model_pages": pages}, indent=2))
+        return
+    print(f"backend={backend.name} device={device.type} threads={torch.get_num_threads()} page_size=16")
+    print(f"{'seqs x ctx':>11} {'H/kv':>6} {'bf16 ms':>8} {'fp8 ms':>8} {'fp8/bf16 median [min, max]':>28}")
+    for r in results:
+        span = f"{r['fp8_over_bf16_decode']:.2f} [{r['fp8_over_bf16_min']:.2f}, {r['fp8_over_bf16_max']:.2f}]"
+        print(
+            f"{r['num_seqs']:>4} x {r['context_len']:<4} {r['num_heads']:>3}/{r['num_kv_heads']:<2} "
+            f"{r['bf16_ms']:>8.2f} {r['fp8_ms']:>8.2f} {span:>28}"
+        )
+    for row in [results[0]["page_bytes"], *pages]:
+        print(
+            f"{row['geometry']}: page {row['bf16_page_bytes']:,} B bf16 vs {row['fp8_page_bytes']:,} B fp8 "
+            f"({row['fp8_scale_bytes']} B scales) = {row['fp8_over_bf16_bytes']:.4f}x bytes, "
+            f"{row['pages_in_same_bytes']:.3f}x pages in the same bytes"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
@@ -178,6 +309,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads for every variant")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument(
+        "--kv-dtype", choices=("fp8",), help="fp8: FP8 pages against a bf16 pool with the same backend"
+    )
+    parser.add_argument(
         "--dtype",
         choices=("float32", "float16", "bfloat16"),
         help="pool and query dtype (default: float32 on cpu, bfloat16 on cuda)",
@@ -186,6 +320,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if args.kv_dtype == "fp8":
+        fp8_main(args, device)
+        return
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     geometries = GEOMETRIES + (CUDA_GEOMETRIES if device.type == "cuda" else ())
 

@@ -215,3 +215,51 @@ def test_auto_on_cuda_falls_back_to_reference_without_triton(monkeypatch, caplog
     with caplog.at_level(logging.INFO, logger="kvtier.engine.attention"):
         assert get_backend("auto", "cuda", page_size=16).name == "torch-reference"
     assert any("triton is not importable (test)" in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------- FP8 pages
+
+
+@pytest.mark.parametrize(
+    ("page_size", "num_heads", "kv_heads", "num_splits", "fmt"),
+    [
+        (1, 8, 2, 0, "e4m3"),
+        (1, 4, 4, 4, "e5m2"),
+        (5, 4, 4, 4, "e4m3"),
+        (5, 8, 2, 0, "e4m3"),
+        (16, 8, 2, 4, "e4m3"),
+        (16, 8, 2, 0, "e5m2"),
+    ],
+)
+def test_fp8_pages_equal_attention_over_the_decoded_bytes(
+    page_size: int, num_heads: int, kv_heads: int, num_splits: int, fmt: str
+) -> None:
+    from test_attention_fp8 import fp8_case
+
+    # Decodes next to prefill-with-prefix and a prefill from scratch.
+    batch, pages, oracle = fp8_case(
+        [1, 1, 6, 19], [1, 33, 17, 19], fmt, page_size=page_size, num_heads=num_heads, kv_heads=kv_heads,
+        head_dim=16,
+    )  # fmt: skip
+    md = AttentionMetadata.build(
+        batch.query_lens, batch.md.context_lens_list, batch.md.block_tables.tolist(), page_size, device=DEVICE
+    )
+    pages.raw = pages.raw.to(DEVICE)
+    layer = type(pages)(pages.raw, pages.layout, pages.format)[:, LAYER]
+    got = backend(num_splits).forward(batch.q.to(DEVICE), layer, md, 0.3)
+    torch.testing.assert_close(got.cpu(), dense_oracle(oracle, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_fp8_pages_with_bf16_queries_compute_in_bf16() -> None:
+    from test_attention_fp8 import fp8_case
+
+    batch, pages, oracle = fp8_case([1, 5], [40, 9], page_size=16, num_heads=8, kv_heads=2, head_dim=32)
+    md = AttentionMetadata.build(
+        batch.query_lens, batch.md.context_lens_list, batch.md.block_tables.tolist(), 16, device=DEVICE
+    )
+    layer = type(pages)(pages.raw.to(DEVICE), pages.layout, pages.format)[:, LAYER]
+    batch.q = batch.q.to(torch.bfloat16)
+    got = backend().forward(batch.q.to(DEVICE), layer, md, 0.2)
+    assert got.dtype == torch.bfloat16
+    oracle.q = batch.q.float()  # the products see bf16 queries; p is rounded to bf16 too
+    torch.testing.assert_close(got.cpu().float(), dense_oracle(oracle, 0.2), atol=3e-2, rtol=3e-2)

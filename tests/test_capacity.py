@@ -69,13 +69,15 @@ def test_llama_31_8b_on_an_80_gib_gpu() -> None:
     assert result.latent_note is None and result.notes == ()
 
 
-def test_fp8_halves_bytes_and_doubles_pages() -> None:
-    geometry = load_geometry(EXAMPLE)
+def test_fp8_halves_element_bytes_and_adds_its_scales_to_each_page() -> None:
+    geometry = load_geometry(EXAMPLE)  # Llama-3.1-8B: 32 layers, 8 kv heads x 128
     bf16 = plan(geometry, "bf16", 16, 80 * GIB, 64 * GIB)
     fp8 = plan(geometry, "fp8", 16, 80 * GIB, 64 * GIB)
     assert fp8.bytes_per_token * 2 == bf16.bytes_per_token
-    assert fp8.bytes_per_page * 2 == bf16.bytes_per_page
-    assert fp8.tier("dram").num_pages == 2 * bf16.tier("dram").num_pages
+    scales = 32 * 2 * 8 * 4  # one fp32 per (layer, plane, kv head)
+    assert fp8.bytes_per_page == bf16.bytes_per_page // 2 + scales == 1024 * 1024 + 2048
+    assert fp8.tier("dram").num_pages == 64 * GIB // (1024 * 1024 + 2048)
+    assert 1.99 < fp8.tier("dram").num_pages / bf16.tier("dram").num_pages < 2
 
 
 def test_fp4_fractional_bytes_stay_exact() -> None:

@@ -85,7 +85,8 @@ def test_plan_json_for_llama_31_8b(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_plan_json_fp8_and_page_size(capsys: pytest.CaptureFixture[str]) -> None:
     out = run_json(capsys, "--model-config", str(EXAMPLE), "--kv-dtype", "fp8", "--page-size", "32")
-    assert out["bytes_per_token"] == 65_536 and out["bytes_per_page"] == 32 * 65_536
+    # fp8 pages carry one fp32 scale per (layer, plane, kv head): 32 x 2 x 8 x 4 bytes.
+    assert out["bytes_per_token"] == 65_536 and out["bytes_per_page"] == 32 * 65_536 + 2048
     assert out["kv_dtype"] == "fp8" and out["sessions"]["hbm"].keys() == {"4096", "32768"}
 
 

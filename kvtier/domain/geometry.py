@@ -4,7 +4,7 @@
       planes = 2 (K and V) for MHA, GQA and MQA
       planes = 1 for a latent cache (DeepSeek MLA: one vector of
                kv_lora_rank + qk_rope_head_dim elements per layer, shared by K and V)
-    bytes/page = ceil(bits/token × page_size / 8)
+    bytes/page = ceil(bits/token × page_size / 8)   (+ scales for fp8: ``page_layout``)
 
 Sizes are kept in bits so fp4 (half a byte per element) stays exact; bytes are rounded
 up only at the page, the unit a pool allocates.
@@ -28,6 +28,7 @@ from typing import Any
 
 from kvtier.domain.errors import InvalidArgument, NotFound
 from kvtier.domain.hashing import KV_DTYPES
+from kvtier.domain.page_layout import ELEMENT_BITS, PageLayout
 
 _DTYPE_ALIASES: dict[str, str] = {
     "fp32": "fp32",
@@ -45,7 +46,7 @@ _DTYPE_ALIASES: dict[str, str] = {
     "float8_e5m2": "fp8",
     "fp4": "fp4",
 }
-_DTYPE_BITS: dict[str, int] = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "fp4": 4}
+_DTYPE_BITS: dict[str, int] = ELEMENT_BITS
 assert set(_DTYPE_BITS) == set(KV_DTYPES), "planner dtypes must match the namespace's KV dtypes"
 
 # The safetensors format itself refuses headers above 100 MB; a larger length means a corrupt file.
@@ -119,6 +120,21 @@ class ModelGeometry:
 
     def kv_bytes_per_token(self, kv_dtype: str) -> Fraction:
         return Fraction(self.kv_bits_per_token(kv_dtype), 8)
+
+    def page_layout(self, kv_dtype: str, page_size: int) -> PageLayout:
+        """Where the bytes of one page sit (codes, and scales for fp8)."""
+        return PageLayout(
+            kv_dtype=parse_dtype(kv_dtype)[0],
+            num_layers=self.num_layers,
+            num_planes=self.num_kv_planes,
+            page_size=page_size,
+            kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+        )
+
+    def page_bytes(self, kv_dtype: str, page_size: int) -> int:
+        """Exact bytes of one page in every tier; fp8 pages include their scales."""
+        return self.page_layout(kv_dtype, page_size).page_bytes
 
     def with_weights_dtype(self, dtype: str) -> ModelGeometry:
         """The same model served in another weight dtype (replaces a safetensors sum too)."""

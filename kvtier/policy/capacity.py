@@ -4,6 +4,7 @@
     DRAM  kv = budget                                   the operator gives kvtier only what it may take
     NVMe  kv = budget
     pages = kv // bytes_per_page        tokens = pages × page_size
+    bytes_per_page = ceil(bits/token × page_size / 8), plus fp8's per-(layer, plane, kv head) scales
     sessions(L) = pages // ceil(L / page_size)          a session owns whole pages; its tail page is private
 
 The page-size study answers the other half of choosing ``page_size`` from a real length
@@ -114,7 +115,7 @@ def plan(
             raise InvalidArgument(f"context lengths must be >= 1, got {length}", field="context_lengths")
 
     bits_per_token = geometry.kv_bits_per_token(kv_dtype)
-    bytes_per_page = -(-bits_per_token * page_size // 8)  # integer ceil to whole bytes
+    bytes_per_page = geometry.page_bytes(kv_dtype, page_size)  # whole bytes; fp8 includes its scales
     notes: list[str] = []
 
     hbm_free = hbm_bytes - geometry.weights_bytes

@@ -18,6 +18,11 @@ attention reads them.
     positions   0 1 2 3 | 4 5 6 7 | 8
     pages       [ p17  ]  [ p3   ]  [ p9 ]     block_tables[b] = [17, 3, 9]
     new rows                  ^ ^     ^        query rows see keys 0..own position
+
+An FP8 pool (``kvtier.engine.attention.fp8.Fp8Pages``) hands each layer over as an
+``Fp8KvLayer``: the same ``[num_pages, 2, page_size, kv_heads, head_dim]`` codes plus one
+scale per (page, plane, kv head). Backends dequantize as they read; none makes a
+full-precision copy of the pool.
 """
 
 from __future__ import annotations
@@ -28,6 +33,11 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from kvtier.engine.attention.fp8 import Fp8KvLayer, write_kv_fp8
+
+KvLayer = torch.Tensor | Fp8KvLayer
+"""``pool[:, layer]`` of a float pool, or of an FP8 pool."""
 
 
 @dataclass(slots=True)
@@ -97,20 +107,22 @@ class AttentionBackend(Protocol):
     """A way to write new K/V into a layer's pages and attend over them.
 
     ``q`` is ``[T, num_heads, head_dim]``; ``k``/``v`` are ``[T, kv_heads, head_dim]``;
-    ``kv_layer`` is ``pool[:, layer]``. ``num_heads`` is a multiple of ``kv_heads`` (GQA).
+    ``kv_layer`` is ``pool[:, layer]`` (a tensor, or an ``Fp8KvLayer`` for FP8 pages).
+    ``num_heads`` is a multiple of ``kv_heads`` (GQA).
     Attention is causal within the new tokens and full over the cached prefix.
     """
 
     name: str
 
-    def write_kv(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> None: ...
+    def write_kv(self, kv_layer: KvLayer, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> None: ...
 
-    def forward(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata, scale: float
-    ) -> torch.Tensor: ...
+    def forward(self, q: torch.Tensor, kv_layer: KvLayer, md: AttentionMetadata, scale: float) -> torch.Tensor: ...
 
 
-def write_kv_reference(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> None:
+def write_kv_reference(kv_layer: KvLayer, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> None:
+    if isinstance(kv_layer, Fp8KvLayer):
+        write_kv_fp8(kv_layer, k, v, md.slot_mapping)
+        return
     page_size = kv_layer.shape[2]
     pages = md.slot_mapping // page_size
     offsets = md.slot_mapping % page_size
@@ -118,12 +130,18 @@ def write_kv_reference(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kv_layer[pages, 1, offsets] = v.to(kv_layer.dtype)
 
 
-def attention_reference(
-    q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata, scale: float
-) -> torch.Tensor:
+def _gather_pages(kv_layer: KvLayer, pages: torch.Tensor) -> torch.Tensor:
+    """``[n, 2, page_size, kv_heads, head_dim]`` of the listed pages; FP8 pages come back as fp32."""
+    if isinstance(kv_layer, Fp8KvLayer):
+        return kv_layer.dequantize(pages)
+    return kv_layer[pages]
+
+
+def attention_reference(q: torch.Tensor, kv_layer: KvLayer, md: AttentionMetadata, scale: float) -> torch.Tensor:
     """Readable, obviously-correct paged attention: gather each sequence's pages, then SDPA.
 
-    This is the oracle for faster backends, not the production path (the gather copies).
+    This is the oracle for faster backends, not the production path (the gather copies;
+    FP8 pages are dequantized in that per-sequence copy).
     """
     _, _, page_size, kv_heads, head_dim = kv_layer.shape
     num_heads = q.shape[1]
@@ -134,8 +152,9 @@ def attention_reference(
         q_len = end - start
         num_pages = -(-ctx // page_size)
         pages = md.block_tables[b, :num_pages].long()
-        k = kv_layer[pages, 0].reshape(-1, kv_heads, head_dim)[:ctx]
-        v = kv_layer[pages, 1].reshape(-1, kv_heads, head_dim)[:ctx]
+        gathered = _gather_pages(kv_layer, pages)
+        k = gathered[:, 0].reshape(-1, kv_heads, head_dim)[:ctx]
+        v = gathered[:, 1].reshape(-1, kv_heads, head_dim)[:ctx]
         # Query row i sits at position ctx - q_len + i and may see keys 0..that position.
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
         k_pos = torch.arange(ctx, device=q.device)[None, :]
@@ -155,10 +174,8 @@ def attention_reference(
 class ReferenceBackend:
     name = "torch-reference"
 
-    def write_kv(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> None:
+    def write_kv(self, kv_layer: KvLayer, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> None:
         write_kv_reference(kv_layer, k, v, md)
 
-    def forward(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata, scale: float
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv_layer: KvLayer, md: AttentionMetadata, scale: float) -> torch.Tensor:
         return attention_reference(q, kv_layer, md, scale)

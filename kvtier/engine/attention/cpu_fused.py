@@ -18,12 +18,13 @@ from pathlib import Path
 import torch
 
 from kvtier.domain.errors import FailedPrecondition
-from kvtier.engine.attention.base import AttentionMetadata, attention_reference, write_kv_reference
+from kvtier.engine.attention.base import AttentionMetadata, KvLayer, attention_reference, write_kv_reference
+from kvtier.engine.attention.fp8 import FP8_DTYPES, Fp8KvLayer, write_kv_fp8
 from kvtier.tiers.native import NativeExtension
 
 logger = logging.getLogger("kvtier.engine.attention")
 
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, *FP8_DTYPES)
 _EXTENSION = NativeExtension(
     "kvtier_paged_attention",
     Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp",
@@ -46,7 +47,8 @@ class CpuFusedBackend:
 
     Reads K/V straight from the strided ``kv_layer`` view (no gather), parallel over
     (sequence, kv head, query tile) on torch's intra-op threads, with an online softmax in
-    fp32. fp16/bf16 pools are read and accumulated in fp32. Tensors it cannot handle (not on
+    fp32. fp16/bf16 pools are read and accumulated in fp32; FP8 pages (``Fp8KvLayer``) are
+    decoded and scaled row by row as they are read. Tensors it cannot handle (not on
     the CPU, another dtype, a non-contiguous head_dim) go to the reference implementation.
 
     ``partition_size``: 0 lets the kernel split long key ranges across threads only when
@@ -71,25 +73,23 @@ class CpuFusedBackend:
         return True
 
     @staticmethod
-    def _can_handle(kv_layer: torch.Tensor) -> bool:
-        return (
-            kv_layer.device.type == "cpu" and kv_layer.dtype in _SUPPORTED_DTYPES and kv_layer.stride(-1) == 1
-        )
+    def _can_handle(kv_layer: KvLayer) -> bool:
+        codes = kv_layer.codes if isinstance(kv_layer, Fp8KvLayer) else kv_layer
+        return codes.device.type == "cpu" and codes.dtype in _SUPPORTED_DTYPES and codes.stride(-1) == 1
 
-    def write_kv(
-        self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
-    ) -> None:
-        if self._can_handle(kv_layer) and self._kernel_ready():
+    def write_kv(self, kv_layer: KvLayer, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> None:
+        if isinstance(kv_layer, Fp8KvLayer):
+            write_kv_fp8(kv_layer, k, v, md.slot_mapping)
+        elif self._can_handle(kv_layer) and self._kernel_ready():
             torch.ops.kvtier_attn.write_kv(kv_layer, k, v, md.slot_mapping)
         else:
             write_kv_reference(kv_layer, k, v, md)
 
-    def forward(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata, scale: float
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv_layer: KvLayer, md: AttentionMetadata, scale: float) -> torch.Tensor:
         if not (self._can_handle(kv_layer) and q.device.type == "cpu" and self._kernel_ready()):
             return attention_reference(q, kv_layer, md, scale)
+        codes, scales = (kv_layer.codes, kv_layer.scales) if isinstance(kv_layer, Fp8KvLayer) else (kv_layer, None)
         out = torch.ops.kvtier_attn.paged_attention(
-            q, kv_layer, md.block_tables, md.query_start, md.context_lens, scale, self.partition_size
+            q, codes, md.block_tables, md.query_start, md.context_lens, scale, self.partition_size, scales
         )
         return out if out.dtype == q.dtype else out.to(q.dtype)

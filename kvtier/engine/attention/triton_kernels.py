@@ -22,6 +22,11 @@ table (``pos // PAGE_SIZE``), so any page size works, including pages smaller th
 tile. Scores and the running softmax are fp32; ``p`` is cast to the pool dtype for the
 second product, as flash-attention does.
 
+FP8 pages (``IS_FP8``): codes are loaded as fp8 and converted to ``q``'s dtype (exact for
+e4m3 and e5m2 in fp16, bf16 and fp32), and each key's (page, kv head) scale is applied
+outside the products: K's to the scores of its column, V's to ``p`` before the second
+product, so no dequantized tile of K or V is ever formed.
+
 Split-K (``NUM_SPLITS > 1``): the key range of a tile is cut into ``NUM_SPLITS`` chunks,
 each program writes its unnormalised accumulator, running max and sum (fp32) to a
 workspace, and ``combine_splits_kernel`` merges them. A chunk a row cannot see (a short
@@ -71,9 +76,14 @@ def _attend_key_tile(
     stride_kd,
     kv_head,
     qk_scale,
+    scales_ptr,
+    stride_sp,
+    stride_sk,
+    stride_sh,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    IS_FP8: tl.constexpr,
 ):
     """Fold keys ``start .. start + BLOCK_N`` (clipped to ``kv_hi``) into the online softmax."""
     offs_n = start + tl.arange(0, BLOCK_N)
@@ -85,7 +95,13 @@ def _attend_key_tile(
         mask=n_valid[None, :] & d_valid[:, None],
         other=0.0,
     )
-    s = _dot(q, k, DOT_PRECISION) * qk_scale
+    if IS_FP8:
+        scale_off = page * stride_sp + kv_head * stride_sh
+        k_scale = tl.load(scales_ptr + scale_off, mask=n_valid, other=0.0)
+        v_scale = tl.load(scales_ptr + scale_off + stride_sk, mask=n_valid, other=0.0)
+        s = _dot(q, k.to(q.dtype), DOT_PRECISION) * (k_scale * qk_scale)[None, :]
+    else:
+        s = _dot(q, k, DOT_PRECISION) * qk_scale
     visible = row_valid[:, None] & n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -99,7 +115,11 @@ def _attend_key_tile(
         mask=n_valid[:, None] & d_valid[None, :],
         other=0.0,
     )
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
+    if IS_FP8:
+        v = v.to(q.dtype)
+        acc = acc * alpha[:, None] + _dot((p * v_scale[None, :]).to(v.dtype), v, DOT_PRECISION)
+    else:
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
     return acc, m_new, l_i
 
 
@@ -115,6 +135,7 @@ def paged_attention_kernel(
     part_acc_ptr,
     part_max_ptr,
     part_sum_ptr,
+    scales_ptr,  # fp32 [num_pages, 2, kv_heads] for FP8 pools (strides below); unused otherwise
     qk_scale,  # softmax scale * log2(e): the kernel uses exp2
     stride_qt,
     stride_qh,
@@ -127,6 +148,9 @@ def paged_attention_kernel(
     stride_kh,
     stride_kd,
     stride_bt,
+    stride_sp,
+    stride_sk,
+    stride_sh,
     num_heads,
     GROUP: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -136,6 +160,7 @@ def paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    IS_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -162,7 +187,8 @@ def paged_attention_kernel(
         mask=row_valid[:, None] & d_valid[None, :],
         other=0.0,
     )
-    q = q.to(k_ptr.dtype.element_ty)
+    if not IS_FP8:
+        q = q.to(k_ptr.dtype.element_ty)
 
     # The last row of the tile sees the most keys; no row sees past it.
     last_tok = tl.minimum(q_len - 1, (tile * BLOCK_M + BLOCK_M - 1) // GROUP)
@@ -183,7 +209,7 @@ def paged_attention_kernel(
             acc, m_i, l_i = _attend_key_tile(
                 start, kv_hi, q, acc, m_i, l_i, q_pos, row_valid, offs_d, d_valid, table,
                 k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_kd, kv_head, qk_scale,
-                PAGE_SIZE, BLOCK_N, DOT_PRECISION,
+                scales_ptr, stride_sp, stride_sk, stride_sh, PAGE_SIZE, BLOCK_N, DOT_PRECISION, IS_FP8,
             )  # fmt: skip
             start += BLOCK_N
     else:
@@ -191,7 +217,7 @@ def paged_attention_kernel(
             acc, m_i, l_i = _attend_key_tile(
                 start, kv_hi, q, acc, m_i, l_i, q_pos, row_valid, offs_d, d_valid, table,
                 k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_kd, kv_head, qk_scale,
-                PAGE_SIZE, BLOCK_N, DOT_PRECISION,
+                scales_ptr, stride_sp, stride_sk, stride_sh, PAGE_SIZE, BLOCK_N, DOT_PRECISION, IS_FP8,
             )  # fmt: skip
 
     if NUM_SPLITS == 1:

@@ -3,7 +3,8 @@
 Why not flash-attn everywhere: upstream flash-attn needs ``page_size % 256 == 0`` and our
 pools use 16-token pages, so on CUDA the only other path was the gather + SDPA reference.
 This backend works with any page size, fp32/fp16/bf16 pools, GQA, decode and
-prefill-with-prefix, in one kernel (``triton_kernels.paged_attention_kernel``):
+prefill-with-prefix, and FP8 pages (``Fp8KvLayer``, decoded in the kernel), in one kernel
+(``triton_kernels.paged_attention_kernel``):
 
 * one program per (sequence, kv head, tile of ``BLOCK_M`` rows), a row being one (new
   token, query head of the group) pair, so each kv head's pages are read once per group;
@@ -32,7 +33,8 @@ from types import ModuleType
 import torch
 
 from kvtier.domain.errors import FailedPrecondition, InvalidArgument
-from kvtier.engine.attention.base import AttentionMetadata, write_kv_reference
+from kvtier.engine.attention.base import AttentionMetadata, KvLayer, write_kv_reference
+from kvtier.engine.attention.fp8 import FP8_DTYPES, Fp8KvLayer
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2_E = 1.4426950408889634
@@ -88,12 +90,14 @@ class TritonPagedBackend:
         self.num_splits = num_splits
         self._kernels = load_kernels()
 
-    def write_kv(
-        self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
-    ) -> None:
+    def write_kv(self, kv_layer: KvLayer, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> None:
         write_kv_reference(kv_layer, k, v, md)
 
-    def _check(self, q: torch.Tensor, kv_layer: torch.Tensor) -> None:
+    def _check(self, q: torch.Tensor, kv_layer: KvLayer) -> None:
+        if isinstance(kv_layer, Fp8KvLayer):
+            if q.dtype not in _SUPPORTED_DTYPES:
+                raise InvalidArgument(f"q must be fp32/fp16/bf16 over FP8 pages, got {q.dtype}", field="q")
+            kv_layer = kv_layer.codes
         if kv_layer.device.type != "cuda" and not self._kernels.INTERPRETED:
             raise FailedPrecondition(
                 f"the triton attention backend runs on CUDA pools, this one is on {kv_layer.device}; "
@@ -101,9 +105,9 @@ class TritonPagedBackend:
             )
         if q.device != kv_layer.device:
             raise InvalidArgument(f"q is on {q.device}, the pool on {kv_layer.device}", field="q")
-        if kv_layer.dtype not in _SUPPORTED_DTYPES:
+        if kv_layer.dtype not in (*_SUPPORTED_DTYPES, *FP8_DTYPES):
             raise InvalidArgument(
-                f"the triton attention backend reads fp32/fp16/bf16 pools, got {kv_layer.dtype}",
+                f"the triton attention backend reads fp32/fp16/bf16 pools and FP8 pages, got {kv_layer.dtype}",
                 field="dtype",
             )
         num_heads, kv_heads = q.shape[1], kv_layer.shape[3]
@@ -129,10 +133,13 @@ class TritonPagedBackend:
             splits *= 2
         return splits
 
-    def forward(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata, scale: float
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv_layer: KvLayer, md: AttentionMetadata, scale: float) -> torch.Tensor:
         self._check(q, kv_layer)
+        is_fp8 = isinstance(kv_layer, Fp8KvLayer)
+        if is_fp8:
+            scales, kv_layer = kv_layer.scales, kv_layer.codes
+        # The dtype of the products: the pool's, or q's over FP8 codes.
+        compute_dtype = q.dtype if is_fp8 else kv_layer.dtype
         num_tokens, num_heads, head_dim = q.shape
         page_size, kv_heads = kv_layer.shape[2], kv_layer.shape[3]
         group = num_heads // kv_heads
@@ -170,11 +177,13 @@ class TritonPagedBackend:
             part_acc,
             part_max,
             part_sum,
+            scales if is_fp8 else out,  # never read for float pools
             scale * _LOG2_E,
             *q.stride(),
             *out.stride(),
             *k_cache.stride(),
             block_tables.stride(0),
+            *(scales.stride() if is_fp8 else (0, 0, 0)),
             num_heads,
             GROUP=group,
             PAGE_SIZE=page_size,
@@ -184,7 +193,8 @@ class TritonPagedBackend:
             BLOCK_D=block_d,
             NUM_SPLITS=splits,
             # fp32 pools: exact fp32 products, not TF32 (the oracle comparison is at 1e-5).
-            DOT_PRECISION="ieee" if kv_layer.dtype == torch.float32 else "tf32",
+            DOT_PRECISION="ieee" if compute_dtype == torch.float32 else "tf32",
+            IS_FP8=is_fp8,
             num_warps=4,
         )
         if splits > 1:

@@ -16,13 +16,24 @@
 // afterwards (flash-decoding). Items are pulled from a shared counter, longest first, so
 // mixed context lengths balance across threads. Everything the kernel dereferences (page
 // ids, slots, lengths) is validated before any thread starts.
+//
+// FP8 pages (float8_e4m3fn / float8_e5m2 codes) come with kv_scales [num_pages, 2, kv_heads]
+// (fp32, any strides): value = decode(code) * scale of its (page, plane, kv head). Rows are
+// decoded into fp32 as they are read, like fp16/bf16 rows, so the pool is never expanded.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <torch/library.h>
 
+#if defined(__F16C__) && defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -41,6 +52,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 struct Geometry {
   int64_t num_pages, page_size, kv_heads, head_dim, num_heads, group, max_pages;
   int64_t stride_page, stride_kv, stride_token, stride_head;  // elements, of kv_layer
+  const float* scales;  // FP8 pools only, else nullptr
+  int64_t scale_stride_page, scale_stride_kv, scale_stride_head;
 };
 
 struct WorkItem {
@@ -200,6 +213,57 @@ void to_float(float* __restrict dst, const scalar_t* __restrict src, int64_t n) 
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+template <typename scalar_t>
+constexpr bool kIsFp8 = std::is_same_v<scalar_t, c10::Float8_e4m3fn> || std::is_same_v<scalar_t, c10::Float8_e5m2>;
+
+// FP8 code -> fp32. An FP8 code is a narrow fp16: e5m2 is the top byte of an fp16, and e4m3's
+// bits shifted into fp16's fields give the same number times 2^-8 (subnormals included,
+// since fp16 has room below e4m3's range). With F16C, 8 codes at a time become fp16 lanes,
+// then fp32 (vcvtph2ps), and the 2^8 is folded into the page scale. Elsewhere (and for
+// tails) a 256-entry table per format, built once from c10's exact conversions. NaN/inf
+// codes never occur: writes saturate to the largest finite value.
+template <typename fp8_t>
+const float* fp8_table() {
+  static const auto table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b)
+      t[b] = static_cast<float>(fp8_t(static_cast<uint8_t>(b), typename fp8_t::from_bits_t{}));
+    return t;
+  }();
+  return table.data();
+}
+
+template <typename fp8_t>
+void fp8_to_float(float* __restrict dst, const uint8_t* __restrict src, int64_t n, float scale) {
+  constexpr bool kE4M3 = std::is_same_v<fp8_t, c10::Float8_e4m3fn>;
+  int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+  const __m256 vscale = _mm256_set1_ps(kE4M3 ? scale * 256.f : scale);
+  for (; i + 8 <= n; i += 8) {
+    const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
+    __m128i h;
+    if constexpr (kE4M3)
+      h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
+                       _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7));
+    else
+      h = _mm_slli_epi16(w, 8);
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(h), vscale));
+  }
+#endif
+  const float* __restrict table = fp8_table<fp8_t>();
+  for (; i < n; ++i) dst[i] = table[src[i]] * scale;
+}
+
+template <typename scalar_t>
+void widen(float* __restrict dst, const scalar_t* __restrict src, int64_t n, float scale) {
+  if constexpr (std::is_same_v<scalar_t, c10::Float8_e4m3fn>)
+    fp8_to_float<c10::Float8_e4m3fn>(dst, reinterpret_cast<const uint8_t*>(src), n, scale);
+  else if constexpr (std::is_same_v<scalar_t, c10::Float8_e5m2>)
+    fp8_to_float<c10::Float8_e5m2>(dst, reinterpret_cast<const uint8_t*>(src), n, scale);
+  else
+    to_float(dst, src, n);
+}
+
 // q is pre-scaled fp32 [T, H, D]; out is fp32 [T, H, D]; partials hold one row per item row.
 //
 // Scores live in s with a per-row base and a per-key stride, in one of two layouts:
@@ -239,7 +303,7 @@ void attend(const WorkItem& it, const Geometry& g, const float* q, const scalar_
   }
   const int64_t max_limit = *std::max_element(limit.begin(), limit.end());
   const int64_t min_limit = *std::min_element(limit.begin(), limit.end());
-  // fp16/bf16 rows are widened into buffers laid out [chunk, num_kv, D]; fp32 rows are read in place.
+  // fp16/bf16/fp8 rows are widened into buffers laid out [chunk, num_kv, D]; fp32 rows are read in place.
   std::vector<float> kbuf(kIsFloat ? 0 : kKeyChunk * num_kv * D), vbuf(kIsFloat ? 0 : kKeyChunk * num_kv * D);
   const int64_t head_stride = kIsFloat ? g.stride_head : D;
   const float* krow[kKeyChunk];
@@ -250,15 +314,22 @@ void attend(const WorkItem& it, const Geometry& g, const float* q, const scalar_
     const int64_t n = std::min({kKeyChunk, it.key_end - k0, max_limit + 1 - k0});
     for (int64_t t = 0; t < n; ++t) {
       const int64_t pos = k0 + t;
-      const scalar_t* base = kv + table[pos / g.page_size] * g.stride_page + (pos % g.page_size) * g.stride_token +
+      const int64_t page = table[pos / g.page_size];
+      const scalar_t* base = kv + page * g.stride_page + (pos % g.page_size) * g.stride_token +
                              it.head_begin * g.stride_head;
       if constexpr (kIsFloat) {
         krow[t] = base;
         vrow[t] = base + g.stride_kv;
       } else {
         for (int64_t h = 0; h < num_kv; ++h) {
-          to_float(kbuf.data() + (t * num_kv + h) * D, base + h * g.stride_head, D);
-          to_float(vbuf.data() + (t * num_kv + h) * D, base + g.stride_kv + h * g.stride_head, D);
+          float k_scale = 1.f, v_scale = 1.f;
+          if constexpr (kIsFp8<scalar_t>) {
+            const float* sc = g.scales + page * g.scale_stride_page + (it.head_begin + h) * g.scale_stride_head;
+            k_scale = sc[0];
+            v_scale = sc[g.scale_stride_kv];
+          }
+          widen(kbuf.data() + (t * num_kv + h) * D, base + h * g.stride_head, D, k_scale);
+          widen(vbuf.data() + (t * num_kv + h) * D, base + g.stride_kv + h * g.stride_head, D, v_scale);
         }
         krow[t] = kbuf.data() + t * num_kv * D;
         vrow[t] = vbuf.data() + t * num_kv * D;
@@ -371,7 +442,7 @@ void run_dynamic(int64_t n, const F& fn) {
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer, const at::Tensor& block_tables,
                            const at::Tensor& query_start, const at::Tensor& context_lens, double scale,
-                           int64_t partition_size) {
+                           int64_t partition_size, const c10::optional<at::Tensor>& kv_scales) {
   TORCH_CHECK(q.device().is_cpu() && kv_layer.device().is_cpu(), "paged_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3, "q must be [T, num_heads, head_dim], got ", q.sizes());
   TORCH_CHECK(kv_layer.dim() == 5 && kv_layer.size(1) == 2,
@@ -395,6 +466,20 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer, cons
   TORCH_CHECK(q.size(2) == g.head_dim, "q head_dim ", q.size(2), " != kv head_dim ", g.head_dim);
   TORCH_CHECK(g.num_heads % g.kv_heads == 0, "num_heads ", g.num_heads, " is not a multiple of kv_heads ", g.kv_heads);
   g.group = g.num_heads / g.kv_heads;
+  const bool is_fp8 =
+      kv_layer.scalar_type() == at::kFloat8_e4m3fn || kv_layer.scalar_type() == at::kFloat8_e5m2;
+  TORCH_CHECK(is_fp8 == kv_scales.has_value(), "kv_scales must be given exactly when kv_layer holds fp8 codes");
+  if (is_fp8) {
+    const at::Tensor& sc = *kv_scales;
+    TORCH_CHECK(sc.device().is_cpu() && sc.scalar_type() == at::kFloat && sc.dim() == 3 &&
+                    sc.size(0) == g.num_pages && sc.size(1) == 2 && sc.size(2) == g.kv_heads,
+                "kv_scales must be fp32 [num_pages, 2, kv_heads] = [", g.num_pages, ", 2, ", g.kv_heads, "], got ",
+                sc.scalar_type(), " ", sc.sizes());
+    g.scales = sc.data_ptr<float>();
+    g.scale_stride_page = sc.stride(0);
+    g.scale_stride_kv = sc.stride(1);
+    g.scale_stride_head = sc.stride(2);
+  }
 
   const at::Tensor qf = (q.to(at::kFloat) * scale).contiguous();  // fold the scale into q once
   const at::Tensor bt = block_tables.contiguous();
@@ -488,13 +573,22 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer, cons
   float* pa = part_acc.data_ptr<float>();
   float* pm = part_ml.data_ptr<float>();
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, kv_layer.scalar_type(), "kvtier_paged_attention", [&] {
-    const scalar_t* kv = kv_layer.data_ptr<scalar_t>();
+  const auto run_items = [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* kv = static_cast<const scalar_t*>(kv_layer.const_data_ptr());
     run_dynamic(static_cast<int64_t>(items.size()), [&](int64_t i) {
       const WorkItem& it = items[i];
       attend<scalar_t>(it, g, qp, kv, table, first_pos[it.seq], op, pa, pm);
     });
-  });
+  };
+  if (kv_layer.scalar_type() == at::kFloat8_e4m3fn) {
+    run_items(c10::Float8_e4m3fn{});
+  } else if (kv_layer.scalar_type() == at::kFloat8_e5m2) {
+    run_items(c10::Float8_e5m2{});
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, kv_layer.scalar_type(), "kvtier_paged_attention",
+                                    [&] { run_items(scalar_t{}); });
+  }
   if (!splits.empty())
     run_dynamic(static_cast<int64_t>(splits.size()),
                 [&](int64_t i) { merge(splits[i].first, splits[i].second, g, pa, pm, op); });
@@ -541,7 +635,7 @@ void write_kv(at::Tensor kv_layer, const at::Tensor& k, const at::Tensor& v, con
 TORCH_LIBRARY(kvtier_attn, m) {
   m.def(
       "paged_attention(Tensor q, Tensor kv_layer, Tensor block_tables, Tensor query_start, Tensor context_lens, "
-      "float scale, int partition_size) -> Tensor");
+      "float scale, int partition_size, Tensor? kv_scales=None) -> Tensor");
   m.def("write_kv(Tensor(a!) kv_layer, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
 }
 
