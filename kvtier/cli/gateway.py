@@ -3,9 +3,9 @@
     kvtier gateway --model DIR [--host 127.0.0.1] [--port 8000] [--require-key]
 
 ``--model`` is the checkpoint directory the workers serve (its tokenizer and chat template
-are the gateway's). The gateway's own token (``--token``, else the local stack's admin
-token) reads the served model's description; each request's ``Authorization: Bearer`` key
-is passed through as that request's frontend token.
+are the gateway's). The gateway's own token (``--token``: a frontend or admin token, else
+the local stack's admin token) reads the served model's description (``Router.ListModels``);
+each request's ``Authorization: Bearer`` key is passed through as that request's frontend token.
 """
 
 from __future__ import annotations

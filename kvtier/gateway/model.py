@@ -1,14 +1,15 @@
 """The served model's description: namespace fields, tokenizer side and context length.
 
 ``describe_served_model`` is the one place the gateway learns what the workers serve. It
-reads the registered workers through ``Admin.ListWorkers`` (the gateway's own token must
-be an admin token when auth is on) and takes the namespace fields, page size included,
-from the worker serving the model; the text side comes from the checkpoint directory the
-gateway is given, the same one the workers load.
+asks ``Router.ListModels`` (a frontend token is enough) for the exact namespace fields,
+page size included, of the model served from the gateway's checkpoint directory; the text
+side comes from that directory, the same one the workers load. The tenant field is left
+empty: each request's tenant comes from its own key.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,6 @@ from pathlib import Path
 from kvtier.client import AsyncClient
 from kvtier.domain.errors import ConfigError, Unavailable
 from kvtier.domain.hashing import NamespaceIdentity
-from kvtier.domain.records import WorkerState
 from kvtier.gateway.text import ChatText
 
 
@@ -43,19 +43,12 @@ async def describe_served_model(
 ) -> ServedModel:
     """The model the registered workers serve from ``checkpoint`` (model id: its directory name)."""
     model_id = checkpoint.name
-    workers = [w for w in await client.list_workers()
-               if w.state is not WorkerState.EXPIRED and w.model.model_id == model_id]
-    if not workers:
+    served = [m for m in await client.list_models() if m.namespace.model_id == model_id]
+    if not served:
         raise Unavailable(
-            f"no registered worker serves model {model_id!r}; start the stack with --model {checkpoint}"
+            f"no live worker serves model {model_id!r}; start the stack with --model {checkpoint}"
         )
-    w = workers[0]
-    namespace = NamespaceIdentity(
-        model_id=w.model.model_id,
-        weights_digest=w.model.weights_digest,
-        tokenizer_digest=w.model.tokenizer_digest,
-        rope_config=w.model.rope_config,
-        kv_dtype=w.model.kv_dtype,
-        page_size=w.page_size,
-    )
-    return ServedModel(name or model_id, namespace, ChatText.load(checkpoint), context_tokens(checkpoint))
+    namespace = dataclasses.replace(served[0].namespace, tenant="")
+    facts = served[0].facts
+    context = facts.max_context_tokens if facts is not None and facts.max_context_tokens else context_tokens(checkpoint)
+    return ServedModel(name or model_id, namespace, ChatText.load(checkpoint), context)
