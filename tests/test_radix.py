@@ -71,6 +71,33 @@ def test_eviction_takes_leaves_before_parents_in_lru_order():
     index.check_integrity()
 
 
+def test_expendable_pages_go_first_leaves_before_parents_until_a_hit():
+    index = make_index(num_pages=12)
+    old_keys, _ = cache_chain(index, [50 + t for t in range(8)])  # 2 pages, least recently used
+    ended_keys, _ = cache_chain(index, list(range(12)))  # an ended session's 3 pages, newer
+    index.mark_expendable([index.get(k) for k in ended_keys])
+    order = []
+    index.on_remove.append(lambda n: order.append(n.key))
+    assert index.evict(3) == 3
+    # Despite LRU, the ended chain goes first, leaf before parent; the older chain stays.
+    assert order == [ended_keys[2], ended_keys[1], ended_keys[0]]
+    assert all(index.get(k) is not None for k in old_keys)
+    index.check_integrity()
+
+
+def test_a_hit_makes_an_expendable_page_ordinary_again():
+    index = make_index(num_pages=12)
+    old_keys, _ = cache_chain(index, [50 + t for t in range(4)])  # 1 page, least recently used
+    keys, _ = cache_chain(index, list(range(4)))
+    index.mark_expendable([index.get(keys[0])])
+    index.match(keys, list(range(4)))  # asked for again: ordinary, and now the most recent
+    assert not index.get(keys[0]).is_expendable
+    order = []
+    index.on_remove.append(lambda n: order.append(n.key))
+    assert index.evict(1) == 1 and order == [old_keys[0]]
+    index.check_integrity()
+
+
 def test_pages_in_use_and_pinned_are_never_evicted():
     index = make_index(num_pages=6)
     keys, pages = cache_chain(index, list(range(8)))

@@ -204,6 +204,8 @@ async def test_end_keeps_the_pages_as_ordinary_cache_entries(worker, flushed_red
         assert tiers_of(worker, keys) == [Tier.HBM] * len(keys)
         assert not worker.loop.holds.is_held("s-keep")
         assert all(worker.engine.index.is_evictable(worker.engine.index.get(k)) for k in keys[-1:])
+        # The first to go under pressure: the session's pages rank before every other idle page.
+        assert all(worker.engine.index.get(k).is_expendable for k in keys)
         # The same history again, without a session: every full page is a prefix hit.
         _, final = await client.complete(namespace, history + [9], GREEDY)
         assert final.usage.cached_tokens == len(keys) * PAGE_SIZE

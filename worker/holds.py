@@ -428,6 +428,8 @@ class Holds:
         num_missing = len(self._sessions[session].page_keys) - len(chain)
         index = self._engine.index
         num_dropped = 0
+        if not drop:  # ordinary cache entries now, the first to go under pressure
+            index.mark_expendable(_private_suffix(chain))
         for node in reversed(chain if drop else ()):
             # Stop at a shared page (another sequence's pages hang below) or a held one.
             if not node.is_leaf or not index.is_evictable(node):
@@ -568,3 +570,14 @@ def require_tiers(engine: Engine) -> TierManager:
     if engine.tiers is None:
         raise FailedPrecondition("this worker has no DRAM or NVMe tier; configure one to demote or prefetch")
     return engine.tiers
+
+
+def _private_suffix(chain: list[RadixNode]) -> list[RadixNode]:
+    """The pages of a session's chain below its deepest branch point: a page with a child
+    outside the chain is a prefix other sequences cached too, and so is every page above it."""
+    on_chain = {node.key for node in chain}
+    start = 0
+    for i, node in enumerate(chain):
+        if any(key not in on_chain for key in node.children):
+            start = i + 1
+    return chain[start:]

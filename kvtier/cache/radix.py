@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +62,9 @@ class RadixNode:
     pins: int = 0
     version: int = 0  # bumped on every heap push; older heap entries are stale
     moving: bool = False  # a transfer is copying this page to another tier
+    # An ended session's page (``mark_expendable``): while idle it goes before every other idle
+    # page of its tier, whatever the policy; a hit makes it an ordinary page again.
+    is_expendable: bool = False
     checksum: int | None = None  # taken when the page left HBM
     children: dict[PageKey, RadixNode] = field(default_factory=dict)
     child_tiers: list[int] = field(default_factory=lambda: [0, 0, 0])  # children per tier
@@ -178,7 +182,6 @@ class RadixIndex:
         page_size = self.pool.page_size
         now = next(self._tick)
         now_s = self.clock() if count_hit else 0.0
-        touch = self.policy.on_access
         for i, key in enumerate(keys):
             node = self._nodes.get(key)
             if node is None:
@@ -186,10 +189,7 @@ class RadixIndex:
             if tokens is not None and node.tokens != tuple(tokens[i * page_size : (i + 1) * page_size]):
                 break
             if count_hit:
-                node.last_access = now
-                node.last_used_s = now_s
-                node.hits += 1
-                touch(node)
+                self._count_use(node, now, now_s)
             result.nodes.append(node)
         return result
 
@@ -360,10 +360,17 @@ class RadixIndex:
         now = next(self._tick)
         now_s = self.clock()
         for node in nodes:
-            node.last_access = now
-            node.last_used_s = now_s
-            node.hits += 1
-            self.policy.on_access(node)
+            self._count_use(node, now, now_s)
+
+    def _count_use(self, node: RadixNode, now: int, now_s: float) -> None:
+        node.last_access = now
+        node.last_used_s = now_s
+        node.hits += 1
+        self.policy.on_access(node)
+        if node.is_expendable:  # asked for again: an ordinary page, queued by the policy
+            node.is_expendable = False
+            node.version += 1  # its first-to-go heap entry is stale
+            self._push_if_evictable(node)
 
     def note_released(self, pages: Sequence[PageId]) -> None:
         """A sequence is letting go of ``pages``: the cached ones were in use until now, so
@@ -398,7 +405,7 @@ class RadixIndex:
     def _push_if_evictable(self, node: RadixNode) -> None:
         if self._nodes.get(node.key) is node and self.is_evictable(node):
             node.version += 1
-            priority = self.policy.priority(node)
+            priority = -math.inf if node.is_expendable else self.policy.priority(node)
             heap = self._heaps[node.tier]
             heapq.heappush(heap, (priority, next(self._push_order), node.version, node))
             if len(heap) > 2 * len(self._nodes) + 64:
@@ -436,6 +443,14 @@ class RadixIndex:
 
     def requeue(self, node: RadixNode) -> None:
         self._push_if_evictable(node)
+
+    def mark_expendable(self, nodes: Sequence[RadixNode]) -> None:
+        """Pages nobody is expected to ask for again (an ended session's): each goes before
+        every other idle page of its tier, now if it is a candidate, else once it becomes one
+        (a parent after its children). A later hit makes a page ordinary again."""
+        for node in nodes:
+            node.is_expendable = True
+            self._push_if_evictable(node)
 
     def evict(self, num_pages: int) -> int:
         """Drop up to ``num_pages`` idle HBM leaves in policy order, each with what hangs below

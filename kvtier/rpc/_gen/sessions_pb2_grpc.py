@@ -91,8 +91,9 @@ class SessionsServicer:
 
     def End(self, request, context):
         """The session is over. Its pages become ordinary cache entries: unpinned, no longer
-        held for a return, shared with any request of the same namespace and evicted by
-        the worker's eviction policy under pressure. EndRequest.drop frees them at once.
+        held for a return, shared with any request of the same namespace. Its private pages
+        (below any prefix other sequences cached) are the first to go under pressure, until a
+        request asks for them again. EndRequest.drop frees them at once.
         Idempotent. NOT_FOUND for an unknown session.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
