@@ -234,10 +234,17 @@ def servers(redis_url, tmp_path_factory) -> Iterator[Servers]:
 
 
 def _routed(servers: Servers) -> list[str]:
+    """The workers a good Route ranks; none while no live worker serves the namespace (Route
+    answers UNAVAILABLE until the worker's registration is read)."""
     request = to_proto_route_request(RouteRequest(servers.namespace, TokenPrefix(GOOD_PROMPT)))
-    raw = servers.channels["controller"].unary_unary("/kvtier.v1.Router/Route")(
-        request.SerializeToString(), timeout=10
-    )
+    try:
+        raw = servers.channels["controller"].unary_unary("/kvtier.v1.Router/Route")(
+            request.SerializeToString(), timeout=10
+        )
+    except grpc.RpcError as exc:
+        if exc.code() is grpc.StatusCode.UNAVAILABLE:
+            return []
+        raise
     return [w.worker_id for w in router_pb2.RouteResponse.FromString(raw).workers]
 
 
