@@ -1,8 +1,8 @@
 """Stopping a controller or a worker finishes every step even when one fails or the stop is
 cancelled (``kvtier.runtime.shutdown.run_steps``): real servers on loopback, a real valkey-server.
 
-A stop that gave up half-way used to leave the gRPC server running on a bound port (and a
-finalizer later tried to shut it down on a closed event loop)."""
+A stop that gave up half-way would leave the gRPC server running on a bound port (and a
+finalizer would later try to shut it down on a closed event loop)."""
 
 from __future__ import annotations
 

@@ -390,8 +390,8 @@ def test_drain_waits_until_the_worker_is_empty_then_resume(capsys, stack: Runnin
 
 def test_a_drain_keeps_an_operator_pin_s_pages_until_it_expires_then_drops_them(capsys, stack: Running) -> None:
     """Pinned pages stay on a draining worker only while pinned: once the pin's TTL passes, the
-    drain drops them too (it watches the heartbeats; it used to stop after its passes, leaving
-    the pages cached on the worker for good and ``drain --wait`` never seeing it empty)."""
+    drain drops them too: it watches the heartbeats rather than stopping after its passes, so
+    the pages do not stay cached on the worker for good and ``drain --wait`` sees it empty."""
     rng = random.Random(23)
     prompt = tokens(rng, 4 * PAGE)
     complete(stack, "drain-pin", prompt + [1])
