@@ -102,13 +102,11 @@ _MEMBERS = {Heartbeat: "heartbeat", PageEventBatch: "page_events", InventorySnap
 
 def snapshot_inserts(chunk: InventorySnapshotChunk) -> list[PageEvent]:
     """The chunk's pages as INSERT events, shallowest first (a parent before its children)."""
-    events = [
+    pages = sorted(((inv, page) for inv in chunk.inventories for page in inv.pages), key=lambda ip: ip[1].depth)
+    return [
         PageEvent.insert(inv.namespace_digest, page.page_key, page.parent_key, page.depth, inv.tier)
-        for inv in chunk.inventories
-        for page in inv.pages
+        for inv, page in pages
     ]
-    events.sort(key=lambda e: e.depth)
-    return events
 
 
 def _quiet(future: asyncio.Future[CommandAck]) -> None:
@@ -167,9 +165,10 @@ class WorkerLinks:
 
     def close(self, session: LinkSession) -> None:
         session.close()
-        if self.sessions.get(session.worker_id) is session:
-            del self.sessions[session.worker_id]
-        self.registry.disconnect(session.worker_id, session.link_id)
+        worker = session.worker_id
+        if self.sessions.get(worker) is session:
+            del self.sessions[worker]
+        self.registry.disconnect(worker, session.link_id)
         if session.resync_task is not None:
             session.resync_task.cancel()
         log.info("worker disconnected", extra={"worker_id": session.worker_id, "link_id": session.link_id})
