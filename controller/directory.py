@@ -344,7 +344,8 @@ class Directory:
         wns = f"{GLOBAL_PREFIX}wns:{wid}"
         removed = 0
         while True:
-            namespaces = await self._redis.srandmember(wns, 64)
+            # With a count the reply is a list; bytes, as the client leaves decode_responses off.
+            namespaces = cast("list[bytes]", await self._redis.srandmember(wns, 64))
             if not namespaces:
                 break
             for ns in namespaces:
@@ -533,7 +534,8 @@ class Directory:
         self.mirror.forget_epochs()
         cursor = 0
         while True:
-            cursor, namespaces = await self._redis.sscan(f"{GLOBAL_PREFIX}namespaces", cursor, count=batch_size)
+            cursor, members = await self._redis.sscan(f"{GLOBAL_PREFIX}namespaces", cursor, count=batch_size)
+            namespaces = cast("list[bytes]", members)  # bytes: the client leaves decode_responses off
             calls = [("fence", meta_key(ns), (self.fence_token,)) for ns in namespaces]
             if calls and any(r[0] == b"fenced" for r in await self._eval_many(calls)):
                 return Outcome.FENCED

@@ -102,11 +102,19 @@ _MEMBERS = {Heartbeat: "heartbeat", PageEventBatch: "page_events", InventorySnap
 
 def snapshot_inserts(chunk: InventorySnapshotChunk) -> list[PageEvent]:
     """The chunk's pages as INSERT events, shallowest first (a parent before its children)."""
-    pages = sorted(((inv, page) for inv in chunk.inventories for page in inv.pages), key=lambda ip: ip[1].depth)
-    return [
+    events = [
         PageEvent.insert(inv.namespace_digest, page.page_key, page.parent_key, page.depth, inv.tier)
-        for inv, page in pages
+        for inv in chunk.inventories
+        for page in inv.pages
     ]
+    events.sort(key=_insert_depth)
+    return events
+
+
+def _insert_depth(event: PageEvent) -> int:
+    """An INSERT's depth, which every INSERT carries (``PageEvent.insert``)."""
+    assert event.depth is not None
+    return event.depth
 
 
 def _quiet(future: asyncio.Future[CommandAck]) -> None:
@@ -376,7 +384,7 @@ class WorkerLinks:
     async def _finish_snapshot(self, session: LinkSession, snapshot: PendingSnapshot) -> None:
         # Pages whose parent came in a later chunk: retry, shallowest first, while that helps.
         while snapshot.deferred:
-            retry, snapshot.deferred = sorted(snapshot.deferred, key=lambda e: e.depth), []
+            retry, snapshot.deferred = sorted(snapshot.deferred, key=_insert_depth), []
             if not await self._apply(session, retry, deferred=snapshot.deferred):
                 session.snapshot, session.needs_resync = None, True
                 return
