@@ -11,7 +11,7 @@ STAMP := $(VENV)/.kvtier-installed
 NODE_DIR := tests/contract_node
 NODE_STAMP := $(NODE_DIR)/node_modules/.kvtier-installed
 
-.PHONY: setup node-setup test demo bench proto proto-check proto-lint lint clean
+.PHONY: setup node-setup test demo bench proto proto-check proto-lint lint typecheck clean
 
 setup: $(STAMP)
 
@@ -43,7 +43,11 @@ proto-lint: setup node-setup
 lint: setup
 	$(BIN)/ruff check kvtier worker controller tests loadtests scripts
 
-test: setup node-setup lint proto-check proto-lint
+# mypy over kvtier, worker and controller; its configuration is [tool.mypy] in pyproject.toml.
+typecheck: setup
+	$(BIN)/python -m mypy
+
+test: setup node-setup lint typecheck proto-check proto-lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 demo: setup

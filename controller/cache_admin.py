@@ -110,8 +110,8 @@ def resolve_scope(scope: InvalidationScope, caller: Principal | None) -> Invalid
         if scope.namespace is not None:
             return InvalidationScope(namespace=resolve_tenant(scope.namespace, caller))
         return scope
-    if scope.namespace is not None:
-        return InvalidationScope(namespace=_rebased(lambda: resolve_tenant(scope.namespace, caller),
+    if (namespace := scope.namespace) is not None:
+        return InvalidationScope(namespace=_rebased(lambda: resolve_tenant(namespace, caller),
                                                     "scope.namespace.tenant"))
     if scope.tenant is not None:
         tenant = scope.tenant

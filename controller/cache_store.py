@@ -23,7 +23,7 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aredis
 
@@ -127,7 +127,8 @@ class CacheStore:
     # -- epochs ---------------------------------------------------------------------------
 
     async def load_epochs(self) -> list[EpochEntry]:
-        raw = await self._redis.hgetall(EPOCHS_KEY)
+        # The client leaves decode_responses off, so redis replies are bytes.
+        raw = cast("dict[bytes, bytes]", await self._redis.hgetall(EPOCHS_KEY))
         entries = []
         for value in raw.values():
             epoch, _, scope = value.decode().partition(":")
@@ -171,7 +172,8 @@ class CacheStore:
 
     async def pins(self) -> list[PinSpec]:
         """Every pin that has not expired (expired ids are dropped from the set on the way)."""
-        ids = sorted(p.decode() for p in await self._redis.smembers(PINS_KEY))
+        members = cast("set[bytes]", await self._redis.smembers(PINS_KEY))  # bytes: decode_responses off
+        ids = sorted(p.decode() for p in members)
         if not ids:
             return []
         values = await self._redis.mget([PIN_PREFIX + p for p in ids])

@@ -40,9 +40,11 @@ import collections
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any, cast
 
 import redis.asyncio as aredis
 from redis.exceptions import NoScriptError
+from redis.typing import EncodableT
 
 from kvtier.controller.directory_integrity import check_integrity
 from kvtier.controller.directory_mirror import DirectoryMirror
@@ -161,7 +163,7 @@ class Directory:
             return _UNTIMED
         return _Timed(self.on_op, op)
 
-    async def _eval(self, name: str, key: str, *args: object) -> list:
+    async def _eval(self, name: str, key: str, *args: EncodableT) -> list[Any]:
         script = self._scripts[name]
         with self._timed(name):
             try:
@@ -297,7 +299,9 @@ class Directory:
         if reply[0] == b"fenced":
             return PurgeResult(Outcome.FENCED)
         self._forget_locally(wid)
-        outcome, removed, done = await self._purge(wid, budget=None, batch_size=batch_size)
+        outcome, removed, done = await self._purge(
+            wid, fence=self.fence_token, budget=None, batch_size=batch_size
+        )
         return PurgeResult(outcome, removed, (worker,), done)
 
     async def sweep(self, max_items: int = 1000) -> PurgeResult:
@@ -321,7 +325,9 @@ class Directory:
             if wid in self._deadline_ms:
                 self._forget_locally(wid)
                 newly.append(self._name_by_wid.get(wid, WorkerId("")))
-            outcome, n, wid_done = await self._purge(wid, budget=max_items - removed, batch_size=max_items)
+            outcome, n, wid_done = await self._purge(
+                wid, fence=self.fence_token, budget=max_items - removed, batch_size=max_items
+            )
             if outcome is Outcome.FENCED:
                 return PurgeResult(Outcome.FENCED, removed, tuple(newly), False)
             removed += n
@@ -331,12 +337,15 @@ class Directory:
                 break
         return PurgeResult(Outcome.OK, removed, tuple(newly), done)
 
-    async def _purge(self, wid: int, *, budget: int | None, batch_size: int) -> tuple[Outcome, int, bool]:
+    async def _purge(
+        self, wid: int, *, fence: int, budget: int | None, batch_size: int
+    ) -> tuple[Outcome, int, bool]:
         """Deletes a retired incarnation's entries namespace by namespace, then its last records."""
         wns = f"{GLOBAL_PREFIX}wns:{wid}"
         removed = 0
         while True:
-            namespaces = await self._redis.srandmember(wns, 64)
+            # With a count the reply is a list; bytes, as the client leaves decode_responses off.
+            namespaces = cast("list[bytes]", await self._redis.srandmember(wns, 64))
             if not namespaces:
                 break
             for ns in namespaces:
@@ -344,7 +353,7 @@ class Directory:
                     step = batch_size if budget is None else min(batch_size, budget - removed)
                     if step <= 0:
                         return Outcome.OK, removed, False
-                    reply = await self._eval("drop_worker", meta_key(ns), self.fence_token, wid, step)
+                    reply = await self._eval("drop_worker", meta_key(ns), fence, wid, step)
                     if reply[0] == b"fenced":
                         return Outcome.FENCED, removed, False
                     removed += int(reply[1])
@@ -352,7 +361,7 @@ class Directory:
                         await self._redis.srem(wns, ns)
                         self._indexed.discard((wid, ns))
                         break
-        reply = await self._eval("forget", _WORKERS_KEY, self.fence_token, wid)
+        reply = await self._eval("forget", _WORKERS_KEY, fence, wid)
         if reply[0] == b"fenced":
             return Outcome.FENCED, removed, False
         self._name_by_wid.pop(wid, None)
@@ -505,7 +514,9 @@ class Directory:
             return ReclaimResult(Outcome.FENCED)
         pending_key = f"{GLOBAL_PREFIX}reclaim"
         deleted = 0
-        for ns in await self._redis.srandmember(pending_key, 16):
+        # With a count the reply is a list; bytes, as the client leaves decode_responses off.
+        pending = cast("list[bytes]", await self._redis.srandmember(pending_key, 16))
+        for ns in pending:
             reply = await self._eval("reclaim", meta_key(ns), self.fence_token, max_items - deleted)
             if reply[0] == b"fenced":
                 return ReclaimResult(Outcome.FENCED, deleted)
@@ -523,7 +534,8 @@ class Directory:
         self.mirror.forget_epochs()
         cursor = 0
         while True:
-            cursor, namespaces = await self._redis.sscan(f"{GLOBAL_PREFIX}namespaces", cursor, count=batch_size)
+            cursor, members = await self._redis.sscan(f"{GLOBAL_PREFIX}namespaces", cursor, count=batch_size)
+            namespaces = cast("list[bytes]", members)  # bytes: the client leaves decode_responses off
             calls = [("fence", meta_key(ns), (self.fence_token,)) for ns in namespaces]
             if calls and any(r[0] == b"fenced" for r in await self._eval_many(calls)):
                 return Outcome.FENCED

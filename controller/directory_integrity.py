@@ -66,7 +66,7 @@ async def check_integrity(client: aredis.Redis, namespace: NamespaceDigest) -> N
     def fastest(mask: int) -> int:
         return 0 if not mask else 1 if mask & 1 else 2 if mask & 2 else 3
 
-    want = collections.Counter()
+    want: collections.Counter[str] = collections.Counter()
     children: dict[tuple[bytes, int], list[int]] = collections.defaultdict(lambda: [0, 0, 0])
     index: dict[int, set[bytes]] = collections.defaultdict(set)
     for key, (parent, recs) in nodes.items():
@@ -105,8 +105,8 @@ async def check_integrity(client: aredis.Redis, namespace: NamespaceDigest) -> N
         if stored != keys:
             raise IntegrityError(f"worker {wid}: index has {len(stored)} keys, records {len(keys)} "
                                  f"({len(stored - keys)} extra, {len(keys - stored)} missing)")
-    counts = {k.decode(): int(v) for k, v in counters.items()}
-    counts |= {k: int(v or 0) for k, v in zip(("orphans", "inversions"), structure, strict=True)}
-    have = {k: v for k, v in counts.items() if v}
+    totals = {k.decode(): int(v) for k, v in counters.items()}
+    totals |= {k: int(v or 0) for k, v in zip(("orphans", "inversions"), structure, strict=True)}
+    have = {k: v for k, v in totals.items() if v}
     if have != {k: v for k, v in want.items() if v}:
         raise IntegrityError(f"counters {sorted(have.items())} != actual {sorted(want.items())}")

@@ -126,8 +126,8 @@ class DirectoryMirror:
                     break
                 runs.append(FASTEST[mask])
             return [(wid, bytes(runs))]
-        runs = {w: bytearray((FASTEST[m],)) for w, m in first.items()}
-        still = list(runs)  # incarnations whose run has not ended yet
+        by_worker = {w: bytearray((FASTEST[m],)) for w, m in first.items()}
+        still = list(by_worker)  # incarnations whose run has not ended yet
         for key in keys[1:]:
             holders = pages.get(key)
             if holders is None:
@@ -136,12 +136,12 @@ class DirectoryMirror:
             for w in still:
                 mask = _mask_of(holders, w)
                 if mask:
-                    runs[w].append(FASTEST[mask])
+                    by_worker[w].append(FASTEST[mask])
                     going.append(w)
             if not going:
                 break
             still = going
-        return sorted((w, bytes(r)) for w, r in runs.items())
+        return sorted((w, bytes(r)) for w, r in by_worker.items())
 
     @property
     def num_entries(self) -> int:

@@ -37,7 +37,8 @@ class RejectReason(enum.Enum):
     NOT_HELD = "not_held"  # MOVE/DROP of a page the worker does not hold
 
 
-class RejectedEvent(NamedTuple):
+@dataclass(frozen=True, slots=True, order=True)
+class RejectedEvent:
     index: int  # position in the batch
     reason: RejectReason
 

@@ -82,12 +82,16 @@ def pack_events(events: Iterable[PageEvent]) -> tuple[bytes, list[EventCodes]]:
     pack, tier_codes = _EVENT.pack, _TIER_CODES
     for e in events:
         kind = KIND_CODES.get(e.kind, 0)
-        key, parent, depth = e.page_key, e.parent_key, e.depth or 0
+        key: bytes = e.page_key
+        parent: bytes | None = e.parent_key
+        depth = e.depth or 0
         tier, from_tier = tier_codes.get(e.tier), tier_codes.get(e.from_tier)
+        # A miss is a number no tier has (None has code 0): packed as itself, or 255 past a
+        # byte, for the script to reject.
         if tier is None:
-            tier = int(e.tier) if 0 <= int(e.tier) < 256 else 255
+            tier = int(e.tier) if e.tier is not None and 0 <= int(e.tier) < 256 else 255
         if from_tier is None:
-            from_tier = int(e.from_tier) if 0 <= int(e.from_tier) < 256 else 255
+            from_tier = int(e.from_tier) if e.from_tier is not None and 0 <= int(e.from_tier) < 256 else 255
         codes.append((kind, key, tier, from_tier))
         flags = _FLAG_PARENT if parent is not None else 0
         if parent is None:

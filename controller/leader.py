@@ -21,9 +21,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import redis.asyncio as aredis
 from redis.exceptions import NoScriptError, RedisError
+from redis.typing import EncodableT
 
 GLOBAL_PREFIX = "kvt:{g}:"
 """Prefix of every controller-wide key; the ``{g}`` hash tag keeps them in one Cluster slot."""
@@ -108,7 +110,8 @@ class LeaderLease:
     def is_leader(self) -> bool:
         return self.term is not None
 
-    async def _call(self, name: str, keys: list[str], args: list[object]) -> object:
+    async def _call(self, name: str, keys: list[str], args: list[EncodableT]) -> Any:
+        """The script's reply, shaped by the script."""
         script = self._scripts[name]
         try:
             return await self._client.evalsha(script.sha, len(keys), *keys, *args)
@@ -160,7 +163,8 @@ class LeaderLease:
         value = await self._client.get(LEADER_KEY)
         if value is None:
             return None
-        token, _, owner = value.decode().partition(":")
+        # The client leaves decode_responses off, so redis replies are bytes.
+        token, _, owner = cast(bytes, value).decode().partition(":")
         return Leadership(owner, int(token))
 
     async def run(

@@ -107,8 +107,14 @@ def snapshot_inserts(chunk: InventorySnapshotChunk) -> list[PageEvent]:
         for inv in chunk.inventories
         for page in inv.pages
     ]
-    events.sort(key=lambda e: e.depth)
+    events.sort(key=_insert_depth)
     return events
+
+
+def _insert_depth(event: PageEvent) -> int:
+    """An INSERT's depth, which every INSERT carries (``PageEvent.insert``)."""
+    assert event.depth is not None
+    return event.depth
 
 
 def _quiet(future: asyncio.Future[CommandAck]) -> None:
@@ -167,9 +173,10 @@ class WorkerLinks:
 
     def close(self, session: LinkSession) -> None:
         session.close()
-        if self.sessions.get(session.worker_id) is session:
-            del self.sessions[session.worker_id]
-        self.registry.disconnect(session.worker_id, session.link_id)
+        worker = session.worker_id
+        if self.sessions.get(worker) is session:
+            del self.sessions[worker]
+        self.registry.disconnect(worker, session.link_id)
         if session.resync_task is not None:
             session.resync_task.cancel()
         log.info("worker disconnected", extra={"worker_id": session.worker_id, "link_id": session.link_id})
@@ -377,7 +384,7 @@ class WorkerLinks:
     async def _finish_snapshot(self, session: LinkSession, snapshot: PendingSnapshot) -> None:
         # Pages whose parent came in a later chunk: retry, shallowest first, while that helps.
         while snapshot.deferred:
-            retry, snapshot.deferred = sorted(snapshot.deferred, key=lambda e: e.depth), []
+            retry, snapshot.deferred = sorted(snapshot.deferred, key=_insert_depth), []
             if not await self._apply(session, retry, deferred=snapshot.deferred):
                 session.snapshot, session.needs_resync = None, True
                 return

@@ -348,11 +348,11 @@ class Orchestrator:
             record.prediction_source = prediction.source
             self._holds[record.session_id] = predicted_hold(now, prediction, self.predictor.spread(prediction))
             record.parked_tier = Tier.HBM
-            await self._park(record, prediction)
+            await self._park(record, prediction, now)
             await self._save(record)
             return record.info()
 
-    async def _park(self, record: SessionRecord, prediction: Prediction) -> None:
+    async def _park(self, record: SessionRecord, prediction: Prediction, paused_at_ms: int) -> None:
         entry = self.registry.get(record.worker_id) if record.worker_id else None
         if entry is None or record.namespace_digest is None:
             self.stats.num_kept_in_hbm += 1
@@ -377,7 +377,7 @@ class Orchestrator:
         self.lateness.note_park(record.tenant, record.tool_name or "")
         # Aim at the early end of the predicted spread (the predictor's lo_quantile, 5 %, or
         # the tool's share of the tenant's lateness: kvtier/policy/lateness.py), not the median.
-        at_ms = prefetch_start_ms(record.paused_at_ms + self._target_ms(prediction), self.moves.promote_ms(record),
+        at_ms = prefetch_start_ms(paused_at_ms + self._target_ms(prediction), self.moves.promote_ms(record),
                                   self.params.margin_ms)
         record.prefetch_at_ms = round(at_ms)
         record.prefetch_state = PrefetchState.SCHEDULED

@@ -17,8 +17,10 @@ from __future__ import annotations
 import collections
 import hashlib
 from collections.abc import Callable
+from typing import cast
 
 import redis.asyncio as aredis
+from redis.typing import EncodableT, FieldT
 
 from kvtier.domain.errors import InvalidArgument
 from kvtier.policy.prediction import (
@@ -64,7 +66,8 @@ class ToolReturnPredictor:
         """Read every stored history (start-up, leadership gained); returns how many."""
         loaded = 0
         async for key in self.client.scan_iter(match=KEY_PREFIX + "*", count=500):
-            raw = await self.client.hgetall(key)
+            # The client leaves decode_responses off, so redis replies are bytes.
+            raw = cast("dict[bytes, bytes]", await self.client.hgetall(key))
             fields = {k.decode(): v.decode() for k, v in raw.items()}
             if "tenant" not in fields or "tool" not in fields:
                 continue
@@ -98,7 +101,7 @@ class ToolReturnPredictor:
         recency.move_to_end(tool)
         b, weight, rescaled = history.observe(duration_ms)
         key = history_key(tenant, tool)
-        mapping: dict[str, str | float | int] = {"tenant": tenant, "tool": tool, "n": history.num_observations}
+        mapping: dict[FieldT, EncodableT] = {"tenant": tenant, "tool": tool, "n": history.num_observations}
         try:
             async with self.client.pipeline(transaction=True) as pipe:
                 if forgotten:

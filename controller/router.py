@@ -29,6 +29,7 @@ from kvtier.domain.hashing import NamespaceDigest, NamespaceIdentity, PageKey, n
 from kvtier.domain.records import (
     LookupRequest,
     LookupResult,
+    ModelIdentity,
     Policy,
     Prefix,
     RouteDecision,
@@ -110,7 +111,7 @@ def unserved_reason(namespace: NamespaceIdentity, live: Sequence[WorkerEntry]) -
 def served_models(live: Sequence[WorkerEntry], tenant: str) -> tuple[ServedModel, ...]:
     """The models ``live`` workers serve, one per distinct set of namespace fields, sorted by
     model id then page size; ``tenant`` fills each namespace's tenant field."""
-    groups: dict[tuple[object, int], list[WorkerEntry]] = {}
+    groups: dict[tuple[ModelIdentity, int], list[WorkerEntry]] = {}
     for entry in live:
         if not entry.is_draining:
             groups.setdefault((entry.registration.model, entry.registration.page_size), []).append(entry)

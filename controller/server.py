@@ -200,13 +200,13 @@ class ControllerServer:
             ("directory access", self.access.close),
             ("grpc server", lambda: self.server.stop(grace_s)),
         ]
-        if self._health_server is not None:
-            steps.append(("health server", lambda: self._health_server.stop(0)))
+        if (health_server := self._health_server) is not None:
+            steps.append(("health server", lambda: health_server.stop(0)))
         steps += [("redis client", self._client.aclose), ("redis lookup client", self._lookup_client.aclose)]
         if self.metrics is not None:
             steps.append(("metrics", self.metrics.close))
-        if self._embedded is not None:
-            steps.append(("embedded redis", lambda: asyncio.to_thread(self._embedded.stop)))
+        if (embedded := self._embedded) is not None:
+            steps.append(("embedded redis", lambda: asyncio.to_thread(embedded.stop)))
         return steps
 
     # -- background work (leader only) ------------------------------------------------------

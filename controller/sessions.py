@@ -22,10 +22,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, fields, replace
-from typing import Protocol
+from typing import Protocol, cast
 
 import grpc.aio
 import redis.asyncio as aredis
+from redis.typing import EncodableT, FieldT
 
 from kvtier.controller.resync import REDIS_ERRORS, describe
 from kvtier.domain.errors import FailedPrecondition, InvalidArgument, Unavailable
@@ -176,6 +177,12 @@ class SessionRecord:
 SESSION_FETCH_BATCH = 200
 
 
+
+def _bytes_hash(raw: dict[bytes | str, bytes | str]) -> dict[bytes, bytes]:
+    """An HGETALL reply: redis-py types it bytes-or-str for decode_responses, which the
+    session store's client leaves off, so it is bytes."""
+    return cast("dict[bytes, bytes]", raw)
+
 class SessionStore:
     """Session records in Redis, each with an idle TTL refreshed on every write."""
 
@@ -185,13 +192,14 @@ class SessionStore:
 
     async def get(self, session_id: SessionId) -> SessionRecord | None:
         raw = await self.client.hgetall(KEY_PREFIX + session_id)
-        return SessionRecord.from_hash(raw) if raw else None
+        return SessionRecord.from_hash(_bytes_hash(raw)) if raw else None
 
     async def put(self, record: SessionRecord) -> None:
         key = KEY_PREFIX + record.session_id
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.delete(key)  # fields that became None must go too
-            pipe.hset(key, mapping=record.to_hash())
+            fields: dict[FieldT, EncodableT] = {k: v for k, v in record.to_hash().items()}
+            pipe.hset(key, mapping=fields)
             ttl_s = min(self.ttl_s, ENDED_TTL_S) if record.state is SessionState.ENDED else self.ttl_s
             pipe.pexpire(key, max(1, round(ttl_s * 1000)))
             await pipe.execute()
@@ -200,7 +208,7 @@ class SessionStore:
         async for key in self.client.scan_iter(match=KEY_PREFIX + "*", count=500):
             raw = await self.client.hgetall(key)
             if raw:
-                yield SessionRecord.from_hash(raw)
+                yield SessionRecord.from_hash(_bytes_hash(raw))
 
     async def page(self, request: ListSessionsRequest) -> SessionPage:
         """One page of sessions in session-id order (Admin.ListSessions): the page token is the hex of

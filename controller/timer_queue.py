@@ -6,7 +6,8 @@ import asyncio
 import heapq
 import itertools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 
 def wall_clock_ms() -> float:
@@ -21,14 +22,14 @@ class TimerQueue:
     def __init__(self, clock_ms: Callable[[], float] = wall_clock_ms) -> None:
         self.clock_ms = clock_ms
         self._heap: list[tuple[float, int, str]] = []
-        self._entries: dict[str, tuple[int, Callable[[], Awaitable[None]]]] = {}
+        self._entries: dict[str, tuple[int, Callable[[], Coroutine[Any, Any, None]]]] = {}
         self._seq = itertools.count()
         self._tasks: set[asyncio.Task[None]] = set()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def schedule(self, key: str, at_ms: float, callback: Callable[[], Awaitable[None]]) -> None:
+    def schedule(self, key: str, at_ms: float, callback: Callable[[], Coroutine[Any, Any, None]]) -> None:
         seq = next(self._seq)
         self._entries[key] = (seq, callback)
         heapq.heappush(self._heap, (at_ms, seq, key))
@@ -39,7 +40,7 @@ class TimerQueue:
     def is_scheduled(self, key: str) -> bool:
         return key in self._entries
 
-    def pop_due(self, now_ms: float) -> list[Callable[[], Awaitable[None]]]:
+    def pop_due(self, now_ms: float) -> list[Callable[[], Coroutine[Any, Any, None]]]:
         due = []
         while self._heap and self._heap[0][0] <= now_ms:
             _, seq, key = heapq.heappop(self._heap)

@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from multiprocessing.process import BaseProcess
 
 DEFAULT_MAX_S = 3600.0
 
@@ -37,7 +38,7 @@ def _burn(max_s: float, core: int | None) -> None:
 
 
 @contextmanager
-def busy_core(enabled: bool, *, max_s: float = DEFAULT_MAX_S) -> Iterator[multiprocessing.Process | None]:
+def busy_core(enabled: bool, *, max_s: float = DEFAULT_MAX_S) -> Iterator[BaseProcess | None]:
     """While inside, a process burns one core (the last one the scheduler lets us use); ``None``
     when not ``enabled``. The process ends when the block exits, or after ``max_s`` on its own."""
     if not enabled:

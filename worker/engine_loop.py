@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -185,7 +185,7 @@ class EngineLoop:
     # ---- requests -------------------------------------------------------------------
     async def submit(
         self, request: GenerateRequest, *, trace_parent: Context | None = None
-    ) -> AsyncIterator[GenerateEvent]:
+    ) -> AsyncGenerator[GenerateEvent, None]:
         """Generate for ``request``: ``TokenChunk`` events, then exactly one ``GenerateFinal``.
 
         Admission errors (``InvalidArgument``, ``ResourceExhausted``) raise on the first

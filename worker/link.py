@@ -266,7 +266,7 @@ class WorkerLink:
             call = worker_link_pb2_grpc.WorkerLinkStub(channel).Connect(metadata=self._metadata)
             try:
                 await call.write(to_proto_worker_event(self.registration))
-                self._outbox = outbox = asyncio.Queue()
+                self._outbox = outbox = asyncio.Queue[WorkerEvent]()
                 await self._send_snapshot(SnapshotId(f"connect-{uuid.uuid4().hex[:12]}"))
                 tasks = [
                     asyncio.create_task(self._write_loop(call, outbox)),

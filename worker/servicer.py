@@ -19,6 +19,7 @@ import socket
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import grpc
 import grpc.aio
@@ -56,7 +57,7 @@ from kvtier.worker.metrics import WorkerMetrics
 
 log = get_logger("kvtier.worker.servicer")
 
-HealthServicer = grpc_health.aio.HealthServicer
+HealthServicer: TypeAlias = grpc_health.aio.HealthServicer
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 # Every kvtier server: messages up to MAX_MESSAGE_BYTES, and client keepalive pings (the

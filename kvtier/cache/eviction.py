@@ -58,6 +58,10 @@ def _default_bandwidth() -> dict[tuple[Tier, Tier], float]:
     }
 
 
+# Achieved prefill throughput of one H100-class GPU, not the datasheet peak.
+FLOPS_PER_S = 400e12
+
+
 @dataclass(slots=True)
 class CostModel:
     """Seconds to get one page back: by recomputing it, or by copying it between tiers.
@@ -70,7 +74,7 @@ class CostModel:
     hidden_size: int = 4096
     page_size: int = 16  # tokens per page
     page_bytes: int = 2 << 20
-    flops_per_s: float = 400e12  # achieved prefill throughput, not the datasheet peak
+    flops_per_s: float = FLOPS_PER_S
     bandwidth_bytes_per_s: dict[tuple[Tier, Tier], float] = field(default_factory=_default_bandwidth)
 
     def __post_init__(self) -> None:
@@ -86,7 +90,9 @@ class CostModel:
 
     @classmethod
     def for_model(
-        cls, geometry: ModelGeometry, *, page_size: int, kv_dtype: str = "bf16", **kwargs: float
+        cls, geometry: ModelGeometry, *, page_size: int, kv_dtype: str = "bf16",
+        flops_per_s: float = FLOPS_PER_S,
+        bandwidth_bytes_per_s: Mapping[tuple[Tier, Tier], float] | None = None,
     ) -> CostModel:
         """The cost model of a model read from its config (``kvtier.domain.geometry``)."""
         page_bytes = -(-geometry.kv_bits_per_token(kv_dtype) * page_size // 8)
@@ -96,7 +102,10 @@ class CostModel:
             hidden_size=geometry.num_attention_heads * geometry.head_dim,
             page_size=page_size,
             page_bytes=page_bytes,
-            **kwargs,
+            flops_per_s=flops_per_s,
+            bandwidth_bytes_per_s=(
+                _default_bandwidth() if bandwidth_bytes_per_s is None else dict(bandwidth_bytes_per_s)
+            ),
         )
 
     def recompute_s(self, depth: int) -> float:

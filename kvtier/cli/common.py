@@ -27,6 +27,7 @@ import json
 import os
 import sys
 from collections.abc import Awaitable, Callable, Mapping
+from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
@@ -81,7 +82,7 @@ def _gib_to_bytes(gib: float, flag: str, *, positive: bool = False) -> int:
     return round(gib * GIB)
 
 
-def _format_bytes(num_bytes: float) -> str:
+def _format_bytes(num_bytes: float | Fraction) -> str:
     num_bytes = float(num_bytes)  # Fraction has no format spec before Python 3.12
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(num_bytes) < 1024 or unit == "TiB":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import grpc
@@ -103,7 +103,7 @@ class AsyncClient(AdminClient):
         priority: int = 0,
         deadline_s: float | None = None,
         worker: str | None = None,
-    ) -> AsyncIterator[GenerateEvent]:
+    ) -> AsyncGenerator[GenerateEvent, None]:
         """Stream ``TokenChunk`` events and one final ``GenerateFinal``.
 
         Without ``worker`` the controller routes the request; with it (``host:port``) the

@@ -6,11 +6,12 @@ import torch
 
 from kvtier.cache.page_pool import PagePool
 from kvtier.engine.attention.base import AttentionBackend, AttentionMetadata
+from kvtier.engine.model import LlamaModel
 from kvtier.engine.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, pool: PagePool, backend: AttentionBackend) -> None:
+    def __init__(self, model: LlamaModel, pool: PagePool, backend: AttentionBackend) -> None:
         self.model = model
         self.pool = pool
         self.backend = backend

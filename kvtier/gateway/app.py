@@ -16,7 +16,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,10 +151,10 @@ def create_app(model: ServedModel, options: GatewayOptions) -> FastAPI:
         metrics.requests.labels(endpoint, str(response.status_code)).inc()
         return response
 
-    async def streamed(chunks: AsyncIterator[dict[str, Any]], endpoint: str) -> Response:
+    async def streamed(chunks: AsyncGenerator[dict[str, Any], None], endpoint: str) -> Response:
         """An SSE response; the first chunk is awaited here so that routing errors are HTTP statuses."""
         started = time.perf_counter()
-        iterator = aiter(chunks)
+        iterator = chunks  # an async generator is its own iterator, and has aclose
         first = await anext(iterator)
 
         async def body() -> AsyncIterator[bytes]:
@@ -226,7 +226,7 @@ def create_app(model: ServedModel, options: GatewayOptions) -> FastAPI:
 
 async def text_completion(
     model: ServedModel, req: CompletionRequest, client: AsyncClient
-) -> AsyncIterator[dict[str, Any]]:
+) -> AsyncGenerator[dict[str, Any], None]:
     """``/v1/completions`` chunks: the prompt as given (no chat template), text deltas, then
     one chunk with the finish reason and usage (the non-streaming handler joins them). The
     first chunk comes from the worker's first answer, so a refused request is an HTTP status."""

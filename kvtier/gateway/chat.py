@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,7 +189,7 @@ class ChatCompletion:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model.name,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
 
-    async def stream(self) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self) -> AsyncGenerator[dict[str, Any], None]:
         """Chunks as OpenAI sends them: the role, content deltas (or tool-call deltas), the
         finish reason, then usage when asked for."""
         events = aiter(self._events())

@@ -234,9 +234,13 @@ def parse_completion(body: Any) -> CompletionRequest:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
-    is_ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                        for t in prompt)
-    if not (isinstance(prompt, str) and prompt) and not is_ids:
+    text_or_ids: str | list[int]
+    if isinstance(prompt, str) and prompt:
+        text_or_ids = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                     for t in prompt):
+        text_or_ids = prompt
+    else:
         raise bad("prompt", "prompt must be a non-empty string or a list of token ids", "invalid_type")
     stream, include = _stream(body)
-    return CompletionRequest(model, prompt, _sampling(body, chat=False), stream, include)
+    return CompletionRequest(model, text_or_ids, _sampling(body, chat=False), stream, include)

@@ -9,6 +9,8 @@ Stopping the stack stops exactly what it started (an external Redis or Ray is le
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import json
 import os
 import signal
@@ -180,8 +182,6 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
                 dram_bytes=options.dram_bytes,
                 nvme_bytes=options.nvme_bytes,
                 eviction_policy=options.eviction_policy,
-                **({} if options.session_hold_fraction is None
-                   else {"session_hold_fraction": options.session_hold_fraction}),
                 emulated_dram_link_bytes_per_s=options.emulated_dram_link_bytes_per_s,
                 emulated_nvme_link_bytes_per_s=options.emulated_nvme_link_bytes_per_s,
                 wait_scale=options.wait_scale,
@@ -189,12 +189,14 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
                 auth_token_file=auth.worker_token_file if auth else None,
                 auth_tokens_file=auth.table_file if auth else None,
             )
+            if options.session_hold_fraction is not None:
+                config = dataclasses.replace(config, session_hold_fraction=options.session_hold_fraction)
             config.check()  # built directly, not by load_config: the field checks run here
             worker_id = f"worker-{i}"
             actor, address = await loop.run_in_executor(
                 None,
-                lambda c=config, w=worker_id: start_worker_actor(
-                    c, worker_id=w, max_restarts=options.max_restarts,
+                functools.partial(
+                    start_worker_actor, config, worker_id=worker_id, max_restarts=options.max_restarts,
                     heartbeat_interval_s=options.heartbeat_interval_s,
                 ),
             )

@@ -28,7 +28,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
@@ -38,6 +38,9 @@ from kvtier.domain.errors import ConfigError
 from kvtier.domain.hashing import KV_DTYPES
 from kvtier.domain.sizes import SizeError, parse_size
 from kvtier.runtime.log import LOG_LEVELS
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 ENV_PREFIX = "KVTIER_"
 _SETTING = "kvtier.setting"
@@ -50,7 +53,7 @@ MAX_WAIT_SCALE = 100.0
 # ``OrchestratorParams.max_hold_ms`` of an orchestrator built without a configuration).
 DEFAULT_SESSION_HOLD_MAX_S = 10.0
 
-C = TypeVar("C")
+C = TypeVar("C", bound="DataclassInstance")
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,8 +93,8 @@ class TextFormatter(logging.Formatter):
         for key, value in _fields(record).items():
             text = str(value)
             parts.append(f"{key}={jsonlib.dumps(text) if ' ' in text else text}")
-        if getattr(record, "run_id", None):
-            parts.append(f"run={record.run_id}")
+        if run_id := getattr(record, "run_id", None):
+            parts.append(f"run={run_id}")
         line = " ".join(parts)
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
@@ -111,15 +111,15 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        if getattr(record, "run_id", None):
-            entry["run_id"] = record.run_id
+        if run_id := getattr(record, "run_id", None):
+            entry["run_id"] = run_id
         entry.update(_fields(record))
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return jsonlib.dumps(entry, default=str)
 
 
-class _KvtierHandler(logging.StreamHandler):  # type: ignore[type-arg]
+class _KvtierHandler(logging.StreamHandler):
     """Marks the handler ``setup_logging`` owns, so calling it again replaces it."""
 
 

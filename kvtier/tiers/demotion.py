@@ -21,6 +21,8 @@ log = logging.getLogger("kvtier.domain.tiers")
 class Demotions:
     """Demotions of ``TierManager``, which holds the pending transfers (``_pending``)."""
 
+    _pending: dict[TransferId, PendingMove]  # set by TierManager.__init__
+
     def demote(self, src: Tier, dst: Tier, num_pages: int, reason: TransferReason, *, dirty_only: bool = False) -> int:
         """Start moving up to ``num_pages`` of ``src``'s coldest idle pages to ``dst``; returns
         how many are leaving (or, demoted onto their DRAM copy, already left). ``dirty_only``:

@@ -121,7 +121,7 @@ class EmulatedLinks:
                     finished: list[Flow] = []
                     next_s: float | None = None
                     for pair, flows in self._flows.items():
-                        keep = []
+                        keep: list[Flow] = []
                         for flow in flows:
                             cancelled = flow.job.cancel_requested
                             (finished if flow.remaining_bytes <= 0 or cancelled or self._closed else keep).append(flow)

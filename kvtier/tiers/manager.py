@@ -414,8 +414,9 @@ class TierManager(ShadowCopies, RoomMaking, Demotions, Promotions):
             for key, page in list(pending.items()):
                 if page.parent_key is not None and page.parent_key in pending:
                     continue
+                # An NVMe node's page field holds its slot id (RadixNode.tier).
                 node = self.index.insert(
-                    key, page.parent_key, page.slot, page.tokens or (), page.namespace,
+                    key, page.parent_key, PageId(page.slot), page.tokens or (), page.namespace,
                     tier=Tier.NVME, checksum=page.checksum,
                 ) if page.tokens and len(page.tokens) == self.hbm.page_size else None
                 if node is None:
@@ -435,7 +436,7 @@ class TierManager(ShadowCopies, RoomMaking, Demotions, Promotions):
             held = sum(1 for n in self.index.nodes() if n.tier is Tier.DRAM)
             all_shadows = [*self._shadows[Tier.DRAM].values(),
                            *(e.shadow for p in self._pending.values() for e in p.shadowed)]
-            shadows = [sh.page for sh in all_shadows if sh.tier is Tier.DRAM]
+            shadows = [PageId(sh.page) for sh in all_shadows if sh.tier is Tier.DRAM]
             cached = sum(1 for p in range(self.dram.num_pages) if self.dram.is_cached(PageId(p)))
             if held + len(shadows) != cached:
                 raise IntegrityError(

@@ -65,7 +65,7 @@ def _ensure_ninja_on_path() -> None:
     if shutil.which("ninja") is not None:
         return
     try:
-        import ninja  # type: ignore[import-not-found]
+        import ninja
     except ImportError:
         return  # cpp_extension reports "Ninja is required" and the caller falls back
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")

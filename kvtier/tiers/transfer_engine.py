@@ -291,9 +291,9 @@ class TransferEngine(CopyPaths):
             for name, seq in (("keys", t.keys), ("namespaces", t.namespaces)):
                 if seq is None or len(seq) != n:
                     raise InvalidArgument(f"a transfer to nvme needs {n} {name}", field=name)
-            for name, seq in (("parents", t.parents), ("tokens", t.tokens)):
-                if seq is not None and len(seq) != n:
-                    raise InvalidArgument(f"{n} pages but {len(seq)} {name}", field=name)
+            for name, given in (("parents", t.parents), ("tokens", t.tokens)):
+                if given is not None and len(given) != n:
+                    raise InvalidArgument(f"{n} pages but {len(given)} {name}", field=name)
         if t.src_tier is Tier.DRAM:
             assert self.dram is not None
             present = self.dram.checksum_array(t.pairs[:, 0])[1]

@@ -29,7 +29,8 @@ import importlib.util
 import torch
 
 from kvtier.domain.errors import FailedPrecondition, InvalidArgument
-from kvtier.engine.attention.base import AttentionMetadata, write_kv_reference
+from kvtier.engine.attention.base import AttentionMetadata, KvLayer, write_kv_reference
+from kvtier.engine.attention.fp8 import Fp8KvLayer
 
 FLASH_ATTN_PAGE_MULTIPLE = 256
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -59,15 +60,20 @@ class FlashAttnBackend:
         return page_size % FLASH_ATTN_PAGE_MULTIPLE == 0 and (dtype is None or dtype in _SUPPORTED_DTYPES)
 
     def write_kv(
-        self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
+        self, kv_layer: KvLayer, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
     ) -> None:
         # Two index_put kernels; flash-attn's in-kernel append only exists for the
         # non-varlen kvcache entry point.
         write_kv_reference(kv_layer, k, v, md)
 
     def forward(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata, scale: float
+        self, q: torch.Tensor, kv_layer: KvLayer, md: AttentionMetadata, scale: float
     ) -> torch.Tensor:
+        if isinstance(kv_layer, Fp8KvLayer):
+            raise InvalidArgument(
+                "flash-attn reads fp16/bf16 pages, not FP8 codes; use torch-reference for this pool",
+                field="kv_dtype",
+            )
         page_size = kv_layer.shape[2]
         if not self.supports(page_size, kv_layer.dtype):
             raise InvalidArgument(

@@ -135,13 +135,16 @@ class TritonPagedBackend:
 
     def forward(self, q: torch.Tensor, kv_layer: KvLayer, md: AttentionMetadata, scale: float) -> torch.Tensor:
         self._check(q, kv_layer)
-        is_fp8 = isinstance(kv_layer, Fp8KvLayer)
-        if is_fp8:
-            scales, kv_layer = kv_layer.scales, kv_layer.codes
+        scales: torch.Tensor | None = None
+        if isinstance(kv_layer, Fp8KvLayer):
+            scales, codes = kv_layer.scales, kv_layer.codes
+        else:
+            codes = kv_layer
+        is_fp8 = scales is not None
         # The dtype of the products: the pool's, or q's over FP8 codes.
-        compute_dtype = q.dtype if is_fp8 else kv_layer.dtype
+        compute_dtype = q.dtype if is_fp8 else codes.dtype
         num_tokens, num_heads, head_dim = q.shape
-        page_size, kv_heads = kv_layer.shape[2], kv_layer.shape[3]
+        page_size, kv_heads = codes.shape[2], codes.shape[3]
         group = num_heads // kv_heads
         out = torch.empty_like(q)
         if num_tokens == 0:
@@ -153,10 +156,10 @@ class TritonPagedBackend:
         # tl.dot needs every dimension >= 16; a decode row tile holds one token's group.
         block_m = max(16, min(64, triton.next_power_of_2(md.max_query_len * group)))
         block_n = 64 if block_d <= 128 else 32
-        splits = self._splits(md, kv_heads, kv_layer.device)
+        splits = self._splits(md, kv_heads, codes.device)
         num_tiles = math.ceil(md.max_query_len * group / block_m)
 
-        k_cache, v_cache = kv_layer[:, 0], kv_layer[:, 1]
+        k_cache, v_cache = codes[:, 0], codes[:, 1]
         block_tables = md.block_tables
         if splits > 1:
             part_acc = torch.empty(
@@ -177,13 +180,13 @@ class TritonPagedBackend:
             part_acc,
             part_max,
             part_sum,
-            scales if is_fp8 else out,  # never read for float pools
+            out if scales is None else scales,  # never read for float pools
             scale * _LOG2_E,
             *q.stride(),
             *out.stride(),
             *k_cache.stride(),
             block_tables.stride(0),
-            *(scales.stride() if is_fp8 else (0, 0, 0)),
+            *((0, 0, 0) if scales is None else scales.stride()),
             num_heads,
             GROUP=group,
             PAGE_SIZE=page_size,

@@ -60,6 +60,8 @@ from kvtier.rpc.convert.fields import (
     read_string,
     read_tier,
     required_message,
+    wire_optional_tier,
+    wire_tier,
 )
 from kvtier.rpc.convert.limits import DEFAULT_LIST_SESSIONS_LIMIT, MAX_IDENTITY_FIELD_CHARS, MAX_TEXT_CHARS
 from kvtier.rpc.convert.sessions import SESSION_STATES, from_proto_session_info, to_proto_session_info
@@ -271,7 +273,7 @@ def from_proto_drain_response(msg: admin_pb2.DrainResponse, path: str = "") -> W
 def to_proto_pin_request(request: PinRequest) -> admin_pb2.PinRequest:
     return admin_pb2.PinRequest(
         namespace=to_proto_namespace_identity(request.namespace),
-        tier=int(request.tier),
+        tier=wire_tier(request.tier),
         ttl_s=request.ttl_s,
         **prefix_fields(request.prefix),
     )
@@ -325,7 +327,7 @@ def to_proto_evict_request(request: EvictRequest) -> admin_pb2.EvictRequest:
     return admin_pb2.EvictRequest(
         namespace=to_proto_namespace_identity(request.namespace),
         worker_id=request.worker_id or "",
-        demote_to_tier=int(request.demote_to_tier) if request.demote_to_tier is not None else None,
+        demote_to_tier=wire_optional_tier(request.demote_to_tier),
         **prefix_fields(request.prefix),
     )
 

@@ -24,6 +24,7 @@ from kvtier.rpc.convert.fields import (
     read_tier,
     read_token_ids,
     validate_as,
+    wire_tier,
 )
 from kvtier.rpc.convert.limits import MAX_IDENTITY_FIELD_CHARS, MAX_STOP_TOKEN_IDS
 
@@ -110,7 +111,7 @@ def from_proto_tokens_by_tier(msg: common_pb2.TokensByTier, path: str = "") -> T
 
 def to_proto_tier_occupancy(occupancy: TierOccupancy) -> common_pb2.TierOccupancy:
     return common_pb2.TierOccupancy(
-        tier=int(occupancy.tier),
+        tier=wire_tier(occupancy.tier),
         total_pages=occupancy.total_pages,
         free_pages=occupancy.free_pages,
         cached_pages=occupancy.cached_pages,
@@ -140,7 +141,7 @@ def read_occupancies(items: Sequence[common_pb2.TierOccupancy], path: str) -> tu
 
 def to_proto_tier_capacity(capacity: TierCapacity) -> common_pb2.TierCapacity:
     return common_pb2.TierCapacity(
-        tier=int(capacity.tier),
+        tier=wire_tier(capacity.tier),
         capacity_pages=capacity.capacity_pages,
         capacity_bytes=capacity.capacity_bytes,
     )

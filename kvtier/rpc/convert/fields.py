@@ -120,8 +120,22 @@ def read_optional_tier(msg: Any, name: str, path: str) -> Tier | None:
     return read_tier(getattr(msg, name), join_path(path, name)) if msg.HasField(name) else None
 
 
-def tier_or_unset(tier: Tier | None) -> int:
-    return int(tier) if tier is not None else common_pb2.TIER_UNSPECIFIED
+# The wire tier of each domain tier, by name (``Tier.HBM`` ⇄ ``TIER_HBM``). Built at import,
+# so a renamed member fails loudly.
+_WIRE_TIERS: dict[Tier, common_pb2.Tier] = {tier: common_pb2.Tier.Value(f"TIER_{tier.name}") for tier in Tier}
+
+
+def wire_tier(tier: Tier) -> common_pb2.Tier:
+    return _WIRE_TIERS[tier]
+
+
+def wire_optional_tier(tier: Tier | None) -> common_pb2.Tier | None:
+    """``None`` leaves an optional tier field unset."""
+    return None if tier is None else _WIRE_TIERS[tier]
+
+
+def tier_or_unset(tier: Tier | None) -> common_pb2.Tier:
+    return common_pb2.TIER_UNSPECIFIED if tier is None else _WIRE_TIERS[tier]
 
 
 class EnumMap:

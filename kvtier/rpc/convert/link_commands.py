@@ -38,6 +38,7 @@ from kvtier.rpc.convert.fields import (
     read_string,
     read_tier,
     required_message,
+    wire_tier,
 )
 from kvtier.rpc.convert.limits import MAX_COMMAND_PAGES
 
@@ -80,7 +81,7 @@ def to_proto_demote_command(command: DemoteCommand) -> worker_link_pb2.DemoteCom
     return worker_link_pb2.DemoteCommand(
         namespace_digest=command.namespace_digest,
         page_keys=command.page_keys,
-        target_tier=int(command.target_tier),
+        target_tier=wire_tier(command.target_tier),
         session_id=command.session_id or "",
         whole_namespace=command.whole_namespace,
     )
@@ -101,7 +102,7 @@ def to_proto_prefetch_command(command: PrefetchCommand) -> worker_link_pb2.Prefe
     return worker_link_pb2.PrefetchCommand(
         namespace_digest=command.namespace_digest,
         page_keys=command.page_keys,
-        target_tier=int(command.target_tier),
+        target_tier=wire_tier(command.target_tier),
         deadline_ms=command.deadline_ms,
         session_id=command.session_id or "",
         return_in_ms=command.return_in_ms,
@@ -199,7 +200,7 @@ def to_proto_pin_command(command: PinCommand) -> worker_link_pb2.PinCommand:
         pin_id=command.pin_id,
         namespace_digest=command.namespace_digest,
         page_keys=command.page_keys,
-        tier=int(command.tier),
+        tier=wire_tier(command.tier),
         expires_at_ms=command.expires_at_ms,
     )
 

@@ -47,6 +47,8 @@ from kvtier.rpc.convert.fields import (
     read_tier,
     required_message,
     tier_or_unset,
+    wire_optional_tier,
+    wire_tier,
 )
 from kvtier.rpc.convert.limits import (
     MAX_BATCH_EVENTS,
@@ -115,7 +117,7 @@ def to_proto_page_event(event: PageEvent) -> worker_link_pb2.PageEvent:
         parent_key=event.parent_key or b"",
         depth=event.depth or 0,
         tier=tier_or_unset(event.tier),
-        from_tier=int(event.from_tier) if event.from_tier is not None else None,
+        from_tier=wire_optional_tier(event.from_tier),
     )
 
 
@@ -175,7 +177,7 @@ def from_proto_inventory_page(msg: worker_link_pb2.InventoryPage, path: str = ""
 def to_proto_namespace_inventory(inventory: NamespaceInventory) -> worker_link_pb2.NamespaceInventory:
     return worker_link_pb2.NamespaceInventory(
         namespace_digest=inventory.namespace_digest,
-        tier=int(inventory.tier),
+        tier=wire_tier(inventory.tier),
         pages=[to_proto_inventory_page(p) for p in inventory.pages],
     )
 
@@ -231,14 +233,16 @@ def to_proto_command_ack(ack: CommandAck) -> worker_link_pb2.CommandAck:
 
 
 def from_proto_command_ack(msg: worker_link_pb2.CommandAck, path: str = "ack") -> CommandAck:
-    counts = dict(num_pages=msg.num_pages, num_skipped_pages=msg.num_skipped_pages)
     if msg.ok:
-        return CommandAck(command_id=CommandId(msg.command_id), **counts)
+        return CommandAck(
+            command_id=CommandId(msg.command_id), num_pages=msg.num_pages, num_skipped_pages=msg.num_skipped_pages
+        )
     return CommandAck(
         command_id=CommandId(msg.command_id),
         error_code=read_string(msg.error_code, join_path(path, "error_code"), required=True),
         error_message=read_string(msg.error_message, join_path(path, "error_message"), max_chars=MAX_TEXT_CHARS),
-        **counts,
+        num_pages=msg.num_pages,
+        num_skipped_pages=msg.num_skipped_pages,
     )
 
 

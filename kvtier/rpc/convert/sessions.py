@@ -22,6 +22,7 @@ from kvtier.rpc.convert.fields import (
     read_optional_tier,
     read_string,
     required_message,
+    wire_optional_tier,
 )
 from kvtier.rpc.convert.limits import MAX_TEXT_CHARS
 
@@ -75,10 +76,11 @@ def to_proto_session_info(info: SessionInfo) -> sessions_pb2.SessionInfo:
         paused_at_ms=info.paused_at_ms,
         predicted_return_at_ms=info.predicted_return_at_ms,
         prediction_source=(
-            _PREDICTION_SOURCES.to_wire[info.prediction_source] if info.prediction_source is not None else 0
+            _PREDICTION_SOURCES.to_wire[info.prediction_source] if info.prediction_source is not None
+            else sessions_pb2.PREDICTION_SOURCE_UNSPECIFIED
         ),
         prefetch_at_ms=info.prefetch_at_ms,
-        parked_tier=int(info.parked_tier) if info.parked_tier is not None else None,
+        parked_tier=wire_optional_tier(info.parked_tier),
         num_cached_tokens=info.num_cached_tokens,
     )
 
