@@ -52,6 +52,8 @@ from kvtier.controller.link_session import (
     PendingSnapshot,
     QueuedEvent,
     SnapshotSummary,
+    insert_depth,
+    snapshot_inserts,
 )
 from kvtier.controller.registry import Registry
 from kvtier.controller.resync import REDIS_ERRORS, DirectoryAccess
@@ -98,23 +100,6 @@ SNAPSHOT_ACK_TIMEOUT_S = 30.0
 _DIVERGENCE = frozenset({RejectReason.MISSING_PARENT, RejectReason.NOT_HELD})
 _MEMBERS = {Heartbeat: "heartbeat", PageEventBatch: "page_events", InventorySnapshotChunk: "snapshot",
             CommandAck: "ack", Registration: "register"}
-
-
-def snapshot_inserts(chunk: InventorySnapshotChunk) -> list[PageEvent]:
-    """The chunk's pages as INSERT events, shallowest first (a parent before its children)."""
-    events = [
-        PageEvent.insert(inv.namespace_digest, page.page_key, page.parent_key, page.depth, inv.tier)
-        for inv in chunk.inventories
-        for page in inv.pages
-    ]
-    events.sort(key=_insert_depth)
-    return events
-
-
-def _insert_depth(event: PageEvent) -> int:
-    """An INSERT's depth, which every INSERT carries (``PageEvent.insert``)."""
-    assert event.depth is not None
-    return event.depth
 
 
 def _quiet(future: asyncio.Future[CommandAck]) -> None:
@@ -384,7 +369,7 @@ class WorkerLinks:
     async def _finish_snapshot(self, session: LinkSession, snapshot: PendingSnapshot) -> None:
         # Pages whose parent came in a later chunk: retry, shallowest first, while that helps.
         while snapshot.deferred:
-            retry, snapshot.deferred = sorted(snapshot.deferred, key=_insert_depth), []
+            retry, snapshot.deferred = sorted(snapshot.deferred, key=insert_depth), []
             if not await self._apply(session, retry, deferred=snapshot.deferred):
                 session.snapshot, session.needs_resync = None, True
                 return

@@ -141,3 +141,20 @@ class LinkSession:
         self.num_resync_failures += 1
         delay_s = min(MAX_RESYNC_BACKOFF_S, RESYNC_POLL_S * 2**self.num_resync_failures)
         self.resync_not_before_s = time.monotonic() + delay_s
+
+
+def snapshot_inserts(chunk: InventorySnapshotChunk) -> list[PageEvent]:
+    """The chunk's pages as INSERT events, shallowest first (a parent before its children)."""
+    events = [
+        PageEvent.insert(inv.namespace_digest, page.page_key, page.parent_key, page.depth, inv.tier)
+        for inv in chunk.inventories
+        for page in inv.pages
+    ]
+    events.sort(key=insert_depth)
+    return events
+
+
+def insert_depth(event: PageEvent) -> int:
+    """An INSERT's depth, which every INSERT carries (``PageEvent.insert``)."""
+    assert event.depth is not None
+    return event.depth
