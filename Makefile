@@ -45,7 +45,7 @@ lint: setup
 
 # mypy over kvtier, worker and controller; its configuration is [tool.mypy] in pyproject.toml.
 typecheck: setup
-	$(BIN)/python -m mypy
+	$(BIN)/python scripts/typecheck.py
 
 test: setup node-setup lint typecheck proto-check proto-lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
