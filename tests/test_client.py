@@ -231,14 +231,14 @@ async def test_routed_generate_falls_back_past_a_dead_worker(
 
 async def test_no_retry_once_a_token_arrived(client, router, peers, worker, namespace):
     router.decision = ranked(peers["address"], worker.address)  # the dying worker ranks first
-    finished_before = worker.loop.num_finished
+    finished_before = worker.loop.runs.num_finished
     received = []
     with pytest.raises(errors.Unavailable, match="lost its GPU"):
         async for event in client.generate(namespace, PROMPT):
             received.append(event)
     assert received == [TokenChunk(token_ids=(1,), index=0)]
     assert peers["dying"].num_calls >= 1
-    assert worker.loop.num_finished == finished_before, "the next worker must not be tried"
+    assert worker.loop.runs.num_finished == finished_before, "the next worker must not be tried"
 
 
 async def test_every_worker_dead_or_none_routed_is_unavailable(client, router, namespace):
@@ -273,7 +273,7 @@ async def test_route_deadline(client, router, namespace):
 
 async def test_generate_deadline_mid_stream_cancels_on_the_worker(client, worker, namespace, monkeypatch):
     slow_down(monkeypatch, worker.engine, 0.01)
-    cancelled_before = worker.loop.num_cancelled
+    cancelled_before = worker.loop.runs.num_cancelled
     received = 0
     with pytest.raises(errors.DeadlineExceeded):
         async for _ in client.generate(
@@ -286,10 +286,10 @@ async def test_generate_deadline_mid_stream_cancels_on_the_worker(client, worker
             received += 1
     assert received > 0
     for _ in range(200):
-        if worker.loop.num_cancelled > cancelled_before:
+        if worker.loop.runs.num_cancelled > cancelled_before:
             break
         await asyncio.sleep(0.01)
-    assert worker.loop.num_cancelled == cancelled_before + 1
+    assert worker.loop.runs.num_cancelled == cancelled_before + 1
     stats = await client.worker_stats(worker.address)
     assert stats.tiers[0].in_use_pages == 0
     assert (await client.check_integrity(worker.address)).is_ok
@@ -365,15 +365,15 @@ def _use_sync_client(peers, worker, namespace, expected_tokens):
         tokens, final = client.complete(namespace, PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))
         assert tokens == expected_tokens and final.usage.generated_tokens == 8
         assert client.route(namespace, PROMPT).best.address == worker.address
-        cancelled_before = worker.loop.num_cancelled
+        cancelled_before = worker.loop.runs.num_cancelled
         for event in client.generate(
             namespace, PROMPT, SamplingParams(max_tokens=500, ignore_eos=True), worker=worker.address
         ):
             assert isinstance(event, TokenChunk)
             break
         deadline = time.monotonic() + 5
-        while worker.loop.num_cancelled == cancelled_before and time.monotonic() < deadline:
+        while worker.loop.runs.num_cancelled == cancelled_before and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert worker.loop.num_cancelled == cancelled_before + 1
+        assert worker.loop.runs.num_cancelled == cancelled_before + 1
         stats = client.worker_stats(worker.address)
         assert stats.worker_id == "w-live"

@@ -226,7 +226,7 @@ def slow_down(monkeypatch, engine, step_s):
 
 async def test_two_hundred_cancellations_leak_no_page(worker, channels, monkeypatch):
     slow_down(monkeypatch, worker.engine, 0.003)
-    num_cancelled = worker.loop.num_cancelled
+    num_cancelled = worker.loop.runs.num_cancelled
     rng = random.Random(7)
     prompts = random_prompts(200, lens=(5, 9, 16, 23, 30), seed=7)
     limit = asyncio.Semaphore(16)
@@ -242,14 +242,14 @@ async def test_two_hundred_cancellations_leak_no_page(worker, channels, monkeypa
 
     await asyncio.gather(*(open_read_cancel(p) for p in prompts))
     await wait_idle(stub(channels))
-    assert worker.loop.num_cancelled - num_cancelled == len(prompts), "every stream was cut mid-generation"
+    assert worker.loop.runs.num_cancelled - num_cancelled == len(prompts), "every stream was cut mid-generation"
     await assert_consistent(stub(channels))
     await assert_healthy(channels["main"], worker)
 
 
 async def test_deadline_mid_stream_is_deadline_exceeded_and_frees_pages(worker, channels, monkeypatch):
     slow_down(monkeypatch, worker.engine, 0.01)
-    num_cancelled = worker.loop.num_cancelled
+    num_cancelled = worker.loop.runs.num_cancelled
     prompt = random_prompts(1, lens=(8,), seed=9)[0]
     call = stub(channels).Generate(request(worker, prompt, max_tokens=500), timeout=0.5)
     num_tokens = 0
@@ -259,7 +259,7 @@ async def test_deadline_mid_stream_is_deadline_exceeded_and_frees_pages(worker, 
     assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
     assert 0 < num_tokens < 500, "the deadline must expire mid-stream"
     await wait_idle(stub(channels))
-    assert worker.loop.num_cancelled == num_cancelled + 1
+    assert worker.loop.runs.num_cancelled == num_cancelled + 1
     await assert_consistent(stub(channels))
 
 

@@ -105,7 +105,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         generate = from_proto_generate_request(request)
         namespace = resolve_tenant(generate.namespace, principal_tenant(context))
         check_serves(namespace, self._loop.engine.namespace)
-        self._loop.engine.validate_prompt(list(generate.prompt_token_ids))  # the model's vocabulary and context
         # The digest is derived with the current policy epoch: invalidated keys are unreachable.
         generate = dataclasses.replace(generate, namespace=self._loop.epochs.apply(namespace))
         parent = tracing.remote_parent(context.invocation_metadata())  # None unless tracing is on

@@ -17,7 +17,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -251,7 +251,10 @@ class Engine:
         else:
             self._num_namespaces.pop(identity.tenant, None)
 
-    def validate_prompt(self, prompt: list[int]) -> None:
+    def check_prompt(self, prompt: Collection[int]) -> None:
+        """Raise ``InvalidArgument`` unless ``prompt`` is a prompt this model can continue: token
+        ids in its vocabulary, and room left in its context. Reads only the model's shape, so
+        any thread may call it."""
         if not prompt:
             raise InvalidArgument("prompt_token_ids must not be empty", field="prompt_token_ids")
         for i, tok in enumerate(prompt):
@@ -276,9 +279,23 @@ class Engine:
         priority: int = 0,
         namespace: NamespaceIdentity | None = None,
     ) -> str:
+        """Validate a request (its sampling parameters and its prompt) and queue it."""
         params = params or SamplingParams()
         params.validate()
-        self.validate_prompt(prompt)
+        self.check_prompt(prompt)
+        return self.enqueue(prompt, params, request_id=request_id, priority=priority, namespace=namespace)
+
+    def enqueue(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        namespace: NamespaceIdentity | None = None,
+    ) -> str:
+        """Queue a request validated at the caller's edge (``SamplingParams.validate`` and
+        ``check_prompt``), as a worker does when the request arrives; ``add_request`` validates."""
         rid = request_id or f"req-{next(self._request_ids)}"
         if rid in self._seqs:
             raise InvalidArgument(f"request id {rid!r} is already in flight", field="request_id")
