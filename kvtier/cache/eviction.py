@@ -270,7 +270,7 @@ _POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
     "experts": ExpertPolicy,
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_POLICIES)
-DEFAULT_POLICY = "value"
+DEFAULT_POLICY = "experts"
 
 # What each policy takes from the engine that runs it (``make_engine_policy``).
 _ENGINE_PARAMS: dict[str, Callable[[CostModel, Sequence[Tier], int], dict[str, object]]] = {

@@ -216,7 +216,7 @@ def _policy_from_mapping(data: Any, source: str) -> Policy:
             raise InvalidArgument(
                 f"{source}: unknown key {key!r}; a policy has {', '.join(_POLICY_KEYS)}", field=f"{source}:{key}"
             )
-    eviction = data.get("eviction_policy", "value")
+    eviction = data.get("eviction_policy", "experts")
     if not isinstance(eviction, str):
         raise InvalidArgument(f"{source}: eviction_policy must be a string", field="policy.eviction_policy")
     policy = Policy(

@@ -726,7 +726,7 @@ class Policy:
     watermarks: Mapping[Tier, Watermarks] = field(default_factory=dict)
     tier_weights: Mapping[Tier, float] = field(default_factory=dict)
     budget_bytes_per_s: Mapping[Tier, int] = field(default_factory=dict)
-    eviction_policy: str = "value"
+    eviction_policy: str = "experts"
 
     @classmethod
     def default(cls) -> Policy:
@@ -738,7 +738,7 @@ class Policy:
             },
             tier_weights={Tier.HBM: 1.0, Tier.DRAM: 0.6, Tier.NVME: 0.3},
             budget_bytes_per_s={},
-            eviction_policy="value",
+            eviction_policy="experts",
         )
 
     def validate(self, path: str = "policy") -> None:

@@ -46,7 +46,7 @@ class StackOptions:
     hbm_bytes: int | None = 64 << 20
     dram_bytes: int = 256 << 20
     nvme_bytes: int = 0
-    eviction_policy: str = "value"  # WorkerConfig.eviction_policy of every worker
+    eviction_policy: str = "experts"  # WorkerConfig.eviction_policy of every worker
     # WorkerConfig.session_hold_fraction of every worker; None: its default.
     session_hold_fraction: float | None = None
     # Link emulation, benchmarks without a GPU only (WorkerConfig.emulated_*_link_bytes_per_s,

@@ -268,9 +268,10 @@ class WorkerConfig:
     )
     # The names of kvtier.cache.eviction.POLICY_NAMES (not imported here: that module loads torch).
     eviction_policy: str = setting(
-        "value",
-        "which cached pages leave a tier first: value (restore cost x reuse, per byte), lru, or experts "
-        "(recency, frequency, value and reuse-time experts, the one measured best on this workload leads)",
+        "experts",
+        "which cached pages leave a tier first: experts (recency, frequency, value and reuse-time experts; "
+        "the one measured best on this workload leads, LRU until another is), value (restore cost x reuse, "
+        "per byte), or lru",
         choices=("value", "lru", "experts"),
     )
     state_dir: Path = _state_dir()
