@@ -239,9 +239,10 @@ def _ray_session_dir() -> str | None:
     instance holds files under it, which is how `kvtier down` finds them after a crash."""
     import ray
 
+    node: Any = getattr(ray._private.worker, "_global_node", None)
     try:
-        return str(Path(ray._private.worker._global_node.get_session_dir_path()).resolve())
-    except Exception:  # Ray without the attribute: `kvtier down` then has no session to clean
+        return str(Path(node.get_session_dir_path()).resolve())
+    except Exception:  # no node, or a Ray without the method: `kvtier down` then has no session to clean
         return None
 
 
