@@ -1,5 +1,6 @@
 """`kvtier up`'s supervisor on real Ray actors and a real Valkey: a restarted actor is followed
-to its new address, and what cannot come back is reported once, as such.
+to its new address, a killed Valkey is started again on its port, and what cannot come back is
+reported once, as such.
 
 The actors here are stand-ins for workers (a Ray actor answering ``address()``): the supervisor
 sees workers only through Ray's actor table and that one method.
@@ -10,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import time
 from types import SimpleNamespace
 
 import ray
+import redis
 
 from kvtier.local.stack import StackOptions, WorkerHandle
 from kvtier.local.supervisor import StackSupervisor
@@ -38,20 +41,20 @@ def stack_of(actors: dict[str, object], *, valkey: EmbeddedRedis | None = None, 
     handles = [WorkerHandle(worker_id, ray.get(actor.address.remote(), timeout=120), actor)
                for worker_id, actor in actors.items()]
     return SimpleNamespace(workers=handles, options=StackOptions(max_restarts=max_restarts),
-                           controller=SimpleNamespace(embedded_redis=valkey))
+                           controller=SimpleNamespace(embedded_redis=valkey), problems={})
 
 
-async def until_found(supervisor: StackSupervisor, subject: str, timeout_s: float = 120.0):
+async def until_found(supervisor: StackSupervisor, subject: str, timeout_s: float = 120.0, want=lambda f: True):
     deadline = time.monotonic() + timeout_s
     while True:
-        findings = [f for f in await supervisor.check_once() if f.subject == subject]
+        findings = [f for f in await supervisor.check_once() if f.subject == subject and want(f)]
         if findings:
             return findings
         assert time.monotonic() < deadline, f"no finding about {subject} within {timeout_s:.0f} s"
         await asyncio.sleep(0.5)
 
 
-async def test_a_restarted_worker_is_followed_and_a_dead_one_reported_once(local_ray, tmp_path):
+async def test_restarts_are_followed_valkey_is_brought_back_and_the_rest_reported_once(local_ray, tmp_path):
     restartable = stand_in_worker(max_restarts=1, max_task_retries=0)
     mortal = stand_in_worker(max_restarts=0)
     valkey = EmbeddedRedis(tmp_path / "valkey")
@@ -72,9 +75,29 @@ async def test_a_restarted_worker_is_followed_and_a_dead_one_reported_once(local
         assert not gone.is_recovered and "will not restart it" in gone.message and "kvtier down" in gone.message
         assert [f for f in await supervisor.check_once() if f.subject == "w-gone"] == [], "reported once"
 
-        valkey.stop()
-        (lost,) = [f for f in await supervisor.check_once() if f.subject == "valkey"]
-        assert not lost.is_recovered and str(valkey.log_path) in lost.message
+        # Valkey killed: started again on its port, with its password (clients keep their URL).
+        url, pid = valkey.url, valkey.pid
+        os.kill(pid, signal.SIGKILL)
+        await until_found(supervisor, "valkey", want=lambda f: f.is_recovered)
+        assert valkey.url == url and valkey.pid != pid
+        client = redis.Redis.from_url(url)
+        assert client.ping()
+        client.close()
+
+        # Killed with its port taken meanwhile: it cannot come back, and says so once.
+        port = valkey.port
+        os.kill(valkey.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while valkey.is_running:  # reaped, so its port is free for the squatter
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        with socket.socket() as squatter:
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            squatter.bind(("127.0.0.1", port))
+            squatter.listen()
+            (lost,) = await until_found(supervisor, "valkey")
+            assert not lost.is_recovered and "did not start again" in lost.message and "kvtier down" in lost.message
+            assert [f for f in await supervisor.check_once() if f.subject == "valkey"] == [], "reported once"
     finally:
         valkey.stop()
         for actor in (restartable, mortal):
@@ -97,3 +120,4 @@ async def test_run_reports_findings_and_rewrites_the_record(local_ray):
     finally:
         task.cancel()
     assert [f.subject for f in seen] == ["w-gone"] and records
+    assert list(stack.problems) == ["w-gone"] and stack.problems["w-gone"] == seen[0].message

@@ -89,8 +89,8 @@ class LocalStack:
     vocab_size: int
     admin_token: str | None = None  # set when options.auth: acts for any tenant (the demo's client uses it)
     frontend_token: str | None = None  # set when options.auth: acts for DEFAULT_TENANT only
-
     ray_session_dir: str | None = None  # set when the stack started Ray: `kvtier down` cleans it up
+    problems: dict[str, str] = field(default_factory=dict)  # what the supervisor could not recover, by subject
 
     @property
     def controller_address(self) -> str:
@@ -108,6 +108,7 @@ class LocalStack:
             "model_id": self.namespace.model_id,
             "pid": os.getpid(),
             "ray_session_dir": self.ray_session_dir,
+            "problems": dict(self.problems),
         }
 
     def write_record(self) -> None:

@@ -7,10 +7,14 @@ from Ray's actor table and, for a live one, the address it serves at. It returns
 as ``Finding`` values, each once:
 
 - a worker back at a new address (recovered): the stack's record follows it;
+- the embedded Valkey exited: started again on its port with its password (recovered), the
+  controller rebuilding the directory from the workers as after any Redis restart;
 - a worker Ray will not bring back (restarts spent, or its restart failed in a phase), a
-  Valkey server that exited, a Ray instance that is gone: these it cannot recover, and says so.
+  Valkey that does not start again, a Ray instance that is gone: these it cannot recover, and
+  says so.
 
-``kvtier up`` prints the findings and keeps ``stack.json`` (``LocalStack.write_record``) current.
+``kvtier up`` prints the findings and keeps ``stack.json`` (``LocalStack.write_record``) current:
+the workers' addresses, and under ``problems`` what it could not recover.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvtier.domain.errors import KvtierError
 from kvtier.runtime.log import get_logger
 
 if TYPE_CHECKING:
     from kvtier.local.stack import LocalStack, WorkerHandle
+    from kvtier.runtime.embedded_redis import EmbeddedRedis
 
 log = get_logger("kvtier.local.supervisor")
 
@@ -56,10 +62,9 @@ class StackSupervisor:
             if (finding := await loop.run_in_executor(None, functools.partial(self._check_worker, handle))):
                 findings += self._once(finding) if not finding.is_recovered else [finding]
         embedded = self.stack.controller.embedded_redis
-        if embedded is not None and not embedded.is_running:
-            findings += self._once(Finding(
-                "valkey", f"the embedded Valkey exited (see {embedded.log_path}); the directory is unreachable "
-                "until the stack restarts: run `kvtier down`, then `kvtier up`", is_recovered=False))
+        if embedded is not None and not embedded.is_running and "valkey" not in self._reported:
+            finding = self._restart_valkey(embedded)
+            findings += self._once(finding) if not finding.is_recovered else [finding]
         return findings
 
     async def run(self, notify: Callable[[Finding], None]) -> None:
@@ -75,9 +80,26 @@ class StackSupervisor:
             for finding in findings:
                 (log.info if finding.is_recovered else log.error)(
                     finding.message, extra={"subject": finding.subject})
+                if finding.is_recovered:
+                    self.stack.problems.pop(finding.subject, None)
+                else:
+                    self.stack.problems[finding.subject] = finding.message
                 notify(finding)
             if findings:
                 self.stack.write_record()
+
+    def _restart_valkey(self, embedded: EmbeddedRedis) -> Finding:
+        """Start the exited Valkey again on its port and password; the controller's Redis monitor
+        then rebuilds the directory from the workers' inventories. Run on the event loop's thread:
+        the server dies with the thread that started it (``EmbeddedRedis``), and the loop's
+        lives as long as `kvtier up`; the loop waits for the start (well under a second)."""
+        try:
+            embedded.restart()
+        except KvtierError as exc:
+            return Finding("valkey", f"the embedded Valkey exited and did not start again ({exc}); the directory "
+                           "is unreachable: run `kvtier down`, then `kvtier up`", is_recovered=False)
+        return Finding("valkey", f"the embedded Valkey exited and was started again at {embedded.public_url}; "
+                       "the directory is rebuilt from the workers", is_recovered=True)
 
     def _once(self, finding: Finding) -> list[Finding]:
         if finding.subject in self._reported:

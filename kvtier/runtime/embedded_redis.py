@@ -218,6 +218,14 @@ class EmbeddedRedis:
             process.kill()
             process.wait(timeout=timeout_s)
 
+    def restart(self, timeout_s: float = 10.0) -> str:
+        """Start a server that exited again, on the same port with the same password, so
+        clients holding ``url`` reconnect; returns the URL. Same thread rule as ``start``."""
+        port = self.port or self._requested_port
+        self.stop()
+        self._requested_port = port
+        return self.start(timeout_s)
+
     def __enter__(self) -> EmbeddedRedis:
         self.start()
         return self
