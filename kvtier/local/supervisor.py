@@ -69,7 +69,7 @@ class StackSupervisor:
 
     async def run(self, notify: Callable[[Finding], None]) -> None:
         """Check every ``interval_s`` until cancelled; each finding goes to ``notify`` and the log,
-        and the stack's record is rewritten when a worker's address changed."""
+        and the stack's record is rewritten after any (addresses, pids, problems)."""
         while True:
             await asyncio.sleep(self.interval_s)
             try:
