@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from kvtier.domain.errors import ConfigError, Unavailable
-from kvtier.runtime.embedded_redis import ENV_BINARY, EmbeddedRedis, find_server_binary
+from kvtier.runtime.embedded_redis import ENV_BINARY, EmbeddedRedis, find_server_binary, without_credentials
 
 
 def test_start_serves_on_loopback_and_stop_ends_the_process(tmp_path):
@@ -64,6 +64,19 @@ def test_the_password_is_private_kept_across_restarts_and_off_the_command_line(t
         assert redis.Redis.from_url(server_url := again.url).ping() and password in server_url
     finally:
         again.stop()
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:pw@127.0.0.1:6379", "redis://127.0.0.1:6379"),
+        ("rediss://ops:s3cr3t@redis.example:6380/2", "rediss://redis.example:6380/2"),
+        ("redis://redis.example:6379/0", "redis://redis.example:6379/0"),
+        ("unix:///run/valkey.sock", "unix:///run/valkey.sock"),
+    ],
+)
+def test_urls_are_shown_without_credentials(url, shown):
+    assert without_credentials(url) == shown
 
 
 def test_two_servers_get_different_ports(tmp_path):

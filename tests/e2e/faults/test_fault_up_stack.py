@@ -141,6 +141,7 @@ def test_a_worker_whose_ray_process_is_sigkilled_comes_back_and_serves_the_same_
     wait_for(lambda: up.record()["workers"][before.worker_id] == after.address, timeout_s=30,
              what="stack.json to follow the restarted worker")
     assert f"{before.worker_id} was restarted by Ray" in up.log()
+    assert stat.S_IMODE(up.record_path.stat().st_mode) == 0o600 and up.record()["problems"] == {}
     print(f"worker back in ListWorkers {took_s:.1f} s after SIGKILL")
 
 
