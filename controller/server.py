@@ -72,7 +72,7 @@ from kvtier.rpc.server_options import (
 from kvtier.rpc.status import MalformedRequestInterceptor
 from kvtier.rpc.tls import server_credentials
 from kvtier.runtime.config import ControllerConfig
-from kvtier.runtime.embedded_redis import EmbeddedRedis
+from kvtier.runtime.embedded_redis import EmbeddedRedis, without_credentials
 from kvtier.runtime.log import get_logger
 from kvtier.runtime.shutdown import Step, run_steps
 from kvtier.runtime.telemetry import Telemetry
@@ -120,7 +120,7 @@ class ControllerServer:
     config: ControllerConfig
     controller_id: str
     address: str
-    redis_url: str
+    redis_url: str  # without credentials: safe to show and record
     access: DirectoryAccess
     registry: Registry
     links: WorkerLinks
@@ -143,6 +143,11 @@ class ControllerServer:
     @property
     def is_leader(self) -> bool:
         return self.access.is_leader
+
+    @property
+    def embedded_redis(self) -> EmbeddedRedis | None:
+        """The Valkey this controller started (no Redis URL configured), else None."""
+        return self._embedded
 
     @property
     def directory(self) -> Directory:
@@ -323,7 +328,8 @@ async def serve_controller(
                    Tier.NVME: config.tier_weight_nvme}
         router = Router(registry, access, RouterParams(tier_weights=weights))
         controller = ControllerServer(
-            server=server, config=config, controller_id=controller_id, address=address, redis_url=url,
+            server=server, config=config, controller_id=controller_id, address=address,
+            redis_url=without_credentials(url),
             access=access, registry=registry, links=links, router=router, health=health,
             started_at_s=asyncio.get_running_loop().time(), _client=client, _lookup_client=lookup_client,
             _embedded=embedded,

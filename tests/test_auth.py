@@ -287,6 +287,27 @@ def test_token_create_prints_the_token_once_and_stores_its_hash(tmp_path, monkey
     assert code in (0, None) and out.strip() == hash_token(token)
 
 
+@pytest.mark.parametrize("suffix", [".yaml", ".toml"])
+def test_token_create_leaves_the_table_owner_only_whatever_the_umask(tmp_path, monkeypatch, capsys, suffix):
+    table = tmp_path / f"tokens{suffix}"
+    old_umask = os.umask(0o022)
+    try:
+        for name in ("ops", "fe-acme"):  # the first creates the table, the second rewrites it
+            code, _, err = run_cli(["token", "create", "--name", name, "--role", "admin", "--table", str(table)],
+                                   monkeypatch, capsys)
+            assert code in (0, None), err
+            assert stat.S_IMODE(table.stat().st_mode) == 0o600, name
+        os.chmod(table, 0o644)  # a table someone else left readable is made private on the next write
+        code, _, err = run_cli(["token", "create", "--name", "ci", "--role", "admin", "--table", str(table)],
+                               monkeypatch, capsys)
+        assert code in (0, None), err
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(table.stat().st_mode) == 0o600
+    assert len(load_token_table(table)) == 3
+    assert [p.name for p in tmp_path.iterdir()] == [table.name], "no temporary file left behind"
+
+
 @pytest.mark.parametrize(
     ("argv", "words"),
     [

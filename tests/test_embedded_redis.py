@@ -1,4 +1,5 @@
-"""The embedded valkey-server: starts on a free loopback port, stops, and explains a missing binary."""
+"""The embedded valkey-server: starts on a free loopback port with a password every client must
+give, stops, and explains a missing binary."""
 
 import os
 import stat
@@ -7,14 +8,15 @@ import pytest
 import redis
 
 from kvtier.domain.errors import ConfigError, Unavailable
-from kvtier.runtime.embedded_redis import ENV_BINARY, EmbeddedRedis, find_server_binary
+from kvtier.runtime.embedded_redis import ENV_BINARY, EmbeddedRedis, find_server_binary, without_credentials
 
 
 def test_start_serves_on_loopback_and_stop_ends_the_process(tmp_path):
     server = EmbeddedRedis(tmp_path / "state")
     url = server.start()
     try:
-        assert url.startswith("redis://127.0.0.1:")
+        assert url == f"redis://:{server.password}@127.0.0.1:{server.port}"
+        assert server.public_url == f"redis://127.0.0.1:{server.port}"
         client = redis.Redis.from_url(url)
         assert client.ping()
         assert client.config_get("dir")["dir"] == str(tmp_path / "state")
@@ -28,6 +30,53 @@ def test_start_serves_on_loopback_and_stop_ends_the_process(tmp_path):
     with pytest.raises(Unavailable, match="not running"):
         _ = server.url
     server.stop()  # twice is fine
+
+
+def test_an_unauthenticated_or_wrong_password_client_is_refused(tmp_path):
+    with EmbeddedRedis(tmp_path / "state") as server:
+        for url in (server.public_url, f"redis://:not-{server.password}@127.0.0.1:{server.port}"):
+            stranger = redis.Redis.from_url(url)
+            with pytest.raises((redis.AuthenticationError, redis.ResponseError)):
+                stranger.set("kvtier:probe", "written by a stranger")
+            stranger.close()
+        client = redis.Redis.from_url(server.url)
+        assert client.get("kvtier:probe") is None
+        client.close()
+
+
+def test_the_password_is_private_kept_across_restarts_and_off_the_command_line(tmp_path):
+    state = tmp_path / "state"
+    server = EmbeddedRedis(state)
+    server.start()
+    try:
+        password, port = server.password, server.port
+        assert stat.S_IMODE(os.stat(state).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(server.password_file).st_mode) == 0o600
+        assert server.password_file.read_text().strip() == password and len(password) >= 32
+        cmdline = open(f"/proc/{server.pid}/cmdline", "rb").read()
+        assert password.encode() not in cmdline
+    finally:
+        server.stop()
+    again = EmbeddedRedis(state, port=port)
+    again.start()
+    try:
+        assert again.password == password
+        assert redis.Redis.from_url(server_url := again.url).ping() and password in server_url
+    finally:
+        again.stop()
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:pw@127.0.0.1:6379", "redis://127.0.0.1:6379"),
+        ("rediss://ops:s3cr3t@redis.example:6380/2", "rediss://redis.example:6380/2"),
+        ("redis://redis.example:6379/0", "redis://redis.example:6379/0"),
+        ("unix:///run/valkey.sock", "unix:///run/valkey.sock"),
+    ],
+)
+def test_urls_are_shown_without_credentials(url, shown):
+    assert without_credentials(url) == shown
 
 
 def test_two_servers_get_different_ports(tmp_path):

@@ -9,6 +9,7 @@ are loaded with kvtier's own config loader, so a misspelled setting name fails h
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import tomllib
@@ -21,6 +22,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvtier.rpc import auth as auth_lib
 from kvtier.runtime.config import ControllerConfig, WorkerConfig, load_config
 
 try:
@@ -43,6 +45,7 @@ VALUE_SETS = ("default", "external-redis-tls", "gpu16")
 CORE_KINDS = frozenset(
     {
         "ConfigMap",
+        "Secret",
         "Deployment",
         "NetworkPolicy",
         "PodDisruptionBudget",
@@ -384,11 +387,9 @@ def test_configmap_holds_real_kvtier_settings(
     if values["redis"]["mode"] == "external":
         assert controller.redis_url is None  # the whole URL comes from a Secret: KVTIER_REDIS_URL
         assert "secretKeyRef" in env_of(controller_ctr)["KVTIER_REDIS_URL"]["valueFrom"]
-    elif values["redis"]["bundled"]["auth"]["existingSecret"]:
+    else:  # the bundled Valkey always has a password
         # The kubelet expands $(KVTIER_REDIS_PASSWORD), itself from a secretKeyRef.
         assert controller.redis_url == f"redis://:$(KVTIER_REDIS_PASSWORD)@{valkey}"
-    else:
-        assert controller.redis_url == f"redis://{valkey}"
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)
@@ -467,12 +468,62 @@ def test_tls_and_auth_secrets_are_mounted_as_files(rendered: dict[str, list[dict
         assert env["KVTIER_AUTH_TOKEN_FILE"] == token_file
         assert "KVTIER_ALLOW_UNAUTHENTICATED" not in env
     assert literal_env(container(worker_pod, "ray-worker"))["KVTIER_AUTH_TOKENS_FILE"] == "/etc/kvtier/auth/tokens"
-    default_controller = container(controller_deployment(rendered["default"])["spec"]["template"]["spec"], "controller")
-    assert "KVTIER_AUTH_TOKEN_FILE" not in env_of(default_controller)
+
+def test_auth_off_lets_callers_in_only_where_the_network_admits_them(chart: Any) -> None:
+    objs = render(chart, {"auth": {"enabled": False}})
+    controller = container(controller_deployment(objs)["spec"]["template"]["spec"], "controller")
+    assert "KVTIER_AUTH_TOKEN_FILE" not in env_of(controller)
     # Without auth the processes listen on 0.0.0.0 only because the chart says the network admits callers.
-    assert literal_env(default_controller)["KVTIER_ALLOW_UNAUTHENTICATED"] == "true"
-    (default_group,) = raycluster(rendered["default"])["spec"]["workerGroupSpecs"]
-    assert literal_env(container(default_group["template"]["spec"], "ray-worker"))["KVTIER_ALLOW_UNAUTHENTICATED"] == "true"
+    assert literal_env(controller)["KVTIER_ALLOW_UNAUTHENTICATED"] == "true"
+    (group,) = raycluster(objs)["spec"]["workerGroupSpecs"]
+    assert literal_env(container(group["template"]["spec"], "ray-worker"))["KVTIER_ALLOW_UNAUTHENTICATED"] == "true"
+    assert [s["metadata"]["name"] for s in of_kind(objs, "Secret")] == [f"{RELEASE}-kvtier-valkey"]
+
+
+def secret_data(obj: dict[str, Any]) -> dict[str, str]:
+    return {key: base64.b64decode(value).decode() for key, value in obj["data"].items()}
+
+
+def test_the_default_render_has_auth_on_and_a_valkey_password(chart: Any, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    objs = rendered["default"]
+    assert chart.merge_values({})["auth"]["enabled"] is True
+    secrets = {obj["metadata"]["name"]: secret_data(obj) for obj in of_kind(objs, "Secret")}
+    assert set(secrets) == {f"{RELEASE}-kvtier-valkey", f"{RELEASE}-kvtier-auth"}
+    password = secrets[f"{RELEASE}-kvtier-valkey"]["password"]
+    assert re.fullmatch(r"[A-Za-z0-9]{40}", password)
+
+    # Valkey requires the password (from the generated Secret) and never runs unprotected.
+    valkey = container(named(objs, "StatefulSet", f"{RELEASE}-kvtier-valkey")["spec"]["template"]["spec"], "valkey")
+    command = " ".join(valkey["args"])
+    assert '--requirepass "$REDISCLI_AUTH"' in command and "protected-mode" not in command
+    assert env_of(valkey)["REDISCLI_AUTH"]["valueFrom"]["secretKeyRef"] == {
+        "name": f"{RELEASE}-kvtier-valkey", "key": "password"}
+    ctr = container(controller_deployment(objs)["spec"]["template"]["spec"], "controller")
+    assert env_of(ctr)["KVTIER_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == f"{RELEASE}-kvtier-valkey"
+    assert "$(KVTIER_REDIS_PASSWORD)@" in literal_env(ctr)["KVTIER_REDIS_URL"]
+
+    # Auth is on: the token table verifies callers, workers carry their own token, and the
+    # table admits exactly the generated admin and worker tokens (by digest only).
+    auth = secrets[f"{RELEASE}-kvtier-auth"]
+    table = auth_lib.parse_token_table(yaml.safe_load(auth["tokens"]), source="chart")
+    assert table.authenticate(auth["admin-token"]).role is auth_lib.Role.ADMIN
+    assert table.authenticate(auth["worker-token"]).role is auth_lib.Role.WORKER
+    assert auth["admin-token"] not in auth["tokens"] and auth["worker-token"] not in auth["tokens"]
+    assert literal_env(ctr)["KVTIER_AUTH_TOKEN_FILE"] == "/etc/kvtier/auth/tokens"
+    assert "KVTIER_ALLOW_UNAUTHENTICATED" not in env_of(ctr)
+    (group,) = raycluster(objs)["spec"]["workerGroupSpecs"]
+    worker_pod = group["template"]["spec"]
+    assert literal_env(container(worker_pod, "ray-worker"))["KVTIER_AUTH_TOKEN_FILE"] == "/etc/kvtier/auth/worker-token"
+    volumes = {v["name"]: v for v in worker_pod["volumes"]}
+    assert volumes["auth"]["secret"]["secretName"] == f"{RELEASE}-kvtier-auth"
+
+    # The generated values appear in their Secrets and nowhere else.
+    for obj in objs:
+        if obj["kind"] == "Secret":
+            continue
+        for path, value in walk(obj):
+            for secret in (password, auth["admin-token"], auth["worker-token"]):
+                assert not (isinstance(value, str) and secret in value), f"{obj['kind']} {'.'.join(map(str, path))}"
 
 
 CANARIES = {
@@ -494,7 +545,7 @@ def test_secret_references_render_only_as_secret_names(chart: Any) -> None:
     external = {**values, "redis": {"mode": "external", "external": {"existingSecret": CANARIES["redis"]}}}
     seen = set()
     for objs in (render(chart, values), render(chart, external)):
-        assert of_kind(objs, "Secret") == [], "the chart must never create Secrets"
+        assert of_kind(objs, "Secret") == [], "with every Secret named, the chart creates none"
         for obj in objs:
             for path, value in walk(obj):
                 for label, canary in CANARIES.items():
@@ -663,7 +714,6 @@ INVALID_VALUES = {
         "redis": {"mode": "external", "external": {"url": "redis://:hunter2@redis.example:6379/0"}}
     },
     "external Redis without a URL": {"redis": {"mode": "external"}},
-    "auth without its Secret": {"auth": {"enabled": True}},
     "TLS without its Secret": {"tls": {"enabled": True}},
     "secret name that is not a name": {"auth": {"enabled": True, "existingSecret": "-----BEGIN KEY-----"}},
 }

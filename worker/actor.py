@@ -8,11 +8,12 @@ phase it happened in, and the owner can retry or report it. ``serve()`` starts t
 server and the controller link on an asyncio loop running on a background thread of the
 actor (``WorkerRuntime``); the actor's own methods stay synchronous.
 
-Restarts: with ``max_restarts`` Ray re-creates the process, but only the constructor
-runs again; ``check_health()`` then raises ``FailedPrecondition`` and the owner calls
-``run_phases`` again (the worker comes back with a new boot id and address). Every phase
-is idempotent (a repeat returns the first result), so ``run_phases`` simply resends a
-call that met a restart in progress.
+Restarts: with ``max_restarts`` Ray re-creates a killed process and runs only the
+constructor, so a restarted actor's constructor runs every phase itself: the worker comes
+back serving, registered with the controller under its id, with a new boot id and address
+(a phase that fails there fails the restart, naming the phase). Every phase is idempotent
+(a repeat returns the first result), so ``run_phases`` simply resends a call that met a
+restart in progress.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -40,7 +41,7 @@ from kvtier.domain.records import WorkerStats
 from kvtier.domain.tiers import Tier
 from kvtier.engine.engine import Engine, default_namespace
 from kvtier.engine.model import LlamaModel, load_model
-from kvtier.engine.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
+from kvtier.engine.model.loader import TINY_LLAMA_CONFIG, has_chat_template, write_random_checkpoint
 from kvtier.rpc.auth import TokenTableFile, read_token_file
 from kvtier.rpc.server_options import advertised_host
 from kvtier.rpc.tls import ClientTls, secure_or_insecure_channel, server_credentials
@@ -196,8 +197,7 @@ def model_namespace(path: Path, model: LlamaModel, *, page_size: int, kv_dtype: 
 
 
 def module_bytes(model: torch.nn.Module) -> int:
-    tensors = [*model.parameters(), *model.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
 class WorkerRuntime:
@@ -252,6 +252,13 @@ class WorkerActor:
         self._link: WorkerLink | None = None
         self._results: dict[str, Any] = {}  # phase -> its result; a repeated phase returns it
         setup_logging(config.log_level, config.log_json)
+        if _was_restarted_by_ray():  # nothing else drives a restarted actor's phases
+            log.warning("worker restarted by Ray; running its phases again", extra={"worker_id": self.worker_id})
+            for phase in _PHASES:
+                try:
+                    getattr(self, phase)()
+                except Exception as exc:
+                    raise FailedPrecondition(f"restarted worker {self.worker_id} failed in {phase}: {exc}") from exc
 
     # ---- phases -------------------------------------------------------------------------
     def init_device(self) -> str:
@@ -409,7 +416,7 @@ class WorkerActor:
                 heartbeat_interval_s=self._heartbeat_interval_s,
                 token=link_token,
                 tls=link_tls,
-                has_chat_template=_has_chat_template(self._model_path),
+                has_chat_template=self._model_path is not None and has_chat_template(self._model_path),
             )
             self._runtime.run(_start(self._link))
         return self._server.address
@@ -491,6 +498,13 @@ class WorkerActor:
             if ray.is_initialized():
                 return ray.util.get_node_ip_address()
         return advertised_host(host)
+
+
+def _was_restarted_by_ray() -> bool:
+    """Whether this process is a Ray actor that Ray re-created after its process died."""
+    ray = sys.modules.get("ray")  # never imported here: a worker outside Ray has no restarts
+    context = ray.get_runtime_context() if ray is not None and ray.is_initialized() else None
+    return context is not None and context.get_actor_id() is not None and bool(context.was_current_actor_reconstructed)
 
 
 async def _start(link: WorkerLink) -> None:
@@ -583,16 +597,3 @@ def start_worker_actor(
         connect_controller=connect_controller,
     )
     return actor, run_phases(actor, timeout_s=timeout_s)
-
-
-def _has_chat_template(path: Path | None) -> bool:
-    """Whether the checkpoint at ``path`` carries a chat template (Router.ListModels reports it)."""
-    if path is None:
-        return False
-    if (path / "chat_template.jinja").is_file():
-        return True
-    try:
-        config = json.loads((path / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return bool(config.get("chat_template")) if isinstance(config, dict) else False

@@ -292,8 +292,7 @@ def up_command(
       kvtier up --hbm-gib 60 --dram-gib 200 --session-hold-fraction 1.0
       kvtier up --redis-url redis://10.0.0.5:6379/0 --ray-address auto
     """
-    import signal
-
+    from kvtier.cli.up import run_until_stopped
     from kvtier.local import stack as local
 
     console = _console()
@@ -318,29 +317,7 @@ def up_command(
         auth=True,  # an admin token in STATE_DIR/auth/admin.token; kvtier commands pick it up
     )
 
-    async def run() -> None:
-        stack = await local.start_local_stack(options)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        endpoints = stack.endpoints()
-        console.print(f"controller  {endpoints['controller']}")
-        console.print(f"redis       {endpoints['redis']}")
-        for worker_id, address in endpoints["workers"].items():
-            console.print(f"{worker_id:<11} {address}")
-        auth_dir = stack.options.state_dir / local.AUTH_DIR
-        console.print(f"admin token {auth_dir / local.ADMIN_TOKEN_FILE}   (kvtier commands use it)")
-        console.print(f"frontend    {auth_dir / local.FRONTEND_TOKEN_FILE}   (tenant {local.DEFAULT_TENANT!r}: "
-                      "send `authorization: Bearer <token>`; `kvtier models --token <token>` lists what to send)")
-        console.print(f"model       {endpoints['model_id']}   (Ctrl-C or `kvtier down` stops everything)")
-        try:
-            await stop.wait()
-        finally:
-            console.print("stopping ...")
-            await stack.stop()
-
-    asyncio.run(run())
+    asyncio.run(run_until_stopped(options, console))
 
 
 @app.command("down")
@@ -349,16 +326,16 @@ def down_command(
         Path, typer.Option(envvar="KVTIER_STATE_DIR", help="The state directory of `kvtier up`.")
     ] = Path(".kvtier"),
 ) -> None:
-    """Stop the stack that `kvtier up` started from STATE_DIR.
+    """Stop the stack that `kvtier up` started from STATE_DIR, and what it left running if it was killed.
 
     [bold]Example[/bold]
 
       kvtier down
     """
+    from kvtier.cli.up import print_stop_report
     from kvtier.local.stack import stop_recorded_stack
 
-    pid = stop_recorded_stack(state_dir)
-    _console().print(f"stopped the stack (process {pid})")
+    print_stop_report(_console(), stop_recorded_stack(state_dir))
 
 
 _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}

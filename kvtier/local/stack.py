@@ -9,6 +9,7 @@ Stopping the stack stops exactly what it started (an external Redis or Ray is le
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
@@ -20,6 +21,7 @@ from typing import Any
 
 from kvtier.domain.errors import FailedPrecondition, NotFound, Unavailable
 from kvtier.domain.hashing import NamespaceIdentity
+from kvtier.local.leftovers import Leftover, find_leftovers, is_running, stop_leftovers
 from kvtier.runtime.config import ControllerConfig, WorkerConfig
 from kvtier.runtime.log import get_logger
 
@@ -87,19 +89,33 @@ class LocalStack:
     vocab_size: int
     admin_token: str | None = None  # set when options.auth: acts for any tenant (the demo's client uses it)
     frontend_token: str | None = None  # set when options.auth: acts for DEFAULT_TENANT only
+    ray_session_dir: str | None = None  # set when the stack started Ray: `kvtier down` cleans it up
+    problems: dict[str, str] = field(default_factory=dict)  # what the supervisor could not recover, by subject
 
     @property
     def controller_address(self) -> str:
         return self.controller.address
 
     def endpoints(self) -> dict[str, Any]:
+        """What the stack's record (``stack.json``) holds: addresses, paths and pids, no secret."""
+        embedded = self.controller.embedded_redis
         return {
             "controller": self.controller_address,
-            "redis": self.controller.redis_url,
+            "redis": self.controller.redis_url,  # without credentials
+            "redis_password_file": str(embedded.password_file) if embedded is not None else None,
+            "valkey_pid": embedded.pid if embedded is not None else None,
             "workers": {w.worker_id: w.address for w in self.workers},
             "model_id": self.namespace.model_id,
             "pid": os.getpid(),
+            "ray_session_dir": self.ray_session_dir,
+            "problems": dict(self.problems),
         }
+
+    def write_record(self) -> None:
+        """(Re)write ``state_dir/stack.json``: 0600 like every file of the state directory."""
+        from kvtier.runtime.private_files import write_secret_file
+
+        write_secret_file(self.options.state_dir / STATE_FILE, json.dumps(self.endpoints(), indent=2))
 
     async def stop(self) -> None:
         import ray
@@ -123,10 +139,11 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
     import ray
 
     from kvtier.controller.server import serve_controller
+    from kvtier.runtime.private_files import ensure_private_dir
     from kvtier.worker.actor import call_actor, start_worker_actor
 
-    state_dir = options.state_dir.expanduser().resolve()
-    state_dir.mkdir(parents=True, exist_ok=True)
+    # It holds tokens, the Valkey password and data: refused when other users can open it.
+    state_dir = ensure_private_dir(options.state_dir.expanduser().resolve())
     options.state_dir = state_dir
     auth = ensure_local_tokens(state_dir) if options.auth else None
     # Ray first, before this process has gRPC's threads (the controller's server): Ray starts
@@ -212,9 +229,22 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
     stack = LocalStack(
         options, controller, workers, namespace, started_ray, _vocab_size(options.model), admin_token=admin_token,
         frontend_token=auth.frontend_token if auth else None,
+        ray_session_dir=_ray_session_dir() if started_ray else None,
     )
-    (state_dir / STATE_FILE).write_text(json.dumps(stack.endpoints(), indent=2))
+    stack.write_record()
     return stack
+
+
+def _ray_session_dir() -> str | None:
+    """The session directory of the Ray instance this process started: every process of that
+    instance holds files under it, which is how `kvtier down` finds them after a crash."""
+    import ray
+
+    node: Any = getattr(ray._private.worker, "_global_node", None)
+    try:
+        return str(Path(node.get_session_dir_path()).resolve())
+    except Exception:  # no node, or a Ray without the method: `kvtier down` then has no session to clean
+        return None
 
 
 async def _wait_until_routable(
@@ -281,8 +311,7 @@ def ensure_local_tokens(state_dir: Path) -> LocalTokens:
                    hash_token(t))
         for role, t in tokens.items()
     ]
-    dump_token_table(entries, table)
-    os.chmod(table, 0o600)
+    dump_token_table(entries, table)  # 0600
     return LocalTokens(tokens[Role.ADMIN], auth_dir / ADMIN_TOKEN_FILE, auth_dir / WORKER_TOKEN_FILE, table,
                        tokens[Role.FRONTEND], auth_dir / FRONTEND_TOKEN_FILE)
 
@@ -306,19 +335,6 @@ def _vocab_size(model: Path | None) -> int:
     return TINY_LLAMA_CONFIG["vocab_size"] if model is None else ModelConfig.from_file(model).vocab_size
 
 
-def _is_running(pid: int) -> bool:
-    """Alive and not a zombie (an exited child its parent has not reaped yet)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True  # no procfs: trust the signal probe
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def read_state(state_dir: Path) -> dict[str, Any]:
     path = state_dir.expanduser() / STATE_FILE
     if not path.exists():
@@ -326,20 +342,33 @@ def read_state(state_dir: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def stop_recorded_stack(state_dir: Path, timeout_s: float = 30.0) -> int:
-    """Signal the ``kvtier up`` process recorded in ``state_dir`` to stop; returns its pid."""
+@dataclass(frozen=True, slots=True)
+class StopReport:
+    pid: int  # the `kvtier up` process
+    was_running: bool  # False: it had died without stopping its stack
+    stopped: list[Leftover]  # processes it left behind, stopped here
+
+
+def stop_recorded_stack(state_dir: Path, timeout_s: float = 30.0) -> StopReport:
+    """Stop the stack `kvtier up` runs from ``state_dir``: signal that process and wait for it,
+    then stop whatever the stack still has running (all of it when `kvtier up` was killed)."""
     import time
 
     state = read_state(state_dir)
     pid = int(state["pid"])
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        (state_dir.expanduser() / STATE_FILE).unlink(missing_ok=True)
-        raise FailedPrecondition(f"the stack's process {pid} is not running (stale state removed)") from None
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not _is_running(pid):
-            return pid
-        time.sleep(0.2)
-    raise FailedPrecondition(f"the stack's process {pid} did not stop within {timeout_s:.0f} s")
+    was_running = is_running(pid)
+    if was_running:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while is_running(pid):
+            if time.monotonic() > deadline:
+                raise FailedPrecondition(f"the stack's process {pid} did not stop within {timeout_s:.0f} s")
+            time.sleep(0.2)
+    leftovers = find_leftovers(state)
+    remaining = stop_leftovers(leftovers)
+    if remaining:
+        names = ", ".join(f"{p.pid} ({p.name})" for p in remaining)
+        raise FailedPrecondition(f"processes of the stack did not stop: {names}; stop them by pid")
+    (state_dir.expanduser() / STATE_FILE).unlink(missing_ok=True)
+    return StopReport(pid, was_running, leftovers)

@@ -27,7 +27,6 @@ import dataclasses
 import enum
 import hashlib
 import hmac
-import os
 import re
 import secrets
 import time
@@ -42,6 +41,7 @@ import yaml
 from kvtier.domain.errors import ConfigError, InvalidArgument, PermissionDenied
 from kvtier.domain.hashing import NamespaceIdentity
 from kvtier.runtime.log import get_logger
+from kvtier.runtime.private_files import write_secret_file
 
 log = get_logger("kvtier.rpc.auth")
 
@@ -132,15 +132,6 @@ def read_token_file(path: Path, *, field: str = "auth_token_file") -> str:
     if not token:
         raise ConfigError(f"{field} {path} is empty; it must hold one bearer token", field=field)
     return token
-
-
-def write_secret_file(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` readable by its owner only (0600), never wider, even briefly."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        os.fchmod(f.fileno(), 0o600)  # an existing file keeps its old mode through O_CREAT
-        f.write(text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,7 +293,7 @@ def load_token_table(path: Path) -> TokenTable:
 
 
 def dump_token_table(entries: Iterable[TokenEntry], path: Path) -> None:
-    """Write ``entries`` as ``path``'s format (YAML or TOML) holds them."""
+    """Write ``entries`` as ``path``'s format (YAML or TOML) holds them, owner-only (0600)."""
     items = [e.as_dict() for e in entries]
     if path.suffix.lower() == ".toml":
         lines = []
@@ -314,9 +305,7 @@ def dump_token_table(entries: Iterable[TokenEntry], path: Path) -> None:
         text = "\n".join(lines)
     else:
         text = yaml.safe_dump({"tokens": items}, sort_keys=False)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    write_secret_file(path, text)  # a table of credentials: 0600 whoever writes it, replaced atomically
 
 
 def _toml_value(value: Any) -> str:

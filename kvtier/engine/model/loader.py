@@ -222,3 +222,14 @@ def _verify(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ..
                 f"tensor {name} in {directory} has shape {list(found[name])}, "
                 f"config.json implies {list(shape)}"
             )
+
+
+def has_chat_template(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` carries a chat template (Router.ListModels reports it)."""
+    if (path / "chat_template.jinja").is_file():
+        return True
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(config.get("chat_template")) if isinstance(config, dict) else False

@@ -82,20 +82,24 @@ matchExpressions:
 {{- printf "%s.%s.svc:%d" (include "kvtier.controllerName" .) .Release.Namespace (int .Values.controller.port) -}}
 {{- end -}}
 
+{{- define "kvtier.valkeySecretName" -}}
+{{- default (printf "%s-valkey" (include "kvtier.fullname" .)) .Values.redis.bundled.auth.existingSecret -}}
+{{- end -}}
+
+{{- define "kvtier.authSecretName" -}}
+{{- default (printf "%s-auth" (include "kvtier.fullname" .)) .Values.auth.existingSecret -}}
+{{- end -}}
+
 {{- define "kvtier.bundledRedisHost" -}}
 {{- printf "%s.%s.svc" (include "kvtier.valkeyName" .) .Release.Namespace -}}
 {{- end -}}
 
 {{/*
-The Redis URL when it is not secret (bundled Valkey without a password, or an external URL
-given in values); empty when it must come from a Secret through the environment.
+The Redis URL when it is not secret (an external URL given in values); empty when it comes
+from a Secret through the environment (the bundled Valkey always has a password).
 */}}
 {{- define "kvtier.plainRedisUrl" -}}
-{{- if eq .Values.redis.mode "bundled" -}}
-{{- if not .Values.redis.bundled.auth.existingSecret -}}
-{{- printf "redis://%s:%d/0" (include "kvtier.bundledRedisHost" .) (int .Values.redis.bundled.port) -}}
-{{- end -}}
-{{- else -}}
+{{- if ne .Values.redis.mode "bundled" -}}
 {{- .Values.redis.external.url -}}
 {{- end -}}
 {{- end -}}
@@ -113,9 +117,6 @@ given in values); empty when it must come from a Secret through the environment.
 {{- if not (or .Values.redis.external.url .Values.redis.external.existingSecret) -}}
 {{- fail "redis.mode is external: set redis.external.url, or redis.external.existingSecret for a URL with a password" -}}
 {{- end -}}
-{{- end -}}
-{{- if and .Values.auth.enabled (not .Values.auth.existingSecret) -}}
-{{- fail "auth.enabled needs auth.existingSecret: the name of a Secret holding the tokens files" -}}
 {{- end -}}
 {{- if and .Values.tls.enabled (not .Values.tls.existingSecret) -}}
 {{- fail "tls.enabled needs tls.existingSecret: the name of a kubernetes.io/tls Secret" -}}
@@ -172,7 +173,7 @@ the config file is that role's TOML; the auth Secret contributes only that role'
 {{- if $v.auth.enabled }}
 - name: auth
   secret:
-    secretName: {{ $v.auth.existingSecret }}
+    secretName: {{ include "kvtier.authSecretName" .ctx }}
     defaultMode: 0440
     items:
       # Controllers and workers verify callers with the token table; workers also need
@@ -229,11 +230,11 @@ the config file is that role's TOML; the auth Secret contributes only that role'
     secretKeyRef:
       name: {{ .Values.redis.external.existingSecret }}
       key: {{ .Values.redis.external.existingSecretKey }}
-{{- else if and (eq .Values.redis.mode "bundled") .Values.redis.bundled.auth.existingSecret }}
+{{- else if eq .Values.redis.mode "bundled" }}
 - name: KVTIER_REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.redis.bundled.auth.existingSecret }}
+      name: {{ include "kvtier.valkeySecretName" . }}
       key: {{ .Values.redis.bundled.auth.passwordKey }}
 - name: KVTIER_REDIS_URL
   value: {{ printf "redis://:$(KVTIER_REDIS_PASSWORD)@%s:%d/0" (include "kvtier.bundledRedisHost" .) (int .Values.redis.bundled.port) | quote }}
