@@ -393,6 +393,7 @@ class WorkerActor:
                 advertise_host=self._advertise_host(),
                 telemetry=self._telemetry,
                 tokens=tokens,
+                identity_token=link_token,
                 credentials=credentials,
                 allow_unauthenticated=config.allow_unauthenticated,
                 hold_fraction=config.session_hold_fraction,
@@ -410,6 +411,7 @@ class WorkerActor:
                 token=link_token,
                 tls=link_tls,
                 has_chat_template=_has_chat_template(self._model_path),
+                tickets=self._server.tickets,
             )
             self._runtime.run(_start(self._link))
         return self._server.address
