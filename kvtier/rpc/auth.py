@@ -76,7 +76,7 @@ class Principal:
     role: Role
     tenants: frozenset[str] = frozenset()
     worker_id: str | None = None
-    key_digest: bytes = dataclasses.field(default=b"", repr=False)
+    key_digest: bytes = dataclasses.field(default=b"", repr=False, compare=False)
 
     def may_act_for(self, tenant: str) -> bool:
         """Whether this caller may act on ``tenant``'s resources (an admin: any tenant)."""

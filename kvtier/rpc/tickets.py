@@ -105,7 +105,7 @@ class TicketVerifier:
     def __init__(self, worker_id: str, *, clock: Callable[[], float] = time.time) -> None:
         self.worker_id = worker_id
         self._key: bytes | None = None
-        self._clock = clock
+        self.clock = clock
 
     @property
     def has_key(self) -> bool:
@@ -147,7 +147,7 @@ class TicketVerifier:
                 "the Route ticket's signature does not verify on this worker (forged, or signed by "
                 "another controller); call Router.Route for a fresh one"
             )
-        late_s = self._clock() - expires_at_ms / 1000
+        late_s = self.clock() - expires_at_ms / 1000
         if late_s > 0:
             raise Unauthenticated(f"the Route ticket expired {late_s:.1f} s ago; call Router.Route for a fresh one")
         return Ticket(worker_id, tenant, expires_at_ms)
