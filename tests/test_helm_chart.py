@@ -444,9 +444,9 @@ def test_tls_and_auth_secrets_are_mounted_as_files(rendered: dict[str, list[dict
     controller_pod = controller_deployment(objs)["spec"]["template"]["spec"]
     (group,) = raycluster(objs)["spec"]["workerGroupSpecs"]
     worker_pod = group["template"]["spec"]
-    for pod, ctr_name, tls_secret, token_key, token_file in (
-        (controller_pod, "controller", "kvtier-controller-tls", "tokens", "/etc/kvtier/auth/tokens"),
-        (worker_pod, "ray-worker", "kvtier-worker-tls", "worker-token", "/etc/kvtier/auth/worker-token"),
+    for pod, ctr_name, tls_secret in (
+        (controller_pod, "controller", "kvtier-controller-tls"),
+        (worker_pod, "ray-worker", "kvtier-worker-tls"),
     ):
         volumes = {v["name"]: v for v in pod["volumes"]}
         ctr = container(pod, ctr_name)
@@ -456,17 +456,24 @@ def test_tls_and_auth_secrets_are_mounted_as_files(rendered: dict[str, list[dict
         assert mounts["tls"]["mountPath"] == "/etc/kvtier/tls" and mounts["tls"]["readOnly"]
         for var, file in (("CERT", "tls.crt"), ("KEY", "tls.key"), ("CA", "ca.crt")):
             assert env[f"KVTIER_TLS_{var}_FILE"] == f"/etc/kvtier/tls/{file}"
-        # Each pod gets the keys it needs: the token table (both verify callers), and the
-        # worker's own token only on workers.
+        # Both verify callers with the token table, and nothing else of that Secret.
         assert volumes["auth"]["secret"]["secretName"] == "kvtier-auth"
-        expected_items = [{"key": "tokens", "path": "tokens"}]
-        if token_key != "tokens":
-            expected_items.append({"key": token_key, "path": Path(token_file).name})
-        assert volumes["auth"]["secret"]["items"] == expected_items
-        assert env["KVTIER_AUTH_TOKEN_FILE"] == f"{mounts['auth']['mountPath']}/{Path(token_file).name}"
-        assert env["KVTIER_AUTH_TOKEN_FILE"] == token_file
+        assert volumes["auth"]["secret"]["items"] == [{"key": "tokens", "path": "tokens"}]
+        assert mounts["auth"]["mountPath"] == "/etc/kvtier/auth"
         assert "KVTIER_ALLOW_UNAUTHENTICATED" not in env
-    assert literal_env(container(worker_pod, "ray-worker"))["KVTIER_AUTH_TOKENS_FILE"] == "/etc/kvtier/auth/tokens"
+    assert literal_env(container(controller_pod, "controller"))["KVTIER_AUTH_TOKEN_FILE"] == "/etc/kvtier/auth/tokens"
+    worker = container(worker_pod, "ray-worker")
+    assert literal_env(worker)["KVTIER_AUTH_TOKENS_FILE"] == "/etc/kvtier/auth/tokens"
+    # One credential per worker: the GPU pods mount the Secret of per-worker-id tokens, and no
+    # token shared by every worker exists (the pool sets each actor's auth_token_file to its id's key).
+    assert "KVTIER_AUTH_TOKEN_FILE" not in env_of(worker)
+    volumes = {v["name"]: v for v in worker_pod["volumes"]}
+    assert volumes["worker-tokens"]["secret"]["secretName"] == "kvtier-worker-tokens"
+    mounts = {m["name"]: m for m in worker["volumeMounts"]}
+    assert mounts["worker-tokens"]["mountPath"] == "/etc/kvtier/worker-tokens" and mounts["worker-tokens"]["readOnly"]
+    head = raycluster(objs)["spec"]["headGroupSpec"]["template"]["spec"]
+    assert "worker-tokens" not in {v["name"] for v in head["volumes"]}
+    assert "worker-tokens" not in {v["name"] for v in controller_pod["volumes"]}
     default_controller = container(controller_deployment(rendered["default"])["spec"]["template"]["spec"], "controller")
     assert "KVTIER_AUTH_TOKEN_FILE" not in env_of(default_controller)
     # Without auth the processes listen on 0.0.0.0 only because the chart says the network admits callers.
@@ -480,6 +487,7 @@ CANARIES = {
     "tls": "tls-4f2a9c7e1b3d5f60718293a4b5c6d7e8",
     "redis": "url-0a9b8c7d6e5f4a3b2c1d0e9f8a7b6c5d",
     "valkey": "pw-5e4d3c2b1a0f9e8d7c6b5a4f3e2d1c0b",
+    "workers": "wt-3a1b5c7d9e0f2a4b6c8d0e1f3a5b7c9d",
 }
 # Where a Secret's *name* may appear; anywhere else would be a leak of a secret reference.
 SECRET_NAME_FIELDS = {("secret", "secretName"), ("secretKeyRef", "name")}
@@ -487,7 +495,7 @@ SECRET_NAME_FIELDS = {("secret", "secretName"), ("secretKeyRef", "name")}
 
 def test_secret_references_render_only_as_secret_names(chart: Any) -> None:
     values = {
-        "auth": {"enabled": True, "existingSecret": CANARIES["auth"]},
+        "auth": {"enabled": True, "existingSecret": CANARIES["auth"], "workerTokensSecret": CANARIES["workers"]},
         "tls": {"enabled": True, "existingSecret": CANARIES["tls"]},
         "redis": {"bundled": {"auth": {"existingSecret": CANARIES["valkey"]}}},
     }
@@ -586,6 +594,11 @@ def test_network_policies_guard_controller_redis_and_workers(
         metrics_rule[0]["from"][0]["namespaceSelector"]
         == values["networkPolicy"]["metrics"]["namespaceSelector"]
     )
+    # The controller proves each registering worker's address by calling its gRPC port.
+    worker_port = values["ray"]["worker"]["port"]
+    assert any(admitted(p, labels["controller"], worker_port) for p in by_target["ray-worker"])
+    assert not any(admitted(p, labels["controller"], values["ray"]["worker"]["metricsPort"])
+                   for p in by_target["ray-worker"])
     if values["redis"]["mode"] == "bundled":
         (redis_policy,) = by_target["valkey"]
         assert admitted(redis_policy, labels["controller"], "redis")
@@ -664,8 +677,10 @@ INVALID_VALUES = {
     },
     "external Redis without a URL": {"redis": {"mode": "external"}},
     "auth without its Secret": {"auth": {"enabled": True}},
+    "auth without the workers' tokens": {"auth": {"enabled": True, "existingSecret": "kvtier-auth"}},
     "TLS without its Secret": {"tls": {"enabled": True}},
-    "secret name that is not a name": {"auth": {"enabled": True, "existingSecret": "-----BEGIN KEY-----"}},
+    "secret name that is not a name": {"auth": {"enabled": True, "existingSecret": "-----BEGIN KEY-----",
+                                                "workerTokensSecret": "w"}},
 }
 
 

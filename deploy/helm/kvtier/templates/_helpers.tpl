@@ -117,6 +117,9 @@ given in values); empty when it must come from a Secret through the environment.
 {{- if and .Values.auth.enabled (not .Values.auth.existingSecret) -}}
 {{- fail "auth.enabled needs auth.existingSecret: the name of a Secret holding the tokens files" -}}
 {{- end -}}
+{{- if and .Values.auth.enabled (not .Values.auth.workerTokensSecret) -}}
+{{- fail "auth.enabled needs auth.workerTokensSecret: a Secret with one key per worker id, holding that worker's own token" -}}
+{{- end -}}
 {{- if and .Values.tls.enabled (not .Values.tls.existingSecret) -}}
 {{- fail "tls.enabled needs tls.existingSecret: the name of a kubernetes.io/tls Secret" -}}
 {{- end -}}
@@ -135,11 +138,13 @@ NetworkPolicy does. Callers include it only when auth is off.
   value: "true"
 {{- end -}}
 
-{{/* Worker auth settings: its own token and the table it verifies frontends with. */}}
+{{/*
+Worker auth settings: the table it verifies admin calls with. Each worker's own token is
+/etc/kvtier/worker-tokens/<worker id> (auth.workerTokensSecret), the auth_token_file the
+worker pool sets per actor, as it sets its port.
+*/}}
 {{- define "kvtier.workerAuthEnv" -}}
 {{- if .Values.auth.enabled }}
-- name: KVTIER_AUTH_TOKEN_FILE
-  value: /etc/kvtier/auth/worker-token
 - name: KVTIER_AUTH_TOKENS_FILE
   value: /etc/kvtier/auth/tokens
 {{- else }}
@@ -175,14 +180,10 @@ the config file is that role's TOML; the auth Secret contributes only that role'
     secretName: {{ $v.auth.existingSecret }}
     defaultMode: 0440
     items:
-      # Controllers and workers verify callers with the token table; workers also need
-      # their own token for WorkerLink.
+      # Controllers and workers verify callers with the token table (workers' own tokens
+      # are a Secret of their own: worker-tokens, GPU worker pods only).
       - key: {{ $v.auth.tokensKey }}
         path: tokens
-      {{- if ne .role "controller" }}
-      - key: {{ $v.auth.workerTokenKey }}
-        path: worker-token
-      {{- end }}
 {{- end }}
 {{- if $v.tls.enabled }}
 - name: tls
