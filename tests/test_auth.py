@@ -297,6 +297,10 @@ def test_token_create_prints_the_token_once_and_stores_its_hash(tmp_path, monkey
                                                                     frozenset({"acme", "beta"}))
     code, out, _ = run_cli(["token", "hash"], monkeypatch, capsys, stdin=token + "\n")
     assert code in (0, None) and out.strip() == hash_token(token)
+    code, out, err = run_cli(["token", "create", "--name", "w-0", "--role", "worker", "--worker-id", "gpu-0",
+                              "--table", str(table)], monkeypatch, capsys)
+    assert code in (0, None), err
+    assert load_token_table(table).authenticate(out.strip()) == Principal("w-0", Role.WORKER, worker_id="gpu-0")
 
 
 @pytest.mark.parametrize(
@@ -305,6 +309,8 @@ def test_token_create_prints_the_token_once_and_stores_its_hash(tmp_path, monkey
         (["--name", "x", "--role", "frontend"], "--tenant must name at least one tenant"),
         (["--name", "x", "--role", "root"], "--role must be one of"),
         (["--name", "bad name", "--role", "admin"], "--name must be"),
+        (["--name", "w", "--role", "worker"], "--worker-id is required for a worker token"),
+        (["--name", "x", "--role", "admin", "--worker-id", "w-0"], "--worker-id is for worker tokens only"),
     ],
 )
 def test_token_create_bad_flags_exit_2_naming_the_flag(tmp_path, monkeypatch, capsys, argv, words):

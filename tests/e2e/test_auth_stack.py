@@ -449,6 +449,14 @@ async def test_local_stack_makes_admin_and_frontend_tokens_that_kvtier_commands_
             assert final.usage.prompt_tokens == len(PROMPT)
             with pytest.raises(errors.PermissionDenied):
                 await frontend.status()
+        # A worker of the stack takes Route tickets only: the frontend's own token is refused there.
+        request = GenerateRequest(model.namespace, tuple(PROMPT), SamplingParams(max_tokens=1))
+        async with grpc.aio.insecure_channel(stack.workers[0].address) as channel:
+            call = worker_pb2_grpc.WorkerStub(channel).Generate(
+                to_proto_generate_request(request), metadata=bearer(stack.frontend_token), timeout=30)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                _ = [event async for event in call]
+        assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED and "never a bearer token" in info.value.details()
     finally:
         await stack.stop()
 
