@@ -41,6 +41,7 @@ from kvtier.rpc.convert.limits import TICKET_KEY_BYTES as KEY_BYTES
 TICKET_PREFIX = "kvtt_"
 MAX_TICKET_CHARS = 1024
 _KEY_LABEL = b"kvtier-ticket-key/"
+MAX_CACHED_KEYS = 4096
 
 
 def _b64(data: bytes) -> str:
@@ -81,10 +82,17 @@ class TicketSigner:
         self._master = master_key if master_key is not None else secrets.token_bytes(KEY_BYTES)
         self.ttl_s = ttl_s
         self._clock = clock
+        self._keys: dict[str, bytes] = {}  # derived once per worker id (Route signs one ticket per ranked worker)
 
     def key_for(self, worker_id: str) -> bytes:
         """The key worker ``worker_id`` verifies its tickets with (and no other worker has)."""
-        return hmac.new(self._master, _KEY_LABEL + worker_id.encode("utf-8"), hashlib.sha256).digest()
+        key = self._keys.get(worker_id)
+        if key is None:
+            if len(self._keys) >= MAX_CACHED_KEYS:
+                self._keys.clear()
+            key = self._keys[worker_id] = hmac.new(
+                self._master, _KEY_LABEL + worker_id.encode("utf-8"), hashlib.sha256).digest()
+        return key
 
     def issue(self, worker_id: str, tenant: str) -> str:
         expires_at_ms = int((self._clock() + self.ttl_s) * 1000)
