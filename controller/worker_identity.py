@@ -68,11 +68,13 @@ class WorkerIdentity:
             raise PermissionDenied(
                 f"token {caller.name!r} may register worker {caller.worker_id!r} only, not {worker!r}; "
                 "each worker registers with its own token", field="register.worker_id")
-        if not await self._proves_address(registration, caller.key_digest):
+        failure = await self._address_failure(registration, caller.key_digest)
+        if failure is not None:
             self._refuse("address_unproven", caller, registration)
             raise PermissionDenied(
                 f"address {registration.address} did not prove that it serves worker {worker!r} "
-                "(Worker.ProveAddress); advertise the worker's own address", field="register.address")
+                f"(Worker.ProveAddress: {failure}); advertise the worker's own address, reachable from "
+                "the controller (over TLS when the controller has tls_ca_file)", field="register.address")
         live = sessions.get(worker)
         if live is not None and not live.closed and live.credential != caller.name:
             self._refuse("second_stream", caller, registration, live_credential=live.credential)
@@ -85,7 +87,8 @@ class WorkerIdentity:
         key = self.tickets.key_for(session.worker_id)
         session.send(TicketKeyCommand(key)).add_done_callback(quiet)
 
-    async def _proves_address(self, registration: Registration, key_digest: bytes) -> bool:
+    async def _address_failure(self, registration: Registration, key_digest: bytes) -> str | None:
+        """None when the address answers with the right proof; else what went wrong."""
         nonce = new_nonce()
         request = worker_pb2.ProveAddressRequest(worker_id=registration.worker_id, address=registration.address,
                                                  nonce=nonce)
@@ -94,10 +97,10 @@ class WorkerIdentity:
                 reply = await worker_pb2_grpc.WorkerStub(channel).ProveAddress(
                     request, timeout=self._proof_timeout_s)
         except grpc.aio.AioRpcError as err:
-            log.warning("address proof failed", extra={"worker_id": registration.worker_id,
-                                                       "address": registration.address, "code": err.code().name})
-            return False
-        return is_valid_proof(key_digest, registration.worker_id, registration.address, nonce, reply.proof)
+            return f"the call failed with {err.code().name}"
+        if not is_valid_proof(key_digest, registration.worker_id, registration.address, nonce, reply.proof):
+            return "the proof does not match the token"
+        return None
 
     def _refuse(self, reason: str, caller: Principal, registration: Registration, **extra: object) -> None:
         self.counters[f"refused.{reason}"] += 1

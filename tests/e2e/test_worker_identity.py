@@ -10,7 +10,6 @@ token sent straight to a worker. Each is refused, and Route never ranks the fake
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import time
 from pathlib import Path
@@ -136,18 +135,23 @@ class Refusal:
 
 
 async def register_raw(controller, token: str, registration: Registration, pages: PageEventBatch | None = None):
-    """Open a raw WorkerLink stream, register, announce ``pages``; the refusal's error, or None."""
+    """Open a raw WorkerLink stream, register, announce ``pages``; the refusal, or None."""
+    held = asyncio.Event()
+
+    async def events():
+        yield to_proto_worker_event(registration)
+        if pages is not None:
+            yield to_proto_worker_event(pages)
+        await held.wait()  # keep the stream open: a stream admitted would stay up
+
     async with grpc.aio.insecure_channel(controller.address) as channel:
         call = worker_link_pb2_grpc.WorkerLinkStub(channel).Connect(
-            metadata=(("authorization", f"Bearer {token}"),), timeout=30)
+            events(), metadata=(("authorization", f"Bearer {token}"),), timeout=30)
         try:
-            with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
-                await call.write(to_proto_worker_event(registration))
-                if pages is not None:
-                    await call.write(to_proto_worker_event(pages))
-            code = await call.code()  # the server's status, whatever became of the writes
+            code = await call.code()  # the server's status (DEADLINE_EXCEEDED had it admitted the stream)
             return None if code is grpc.StatusCode.OK else Refusal(code, await call.details())
         finally:
+            held.set()
             call.cancel()
 
 
