@@ -8,10 +8,12 @@ import json
 
 import pytest
 
-from kvtier.domain.errors import PermissionDenied, Unauthenticated, Unavailable
+from kvtier.domain.errors import InvalidArgument, PermissionDenied, Unauthenticated, Unavailable
 from kvtier.domain.records import RankedWorker, RouteDecision, WorkerId
+from kvtier.rpc._gen import worker_link_pb2
 from kvtier.rpc.auth import Principal, Role, TokenTable, hash_token, make_entry
 from kvtier.rpc.auth_interceptor import AuthInterceptor
+from kvtier.rpc.convert.link_commands import from_proto_ticket_key_command
 from kvtier.rpc.identity import address_proof, is_valid_proof, new_nonce, token_key
 from kvtier.rpc.tickets import TicketSigner, TicketVerifier
 
@@ -93,6 +95,15 @@ def test_with_tickets_gives_each_ranked_worker_its_own():
     assert verifier_for(signer, "w-x", clock).verify(x.ticket).worker_id == "w-x"
     assert verifier_for(signer, "w-y", clock).verify(y.ticket).worker_id == "w-y"
     assert x.ticket not in repr(decision)  # tickets stay out of logs
+
+
+def test_a_ticket_key_command_carries_exactly_32_bytes():
+    for key in (b"", b"k" * 31, b"k" * 33):
+        with pytest.raises(InvalidArgument) as info:
+            from_proto_ticket_key_command(worker_link_pb2.TicketKeyCommand(key=key))
+        assert info.value.field == "ticket_key.key"
+    assert from_proto_ticket_key_command(worker_link_pb2.TicketKeyCommand(key=b"k" * 32)).key == b"k" * 32
+    assert "kkkk" not in repr(from_proto_ticket_key_command(worker_link_pb2.TicketKeyCommand(key=b"k" * 32)))
 
 
 def test_address_proofs_bind_the_token_id_address_and_nonce():

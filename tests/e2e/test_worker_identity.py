@@ -40,6 +40,7 @@ from kvtier.rpc._gen import worker_link_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvtier.rpc.auth import TokenTableFile, hash_token
 from kvtier.rpc.convert.link_events import to_proto_worker_event
 from kvtier.rpc.convert.worker import to_proto_generate_request
+from kvtier.rpc.identity import is_valid_proof, new_nonce, token_key
 from kvtier.runtime.config import ControllerConfig
 from kvtier.worker.link import WorkerLink
 from kvtier.worker.servicer import serve_worker
@@ -210,6 +211,27 @@ async def test_a_second_stream_for_a_live_worker_under_another_credential_is_ref
     assert not any(token in r.getMessage() + str(r.__dict__) for r in caplog.records for token in TOKENS.values())
     assert controller.registry.get(WorkerId("w-b")).address == workers["w-b"].address
     assert links[1].is_connected and controller.links.sessions[WorkerId("w-b")].credential == "w-b"
+
+
+async def test_prove_address_answers_for_its_own_worker_only(stack):
+    _, workers, _ = stack
+    worker = workers["w-a"]
+    nonce = new_nonce()
+    async with grpc.aio.insecure_channel(worker.address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        reply = await stub.ProveAddress(worker_pb2.ProveAddressRequest(
+            worker_id="w-a", address=worker.address, nonce=nonce), timeout=10)  # no token needed
+        assert is_valid_proof(token_key(TOKENS["w-a"]), "w-a", worker.address, nonce, reply.proof)
+        assert not is_valid_proof(token_key(TOKENS["w-b"]), "w-a", worker.address, nonce, reply.proof)
+        for request, code in (
+            (worker_pb2.ProveAddressRequest(worker_id="w-b", address=worker.address, nonce=nonce),
+             grpc.StatusCode.NOT_FOUND),
+            (worker_pb2.ProveAddressRequest(worker_id="w-a", address=worker.address, nonce=b"short"),
+             grpc.StatusCode.INVALID_ARGUMENT),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.ProveAddress(request, timeout=10)
+            assert info.value.code() is code
 
 
 async def generate_with(worker, metadata) -> grpc.StatusCode:
