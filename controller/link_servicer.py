@@ -53,10 +53,12 @@ from kvtier.controller.link_session import (
     QueuedEvent,
     SnapshotSummary,
     insert_depth,
+    quiet,
     snapshot_inserts,
 )
 from kvtier.controller.registry import Registry
 from kvtier.controller.resync import REDIS_ERRORS, DirectoryAccess
+from kvtier.controller.worker_identity import WorkerIdentity
 from kvtier.domain.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -80,6 +82,7 @@ from kvtier.domain.records import (
     WorkerId,
 )
 from kvtier.rpc._gen import worker_link_pb2, worker_link_pb2_grpc
+from kvtier.rpc.auth_interceptor import current_principal
 from kvtier.rpc.convert.link_commands import to_proto_controller_command
 from kvtier.rpc.convert.link_events import from_proto_worker_event
 from kvtier.rpc.status import rpc_errors
@@ -102,17 +105,13 @@ _MEMBERS = {Heartbeat: "heartbeat", PageEventBatch: "page_events", InventorySnap
             CommandAck: "ack", Registration: "register"}
 
 
-def _quiet(future: asyncio.Future[CommandAck]) -> None:
-    if not future.cancelled():
-        future.exception()  # retrieved: nobody awaits a repair request
-
-
 class WorkerLinks:
     """Every open stream by worker id, and what their events do to the directory."""
 
-    def __init__(self, registry: Registry, access: DirectoryAccess) -> None:
+    def __init__(self, registry: Registry, access: DirectoryAccess, identity: WorkerIdentity | None = None) -> None:
         self.registry = registry
         self.access = access
+        self.identity = identity  # with authentication: who may register which id, and ticket keys
         self.sessions: dict[WorkerId, LinkSession] = {}
         self.counters: collections.Counter[str] = collections.Counter()
         self._next_link_id = 0
@@ -126,8 +125,9 @@ class WorkerLinks:
 
     # -- streams and commands -------------------------------------------------------------
 
-    def open(self, registration: Registration) -> tuple[LinkSession, LinkSession | None]:
-        """A new stream of ``registration``'s worker, and the older one it replaces (now closed).
+    def open(self, registration: Registration, credential: str | None = None) -> tuple[LinkSession, LinkSession | None]:
+        """A new stream of ``registration``'s worker (opened with token ``credential``), and the
+        older one it replaces (now closed); the ticket key goes first, then what ``on_open`` queues.
 
         Every session ``open`` returns must reach ``close`` (the servicer's ``finally``).
         """
@@ -138,6 +138,9 @@ class WorkerLinks:
             self.counters["links.replaced"] += 1
             previous.close(Unavailable(f"worker {worker!r} opened a newer WorkerLink stream"))
         session = self.sessions[worker] = LinkSession(self._next_link_id, registration)
+        session.credential = credential
+        if self.identity is not None and credential is not None:
+            self.identity.welcome(session)
         self.registry.connect(registration, session.link_id)
         log.info("worker connected", extra={"worker_id": worker, "address": registration.address,
                                             "boot_id": registration.boot_id, "link_id": session.link_id})
@@ -487,7 +490,7 @@ class WorkerLinks:
         log.warning("asking the worker for a snapshot",
                     extra={"worker_id": session.worker_id, "reason": reason})
         snapshot_id = SnapshotId(f"repair-{uuid.uuid4().hex[:12]}")
-        session.send(RequestSnapshotCommand(snapshot_id)).add_done_callback(_quiet)
+        session.send(RequestSnapshotCommand(snapshot_id)).add_done_callback(quiet)
 
     async def run_resync_loop(self) -> None:
         """Resync flagged sessions whenever this controller may write (runs until cancelled)."""
@@ -549,7 +552,10 @@ class WorkerLinkServicer(worker_link_pb2_grpc.WorkerLinkServicer):
                 "the first WorkerEvent of a WorkerLink stream must be `register`, got "
                 f"`{_MEMBERS[type(registration)]}`; send Register first", field="event")
         self._links.access.check_serving()
-        session, previous = self._links.open(registration)
+        caller = current_principal()
+        if self._links.identity is not None:  # authentication on: the id, a live stream, the address
+            await self._links.identity.admit(registration, caller, self._links.sessions)
+        session, previous = self._links.open(registration, caller.name if caller else None)
         reader: asyncio.Task[None] | None = None
         writer: asyncio.Task[None] | None = None
         try:

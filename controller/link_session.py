@@ -92,6 +92,7 @@ class LinkSession:
         self.num_snapshots_applied = 0
         self.applied_snapshots: collections.OrderedDict[SnapshotId, SnapshotSummary] = collections.OrderedDict()
         self.closed = False
+        self.credential: str | None = None  # the token entry that opened the stream; None: auth off
 
     @property
     def worker_id(self) -> WorkerId:
@@ -141,6 +142,12 @@ class LinkSession:
         self.num_resync_failures += 1
         delay_s = min(MAX_RESYNC_BACKOFF_S, RESYNC_POLL_S * 2**self.num_resync_failures)
         self.resync_not_before_s = time.monotonic() + delay_s
+
+
+def quiet(future: asyncio.Future[CommandAck]) -> None:
+    """A done-callback for commands nobody awaits (repairs, ticket keys): retrieves the outcome."""
+    if not future.cancelled():
+        future.exception()
 
 
 def snapshot_inserts(chunk: InventorySnapshotChunk) -> list[PageEvent]:

@@ -52,6 +52,7 @@ from kvtier.rpc.convert.router import (
     to_proto_served_models,
 )
 from kvtier.rpc.status import rpc_errors
+from kvtier.rpc.tickets import TicketSigner
 from kvtier.runtime import tracing
 from kvtier.runtime.log import get_logger
 
@@ -255,10 +256,14 @@ class Router:
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    """Thin shell: convert, route, convert back. Standbys answer UNAVAILABLE naming the leader."""
+    """Thin shell: convert, route, convert back. Standbys answer UNAVAILABLE naming the leader.
 
-    def __init__(self, router: Router) -> None:
+    With ``tickets`` (authentication on) every ranked worker comes with a Route ticket for the
+    caller's tenant: what the frontend sends that worker's Generate instead of its token."""
+
+    def __init__(self, router: Router, *, tickets: TicketSigner | None = None) -> None:
         self._router = router
+        self._tickets = tickets
 
     @rpc_errors
     async def Route(
@@ -266,9 +271,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> router_pb2.RouteResponse:
         self._router.access.check_serving()
         route = from_proto_route_request(request)
+        caller = principal_tenant(context)
         decision = await tracing.traced_route(  # the `route` span (a no-op with tracing off)
-            self._router.route(route, principal_tenant(context)), route, context.invocation_metadata()
+            self._router.route(route, caller), route, context.invocation_metadata()
         )
+        if self._tickets is not None and caller is not None:
+            decision = self._tickets.with_tickets(decision, resolve_tenant(route.namespace, caller).tenant)
         return to_proto_route_decision(decision)
 
     @rpc_errors

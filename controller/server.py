@@ -44,6 +44,7 @@ from kvtier.controller.resync import REDIS_ERRORS, DirectoryAccess
 from kvtier.controller.router import Router, RouterServicer
 from kvtier.controller.sessions import SessionsServicer, SessionStore
 from kvtier.controller.worker_admin import WorkerAdmin
+from kvtier.controller.worker_identity import WorkerIdentity
 from kvtier.domain.errors import Unavailable
 from kvtier.domain.records import Command, CommandAck, ControllerStatus, SessionState, TierOccupancy, WorkerId
 from kvtier.domain.tiers import Tier
@@ -70,7 +71,8 @@ from kvtier.rpc.server_options import (
     serve_health_only,
 )
 from kvtier.rpc.status import MalformedRequestInterceptor
-from kvtier.rpc.tls import server_credentials
+from kvtier.rpc.tickets import TicketSigner
+from kvtier.rpc.tls import ClientTls, server_credentials
 from kvtier.runtime.config import ControllerConfig
 from kvtier.runtime.embedded_redis import EmbeddedRedis, without_credentials
 from kvtier.runtime.log import get_logger
@@ -281,6 +283,11 @@ async def serve_controller(
     check_exposure(config.host, what="controller", is_authenticated=tokens is not None,
                    allow_unauthenticated=config.allow_unauthenticated)
     credentials = server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
+    identity = None if tokens is None else WorkerIdentity(
+        TicketSigner(ttl_s=config.route_ticket_ttl_s),
+        # Address proofs dial workers: over TLS with tls_ca_file, this controller's certificate as the client's.
+        tls=ClientTls.from_files(config.tls_ca_file, *((config.tls_cert_file, config.tls_key_file)
+                                                       if config.tls_ca_file is not None else (None, None))))
     url = redis_url or config.redis_url
     embedded: EmbeddedRedis | None = None
     if url is None:
@@ -321,7 +328,7 @@ async def serve_controller(
         if metrics is not None:
             access.directory.on_op = metrics.directory_op
         registry = Registry(config.lease_ttl_s)
-        links = WorkerLinks(registry, access)
+        links = WorkerLinks(registry, access, identity)
         access.on_resync = links.mark_for_resync
         access.on_standby = links.close_all
         weights = {Tier.HBM: config.tier_weight_hbm, Tier.DRAM: config.tier_weight_dram,
@@ -360,7 +367,7 @@ async def serve_controller(
             cache_admin.on_resync(everything)
 
         access.on_resync = on_resync
-        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), server)
+        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router, tickets=identity.tickets if identity else None), server)
         sessions_pb2_grpc.add_SessionsServicer_to_server(
             SessionsServicer(orchestrator, access.check_serving), server
         )

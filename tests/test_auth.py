@@ -21,6 +21,8 @@ from kvtier.rpc._gen import admin_pb2, common_pb2, router_pb2, sessions_pb2, wor
 from kvtier.rpc.auth import Principal, Role, TokenTableFile, bind_tenant, hash_token, load_token_table
 from kvtier.rpc.auth_interceptor import (
     METHOD_ROLES,
+    PUBLIC_METHODS,
+    TICKET_METHODS,
     AuthInterceptor,
     bearer_token,
     is_public,
@@ -42,10 +44,12 @@ def table_yaml(tmp_path: Path, body: str, name: str = "tokens.yaml") -> Path:
     return path
 
 
-def entry(name: str, role: str, tenants: str = "", token: str | None = None) -> str:
+def entry(name: str, role: str, tenants: str = "", token: str | None = None, worker_id: str | None = None) -> str:
     lines = f"  - name: {name}\n    role: {role}\n"
     if tenants:
         lines += f"    tenants: [{tenants}]\n"
+    if role == "worker" or worker_id:
+        lines += f"    worker_id: {worker_id or 'w-' + name}\n"
     return lines + f"    sha256: {hash_token(token or TOKENS[name])}\n"
 
 
@@ -70,7 +74,9 @@ def test_yaml_table_authenticates_each_token_as_its_principal(table_file):
     assert len(table) == 4
     assert table.authenticate(TOKENS["fe-ab"]) == Principal("fe-ab", Role.FRONTEND, frozenset({"a", "b"}))
     assert table.authenticate(TOKENS["admin"]) == Principal("admin", Role.ADMIN)
-    assert table.authenticate(TOKENS["worker"]).role is Role.WORKER
+    worker = table.authenticate(TOKENS["worker"])
+    assert worker == Principal("worker", Role.WORKER, worker_id="w-worker")
+    assert worker.key_digest == hashlib.sha256(TOKENS["worker"].encode()).digest()
     assert table.authenticate("kvt_unknown") is None
     assert table.authenticate(TOKENS["admin"] + " ") is None  # exact text, no normalising
     assert table.authenticate(hash_token(TOKENS["admin"])) is None  # the hash is not a token
@@ -102,6 +108,10 @@ def test_toml_table_reads_the_same(tmp_path):
         ("users: []\n", "tokens", "exactly one key"),
         ("tokens: [\n", "tokens", "not valid YAML"),
         ("tokens:\n  - 3\n", "tokens[0]", "mapping"),
+        ("tokens:\n  - {name: w, role: worker, sha256: " + "0" * 64 + "}\n", "tokens[0].worker_id",
+         "required for a worker token"),
+        ("tokens:\n" + entry("admin", "admin", worker_id="w-1"), "tokens[0].worker_id", "worker tokens only"),
+        ("tokens:\n" + entry("worker", "worker", worker_id="bad id"), "tokens[0].worker_id", "1-128 characters"),
     ],
 )
 def test_bad_tables_are_refused_naming_the_entry_and_field(tmp_path, body, field, words):
@@ -196,12 +206,14 @@ def all_methods():
                 yield f"/{service.full_name}/{method.name}"
 
 
-def test_every_generated_rpc_has_roles_and_nothing_else_does():
+def test_every_generated_rpc_has_roles_or_is_public_and_nothing_else_does():
     methods = list(all_methods())
     assert len(methods) >= 22
-    unmapped = [m for m in methods if not required_roles(m)]
+    unmapped = [m for m in methods if not required_roles(m) and not is_public(m)]
     assert not unmapped, f"RPCs without roles (refused to everyone): {unmapped}"
-    assert set(METHOD_ROLES) == set(methods), "the role map names methods the protos no longer have"
+    assert set(METHOD_ROLES) | PUBLIC_METHODS == set(methods), "the role map names methods the protos no longer have"
+    assert TICKET_METHODS <= set(METHOD_ROLES)
+    assert PUBLIC_METHODS == {"/kvtier.v1.Worker/ProveAddress"}  # answers with a proof, reveals nothing
 
 
 @pytest.mark.parametrize(
@@ -209,7 +221,7 @@ def test_every_generated_rpc_has_roles_and_nothing_else_does():
     [
         ("/kvtier.v1.Router/Route", {Role.FRONTEND, Role.ADMIN}),
         ("/kvtier.v1.Sessions/Pause", {Role.FRONTEND, Role.ADMIN}),
-        ("/kvtier.v1.Worker/Generate", {Role.FRONTEND, Role.ADMIN}),
+        ("/kvtier.v1.Worker/Generate", {Role.FRONTEND}),  # by Route ticket only
         ("/kvtier.v1.Worker/Stats", {Role.ADMIN}),
         ("/kvtier.v1.Worker/CheckIntegrity", {Role.ADMIN}),
         ("/kvtier.v1.WorkerLink/Connect", {Role.WORKER}),
@@ -285,6 +297,10 @@ def test_token_create_prints_the_token_once_and_stores_its_hash(tmp_path, monkey
                                                                     frozenset({"acme", "beta"}))
     code, out, _ = run_cli(["token", "hash"], monkeypatch, capsys, stdin=token + "\n")
     assert code in (0, None) and out.strip() == hash_token(token)
+    code, out, err = run_cli(["token", "create", "--name", "w-0", "--role", "worker", "--worker-id", "gpu-0",
+                              "--table", str(table)], monkeypatch, capsys)
+    assert code in (0, None), err
+    assert load_token_table(table).authenticate(out.strip()) == Principal("w-0", Role.WORKER, worker_id="gpu-0")
 
 
 @pytest.mark.parametrize("suffix", [".yaml", ".toml"])
@@ -314,6 +330,8 @@ def test_token_create_leaves_the_table_owner_only_whatever_the_umask(tmp_path, m
         (["--name", "x", "--role", "frontend"], "--tenant must name at least one tenant"),
         (["--name", "x", "--role", "root"], "--role must be one of"),
         (["--name", "bad name", "--role", "admin"], "--name must be"),
+        (["--name", "w", "--role", "worker"], "--worker-id is required for a worker token"),
+        (["--name", "x", "--role", "admin", "--worker-id", "w-0"], "--worker-id is for worker tokens only"),
     ],
 )
 def test_token_create_bad_flags_exit_2_naming_the_flag(tmp_path, monkeypatch, capsys, argv, words):

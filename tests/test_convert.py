@@ -145,6 +145,7 @@ ranked_workers = st.builds(
     score=FINITE,
     matched_tokens=tokens_by_tier,
     is_affinity=st.booleans(),
+    ticket=OPT_NAME,
 )
 token_chunks = st.builds(r.TokenChunk, token_ids=TOKENS, index=U32)
 usages = st.builds(
@@ -245,6 +246,7 @@ command_acks = st.one_of(
 )
 NONEMPTY_KEYS = st.lists(KEY, min_size=1, max_size=6).map(tuple)
 commands = st.one_of(
+    st.builds(r.TicketKeyCommand, key=st.binary(min_size=32, max_size=32)),
     st.builds(r.DemoteCommand, namespace_digest=KEY, page_keys=NONEMPTY_KEYS, target_tier=TIER),
     st.builds(
         r.PrefetchCommand,
@@ -409,6 +411,7 @@ ROUND_TRIPS: dict[str, st.SearchStrategy[Any]] = {
         r.PinCommand, pin_id=NAME, namespace_digest=KEY, page_keys=NONEMPTY_KEYS, tier=TIER, expires_at_ms=OPT_U64
     ),
     "unpin_command": st.builds(r.UnpinCommand, pin_id=NAME),
+    "ticket_key_command": st.builds(r.TicketKeyCommand, key=st.binary(min_size=32, max_size=32)),
     "controller_command": st.builds(r.ControllerCommand, command_id=U64, command=commands),
     # admin
     "controller_status": st.builds(

@@ -24,7 +24,7 @@ MODULES = ("common", "router", "worker", "sessions", "worker_link", "admin")
 # DESIGN §7, plus the RPCs the Foundation issue adds (Worker.CheckIntegrity/Stats, Admin policy RPCs).
 SERVICES = {
     "router": {"Router": ["Route", "ListModels"]},
-    "worker": {"Worker": ["Generate", "CheckIntegrity", "Stats"]},
+    "worker": {"Worker": ["Generate", "CheckIntegrity", "Stats", "ProveAddress"]},
     "sessions": {"Sessions": ["Pause", "Returning", "End"]},
     "worker_link": {"WorkerLink": ["Connect"]},
     "admin": {

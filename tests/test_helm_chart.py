@@ -445,9 +445,9 @@ def test_tls_and_auth_secrets_are_mounted_as_files(rendered: dict[str, list[dict
     controller_pod = controller_deployment(objs)["spec"]["template"]["spec"]
     (group,) = raycluster(objs)["spec"]["workerGroupSpecs"]
     worker_pod = group["template"]["spec"]
-    for pod, ctr_name, tls_secret, token_key, token_file in (
-        (controller_pod, "controller", "kvtier-controller-tls", "tokens", "/etc/kvtier/auth/tokens"),
-        (worker_pod, "ray-worker", "kvtier-worker-tls", "worker-token", "/etc/kvtier/auth/worker-token"),
+    for pod, ctr_name, tls_secret in (
+        (controller_pod, "controller", "kvtier-controller-tls"),
+        (worker_pod, "ray-worker", "kvtier-worker-tls"),
     ):
         volumes = {v["name"]: v for v in pod["volumes"]}
         ctr = container(pod, ctr_name)
@@ -457,17 +457,25 @@ def test_tls_and_auth_secrets_are_mounted_as_files(rendered: dict[str, list[dict
         assert mounts["tls"]["mountPath"] == "/etc/kvtier/tls" and mounts["tls"]["readOnly"]
         for var, file in (("CERT", "tls.crt"), ("KEY", "tls.key"), ("CA", "ca.crt")):
             assert env[f"KVTIER_TLS_{var}_FILE"] == f"/etc/kvtier/tls/{file}"
-        # Each pod gets the keys it needs: the token table (both verify callers), and the
-        # worker's own token only on workers.
+        # Both verify callers with the token table, and nothing else of that Secret.
         assert volumes["auth"]["secret"]["secretName"] == "kvtier-auth"
-        expected_items = [{"key": "tokens", "path": "tokens"}]
-        if token_key != "tokens":
-            expected_items.append({"key": token_key, "path": Path(token_file).name})
-        assert volumes["auth"]["secret"]["items"] == expected_items
-        assert env["KVTIER_AUTH_TOKEN_FILE"] == f"{mounts['auth']['mountPath']}/{Path(token_file).name}"
-        assert env["KVTIER_AUTH_TOKEN_FILE"] == token_file
+        assert volumes["auth"]["secret"]["items"] == [{"key": "tokens", "path": "tokens"}]
+        assert mounts["auth"]["mountPath"] == "/etc/kvtier/auth"
         assert "KVTIER_ALLOW_UNAUTHENTICATED" not in env
-    assert literal_env(container(worker_pod, "ray-worker"))["KVTIER_AUTH_TOKENS_FILE"] == "/etc/kvtier/auth/tokens"
+    assert literal_env(container(controller_pod, "controller"))["KVTIER_AUTH_TOKEN_FILE"] == "/etc/kvtier/auth/tokens"
+    worker = container(worker_pod, "ray-worker")
+    assert literal_env(worker)["KVTIER_AUTH_TOKENS_FILE"] == "/etc/kvtier/auth/tokens"
+    # One credential per worker: the GPU pods mount the Secret of per-worker-id tokens, and no
+    # token shared by every worker exists (the pool sets each actor's auth_token_file to its id's key).
+    assert "KVTIER_AUTH_TOKEN_FILE" not in env_of(worker)
+    volumes = {v["name"]: v for v in worker_pod["volumes"]}
+    assert volumes["worker-tokens"]["secret"]["secretName"] == "kvtier-worker-tokens"
+    mounts = {m["name"]: m for m in worker["volumeMounts"]}
+    assert mounts["worker-tokens"]["mountPath"] == "/etc/kvtier/worker-tokens" and mounts["worker-tokens"]["readOnly"]
+    head = raycluster(objs)["spec"]["headGroupSpec"]["template"]["spec"]
+    assert "worker-tokens" not in {v["name"] for v in head["volumes"]}
+    assert "worker-tokens" not in {v["name"] for v in controller_pod["volumes"]}
+
 
 def test_auth_off_lets_callers_in_only_where_the_network_admits_them(chart: Any) -> None:
     objs = render(chart, {"auth": {"enabled": False}})
@@ -488,7 +496,7 @@ def test_the_default_render_has_auth_on_and_a_valkey_password(chart: Any, render
     objs = rendered["default"]
     assert chart.merge_values({})["auth"]["enabled"] is True
     secrets = {obj["metadata"]["name"]: secret_data(obj) for obj in of_kind(objs, "Secret")}
-    assert set(secrets) == {f"{RELEASE}-kvtier-valkey", f"{RELEASE}-kvtier-auth"}
+    assert set(secrets) == {f"{RELEASE}-kvtier-valkey", f"{RELEASE}-kvtier-auth", f"{RELEASE}-kvtier-worker-tokens"}
     password = secrets[f"{RELEASE}-kvtier-valkey"]["password"]
     assert re.fullmatch(r"[A-Za-z0-9]{40}", password)
 
@@ -502,27 +510,33 @@ def test_the_default_render_has_auth_on_and_a_valkey_password(chart: Any, render
     assert env_of(ctr)["KVTIER_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == f"{RELEASE}-kvtier-valkey"
     assert "$(KVTIER_REDIS_PASSWORD)@" in literal_env(ctr)["KVTIER_REDIS_URL"]
 
-    # Auth is on: the token table verifies callers, workers carry their own token, and the
-    # table admits exactly the generated admin and worker tokens (by digest only).
+    # Auth is on: the token table verifies callers, each worker id has its own token (bound to
+    # the id), and the table admits exactly the generated admin and worker tokens (by digest only).
     auth = secrets[f"{RELEASE}-kvtier-auth"]
+    workers = secrets[f"{RELEASE}-kvtier-worker-tokens"]
     table = auth_lib.parse_token_table(yaml.safe_load(auth["tokens"]), source="chart")
     assert table.authenticate(auth["admin-token"]).role is auth_lib.Role.ADMIN
-    assert table.authenticate(auth["worker-token"]).role is auth_lib.Role.WORKER
-    assert auth["admin-token"] not in auth["tokens"] and auth["worker-token"] not in auth["tokens"]
+    assert sorted(workers) == ["worker-0"]  # ray.worker.maxReplicas x gpusPerWorker
+    for worker_id, token in workers.items():
+        principal = table.authenticate(token)
+        assert principal.role is auth_lib.Role.WORKER and principal.worker_id == worker_id
+        assert token not in auth["tokens"]
+    assert auth["admin-token"] not in auth["tokens"]
     assert literal_env(ctr)["KVTIER_AUTH_TOKEN_FILE"] == "/etc/kvtier/auth/tokens"
     assert "KVTIER_ALLOW_UNAUTHENTICATED" not in env_of(ctr)
     (group,) = raycluster(objs)["spec"]["workerGroupSpecs"]
     worker_pod = group["template"]["spec"]
-    assert literal_env(container(worker_pod, "ray-worker"))["KVTIER_AUTH_TOKEN_FILE"] == "/etc/kvtier/auth/worker-token"
+    assert literal_env(container(worker_pod, "ray-worker"))["KVTIER_AUTH_TOKENS_FILE"] == "/etc/kvtier/auth/tokens"
     volumes = {v["name"]: v for v in worker_pod["volumes"]}
     assert volumes["auth"]["secret"]["secretName"] == f"{RELEASE}-kvtier-auth"
+    assert volumes["worker-tokens"]["secret"]["secretName"] == f"{RELEASE}-kvtier-worker-tokens"
 
     # The generated values appear in their Secrets and nowhere else.
     for obj in objs:
         if obj["kind"] == "Secret":
             continue
         for path, value in walk(obj):
-            for secret in (password, auth["admin-token"], auth["worker-token"]):
+            for secret in (password, auth["admin-token"], *workers.values()):
                 assert not (isinstance(value, str) and secret in value), f"{obj['kind']} {'.'.join(map(str, path))}"
 
 
@@ -531,6 +545,7 @@ CANARIES = {
     "tls": "tls-4f2a9c7e1b3d5f60718293a4b5c6d7e8",
     "redis": "url-0a9b8c7d6e5f4a3b2c1d0e9f8a7b6c5d",
     "valkey": "pw-5e4d3c2b1a0f9e8d7c6b5a4f3e2d1c0b",
+    "workers": "wt-3a1b5c7d9e0f2a4b6c8d0e1f3a5b7c9d",
 }
 # Where a Secret's *name* may appear; anywhere else would be a leak of a secret reference.
 SECRET_NAME_FIELDS = {("secret", "secretName"), ("secretKeyRef", "name")}
@@ -538,7 +553,7 @@ SECRET_NAME_FIELDS = {("secret", "secretName"), ("secretKeyRef", "name")}
 
 def test_secret_references_render_only_as_secret_names(chart: Any) -> None:
     values = {
-        "auth": {"enabled": True, "existingSecret": CANARIES["auth"]},
+        "auth": {"enabled": True, "existingSecret": CANARIES["auth"], "workerTokensSecret": CANARIES["workers"]},
         "tls": {"enabled": True, "existingSecret": CANARIES["tls"]},
         "redis": {"bundled": {"auth": {"existingSecret": CANARIES["valkey"]}}},
     }
@@ -637,6 +652,11 @@ def test_network_policies_guard_controller_redis_and_workers(
         metrics_rule[0]["from"][0]["namespaceSelector"]
         == values["networkPolicy"]["metrics"]["namespaceSelector"]
     )
+    # The controller proves each registering worker's address by calling its gRPC port.
+    worker_port = values["ray"]["worker"]["port"]
+    assert any(admitted(p, labels["controller"], worker_port) for p in by_target["ray-worker"])
+    assert not any(admitted(p, labels["controller"], values["ray"]["worker"]["metricsPort"])
+                   for p in by_target["ray-worker"])
     if values["redis"]["mode"] == "bundled":
         (redis_policy,) = by_target["valkey"]
         assert admitted(redis_policy, labels["controller"], "redis")
@@ -714,8 +734,11 @@ INVALID_VALUES = {
         "redis": {"mode": "external", "external": {"url": "redis://:hunter2@redis.example:6379/0"}}
     },
     "external Redis without a URL": {"redis": {"mode": "external"}},
+    "auth's table without the workers' tokens": {"auth": {"enabled": True, "existingSecret": "kvtier-auth"}},
+    "workers' tokens without the table": {"auth": {"enabled": True, "workerTokensSecret": "kvtier-worker-tokens"}},
     "TLS without its Secret": {"tls": {"enabled": True}},
-    "secret name that is not a name": {"auth": {"enabled": True, "existingSecret": "-----BEGIN KEY-----"}},
+    "secret name that is not a name": {"auth": {"enabled": True, "existingSecret": "-----BEGIN KEY-----",
+                                                "workerTokensSecret": "w"}},
 }
 
 

@@ -30,7 +30,7 @@ from kvtier.worker.servicer import serve_worker
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-ADMIN, WORKER = "kvt_tls-admin", "kvt_tls-worker"
+ADMIN, WORKER, ACTOR = "kvt_tls-admin", "kvt_tls-worker", "kvt_tls-actor"
 
 
 @dataclasses.dataclass
@@ -64,7 +64,8 @@ def pki(tmp_path_factory) -> Pki:
 def table(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("auth") / "tokens.yaml"
     path.write_text(f"tokens:\n  - {{name: ops, role: admin, sha256: {hash_token(ADMIN)}}}\n"
-                    f"  - {{name: w, role: worker, sha256: {hash_token(WORKER)}}}\n")
+                    f"  - {{name: w, role: worker, worker_id: w-tls, sha256: {hash_token(WORKER)}}}\n"
+                    f"  - {{name: a, role: worker, worker_id: w-actor, sha256: {hash_token(ACTOR)}}}\n")
     return path
 
 
@@ -76,7 +77,8 @@ def checkpoint(tmp_path_factory):
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def tls_worker(checkpoint, pki):
     server = await serve_worker(Engine.from_pretrained(checkpoint, page_size=4, num_pages=32), worker_id="w-tls",
-                                credentials=server_credentials(pki.server_cert, pki.server_key))
+                                credentials=server_credentials(pki.server_cert, pki.server_key),
+                                identity_token=WORKER)
     yield server
     await server.stop(0)
 
@@ -87,7 +89,7 @@ async def mtls_controller(redis_url, pki, table, tmp_path_factory):
     config = ControllerConfig(
         port=0, state_dir=tmp_path_factory.mktemp("ctl"), auth_token_file=table, lease_ttl_s=2.0,
         heartbeat_interval_s=0.5, tls_cert_file=pki.server_cert, tls_key_file=pki.server_key,
-        tls_client_ca_file=pki.ca, health_port=0,
+        tls_client_ca_file=pki.ca, health_port=0, tls_ca_file=pki.ca,  # dials TLS workers for address proofs
     )
     controller = await serve_controller(config, redis_url=redis_url)
     yield controller
@@ -138,12 +140,12 @@ async def test_worker_link_registers_over_mtls_only_with_a_client_certificate(mt
         return link
 
     without = await link(ClientTls(ca_file=pki.ca), "w-no-cert")
-    with_cert = await link(ClientTls(ca_file=pki.ca, cert_file=pki.client_cert, key_file=pki.client_key), "w-cert")
+    with_cert = await link(ClientTls(ca_file=pki.ca, cert_file=pki.client_cert, key_file=pki.client_key), "w-tls")
     try:
         await asyncio.wait_for(with_cert.connected.wait(), 15)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 15
-        while mtls_controller.registry.get("w-cert") is None:  # the controller reads the registration
+        while mtls_controller.registry.get("w-tls") is None:  # the controller reads the registration
             assert loop.time() < deadline, "the worker with a certificate never registered"
             await asyncio.sleep(0.02)
         await asyncio.sleep(1.0)  # several retries of the refused one
@@ -159,7 +161,7 @@ async def test_worker_actor_serves_tls_probes_itself_and_links_over_mtls(mtls_co
     from kvtier.worker.actor import WorkerActor
 
     token_file = tmp_path / "worker.token"
-    token_file.write_text(WORKER + "\n")
+    token_file.write_text(ACTOR + "\n")
     config = WorkerConfig(
         controller_address=mtls_controller.address, model=checkpoint, device="cpu", page_size=4,
         hbm_bytes=4 << 20, dram_bytes=0, state_dir=tmp_path, auth_token_file=token_file, auth_tokens_file=table,

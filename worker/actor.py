@@ -3,10 +3,9 @@
     actor = ray.remote(**actor_options(config))(WorkerActor).remote(config, worker_id="w0")
     init_device → load_model → allocate_pools → serve          (run_phases does all four)
 
-The constructor is cheap (it only stores the configuration), so a failure names the
-phase it happened in, and the owner can retry or report it. ``serve()`` starts the gRPC
-server and the controller link on an asyncio loop running on a background thread of the
-actor (``WorkerRuntime``); the actor's own methods stay synchronous.
+The constructor only stores the configuration, so a failure names the phase it happened in.
+``serve()`` starts the gRPC server and the controller link on an asyncio loop on a background
+thread of the actor (``WorkerRuntime``); the actor's own methods stay synchronous.
 
 Restarts: with ``max_restarts`` Ray re-creates a killed process and runs only the
 constructor, so a restarted actor's constructor runs every phase itself: the worker comes
@@ -400,6 +399,7 @@ class WorkerActor:
                 advertise_host=self._advertise_host(),
                 telemetry=self._telemetry,
                 tokens=tokens,
+                identity_token=link_token,
                 credentials=credentials,
                 allow_unauthenticated=config.allow_unauthenticated,
                 hold_fraction=config.session_hold_fraction,
@@ -417,6 +417,7 @@ class WorkerActor:
                 token=link_token,
                 tls=link_tls,
                 has_chat_template=self._model_path is not None and has_chat_template(self._model_path),
+                tickets=self._server.tickets,
             )
             self._runtime.run(_start(self._link))
         return self._server.address

@@ -30,6 +30,9 @@ Demote, Prefetch and Drop may name a session instead of pages (the engine loop r
 last generation's pages); Demote and Drop may name the whole namespace. Every command is
 acknowledged exactly once, by id.
 
+``TicketKey`` installs the key Generate checks Route tickets with (``kvtier.rpc.tickets``);
+an authenticated controller sends it first on every stream.
+
 Demote and Prefetch run as background transfers (DESIGN §5.5): commands are taken in order,
 and a move's transfers are submitted before the next command is read, but the engine keeps
 stepping while they run and the link reads on. The ack goes when the move has been applied
@@ -70,6 +73,7 @@ from kvtier.domain.records import (
     Registration,
     RequestSnapshotCommand,
     SnapshotId,
+    TicketKeyCommand,
     TierCapacity,
     UnpinCommand,
     WorkerEvent,
@@ -80,6 +84,7 @@ from kvtier.rpc._gen import worker_link_pb2, worker_link_pb2_grpc
 from kvtier.rpc.convert.limits import MAX_BATCH_EVENTS, MAX_MESSAGE_BYTES, MAX_SNAPSHOT_CHUNK_PAGES
 from kvtier.rpc.convert.link_commands import from_proto_controller_command
 from kvtier.rpc.convert.link_events import to_proto_worker_event
+from kvtier.rpc.tickets import TicketVerifier
 from kvtier.rpc.tls import ClientTls, secure_or_insecure_channel
 from kvtier.runtime.log import get_logger
 from kvtier.tiers.moves import MoveOutcome
@@ -181,6 +186,7 @@ class WorkerLink:
         token: str | None = None,
         tls: ClientTls | None = None,
         has_chat_template: bool = False,
+        tickets: TicketVerifier | None = None,
     ) -> None:
         if not 1 <= max_batch_events <= MAX_BATCH_EVENTS:
             raise ValueError(
@@ -198,6 +204,7 @@ class WorkerLink:
         self._max_backoff_s = max_backoff_s
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._tls = tls  # TLS to the controller (with a client certificate for mTLS), or plaintext
+        self._tickets = tickets  # receives the Route-ticket key the controller sends (TicketKeyCommand)
         self._heartbeat_seq = 0
         self._batch_seq = 0
         self._send_lock = asyncio.Lock()
@@ -457,6 +464,13 @@ class WorkerLink:
             log.info("pin carried out", extra={"command_id": command.command_id, "pin_id": body.pin_id,
                                                "num_pinned": counts.num_done, "num_skipped": counts.num_kept})
             return CommandAck(command.command_id, num_pages=counts.num_done, num_skipped_pages=counts.num_kept)
+        if isinstance(body, TicketKeyCommand):
+            if self._tickets is None:
+                return CommandAck(command.command_id, error_code="FAILED_PRECONDITION",
+                                  error_message="this worker checks no Route tickets (no auth_tokens_file)")
+            self._tickets.install(body.key)
+            log.info("route ticket key installed", extra={"command_id": command.command_id})
+            return CommandAck(command.command_id)
         if isinstance(body, UnpinCommand):
             released = await self._loop.unpin(body.pin_id)
             log.info("unpin carried out", extra={"command_id": command.command_id, "pin_id": body.pin_id,

@@ -27,7 +27,7 @@ from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvtier.domain.errors import NotFound
+from kvtier.domain.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvtier.domain.hashing import NamespaceIdentity
 from kvtier.domain.records import BootId, WorkerId, WorkerStats
 from kvtier.engine.engine import Engine
@@ -40,6 +40,7 @@ from kvtier.rpc.convert.worker import (
     to_proto_integrity_result,
     to_proto_worker_stats,
 )
+from kvtier.rpc.identity import MAX_NONCE_BYTES, MIN_NONCE_BYTES, address_proof, token_key
 from kvtier.rpc.server_options import (
     SERVER_OPTIONS,
     advertised_host,
@@ -48,6 +49,7 @@ from kvtier.rpc.server_options import (
     join_host_port,
 )
 from kvtier.rpc.status import MalformedRequestInterceptor, rpc_errors
+from kvtier.rpc.tickets import TicketVerifier
 from kvtier.runtime import tracing
 from kvtier.runtime.log import get_logger
 from kvtier.runtime.shutdown import run_steps
@@ -93,10 +95,28 @@ def check_serves(namespace: NamespaceIdentity, served: NamespaceIdentity) -> Non
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, loop: EngineLoop, *, worker_id: WorkerId, boot_id: BootId) -> None:
+    def __init__(self, loop: EngineLoop, *, worker_id: WorkerId, boot_id: BootId,
+                 identity_token: str | None = None) -> None:
         self._loop = loop
         self._worker_id = worker_id
         self._boot_id = boot_id
+        # SHA-256 of the worker's own bearer token: the key of its address proofs.
+        self._proof_key = token_key(identity_token) if identity_token else None
+
+    @rpc_errors
+    async def ProveAddress(
+        self, request: worker_pb2.ProveAddressRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ProveAddressResponse:
+        """Answer the controller's challenge for this worker's own id only (decision 0007)."""
+        if self._proof_key is None:
+            raise FailedPrecondition("this worker has no credential (auth_token_file) to prove its address with")
+        if request.worker_id != self._worker_id:
+            raise NotFound(f"worker_id {request.worker_id!r} is not served at this address", field="worker_id")
+        if not MIN_NONCE_BYTES <= len(request.nonce) <= MAX_NONCE_BYTES:
+            raise InvalidArgument(f"nonce must be {MIN_NONCE_BYTES} to {MAX_NONCE_BYTES} bytes, "
+                                  f"got {len(request.nonce)}", field="nonce")
+        proof = address_proof(self._proof_key, request.worker_id, request.address, request.nonce)
+        return worker_pb2.ProveAddressResponse(proof=proof)
 
     @rpc_errors
     async def Generate(
@@ -148,6 +168,7 @@ class WorkerServer:
     host: str
     port: int
     advertise_host: str
+    tickets: TicketVerifier | None = None  # with authentication: checks Route tickets on Generate
 
     @property
     def address(self) -> str:
@@ -179,6 +200,7 @@ async def serve_worker(
     advertise_host: str | None = None,
     telemetry: Telemetry | None = None,
     tokens: TokenTable | TokenTableFile | None = None,
+    identity_token: str | None = None,
     credentials: grpc.ServerCredentials | None = None,
     allow_unauthenticated: bool = False,
     hold_fraction: float | None = None,
@@ -187,8 +209,11 @@ async def serve_worker(
     """Start the engine thread and the gRPC server on ``host:port`` (0: a free port).
 
     With ``telemetry`` the worker's metrics (``kvtier.worker.metrics``) are exported there.
-    With ``tokens`` every call but health and reflection needs a bearer token of that table
-    (``kvtier.rpc.auth_interceptor``); with ``credentials`` the server speaks TLS only.
+    With ``tokens`` every call but health, reflection and ProveAddress needs a bearer token of
+    that table, and Generate a Route ticket, checked with the key the controller link installs
+    in ``WorkerServer.tickets`` (``kvtier.rpc.auth_interceptor``). ``identity_token``: the
+    worker's own token, which ProveAddress answers with. With ``credentials`` the server speaks
+    TLS only.
     Without ``tokens`` it refuses a non-loopback ``host`` unless ``allow_unauthenticated``.
     ``hold_fraction``: the share of HBM session holds may keep (``EngineLoop``; None: its default);
     ``wait_scale``: multiplies the engine loop's fixed waits (``WorkerConfig.wait_scale``).
@@ -216,10 +241,11 @@ async def serve_worker(
     loop.span_attributes["kvtier.worker_id"] = worker_id
     if telemetry is not None:
         loop.metrics = WorkerMetrics(telemetry, loop, worker_id)
-    servicer = WorkerServicer(loop, worker_id=worker_id, boot_id=boot)
+    servicer = WorkerServicer(loop, worker_id=worker_id, boot_id=boot, identity_token=identity_token)
+    tickets = TicketVerifier(worker_id) if tokens is not None else None
     server = grpc.aio.server(
         options=SERVER_OPTIONS,
-        interceptors=(*server_interceptors(tokens, server="worker"), MalformedRequestInterceptor()),
+        interceptors=(*server_interceptors(tokens, server="worker", tickets=tickets), MalformedRequestInterceptor()),
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -242,6 +268,7 @@ async def serve_worker(
         host=host,
         port=bound,
         advertise_host=advertise_host or advertised_host(host),
+        tickets=tickets,
     )
     log.info(
         "worker serving",

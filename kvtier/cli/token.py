@@ -2,6 +2,8 @@
 
     kvtier token create --name frontend-acme --role frontend --tenant acme --table tokens.yaml
         prints a fresh token once (stdout) and appends its hashed entry to the table
+    kvtier token create --name worker-0 --role worker --worker-id worker-0 --table tokens.yaml
+        a worker's own token: it registers that worker id and no other
     echo -n "$TOKEN" | kvtier token hash
         prints the SHA-256 a table stores for a token read from stdin
 
@@ -29,7 +31,8 @@ token_app = typer.Typer(
     rich_markup_mode="rich",
 )
 app.add_typer(token_app, name="token")
-_FLAGS = {"token.name": "--name", "token.role": "--role", "token.tenants": "--tenant"}
+_FLAGS = {"token.name": "--name", "token.role": "--role", "token.tenants": "--tenant",
+          "token.worker_id": "--worker-id"}
 
 
 @token_app.command("create")
@@ -38,6 +41,9 @@ def create_command(
     role: Annotated[str, typer.Option(help=f"One of {', '.join(ROLES)}.")],
     tenant: Annotated[
         list[str] | None, typer.Option(help="A tenant a frontend token may act for; repeat for several.")
+    ] = None,
+    worker_id: Annotated[
+        str | None, typer.Option(help="The worker id a worker token registers (required for --role worker).")
     ] = None,
     table: Annotated[
         Path | None,
@@ -54,12 +60,13 @@ def create_command(
 
       kvtier token create --name frontend-acme --role frontend --tenant acme --table tokens.yaml
       kvtier token create --name ops --role admin --table tokens.yaml --json
+      kvtier token create --name worker-0 --role worker --worker-id worker-0 --table tokens.yaml
     """
     if role not in ROLES:
         raise InvalidArgument(f"--role must be one of {', '.join(ROLES)}, got {role!r}", field="--role")
     token = new_token()
     try:
-        entry = make_entry(name, role, tenant or [], hash_token(token), where="token")
+        entry = make_entry(name, role, tenant or [], hash_token(token), where="token", worker_id=worker_id)
     except InvalidArgument as err:  # name the flag, not the table field
         flag = _FLAGS.get(err.field or "", "--name")
         raise InvalidArgument(err.message.replace(err.field or "", flag), field=flag) from None

@@ -12,7 +12,7 @@ import grpc
 import grpc.aio
 
 from kvtier.client.admin import AdminClient
-from kvtier.client.connection import remaining_s
+from kvtier.client.connection import remaining_s, ticket_metadata
 from kvtier.domain.errors import InvalidArgument, Unavailable
 from kvtier.domain.hashing import NamespaceIdentity
 from kvtier.domain.params import SamplingParams
@@ -103,12 +103,15 @@ class AsyncClient(AdminClient):
         priority: int = 0,
         deadline_s: float | None = None,
         worker: str | None = None,
+        ticket: str | None = None,
     ) -> AsyncGenerator[GenerateEvent, None]:
         """Stream ``TokenChunk`` events and one final ``GenerateFinal``.
 
         Without ``worker`` the controller routes the request; with it (``host:port``) the
-        request goes straight to that worker. Breaking out of the loop (or closing the
-        iterator) cancels the stream, and the worker releases the request's pages.
+        request goes straight to that worker, with ``ticket`` (``RankedWorker.ticket`` of a
+        Route) when the stack authenticates. A worker is sent its Route ticket, never this
+        client's bearer token. Breaking out of the loop (or closing the iterator) cancels the
+        stream, and the worker releases the request's pages.
         """
         aloop = asyncio.get_running_loop()
         budget_s = self.timeout_s if deadline_s is None else deadline_s
@@ -125,17 +128,17 @@ class AsyncClient(AdminClient):
         )
         message = to_proto_generate_request(request)
         if worker is not None:
-            candidates = [worker]
+            candidates = [(worker, ticket)]
         else:
             decision = await self.route(namespace, prompt, session_id, timeout_s=remaining_s(deadline, aloop))
-            candidates = [w.address for w in decision.workers]
+            candidates = [(w.address, w.ticket) for w in decision.workers]
             if not candidates:
                 raise Unavailable(
                     f"no live worker serves model {namespace.model_id!r}; start one, or check `kvtier workers`"
                 )
-        for i, address in enumerate(candidates):
+        for i, (address, worker_ticket) in enumerate(candidates):
             call = worker_pb2_grpc.WorkerStub(self._channel(address)).Generate(
-                message, timeout=remaining_s(deadline, aloop), metadata=self._metadata
+                message, timeout=remaining_s(deadline, aloop), metadata=ticket_metadata(worker_ticket)
             )
             has_output = False
             try:

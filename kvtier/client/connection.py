@@ -1,5 +1,8 @@
 """A connection to kvtier servers: one gRPC channel per address (TLS or plaintext), the bearer
-token, and unary calls under a deadline, retried with backoff on UNAVAILABLE when idempotent."""
+token, and unary calls under a deadline, retried with backoff on UNAVAILABLE when idempotent.
+
+The bearer token goes to the controller and to workers' admin calls (Stats, CheckIntegrity);
+Generate carries the Route ticket of its worker instead (``ticket_metadata``)."""
 
 from __future__ import annotations
 
@@ -49,7 +52,8 @@ class Connection:
         channel_options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS,
         tls: ClientTls | None = None,
     ) -> None:
-        """``token``: the bearer token sent with every call (controller and workers). ``tls``:
+        """``token``: the bearer token sent with every call but Generate (controller, and workers'
+        admin calls). ``tls``:
         dial every server over TLS (``ClientTls``: CA, client certificate for mTLS); None:
         plaintext, which a TLS server refuses."""
         if timeout_s <= 0:
@@ -125,6 +129,11 @@ class Connection:
                 num_retries += 1
                 log.debug("retrying after UNAVAILABLE", extra={"rpc": name, "retry": num_retries})
                 await asyncio.sleep(delay)
+
+
+def ticket_metadata(ticket: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The metadata of a Generate: its worker's Route ticket, or nothing (authentication off)."""
+    return (("authorization", f"Ticket {ticket}"),) if ticket else None
 
 
 def remaining_s(deadline: float, aloop: asyncio.AbstractEventLoop) -> float:

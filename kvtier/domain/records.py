@@ -189,6 +189,9 @@ class RankedWorker:
     score: float
     matched_tokens: TokensByTier = TokensByTier()
     is_affinity: bool = False
+    # Signed by the controller for this worker and the request's tenant (kvtier.rpc.tickets);
+    # None while the controller runs without authentication.
+    ticket: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -557,6 +560,13 @@ class UnpinCommand:
     pin_id: PinId
 
 
+@dataclass(frozen=True, slots=True)
+class TicketKeyCommand:
+    """The key this worker verifies Route tickets with (32 bytes; never logged)."""
+
+    key: bytes = field(repr=False)
+
+
 Command = (
     DemoteCommand
     | PrefetchCommand
@@ -566,6 +576,7 @@ Command = (
     | DrainCommand
     | PinCommand
     | UnpinCommand
+    | TicketKeyCommand
 )
 
 

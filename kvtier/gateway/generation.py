@@ -55,7 +55,7 @@ async def run(
     The namespace goes out with no tenant: the stack binds the tenant of the client's token."""
     namespace = model.namespace
     decision = await client.route(namespace, prompt_ids, session_id)
-    candidates = [w.address for w in decision.workers]
+    candidates = [(w.address, w.ticket) for w in decision.workers]
     if not candidates:
         raise Unavailable(f"no live worker serves model {model.name!r}; retry later", field="model")
     eos = set(model.text.eos_token_ids)
@@ -63,8 +63,9 @@ async def run(
     matcher = StopMatcher(tuple(stops))
     text_so_far: list[str] = []
     num_generated = 0
-    for i, address in enumerate(candidates):
-        events = client.generate(namespace, prompt_ids, sampling, session_id=session_id, worker=address)
+    for i, (address, ticket) in enumerate(candidates):
+        events = client.generate(namespace, prompt_ids, sampling, session_id=session_id, worker=address,
+                                 ticket=ticket)
         async with contextlib.aclosing(events) as stream:
             try:
                 async for event in stream:

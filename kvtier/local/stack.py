@@ -15,6 +15,7 @@ import functools
 import json
 import os
 import signal
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ log = get_logger("kvtier.local.stack")
 STATE_FILE = "stack.json"
 AUTH_DIR = "auth"
 ADMIN_TOKEN_FILE = "admin.token"
-WORKER_TOKEN_FILE = "worker.token"
+WORKER_TOKEN_FILE = "{worker_id}.token"  # one per worker, bound to its id
 FRONTEND_TOKEN_FILE = "frontend.token"
 DEFAULT_TENANT = "default"  # the tenant the local frontend token acts for
 TOKEN_TABLE_FILE = "tokens.yaml"
@@ -58,8 +59,8 @@ class StackOptions:
     emulated_nvme_link_bytes_per_s: float | None = None
     wait_scale: float = 1.0  # WorkerConfig.wait_scale of every worker
     max_restarts: int = 2
-    # Bearer-token auth for the stack (DESIGN §8): an admin, a worker and a frontend token under
-    # state_dir/auth (0600). `kvtier up` and `kvtier demo` turn it on; off by default for
+    # Bearer-token auth for the stack (DESIGN §8): an admin token, a frontend token and one token
+    # per worker (bound to its id) under state_dir/auth (0600). `kvtier up` and `kvtier demo` turn it on; off by default for
     # library use (tests, benchmarks), where clients dial without a token.
     auth: bool = False
     lease_ttl_s: float = 3.0  # a worker silent this long leaves the directory
@@ -145,7 +146,7 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
     # It holds tokens, the Valkey password and data: refused when other users can open it.
     state_dir = ensure_private_dir(options.state_dir.expanduser().resolve())
     options.state_dir = state_dir
-    auth = ensure_local_tokens(state_dir) if options.auth else None
+    auth = ensure_local_tokens(state_dir, worker_ids(options.num_workers)) if options.auth else None
     # Ray first, before this process has gRPC's threads (the controller's server): Ray starts
     # its GCS and raylet by fork + exec with Python in between, and a child forked while other
     # threads hold locks can hang before its exec; the raylet then never comes up.
@@ -189,7 +190,7 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
     try:
         workers: list[WorkerHandle] = []
         loop = asyncio.get_running_loop()
-        for i in range(options.num_workers):
+        for worker_id in worker_ids(options.num_workers):
             config = WorkerConfig(
                 controller_address=controller.address,
                 model=options.model,
@@ -203,13 +204,12 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
                 emulated_nvme_link_bytes_per_s=options.emulated_nvme_link_bytes_per_s,
                 wait_scale=options.wait_scale,
                 state_dir=state_dir,
-                auth_token_file=auth.worker_token_file if auth else None,
+                auth_token_file=auth.worker_token_files[worker_id] if auth else None,
                 auth_tokens_file=auth.table_file if auth else None,
             )
             if options.session_hold_fraction is not None:
                 config = dataclasses.replace(config, session_hold_fraction=options.session_hold_fraction)
             config.check()  # built directly, not by load_config: the field checks run here
-            worker_id = f"worker-{i}"
             actor, address = await loop.run_in_executor(
                 None,
                 functools.partial(
@@ -278,42 +278,50 @@ class LocalTokens:
 
     admin_token: str
     admin_token_file: Path
-    worker_token_file: Path
+    worker_token_files: dict[str, Path]  # worker id -> its own token (role worker, bound to that id)
     table_file: Path  # the controller's and workers' token table (hashes only)
     frontend_token: str
     frontend_token_file: Path  # a frontend's credential for DEFAULT_TENANT
 
 
-def ensure_local_tokens(state_dir: Path) -> LocalTokens:
-    """An admin, a worker and a frontend token (tenant ``DEFAULT_TENANT``) for a local stack,
-    kept across restarts of the same ``state_dir`` (a client holding one keeps working), and
-    the token table that admits exactly these three."""
+def worker_ids(num_workers: int) -> list[str]:
+    return [f"worker-{i}" for i in range(num_workers)]
+
+
+def ensure_local_tokens(state_dir: Path, workers: Sequence[str] = ("worker-0",)) -> LocalTokens:
+    """An admin token, a frontend token (tenant ``DEFAULT_TENANT``) and one token per worker id
+    in ``workers`` (``worker-<id>.token``, bound to that id) for a local stack, kept across
+    restarts of the same ``state_dir`` (a client holding one keeps working), and the token
+    table that admits exactly these."""
     from kvtier.rpc.auth import Role, TokenEntry, dump_token_table, hash_token, new_token, write_secret_file
 
     auth_dir = state_dir / AUTH_DIR
     auth_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(auth_dir, 0o700)
-    tokens = {}
-    for role, name in ((Role.ADMIN, ADMIN_TOKEN_FILE), (Role.WORKER, WORKER_TOKEN_FILE),
-                       (Role.FRONTEND, FRONTEND_TOKEN_FILE)):
+
+    def kept_or_new(name: str) -> str:
         path = auth_dir / name
         try:
             token = path.read_text(encoding="utf-8").strip()
         except OSError:
             token = ""
-        if not token:
-            token = new_token()
+        token = token or new_token()
         write_secret_file(path, token + "\n")  # (re)asserts 0600 on a kept file too
-        tokens[role] = token
+        return token
+
+    admin, frontend = kept_or_new(ADMIN_TOKEN_FILE), kept_or_new(FRONTEND_TOKEN_FILE)
+    entries = [TokenEntry("local-admin", Role.ADMIN, frozenset(), hash_token(admin)),
+               TokenEntry("local-frontend", Role.FRONTEND, frozenset({DEFAULT_TENANT}), hash_token(frontend))]
+    worker_files = {}
+    for worker_id in workers:
+        name = WORKER_TOKEN_FILE.format(worker_id=worker_id)
+        entries.append(TokenEntry(f"local-{worker_id}", Role.WORKER, frozenset(), hash_token(kept_or_new(name)),
+                                  worker_id=worker_id))
+        worker_files[worker_id] = auth_dir / name
     table = auth_dir / TOKEN_TABLE_FILE
-    entries = [
-        TokenEntry(f"local-{role.value}", role, frozenset({DEFAULT_TENANT}) if role is Role.FRONTEND else frozenset(),
-                   hash_token(t))
-        for role, t in tokens.items()
-    ]
     dump_token_table(entries, table)  # 0600
-    return LocalTokens(tokens[Role.ADMIN], auth_dir / ADMIN_TOKEN_FILE, auth_dir / WORKER_TOKEN_FILE, table,
-                       tokens[Role.FRONTEND], auth_dir / FRONTEND_TOKEN_FILE)
+    return LocalTokens(admin, auth_dir / ADMIN_TOKEN_FILE, worker_files, table, frontend,
+                       auth_dir / FRONTEND_TOKEN_FILE)
 
 
 def local_admin_token(state_dir: Path, controller: str) -> str | None:

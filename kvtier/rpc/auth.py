@@ -10,6 +10,10 @@ out credentials::
         role: frontend                        # frontend | worker | admin
         tenants: [acme]                       # frontend only, at least one
         sha256: 5e884898da28047151d0e56f8dc6292773603d0d6aabbdd62a11ef721d1542d8
+      - name: worker-0
+        role: worker
+        worker_id: worker-0                   # worker only, required: the one id it may register
+        sha256: 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08
 
 ``kvtier token create --role frontend --tenant acme --name frontend-acme --table FILE``
 prints a fresh token once and appends its hashed entry; ``kvtier token hash`` hashes a
@@ -18,7 +22,8 @@ is nothing to guess a preimage from (a slow password hash protects low-entropy s
 
 Tenant binding (``Principal.tenant_for``): an admin acts for any tenant, a request naming
 none stays in the default (empty) tenant; a frontend acts only for its own tenants, and a
-request naming no tenant gets the token's tenant when it has exactly one.
+request naming no tenant gets the token's tenant when it has exactly one. A worker token is
+bound to one worker id: the controller accepts a WorkerLink registration only for that id.
 """
 
 from __future__ import annotations
@@ -48,7 +53,8 @@ log = get_logger("kvtier.rpc.auth")
 TOKEN_PREFIX = "kvt_"
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@:-]{0,127}$")
-_ENTRY_KEYS = frozenset({"name", "role", "tenants", "sha256"})
+_ENTRY_KEYS = frozenset({"name", "role", "tenants", "worker_id", "sha256"})
+_WORKER_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@:-]{0,127}$")
 
 
 class Role(enum.StrEnum):
@@ -62,11 +68,15 @@ ROLES = tuple(r.value for r in Role)
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """An authenticated caller: the token entry's name, role and tenants (frontends only)."""
+    """An authenticated caller: the token entry's name, role, tenants (frontends only) and worker
+    id (workers only). ``key_digest`` is the SHA-256 of its token (what the table stores): the
+    key a worker's address proof is checked with (``kvtier.rpc.identity``)."""
 
     name: str
     role: Role
     tenants: frozenset[str] = frozenset()
+    worker_id: str | None = None
+    key_digest: bytes = dataclasses.field(default=b"", repr=False, compare=False)
 
     def may_act_for(self, tenant: str) -> bool:
         """Whether this caller may act on ``tenant``'s resources (an admin: any tenant)."""
@@ -140,15 +150,18 @@ class TokenEntry:
     role: Role
     tenants: frozenset[str]
     sha256: str
+    worker_id: str | None = None
 
     @property
     def principal(self) -> Principal:
-        return Principal(self.name, self.role, self.tenants)
+        return Principal(self.name, self.role, self.tenants, self.worker_id, bytes.fromhex(self.sha256))
 
     def as_dict(self) -> dict[str, Any]:
         entry: dict[str, Any] = {"name": self.name, "role": self.role.value}
         if self.tenants:
             entry["tenants"] = sorted(self.tenants)
+        if self.worker_id is not None:
+            entry["worker_id"] = self.worker_id
         entry["sha256"] = self.sha256
         return entry
 
@@ -175,7 +188,8 @@ class TokenTable:
         return found
 
 
-def make_entry(name: str, role: str, tenants: Sequence[str], sha256: str, *, where: str = "entry") -> TokenEntry:
+def make_entry(name: str, role: str, tenants: Sequence[str], sha256: str, *, where: str = "entry",
+               worker_id: str | None = None) -> TokenEntry:
     """A validated entry; errors name ``where`` and the field (``tokens[2].tenants``)."""
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise ConfigError(
@@ -202,13 +216,35 @@ def make_entry(name: str, role: str, tenants: Sequence[str], sha256: str, *, whe
             f"{where}.tenants is for frontend tokens only ({role} tokens are not bound to tenants)",
             field=f"{where}.tenants",
         )
+    _check_worker_id(role, worker_id, where)
     if not isinstance(sha256, str) or not _SHA256_RE.match(sha256):
         raise ConfigError(
             f"{where}.sha256 must be 64 lowercase hex digits (the SHA-256 of the token; "
             "`kvtier token hash` prints it)",
             field=f"{where}.sha256",
         )
-    return TokenEntry(name, Role(role), frozenset(tenants), sha256)
+    return TokenEntry(name, Role(role), frozenset(tenants), sha256, worker_id)
+
+
+def _check_worker_id(role: str, worker_id: Any, where: str) -> None:
+    """A worker token names the one worker id it may register; other roles name none."""
+    if role != Role.WORKER:
+        if worker_id is not None:
+            raise ConfigError(f"{where}.worker_id is for worker tokens only ({role} tokens register no worker)",
+                              field=f"{where}.worker_id")
+        return
+    if worker_id is None:
+        raise ConfigError(
+            f"{where}.worker_id is required for a worker token: each worker has its own token, bound to "
+            "its worker id (`kvtier token create --role worker --worker-id ID`)",
+            field=f"{where}.worker_id",
+        )
+    if not isinstance(worker_id, str) or not _WORKER_ID_RE.match(worker_id):
+        raise ConfigError(
+            f"{where}.worker_id must be 1-128 characters of letters, digits and _.@:- starting with a "
+            f"letter or digit, got {worker_id!r}",
+            field=f"{where}.worker_id",
+        )
 
 
 def _check_unique(entries: Sequence[TokenEntry], source: str) -> None:
@@ -263,7 +299,7 @@ def parse_token_table(data: Any, *, source: str = "<memory>") -> TokenTable:
                 raise ConfigError(f"token table {source}: {where}.{key} is missing", field=f"{where}.{key}")
         try:
             entries.append(make_entry(item["name"], item["role"], item.get("tenants") or [], item["sha256"],
-                                      where=where))
+                                      where=where, worker_id=item.get("worker_id")))
         except ConfigError as err:
             raise ConfigError(f"token table {source}: {err.message}", field=err.field) from None
     return TokenTable(entries, source=source)

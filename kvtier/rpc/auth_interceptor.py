@@ -7,9 +7,16 @@
                                                    ├─ role not allowed for the method    → PERMISSION_DENIED
                                                    └─ else: the servicer runs with the Principal set
 
-``grpc.health.v1`` and server reflection need no token (probes and tooling). Every other
-method must be listed in ``METHOD_ROLES``; an unlisted one is refused for every caller, so
-a new RPC cannot slip through unprotected (a test walks the generated descriptors).
+``grpc.health.v1``, server reflection and ``Worker.ProveAddress`` need no token (probes,
+tooling, and the controller's address check, whose answer proves a credential without
+revealing it). Every other method must be listed in ``METHOD_ROLES``; an unlisted one is
+refused for every caller, so a new RPC cannot slip through unprotected (a test walks the
+generated descriptors).
+
+``Worker.Generate`` takes no bearer token at all: it takes ``authorization: Ticket <ticket>``,
+the Route ticket the controller signed for this worker (``kvtier.rpc.tickets``), so a
+frontend's long-lived credential never reaches a worker. The ticket stands for a frontend
+of exactly the tenant it names.
 
 grpc.aio interceptors cannot hand values to servicers, so the interceptor wraps the
 method's behaviour: the wrapper sets a context variable for the task that runs the call,
@@ -33,6 +40,7 @@ from kvtier.domain.errors import KvtierError, PermissionDenied, Unauthenticated
 from kvtier.domain.hashing import NamespaceIdentity
 from kvtier.rpc.auth import Principal, Role, TokenTable, TokenTableFile, bind_tenant
 from kvtier.rpc.status import abort_with
+from kvtier.rpc.tickets import TicketVerifier
 from kvtier.runtime.log import get_logger
 
 log = get_logger("kvtier.rpc.auth")
@@ -44,6 +52,9 @@ PUBLIC_SERVICES = frozenset({
     "grpc.reflection.v1alpha.ServerReflection",
     "grpc.reflection.v1.ServerReflection",
 })
+PUBLIC_METHODS = frozenset({"/kvtier.v1.Worker/ProveAddress"})
+TICKET_METHODS = frozenset({"/kvtier.v1.Worker/Generate"})
+"""Methods that take a Route ticket (``authorization: Ticket <ticket>``) and no bearer token."""
 
 _FRONTEND = frozenset({Role.FRONTEND, Role.ADMIN})
 _ADMIN = frozenset({Role.ADMIN})
@@ -53,7 +64,7 @@ _ADMIN_METHODS = ("Status", "ListWorkers", "ListSessions", "Lookup", "Invalidate
 _RULES: dict[str, Mapping[str, frozenset[Role]]] = {
     "kvtier.v1.Router": {"Route": _FRONTEND, "ListModels": _FRONTEND},
     "kvtier.v1.Sessions": {"Pause": _FRONTEND, "Returning": _FRONTEND, "End": _FRONTEND},
-    "kvtier.v1.Worker": {"Generate": _FRONTEND, "Stats": _ADMIN, "CheckIntegrity": _ADMIN},
+    "kvtier.v1.Worker": {"Generate": frozenset({Role.FRONTEND}), "Stats": _ADMIN, "CheckIntegrity": _ADMIN},
     "kvtier.v1.WorkerLink": {"Connect": _WORKER},
     "kvtier.v1.Admin": dict.fromkeys(_ADMIN_METHODS, _ADMIN),
 }
@@ -66,6 +77,8 @@ _caller: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("kvti
 
 
 def is_public(method: str) -> bool:
+    if method in PUBLIC_METHODS:
+        return True
     return method.split("/")[1] in PUBLIC_SERVICES if method.count("/") >= 2 else False
 
 
@@ -112,26 +125,36 @@ def resolve_tenant(namespace: NamespaceIdentity, caller: Principal | None) -> Na
 
 def bearer_token(metadata: Any) -> str | None:
     """The token of the ``authorization: Bearer <token>`` header, or None when absent or malformed."""
+    scheme, token = _authorization(metadata)
+    return token if scheme == "bearer" else None
+
+
+def _authorization(metadata: Any) -> tuple[str, str | None]:
+    """(lowercase scheme, credential) of the ``authorization`` header; ("", None) when absent,
+    (scheme, None) when the credential is empty."""
     for key, value in metadata or ():
         if key.lower() != AUTHORIZATION:
             continue
         if isinstance(value, bytes):
             value = value.decode("utf-8", "replace")
-        scheme, _, token = value.strip().partition(" ")
-        token = token.strip()
-        return token if scheme.lower() == "bearer" and token else None
-    return None
+        scheme, _, credential = value.strip().partition(" ")
+        return scheme.lower(), credential.strip() or None
+    return "", None
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Authenticates every non-public call against a token table and checks the method's roles."""
 
-    def __init__(self, tokens: TokenTable | TokenTableFile, *, server: str = "server") -> None:
+    def __init__(self, tokens: TokenTable | TokenTableFile, *, server: str = "server",
+                 tickets: TicketVerifier | None = None) -> None:
         self._tokens = tokens
         self._server = server
+        self._tickets = tickets
 
     def authorize(self, method: str, metadata: Any) -> Principal:
         """The caller's principal, or raise ``Unauthenticated`` / ``PermissionDenied``."""
+        if method in TICKET_METHODS:
+            return self._authorize_ticket(method, metadata)
         token = bearer_token(metadata)
         if token is None:
             raise Unauthenticated(
@@ -151,6 +174,18 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 f"{_short(method)} needs role {needs}; token {caller.name!r} has role {caller.role.value}"
             )
         return caller
+
+    def _authorize_ticket(self, method: str, metadata: Any) -> Principal:
+        scheme, ticket = _authorization(metadata)
+        if scheme != "ticket" or ticket is None:
+            sent = "a bearer token" if scheme == "bearer" else "no ticket"
+            raise Unauthenticated(
+                f"{_short(method)} takes the Route ticket Router.Route returned for this worker "
+                f"('authorization: Ticket <ticket>'), never a bearer token; got {sent}"
+            )
+        if self._tickets is None:
+            raise Unauthenticated(f"this {self._server} checks no Route tickets, so {_short(method)} is refused")
+        return self._tickets.verify(ticket).principal
 
     async def intercept_service(
         self,
@@ -221,6 +256,8 @@ def _rewrap(
     return grpc.unary_unary_rpc_method_handler(transform(handler.unary_unary), decode, encode)
 
 
-def server_interceptors(tokens: TokenTable | TokenTableFile | None, *, server: str) -> tuple[AuthInterceptor, ...]:
+def server_interceptors(
+    tokens: TokenTable | TokenTableFile | None, *, server: str, tickets: TicketVerifier | None = None,
+) -> tuple[AuthInterceptor, ...]:
     """The auth interceptor to install first on a server, or none while authentication is off."""
-    return (AuthInterceptor(tokens, server=server),) if tokens is not None else ()
+    return (AuthInterceptor(tokens, server=server, tickets=tickets),) if tokens is not None else ()

@@ -193,9 +193,17 @@ class ControllerConfig:
         None, "token table (YAML/TOML: name, role, tenants, sha256 per token; see kvtier.rpc.auth); unset disables auth"
     )
     allow_unauthenticated: bool = _allow_unauthenticated()
+    route_ticket_ttl_s: float = setting(
+        30.0, "how long a Route ticket lets its frontend start a Generate on the ticket's worker (with auth)",
+        min=1, max=3600,
+    )
     tls_cert_file: Path | None = _tls_cert_file()
     tls_key_file: Path | None = _tls_key_file()
     tls_client_ca_file: Path | None = _tls_client_ca_file()
+    tls_ca_file: Path | None = setting(
+        None, "PEM CA bundle of the workers' certificates: the controller dials workers over TLS for address "
+        "proofs (presenting tls_cert_file); unset dials them in plaintext",
+    )
     health_port: int | None = setting(
         None, "plaintext port serving only grpc.health.v1, for probes that cannot speak TLS; unset: none",
         min=0, max=65535,

@@ -53,6 +53,12 @@ const bearer = (token) => {
   if (token) md.set('authorization', `Bearer ${token}`);
   return md;
 };
+// Generate carries the Route ticket of its worker, never the bearer token.
+const ticket = (routed) => {
+  const md = new grpc.Metadata();
+  if (routed.ticket) md.set('authorization', `Ticket ${routed.ticket}`);
+  return md;
+};
 const options = () => ({ deadline: Date.now() + DEADLINE_MS });
 
 function unary(client, method, request, token = FRONTEND_TOKEN) {
@@ -96,12 +102,12 @@ function expectError(err, code, field) {
   return d;
 }
 
-function generate(address, request, token = FRONTEND_TOKEN) {
-  const worker = new kv.Worker(address, creds);
+function generate(routed, request) {
+  const worker = new kv.Worker(routed.address, creds);
   return new Promise((resolve, reject) => {
     const tokens = [];
     let final = null;
-    const call = worker.Generate(request, bearer(token), options());
+    const call = worker.Generate(request, ticket(routed), options());
     call.on('data', (event) => {
       if (event.event === 'tokens') {
         assert.equal(event.tokens.index, tokens.length);
@@ -167,7 +173,8 @@ async function main() {
   assert.ok(first.workers.length >= 1 && !first.degraded);
   const sampling = { max_tokens: 8, temperature: 0, ignore_eos: true };
   const generateRequest = { namespace, prompt_token_ids: prompt, sampling };
-  const run1 = await generate(first.workers[0].address, generateRequest);
+  assert.ok(first.workers[0].ticket.startsWith('kvtt_'));
+  const run1 = await generate(first.workers[0], generateRequest);
   assert.equal(run1.tokens.length, 8);
   assert.equal(run1.final.finish_reason, 'FINISH_REASON_LENGTH');
   assert.equal(run1.final.usage.prompt_tokens, prompt.length);
@@ -184,7 +191,7 @@ async function main() {
     await sleep(50);
   }
   assert.equal(second.workers[0].matched_tokens.hbm_tokens, cachedTokens);
-  const run2 = await generate(second.workers[0].address, generateRequest);
+  const run2 = await generate(second.workers[0], generateRequest);
   assert.equal(run2.final.usage.cached_tokens, cachedTokens);
   assert.deepEqual(run2.tokens, run1.tokens);
 
@@ -218,14 +225,14 @@ async function main() {
   assert.ok(unserved.ResourceInfo.resource_type === 'namespace');
   assert.ok(unserved.BadRequest.field_violations[0].description.includes(namespace.weights_digest));
   expectError(
-    await failure(generate(first.workers[0].address, { ...generateRequest, namespace: { ...namespace, rope_config: '' } })),
+    await failure(generate(first.workers[0], { ...generateRequest, namespace: { ...namespace, rope_config: '' } })),
     grpc.status.NOT_FOUND, 'namespace.rope_config');
   expectError(await failure(unary(router, 'Route', { token_ids: { ids: prompt } })), grpc.status.INVALID_ARGUMENT,
     'namespace');
   expectError(await failure(unary(router, 'Route', { ...routeRequest(), namespace: { ...namespace, tenant: 'other' } })),
     grpc.status.PERMISSION_DENIED, 'namespace.tenant');
   expectError(
-    await failure(generate(first.workers[0].address, { ...generateRequest, prompt_token_ids: [facts.vocab_size] })),
+    await failure(generate(first.workers[0], { ...generateRequest, prompt_token_ids: [facts.vocab_size] })),
     grpc.status.INVALID_ARGUMENT);
   expectError(await failure(unary(sessions, 'End', { session_id: '' })), grpc.status.INVALID_ARGUMENT, 'session_id');
 

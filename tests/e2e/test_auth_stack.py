@@ -2,9 +2,11 @@
 token table, a real WorkerLink, a real valkey-server, and a `kvtier up`-style LocalStack.
 
 For every service: no token and an unknown token are UNAUTHENTICATED, a token of the wrong
-role is PERMISSION_DENIED, the right one works, and health needs no token. Frontend tokens
-are bound to their tenants: naming another is PERMISSION_DENIED (field namespace.tenant),
-and identical prompts of two tenants never share pages."""
+role is PERMISSION_DENIED, the right one works, and health needs no token; Generate takes
+the Route ticket of its worker, never a bearer token. Frontend tokens are bound to their
+tenants: naming another is PERMISSION_DENIED (field namespace.tenant), and identical prompts
+of two tenants never share pages. Worker identity (ids, addresses, tickets) in detail:
+tests/e2e/test_worker_identity.py."""
 
 from __future__ import annotations
 
@@ -82,9 +84,11 @@ TOKENS = {
     "fe-b": "kvt_test-frontend-b",
     "fe-ab": "kvt_test-frontend-ab",
     "worker": "kvt_test-worker",
+    "w-auth": "kvt_test-worker-w-auth",
 }
 ROLES = {"admin": ("admin", ""), "fe-a": ("frontend", "a"), "fe-b": ("frontend", "b"),
-         "fe-ab": ("frontend", "a, b"), "worker": ("worker", "")}
+         "fe-ab": ("frontend", "a, b"), "worker": ("worker", ""), "w-auth": ("worker", "")}
+WORKER_IDS = {"worker": "w-raw-worker", "w-auth": "w-auth"}  # each worker token registers one id
 
 
 def write_table(path: Path) -> Path:
@@ -93,6 +97,8 @@ def write_table(path: Path) -> Path:
         lines += [f"  - name: {name}", f"    role: {role}"]
         if tenants:
             lines.append(f"    tenants: [{tenants}]")
+        if name in WORKER_IDS:
+            lines.append(f"    worker_id: {WORKER_IDS[name]}")
         lines.append(f"    sha256: {hash_token(TOKENS[name])}")
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -127,20 +133,26 @@ async def cluster(redis_url, checkpoint, table, tmp_path_factory):
         redis_url=redis_url,
     )
     worker = await serve_worker(Engine.from_pretrained(checkpoint, page_size=PAGE_SIZE, num_pages=256),
-                                worker_id="w-auth", tokens=TokenTableFile(table))
+                                worker_id="w-auth", tokens=TokenTableFile(table), identity_token=TOKENS["w-auth"])
+    # Serves w-raw-worker's address proofs: the address call_worker_link registers.
+    prover = await serve_worker(Engine.from_pretrained(checkpoint, page_size=PAGE_SIZE, num_pages=16),
+                                worker_id="w-raw-worker", tokens=TokenTableFile(table),
+                                identity_token=TOKENS["worker"])
     link = WorkerLink(worker.loop, controller_address=controller.address, worker_id=worker.worker_id,
                       address=worker.address, boot_id=worker.boot_id, heartbeat_interval_s=0.2,
-                      batch_interval_s=0.02, max_backoff_s=0.2, token=TOKENS["worker"])
+                      batch_interval_s=0.02, max_backoff_s=0.2, token=TOKENS["w-auth"], tickets=worker.tickets)
     link.start()
     try:
         await wait_for(lambda: controller.registry.get(worker.worker_id) is not None, what="worker registration")
+        await wait_for(lambda: worker.tickets.has_key, what="the worker's ticket key")
         channels = {"controller": grpc.aio.insecure_channel(controller.address),
-                    "worker": grpc.aio.insecure_channel(worker.address)}
+                    "worker": grpc.aio.insecure_channel(worker.address), "prover": prover.address}
         yield controller, worker, channels
-        for channel in channels.values():
-            await channel.close()
+        for name in ("controller", "worker"):
+            await channels[name].close()
     finally:
         await link.stop()
+        await prover.stop(0)
         await worker.stop(0)
         await controller.stop(0)
 
@@ -189,13 +201,22 @@ async def call_admin_status(cluster, who):
                                                             timeout=10)
 
 
-async def call_generate(cluster, who):
+async def call_generate(cluster, metadata, tenant="a"):
     _, worker, ch = cluster
-    request = GenerateRequest(namespace(worker, "a"), tuple(PROMPT), SamplingParams(max_tokens=2))
+    request = GenerateRequest(namespace(worker, tenant), tuple(PROMPT), SamplingParams(max_tokens=2))
     call = worker_pb2_grpc.WorkerStub(ch["worker"]).Generate(
-        to_proto_generate_request(request), metadata=bearer(who), timeout=30)
+        to_proto_generate_request(request), metadata=metadata, timeout=30)
     events = [event async for event in call]
     assert events and events[-1].HasField("final")
+
+
+async def route_ticket(cluster, who, tenant="a"):
+    """The Route ticket ``who`` gets for the cluster's worker."""
+    controller, worker, _ = cluster
+    async with AsyncClient(controller.address, token=TOKENS[who]) as client:
+        (ranked,) = (await client.route(namespace(worker, tenant), PROMPT)).workers
+    assert ranked.worker_id == worker.worker_id and ranked.ticket
+    return ranked.ticket
 
 
 async def call_worker_stats(cluster, who):
@@ -210,7 +231,7 @@ async def call_worker_link(cluster, who):
     call = worker_link_pb2_grpc.WorkerLinkStub(ch["controller"]).Connect(metadata=bearer(who))
     worker_id = WorkerId(f"w-raw-{who}")
     registration = Registration(
-        worker_id=worker_id, address="127.0.0.1:1", boot_id=BootId("raw"),
+        worker_id=worker_id, address=ch["prover"], boot_id=BootId("raw"),
         model=ModelIdentity.of(worker.engine.namespace), page_size=PAGE_SIZE,
         capacities=(TierCapacity(Tier.HBM, 64, 64 << 15),),
     )
@@ -234,7 +255,6 @@ SERVICES = {
     "Router.Route": (call_route, "fe-a", "worker"),
     "Sessions.End": (call_sessions_end, "fe-a", "worker"),
     "Admin.Status": (call_admin_status, "admin", "fe-a"),
-    "Worker.Generate": (call_generate, "fe-a", "worker"),
     "Worker.Stats": (call_worker_stats, "admin", "fe-a"),
     "WorkerLink.Connect": (call_worker_link, "worker", "admin"),
 }
@@ -248,6 +268,15 @@ async def test_every_service_refuses_missing_unknown_and_wrong_role_tokens(clust
     assert await code_of(call(cluster, hash_token(TOKENS[allowed]))) is grpc.StatusCode.UNAUTHENTICATED
     assert await code_of(call(cluster, wrong_role)) is grpc.StatusCode.PERMISSION_DENIED
     assert await code_of(call(cluster, allowed)) is grpc.StatusCode.OK
+
+
+async def test_generate_takes_its_workers_route_ticket_and_no_bearer_token(cluster):
+    for who in (None, "fe-a", "admin", "kvt_not-a-token"):
+        assert await code_of(call_generate(cluster, bearer(who))) is grpc.StatusCode.UNAUTHENTICATED
+    ticket = await route_ticket(cluster, "fe-a")
+    assert await code_of(call_generate(cluster, (("authorization", f"Ticket {ticket}x"),))) \
+        is grpc.StatusCode.UNAUTHENTICATED
+    assert await code_of(call_generate(cluster, (("authorization", f"Ticket {ticket}"),))) is grpc.StatusCode.OK
 
 
 async def test_refusals_explain_without_echoing_the_token(cluster):
@@ -264,7 +293,7 @@ async def test_refusals_explain_without_echoing_the_token(cluster):
 
 async def test_health_and_reflection_answer_without_a_token(cluster):
     _, _, ch = cluster
-    for channel in ch.values():
+    for channel in (ch["controller"], ch["worker"]):
         reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
         stream = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
@@ -279,13 +308,14 @@ async def test_health_and_reflection_answer_without_a_token(cluster):
 @pytest.mark.parametrize("rpc", ["route", "generate"])
 async def test_frontend_naming_another_tenant_is_permission_denied(cluster, rpc):
     controller, worker, _ = cluster
+    ticket = await route_ticket(cluster, "fe-a")  # acts for tenant a only
     async with AsyncClient(controller.address, token=TOKENS["fe-a"]) as client:
         with pytest.raises(errors.PermissionDenied) as info:
             if rpc == "route":
                 await client.route(namespace(worker, "b"), PROMPT)
             else:
                 await client.complete(namespace(worker, "b"), PROMPT, SamplingParams(max_tokens=1),
-                                      worker=worker.address)
+                                      worker=worker.address, ticket=ticket)
     assert info.value.field == "namespace.tenant" and "'b'" in str(info.value)
 
 
@@ -380,6 +410,10 @@ async def test_local_stack_makes_admin_and_frontend_tokens_that_kvtier_commands_
         assert token_file.read_text().strip() == stack.admin_token
         table = (state / "auth" / "tokens.yaml").read_text()
         assert stack.admin_token not in table and hash_token(stack.admin_token) in table
+        # One token per worker, bound to its id; the worker registered with it (Route ranks it).
+        worker_file = state / "auth" / "worker-0.token"
+        assert stat.S_IMODE(worker_file.stat().st_mode) == 0o600
+        assert hash_token(worker_file.read_text().strip()) in table and "worker_id: worker-0" in table
 
         # `kvtier status` with no flags: address and token from the state directory.
         proc = await asyncio.create_subprocess_exec(
@@ -415,6 +449,14 @@ async def test_local_stack_makes_admin_and_frontend_tokens_that_kvtier_commands_
             assert final.usage.prompt_tokens == len(PROMPT)
             with pytest.raises(errors.PermissionDenied):
                 await frontend.status()
+        # A worker of the stack takes Route tickets only: the frontend's own token is refused there.
+        request = GenerateRequest(model.namespace, tuple(PROMPT), SamplingParams(max_tokens=1))
+        async with grpc.aio.insecure_channel(stack.workers[0].address) as channel:
+            call = worker_pb2_grpc.WorkerStub(channel).Generate(
+                to_proto_generate_request(request), metadata=bearer(stack.frontend_token), timeout=30)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                _ = [event async for event in call]
+        assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED and "never a bearer token" in info.value.details()
     finally:
         await stack.stop()
 

@@ -45,7 +45,7 @@ def table(tmp_path_factory):
         "tokens:\n"
         f"  - {{name: admin, role: admin, sha256: {hash_token(TOKENS['admin'])}}}\n"
         f"  - {{name: node, role: frontend, tenants: [node], sha256: {hash_token(TOKENS['frontend'])}}}\n"
-        f"  - {{name: worker, role: worker, sha256: {hash_token(TOKENS['worker'])}}}\n"
+        f"  - {{name: worker, role: worker, worker_id: w-node, sha256: {hash_token(TOKENS['worker'])}}}\n"
     )
     return path
 
@@ -59,10 +59,10 @@ async def stack(redis_url, table, tmp_path_factory):
         redis_url=redis_url,
     )
     worker = await serve_worker(Engine.from_pretrained(checkpoint, page_size=4, num_pages=256),
-                                worker_id="w-node", tokens=TokenTableFile(table))
+                                worker_id="w-node", tokens=TokenTableFile(table), identity_token=TOKENS["worker"])
     link = WorkerLink(worker.loop, controller_address=controller.address, worker_id=worker.worker_id,
                       address=worker.address, boot_id=worker.boot_id, heartbeat_interval_s=0.2,
-                      batch_interval_s=0.02, max_backoff_s=0.2, token=TOKENS["worker"])
+                      batch_interval_s=0.02, max_backoff_s=0.2, token=TOKENS["worker"], tickets=worker.tickets)
     link.start()
     try:
         await wait_for(lambda: controller.registry.get(worker.worker_id) is not None, what="worker registration")

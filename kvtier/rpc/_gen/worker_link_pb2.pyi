@@ -230,8 +230,14 @@ class UnpinCommand(_message.Message):
     pin_id: str
     def __init__(self, pin_id: _Optional[str] = ...) -> None: ...
 
+class TicketKeyCommand(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    def __init__(self, key: _Optional[bytes] = ...) -> None: ...
+
 class ControllerCommand(_message.Message):
-    __slots__ = ("command_id", "demote", "prefetch", "drop", "invalidate", "request_snapshot", "drain", "pin", "unpin")
+    __slots__ = ("command_id", "demote", "prefetch", "drop", "invalidate", "request_snapshot", "drain", "pin", "unpin", "ticket_key")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     DEMOTE_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +247,7 @@ class ControllerCommand(_message.Message):
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
     UNPIN_FIELD_NUMBER: _ClassVar[int]
+    TICKET_KEY_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     demote: DemoteCommand
     prefetch: PrefetchCommand
@@ -250,4 +257,5 @@ class ControllerCommand(_message.Message):
     drain: DrainCommand
     pin: PinCommand
     unpin: UnpinCommand
-    def __init__(self, command_id: _Optional[int] = ..., demote: _Optional[_Union[DemoteCommand, _Mapping]] = ..., prefetch: _Optional[_Union[PrefetchCommand, _Mapping]] = ..., drop: _Optional[_Union[DropCommand, _Mapping]] = ..., invalidate: _Optional[_Union[InvalidateCommand, _Mapping]] = ..., request_snapshot: _Optional[_Union[RequestSnapshotCommand, _Mapping]] = ..., drain: _Optional[_Union[DrainCommand, _Mapping]] = ..., pin: _Optional[_Union[PinCommand, _Mapping]] = ..., unpin: _Optional[_Union[UnpinCommand, _Mapping]] = ...) -> None: ...
+    ticket_key: TicketKeyCommand
+    def __init__(self, command_id: _Optional[int] = ..., demote: _Optional[_Union[DemoteCommand, _Mapping]] = ..., prefetch: _Optional[_Union[PrefetchCommand, _Mapping]] = ..., drop: _Optional[_Union[DropCommand, _Mapping]] = ..., invalidate: _Optional[_Union[InvalidateCommand, _Mapping]] = ..., request_snapshot: _Optional[_Union[RequestSnapshotCommand, _Mapping]] = ..., drain: _Optional[_Union[DrainCommand, _Mapping]] = ..., pin: _Optional[_Union[PinCommand, _Mapping]] = ..., unpin: _Optional[_Union[UnpinCommand, _Mapping]] = ..., ticket_key: _Optional[_Union[TicketKeyCommand, _Mapping]] = ...) -> None: ...

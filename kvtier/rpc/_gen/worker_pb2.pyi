@@ -22,6 +22,22 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_TOOL_CALL: FinishReason
 FINISH_REASON_ABORTED: FinishReason
 
+class ProveAddressRequest(_message.Message):
+    __slots__ = ("worker_id", "address", "nonce")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    nonce: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class ProveAddressResponse(_message.Message):
+    __slots__ = ("proof",)
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    proof: bytes
+    def __init__(self, proof: _Optional[bytes] = ...) -> None: ...
+
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "stop_sequences", "tool_call_sequence", "ignore_eos")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]

@@ -51,6 +51,11 @@ class WorkerStub:
                 request_serializer=kvtier_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_worker__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.ProveAddress = channel.unary_unary(
+                '/kvtier.v1.Worker/ProveAddress',
+                request_serializer=kvtier_dot_v1_dot_worker__pb2.ProveAddressRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_worker__pb2.ProveAddressResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -63,6 +68,8 @@ class WorkerServicer:
         the stream (or by its deadline passing); the worker then releases every page the
         request held. Not idempotent unless SamplingParams.seed is set (or temperature is
         0): a retry with a seed produces the same tokens.
+        With authentication on, the call carries `authorization: Ticket <ticket>`, the
+        ticket Router.Route returned for this worker; a bearer token is refused.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -77,6 +84,15 @@ class WorkerServicer:
 
     def Stats(self, request, context):
         """Current occupancy and load of the worker (tests, admin). Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ProveAddress(self, request, context):
+        """Proves that this address serves the worker that registered it: the controller
+        calls it with a fresh nonce while a WorkerLink stream registers, and accepts the
+        registration only when the proof matches the worker's credential. Needs no token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -99,6 +115,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvtier_dot_v1_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_worker__pb2.StatsResponse.SerializeToString,
+            ),
+            'ProveAddress': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProveAddress,
+                    request_deserializer=kvtier_dot_v1_dot_worker__pb2.ProveAddressRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_worker__pb2.ProveAddressResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -183,6 +204,33 @@ class Worker:
             '/kvtier.v1.Worker/Stats',
             kvtier_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
             kvtier_dot_v1_dot_worker__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProveAddress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Worker/ProveAddress',
+            kvtier_dot_v1_dot_worker__pb2.ProveAddressRequest.SerializeToString,
+            kvtier_dot_v1_dot_worker__pb2.ProveAddressResponse.FromString,
             options,
             channel_credentials,
             insecure,

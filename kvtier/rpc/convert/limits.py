@@ -23,3 +23,5 @@ MAX_DURATION_MS = 365 * 24 * 3600 * 1000
 MAX_MESSAGE_BYTES = 16 << 20
 DEFAULT_LIST_SESSIONS_LIMIT = 100
 DEFAULT_POLICY_HISTORY_LIMIT = 20
+TICKET_KEY_BYTES = 32
+"""Length of a worker's Route-ticket key (HMAC-SHA256; ``kvtier.rpc.tickets``)."""

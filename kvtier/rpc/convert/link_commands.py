@@ -22,6 +22,7 @@ from kvtier.domain.records import (
     RequestSnapshotCommand,
     SessionId,
     SnapshotId,
+    TicketKeyCommand,
     UnpinCommand,
 )
 from kvtier.rpc._gen import worker_link_pb2
@@ -40,7 +41,7 @@ from kvtier.rpc.convert.fields import (
     required_message,
     wire_tier,
 )
-from kvtier.rpc.convert.limits import MAX_COMMAND_PAGES
+from kvtier.rpc.convert.limits import MAX_COMMAND_PAGES, TICKET_KEY_BYTES
 
 
 def _command_keys(msg: Any, path: str) -> tuple[PageKey, ...]:
@@ -223,6 +224,16 @@ def from_proto_unpin_command(msg: worker_link_pb2.UnpinCommand, path: str = "unp
     return UnpinCommand(pin_id=_pin_id(msg.pin_id, join_path(path, "pin_id")))
 
 
+def to_proto_ticket_key_command(command: TicketKeyCommand) -> worker_link_pb2.TicketKeyCommand:
+    return worker_link_pb2.TicketKeyCommand(key=command.key)
+
+
+def from_proto_ticket_key_command(msg: worker_link_pb2.TicketKeyCommand, path: str = "ticket_key") -> TicketKeyCommand:
+    if len(msg.key) != TICKET_KEY_BYTES:
+        raise invalid(join_path(path, "key"), f"must be {TICKET_KEY_BYTES} bytes, got {len(msg.key)}")
+    return TicketKeyCommand(key=bytes(msg.key))
+
+
 # Command type -> (oneof member, to_proto); oneof member -> from_proto.
 _COMMAND_WRITERS: dict[type, tuple[str, Callable[[Any], Any]]] = {
     DemoteCommand: ("demote", to_proto_demote_command),
@@ -233,6 +244,7 @@ _COMMAND_WRITERS: dict[type, tuple[str, Callable[[Any], Any]]] = {
     DrainCommand: ("drain", to_proto_drain_command),
     PinCommand: ("pin", to_proto_pin_command),
     UnpinCommand: ("unpin", to_proto_unpin_command),
+    TicketKeyCommand: ("ticket_key", to_proto_ticket_key_command),
 }
 _COMMAND_PARSERS: dict[str, Callable[[Any, str], Command]] = {
     "demote": from_proto_demote_command,
@@ -243,6 +255,7 @@ _COMMAND_PARSERS: dict[str, Callable[[Any, str], Command]] = {
     "drain": from_proto_drain_command,
     "pin": from_proto_pin_command,
     "unpin": from_proto_unpin_command,
+    "ticket_key": from_proto_ticket_key_command,
 }
 
 

@@ -57,6 +57,7 @@ def to_proto_ranked_worker(worker: RankedWorker) -> router_pb2.RankedWorker:
         score=worker.score,
         matched_tokens=to_proto_tokens_by_tier(worker.matched_tokens),
         is_affinity=worker.is_affinity,
+        ticket=worker.ticket or "",
     )
 
 
@@ -67,6 +68,7 @@ def from_proto_ranked_worker(msg: router_pb2.RankedWorker, path: str = "") -> Ra
         score=read_finite(msg.score, join_path(path, "score")),
         matched_tokens=from_proto_tokens_by_tier(msg.matched_tokens, join_path(path, "matched_tokens")),
         is_affinity=msg.is_affinity,
+        ticket=msg.ticket or None,
     )
 
 

@@ -333,7 +333,9 @@ async def start_local_worker(
     server_options: dict[str, Any] | None = None,
     **link_options: Any,
 ) -> LocalWorker:
-    server = await serve_worker(engine, worker_id=worker_id, **(server_options or {}))
+    # The link's token also answers the controller's address proof (with authentication on).
+    server_options = {"identity_token": link_options.get("token"), **(server_options or {})}
+    server = await serve_worker(engine, worker_id=worker_id, **server_options)
     options = dict(heartbeat_interval_s=HEARTBEAT_S, batch_interval_s=0.02, max_backoff_s=0.2)
     options.update(link_options)
     link = WorkerLink(
@@ -342,6 +344,7 @@ async def start_local_worker(
         worker_id=server.worker_id,
         address=server.address,
         boot_id=server.boot_id,
+        tickets=server.tickets,
         **options,
     )
     link.start()

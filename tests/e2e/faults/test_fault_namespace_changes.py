@@ -187,7 +187,8 @@ async def test_a_revoked_frontend_token_gets_no_more_hits(fault_checkpoint, orac
 
     def write_table(names):
         entries = [{"name": n, "role": roles[n][0], "sha256": hash_token(tokens[n]),
-                    **({"tenants": roles[n][1]} if roles[n][1] else {})} for n in names]
+                    **({"tenants": roles[n][1]} if roles[n][1] else {}),
+                    **({"worker_id": "w-auth"} if n == "worker" else {})} for n in names]
         table.write_text(yaml.safe_dump({"tokens": entries}))
 
     table = tmp_path / "tokens.yaml"

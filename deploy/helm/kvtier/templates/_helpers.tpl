@@ -90,6 +90,10 @@ matchExpressions:
 {{- default (printf "%s-auth" (include "kvtier.fullname" .)) .Values.auth.existingSecret -}}
 {{- end -}}
 
+{{- define "kvtier.workerTokensSecretName" -}}
+{{- default (printf "%s-worker-tokens" (include "kvtier.fullname" .)) .Values.auth.workerTokensSecret -}}
+{{- end -}}
+
 {{- define "kvtier.bundledRedisHost" -}}
 {{- printf "%s.%s.svc" (include "kvtier.valkeyName" .) .Release.Namespace -}}
 {{- end -}}
@@ -118,6 +122,12 @@ from a Secret through the environment (the bundled Valkey always has a password)
 {{- fail "redis.mode is external: set redis.external.url, or redis.external.existingSecret for a URL with a password" -}}
 {{- end -}}
 {{- end -}}
+{{- if and .Values.auth.enabled .Values.auth.existingSecret (not .Values.auth.workerTokensSecret) -}}
+{{- fail "auth.existingSecret needs auth.workerTokensSecret: a Secret with one key per worker id, holding that worker's own token (its table entry names the id)" -}}
+{{- end -}}
+{{- if and .Values.auth.enabled (not .Values.auth.existingSecret) .Values.auth.workerTokensSecret -}}
+{{- fail "auth.workerTokensSecret needs auth.existingSecret: the generated token table cannot hold the digests of tokens it did not make; name both Secrets, or neither" -}}
+{{- end -}}
 {{- if and .Values.tls.enabled (not .Values.tls.existingSecret) -}}
 {{- fail "tls.enabled needs tls.existingSecret: the name of a kubernetes.io/tls Secret" -}}
 {{- end -}}
@@ -136,11 +146,13 @@ NetworkPolicy does. Callers include it only when auth is off.
   value: "true"
 {{- end -}}
 
-{{/* Worker auth settings: its own token and the table it verifies frontends with. */}}
+{{/*
+Worker auth settings: the table it verifies admin calls with. Each worker's own token is
+/etc/kvtier/worker-tokens/<worker id> (auth.workerTokensSecret), the auth_token_file the
+worker pool sets per actor, as it sets its port.
+*/}}
 {{- define "kvtier.workerAuthEnv" -}}
 {{- if .Values.auth.enabled }}
-- name: KVTIER_AUTH_TOKEN_FILE
-  value: /etc/kvtier/auth/worker-token
 - name: KVTIER_AUTH_TOKENS_FILE
   value: /etc/kvtier/auth/tokens
 {{- else }}
@@ -176,14 +188,10 @@ the config file is that role's TOML; the auth Secret contributes only that role'
     secretName: {{ include "kvtier.authSecretName" .ctx }}
     defaultMode: 0440
     items:
-      # Controllers and workers verify callers with the token table; workers also need
-      # their own token for WorkerLink.
+      # Controllers and workers verify callers with the token table (workers' own tokens
+      # are a Secret of their own: worker-tokens, GPU worker pods only).
       - key: {{ $v.auth.tokensKey }}
         path: tokens
-      {{- if ne .role "controller" }}
-      - key: {{ $v.auth.workerTokenKey }}
-        path: worker-token
-      {{- end }}
 {{- end }}
 {{- if $v.tls.enabled }}
 - name: tls
