@@ -423,6 +423,14 @@ def test_external_redis_renders_no_valkey(rendered: dict[str, list[dict[str, Any
     assert statefulset["spec"]["replicas"] == 1
 
 
+def test_an_external_redis_cluster_url_reaches_the_controller_config(chart: Any) -> None:
+    url = "redis+cluster://redis-0.redis:6379,redis-1.redis:6379"
+    objs = render(chart, {"redis": {"mode": "external", "external": {"url": url}}})
+    assert config_toml(objs, "controller.toml")["redis_url"] == url
+    with pytest.raises(helm.HelmValuesError, match="schema"):  # a password belongs in a Secret
+        render(chart, {"redis": {"mode": "external", "external": {"url": "redis+cluster://:pw@r:6379"}}})
+
+
 def test_bundled_valkey_persistence_and_password_come_from_values(
     rendered: dict[str, list[dict[str, Any]]],
 ) -> None:

@@ -138,17 +138,20 @@ def start_slot_worker(
     return actor, run_phases(actor, timeout_s=timeout_s)
 
 
-def _load_config_here(file: str | None, base: WorkerConfig) -> WorkerConfig:
+def _load_config_here(file: str) -> WorkerConfig:
     """Runs on the slot's node: its mounted file and its container's ``KVTIER_*`` environment."""
-    return base if file is None else load_config(WorkerConfig, file=file)
+    return load_config(WorkerConfig, file=file)
 
 
 def load_slot_config(file: Path | None, base: WorkerConfig, slot: WorkerSlot, timeout_s: float = 120.0) -> WorkerConfig:
-    """The worker configuration as the slot's node sees it (a task pinned there), per slot."""
+    """The worker configuration as the slot's node sees ``file`` (a task pinned there; without a
+    file, ``base``), with the slot's own ports and directories."""
+    if file is None:
+        return slot_config(base, slot)
     import ray
 
     task = ray.remote(num_cpus=0, max_retries=0, **_node_affinity(slot))(_load_config_here)
-    loaded = ray.get(task.remote(str(file) if file is not None else None, base), timeout=timeout_s)
+    loaded = ray.get(task.remote(str(file)), timeout=timeout_s)
     return slot_config(loaded, slot)
 
 
