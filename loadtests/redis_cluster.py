@@ -91,7 +91,7 @@ class LocalRedisCluster:
     root: Path
     num_masters: int = 3
     replicas_per_master: int = 1
-    node_timeout_ms: int = 1000
+    node_timeout_ms: int = 2000  # failover tests and benchmarks set their own
     nodes: list[ClusterNode] = field(default_factory=list)
 
     @property

@@ -56,7 +56,10 @@ async def test_run_elects_renews_and_hands_over_on_stop(redis_client, flushed_re
     stop_a, stop_b = asyncio.Event(), asyncio.Event()
     try:
         task_a = asyncio.create_task(a.run(stop_a, on_elected=elected, on_deposed=deposed))
-        await asyncio.sleep(0.05)
+        for _ in range(250):  # a campaigns first (a cluster client's first call also reads the topology)
+            if events:
+                break
+            await asyncio.sleep(0.02)
         task_b = asyncio.create_task(b.run(stop_b, on_elected=elected, on_deposed=deposed, period_ms=20))
         await asyncio.sleep(0.5)  # several TTLs: a keeps renewing, b keeps waiting
         assert events == [("elected", "ctl-a", 1)] and a.is_leader

@@ -156,7 +156,7 @@ async def test_the_other_stores_keep_each_transaction_in_one_slot(client):
 
 
 async def test_the_identity_names_every_primary_and_changes_when_a_replica_takes_over(tmp_path):
-    with LocalRedisCluster(tmp_path, node_timeout_ms=500) as small:
+    with LocalRedisCluster(tmp_path, node_timeout_ms=1000) as small:
         client = connect(small.url)
         try:
             before = await server_identity(client)

@@ -58,7 +58,8 @@ class StackOptions:
     max_restarts: int = 2
     # With ray_address: workers spread over the cluster's nodes, each pinned to its node, one
     # per GPU and workers_per_node (default 1) on a node without GPUs (kvtier/local/worker_pool.py);
-    # num_workers is then unused, and the controller and workers listen on every interface.
+    # num_workers is then unused, and the controller and workers listen on every interface
+    # (so ``auth`` must be on, as ``kvtier up`` has it).
     workers_per_node: int | None = None
     # Bearer-token auth for the stack (DESIGN §8): an admin, a worker and a frontend token under
     # state_dir/auth (0600). `kvtier up` and `kvtier demo` turn it on; off by default for

@@ -86,7 +86,7 @@ async def directory_matches_inventory(reader: Directory, worker) -> bool:
 async def test_a_killed_primary_degrades_routing_then_the_directory_is_rebuilt_with_nothing_wrong_served(
     worker, tmp_path
 ):
-    cluster = LocalRedisCluster(tmp_path / "redis-cluster")
+    cluster = LocalRedisCluster(tmp_path / "redis-cluster", node_timeout_ms=1000)
     cluster.start()  # from the event loop's thread: the servers die with it (LocalRedisCluster)
     config = ControllerConfig(port=0, state_dir=tmp_path, lease_ttl_s=10.0, heartbeat_interval_s=0.5)
     controller = await serve_controller(config, redis_url=cluster.url)
