@@ -288,21 +288,23 @@ class DirectoryAccess:
         self._redis_run_id = run_id
         if self._is_reachable and not restarted:
             return
-        self._is_reachable = True
-        self.last_error = ""
         if restarted:
             log.warning("Redis restarted or failed over; rebuilding the directory from worker inventories")
             self._depose("Redis restarted or failed over")
-            with contextlib.suppress(*REDIS_ERRORS):
-                await self.lease.release()
-            # The fresh Directory trusts only the incarnations it registers (a promoted replica
-            # may list pages a worker dropped during the outage: they stay unrouted until the
-            # worker's snapshot replaces them) and gives out ids above every one seen so far.
+            # Replaced before anything awaits, and before Route may read again: the old object's
+            # mirror still lists what workers dropped while Redis was away. The fresh Directory
+            # trusts only the incarnations it registers (a promoted replica may list pages a
+            # worker dropped during the outage: they stay unrouted until the worker's snapshot
+            # replaces them) and gives out ids above every one seen so far.
             old = self._directory
             self._directory = Directory(self._client, lookup_client=self._lookup_client,
                                         lease_ttl_ms=self.lease_ttl_ms, fence_token=None,
                                         adopt_existing=False, min_worker_id=old.max_worker_id)
             self._directory.on_op = old.on_op
+            with contextlib.suppress(*REDIS_ERRORS):
+                await self.lease.release()
+        self._is_reachable = True
+        self.last_error = ""
         self._set_health(DIRECTORY_SERVICE, True)
         log.info("directory (Redis) reachable again")
         self.on_resync(restarted)
