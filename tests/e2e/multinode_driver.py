@@ -4,8 +4,9 @@ process, and the suite shares one local instance): a three-node Ray cluster on t
 custom resource ``node_a``/``node_b``/``node_c``), then
 
 1. ``start_local_stack(ray_address=...)`` as ``kvtier up --ray-address`` runs it: its workers;
-2. a ``WorkerPool`` pass against a fresh controller (``kvtier worker-pool``), then a second
-   pool that adopts the first one's detached workers.
+2. a ``WorkerPool`` pass against a fresh controller (``kvtier worker-pool``); then a fourth
+   node (``node_d``) joins and a second pool adopts the first one's detached workers and
+   starts one on the new node.
 
 Prints one JSON line: for each phase, the node (by custom resource) Ray reports each worker
 actor on, the workers the controller routes to, and for the second pool what it adopted.
@@ -22,7 +23,7 @@ import ray
 from ray._private.state import actors as actor_table
 from ray.cluster_utils import Cluster
 
-NODE_NAMES = ("node_a", "node_b", "node_c")
+NODE_NAMES = ("node_a", "node_b", "node_c", "node_d")
 
 
 def node_names() -> dict[str, str]:
@@ -49,7 +50,7 @@ async def routable(address: str, namespace, token: str | None = None, expected: 
     return found
 
 
-async def main(state_dir: Path) -> dict:
+async def main(cluster: Cluster, state_dir: Path) -> dict:
     from kvtier.controller.server import serve_controller
     from kvtier.local.stack import StackOptions, start_local_stack
     from kvtier.local.worker_pool import RAY_NAMESPACE, WorkerPool
@@ -81,10 +82,14 @@ async def main(state_dir: Path) -> dict:
         namespace = await asyncio.to_thread(call_actor, first.workers[started[0]].actor, "namespace")
         out["pool"] = {"workers": started, "nodes": placement(ids),
                        "routable": await routable(controller.address, namespace)}
+        # A node joins; a restarted pool adopts the three workers and starts the new node's.
+        await asyncio.to_thread(cluster.add_node, num_cpus=1, resources={"node_d": 1}, object_store_memory=80 << 20)
         second = WorkerPool(base, heartbeat_interval_s=0.5)
-        adopted = await asyncio.to_thread(second.reconcile)
-        out["pool"]["adopted"] = adopted
-        out["pool"]["same_actors"] = sorted(second.workers[w].actor._actor_id.hex() for w in adopted) == sorted(ids)
+        brought_up = await asyncio.to_thread(second.reconcile)
+        joined = [w for w in brought_up if w not in started]
+        out["pool"]["adopted"] = [w for w in brought_up if w in started]
+        out["pool"]["same_actors"] = sorted(second.workers[w].actor._actor_id.hex() for w in started) == sorted(ids)
+        out["pool"]["joined_nodes"] = placement([second.workers[w].actor._actor_id.hex() for w in joined])
         for worker in second.workers.values():
             ray.kill(worker.actor)
     finally:
@@ -97,12 +102,12 @@ if __name__ == "__main__":
     state = Path(sys.argv[1])
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "resources": {"node_a": 1}, "object_store_memory": 80 << 20, "include_dashboard": False})
-    for name in NODE_NAMES[1:]:
+    for name in NODE_NAMES[1:3]:
         cluster.add_node(num_cpus=1, resources={name: 1}, object_store_memory=80 << 20)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, namespace="kvtier", log_to_driver=False)
     try:
-        result = asyncio.run(main(state))
+        result = asyncio.run(main(cluster, state))
     finally:
         ray.shutdown()
         cluster.shutdown()

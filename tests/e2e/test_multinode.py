@@ -6,7 +6,7 @@ suite shares a local instance, ``tests/conftest.py``).
 - ``kvtier up --ray-address`` (``start_local_stack``) puts one worker on each node, pinned by
   node, and the controller routes to all three;
 - ``kvtier worker-pool`` (``WorkerPool``) does the same with detached named workers, and a
-  restarted pool adopts them instead of starting new ones.
+  restarted pool adopts them instead of starting new ones, and starts one on a node that joined.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ ROOT = DRIVER.parents[2]
 
 
 @pytest.mark.slow
-def test_workers_land_one_per_node_pinned_and_a_restarted_pool_adopts_them(tmp_path):
+def test_workers_land_one_per_node_pinned_and_a_restarted_pool_adopts_them_and_covers_a_new_node(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ""}
     done = subprocess.run([sys.executable, str(DRIVER), str(tmp_path)], capture_output=True, text=True,
                           timeout=600, env=env, cwd=ROOT)
@@ -40,3 +40,4 @@ def test_workers_land_one_per_node_pinned_and_a_restarted_pool_adopts_them(tmp_p
     assert sorted(pool["nodes"]) == ["node_a", "node_b", "node_c"], pool
     assert pool["routable"] == sorted(pool["workers"])
     assert sorted(pool["adopted"]) == sorted(pool["workers"]) and pool["same_actors"]
+    assert pool["joined_nodes"] == ["node_d"]  # the node that joined got its worker
