@@ -83,10 +83,18 @@ class ClusterNode:
         with self.client() as client:
             return client.info(section)
 
+    def cluster_state(self) -> str:
+        with self.client() as client:
+            return str(client.cluster("info").get("cluster_state"))
+
+    def ping(self) -> bool:
+        with self.client() as client:
+            return bool(client.ping())
+
 
 @dataclass
 class LocalRedisCluster:
-    """``start`` → ``url`` → ``kill_primary`` / ``wait_for_failover`` → ``stop`` (or a context manager)."""
+    """``start`` → ``url`` → ``kill(primary_of(key))`` / ``wait_for_failover`` → ``stop`` (or a context manager)."""
 
     root: Path
     num_masters: int = 3
@@ -124,7 +132,7 @@ class LocalRedisCluster:
                 self.nodes.append(node)
             deadline = time.monotonic() + timeout_s
             for node in self.nodes:
-                self._wait(lambda n=node: n.client().ping(), deadline, f"node {node.address} to answer PING")
+                self._wait(node.ping, deadline, f"node {node.address} to answer PING")
             subprocess.run(
                 [cli, "--cluster", "create", *(n.address for n in self.nodes),
                  "--cluster-replicas", str(self.replicas_per_master), "--cluster-yes"],
@@ -151,10 +159,8 @@ class LocalRedisCluster:
     def _is_ready(self) -> bool:
         """Every running node sees state ok and the expected primaries; every replica is in sync."""
         live = [n for n in self.nodes if n.is_running]
-        for node in live:
-            info = node.client().cluster("info")
-            if info.get("cluster_state") != "ok":
-                return False
+        if any(node.cluster_state() != "ok" for node in live):
+            return False
         if len(self.primaries()) != self.num_masters:
             return False
         for node in live:
@@ -203,7 +209,7 @@ class LocalRedisCluster:
 
     def _covers_all_slots(self) -> bool:
         live = [n for n in self.nodes if n.is_running]
-        return (all(n.client().cluster("info").get("cluster_state") == "ok" for n in live)
+        return (all(n.cluster_state() == "ok" for n in live)
                 and len(self.primaries()) == self.num_masters)
 
     def stop(self) -> None:

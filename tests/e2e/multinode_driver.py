@@ -83,7 +83,8 @@ async def main(cluster: Cluster, state_dir: Path) -> dict:
         out["pool"] = {"workers": started, "nodes": placement(ids),
                        "routable": await routable(controller.address, namespace)}
         # A node joins; a restarted pool adopts the three workers and starts the new node's.
-        await asyncio.to_thread(cluster.add_node, num_cpus=1, resources={"node_d": 1}, object_store_memory=80 << 20)
+        # (In this thread: Ray's node start sets a signal handler. The loop stalls meanwhile.)
+        cluster.add_node(num_cpus=1, resources={"node_d": 1}, object_store_memory=80 << 20)
         second = WorkerPool(base, heartbeat_interval_s=0.5)
         brought_up = await asyncio.to_thread(second.reconcile)
         joined = [w for w in brought_up if w not in started]
