@@ -4,6 +4,9 @@ and each slot's ports, NVMe directory and device. Pure; the placement on real Ra
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,3 +56,13 @@ def test_dead_nodes_are_not_planned():
     raw = [{"NodeID": "a", "NodeManagerAddress": "10.0.0.1", "Alive": True, "Resources": {"CPU": 2.0, "GPU": 1.0}},
            {"NodeID": "b", "NodeManagerAddress": "10.0.0.2", "Alive": False, "Resources": {"CPU": 2.0}}]
     assert ray_nodes(raw) == [RayNode("a", "10.0.0.1", 2.0, 1)]
+
+
+def test_worker_pool_refuses_a_bad_config_file_before_joining_ray(tmp_path: Path):
+    bad = tmp_path / "worker.toml"
+    bad.write_text("bogus_key = 1\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", "worker-pool", "--ray-address", "127.0.0.1:1", "--config", str(bad)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_ADDRESS": ""},
+    )
+    assert done.returncode == 2 and "unknown setting 'bogus_key'" in done.stderr and "Traceback" not in done.stderr
