@@ -11,7 +11,7 @@ STAMP := $(VENV)/.kvtier-installed
 NODE_DIR := tests/contract_node
 NODE_STAMP := $(NODE_DIR)/node_modules/.kvtier-installed
 
-.PHONY: setup node-setup test demo bench proto proto-check proto-lint lint typecheck clean
+.PHONY: setup node-setup test test-redis-cluster demo bench proto proto-check proto-lint lint typecheck clean
 
 setup: $(STAMP)
 
@@ -49,6 +49,14 @@ typecheck: setup
 
 test: setup node-setup lint typecheck proto-check proto-lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The Redis-backed stores' whole suites on a Redis Cluster that the tests start on loopback
+# (three masters with a replica each; needs redis-server and redis-cli), plus the cluster's own
+# tests. `make test` runs only tests/test_redis_cluster.py and the master kill in tests/e2e/.
+REDIS_CLUSTER_SUITES := tests/test_directory.py tests/test_leader.py tests/test_cache_store.py \
+	tests/test_predictor.py tests/test_policy_store.py tests/test_redis_cluster.py
+test-redis-cluster: setup
+	KVTIER_TEST_REDIS_URL=cluster $(BIN)/python -m pytest -q $(REDIS_CLUSTER_SUITES) $(PYTEST_ARGS)
 
 demo: setup
 	$(BIN)/kvtier demo --plot out/demo.png $(DEMO_ARGS)

@@ -25,10 +25,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
-import redis.asyncio as aredis
-
 from kvtier.cache.epochs import EpochEntry, scope_key
 from kvtier.controller.leader import GLOBAL_PREFIX, LEADER_EPOCH_KEY
+from kvtier.controller.redis_connect import RedisClient
 from kvtier.domain.hashing import NamespaceDigest, NamespaceIdentity, PageKey
 from kvtier.domain.records import InvalidationScope, PinId
 from kvtier.domain.tiers import Tier
@@ -120,7 +119,7 @@ class PinSpec:
 class CacheStore:
     """Async access to the epoch table and the pins; Redis errors propagate to the caller."""
 
-    def __init__(self, client: aredis.Redis) -> None:
+    def __init__(self, client: RedisClient) -> None:
         self._redis = client
         self._bump = client.register_script(_BUMP)
 

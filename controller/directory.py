@@ -42,7 +42,6 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
-import redis.asyncio as aredis
 from redis.exceptions import NoScriptError
 from redis.typing import EncodableT
 
@@ -70,6 +69,7 @@ from kvtier.controller.directory_scripts import (
     script_source,
 )
 from kvtier.controller.leader import GLOBAL_PREFIX
+from kvtier.controller.redis_connect import RedisClient
 from kvtier.domain.errors import InvalidArgument
 from kvtier.domain.hashing import KEY_BYTES, NamespaceDigest, PageKey, root_key
 from kvtier.domain.records import PageEvent, WorkerId
@@ -112,13 +112,15 @@ class Directory:
 
     def __init__(
         self,
-        client: aredis.Redis,
+        client: RedisClient,
         *,
-        lookup_client: aredis.Redis | None = None,
+        lookup_client: RedisClient | None = None,
         lease_ttl_ms: int = 3000,
         fence_token: int | None = 0,
         max_batch_events: int = MAX_BATCH_EVENTS,
         clock_ms: Callable[[], float] = _monotonic_ms,
+        adopt_existing: bool = True,
+        min_worker_id: int = 0,
     ) -> None:
         if lease_ttl_ms < 1:
             raise InvalidArgument(f"lease_ttl_ms must be >= 1, got {lease_ttl_ms}", field="lease_ttl_ms")
@@ -132,6 +134,10 @@ class Directory:
         self.fence_token = fence_token
         self.max_batch_events = max_batch_events
         self._clock_ms = clock_ms
+        # False: only incarnations registered through this object are live here, never ones
+        # found in Redis (a Directory made after a failover, whose data may predate it).
+        self.adopt_existing = adopt_existing
+        self.max_worker_id = min_worker_id  # the highest incarnation id seen; new ids go above it
         self._scripts = {name: client.register_script(script_source(name, preludes))
                          for name, preludes in SCRIPTS.items()}
         self._wid_by_name: dict[WorkerId, int] = {}
@@ -147,6 +153,7 @@ class Directory:
         # and no write of it failed midway (then Redis may or may not hold the write).
         self.mirror = DirectoryMirror()
         self._mirrored: set[int] = set()
+        self._registered: set[int] = set()  # incarnations registered through this object
         self._unmirrored: set[int] = set()  # known incarnations the mirror cannot answer for
         # (op, seconds) of every round trip (op: the Lua script's name), for the controller's metrics.
         self.on_op: Callable[[str, float], None] | None = None
@@ -196,6 +203,7 @@ class Directory:
     def _forget_locally(self, wid: int) -> None:
         self._deadline_ms.pop(wid, None)
         self._mirrored.discard(wid)
+        self._registered.discard(wid)
         self._unmirrored.discard(wid)
         self.mirror.forget_worker(wid)
         name = self._name_by_wid.get(wid)
@@ -216,16 +224,19 @@ class Directory:
         if self.fence_token is None:
             return RegisterResult(Outcome.FENCED, worker)
         sent_ms = self._clock_ms()
-        reply = await self._eval("register", _WORKERS_KEY, self.fence_token, worker, self.lease_ttl_ms)
+        reply = await self._eval("register", _WORKERS_KEY, self.fence_token, worker, self.lease_ttl_ms,
+                                 self.max_worker_id)
         if reply[0] == b"fenced":
             return RegisterResult(Outcome.FENCED, worker)
         wid, previous = int(reply[1]), int(reply[2])
+        self.max_worker_id = max(self.max_worker_id, wid)
         if previous:
             self._forget_locally(previous)
         self._wid_by_name[worker] = wid
         self._name_by_wid[wid] = worker
         self._deadline_ms[wid] = sent_ms + self.lease_ttl_ms
         self._mirrored.add(wid)  # a new incarnation: every entry it will have is written here
+        self._registered.add(wid)
         return RegisterResult(Outcome.OK, worker, replaced_previous=bool(previous))
 
     async def heartbeat(self, worker: WorkerId) -> Outcome:
@@ -264,7 +275,8 @@ class Directory:
         incarnation it saw expire stays dead (its entries may be stale). ``revive`` adopts
         Redis's remaining TTL for all of them instead: use it on a controller that does not
         renew the leases itself (a standby, every ~ttl/3; a leader right after its election).
-        Returns the number of live leases in Redis.
+        Returns the number of live leases in Redis. With ``adopt_existing`` off, only
+        incarnations registered here come alive; the others re-register (``UNKNOWN_WORKER``).
         """
         sent_ms = self._clock_ms()
         reply = await self._eval("workers", _WORKERS_KEY)
@@ -272,6 +284,7 @@ class Directory:
         num_live = 0
         for i in range(0, len(reply), 3):
             wid, name, pttl_ms = int(reply[i]), WorkerId(reply[i + 1].decode()), int(reply[i + 2])
+            self.max_worker_id = max(self.max_worker_id, wid)
             known = wid in self._name_by_wid
             self._name_by_wid[wid] = name  # retired ones too, so their entries never look unknown
             if pttl_ms <= 0:
@@ -280,6 +293,8 @@ class Directory:
             num_live += 1
             if known and not revive:
                 continue  # our own renewals are the authority for incarnations we know
+            if not self.adopt_existing and wid not in self._registered:
+                continue  # registered before a failover, or elsewhere: its entries are not trusted
             self._wid_by_name[name] = wid
             self._deadline_ms[wid] = sent_ms + pttl_ms
             if wid not in self._mirrored:

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import collections
 
-import redis.asyncio as aredis
-
 from kvtier.controller.directory_scripts import RECORD_BYTES, meta_key, ns_key
+from kvtier.controller.redis_connect import RedisClient
 from kvtier.domain.errors import IntegrityError
 from kvtier.domain.hashing import NamespaceDigest
 
 
 async def _integrity_snapshot(
-    client: aredis.Redis, namespace: NamespaceDigest
+    client: RedisClient, namespace: NamespaceDigest
 ) -> tuple[int, dict[bytes, bytes], set[int], dict[int, set[bytes]], dict[bytes, bytes], list[bytes | None]]:
     """One consistent view of a namespace's current epoch for ``check_integrity``: (epoch, page
     values, holder set, each holder's and record owner's index, counters, structure counters).
@@ -46,7 +45,7 @@ async def _integrity_snapshot(
         wids |= listed | owners
     raise IntegrityError(f"namespace {namespace[:4].hex()} kept changing while its integrity was read")
 
-async def check_integrity(client: aredis.Redis, namespace: NamespaceDigest) -> None:
+async def check_integrity(client: RedisClient, namespace: NamespaceDigest) -> None:
     """Recompute every record and counter of ``namespace``'s current epoch from the page values
     and compare; raises ``IntegrityError`` with the numbers. O(namespace)."""
     epoch, values, listed, indexes, counters, structure = await _integrity_snapshot(client, namespace)

@@ -23,9 +23,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
-import redis.asyncio as aredis
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError
 from redis.typing import EncodableT
+
+from kvtier.controller.redis_connect import REDIS_ERRORS, RedisClient
 
 GLOBAL_PREFIX = "kvt:{g}:"
 """Prefix of every controller-wide key; the ``{g}`` hash tag keeps them in one Cluster slot."""
@@ -34,13 +35,20 @@ LEADER_EPOCH_KEY = GLOBAL_PREFIX + "leader_epoch"
 
 log = logging.getLogger(__name__)
 
-# KEYS: lease, epoch. ARGV: owner, ttl_ms. -> {1, token} | {0, current value}
+# KEYS: lease, epoch. ARGV: owner, ttl_ms, min_token. -> {1, token} | {0, current value}
+# The token is above min_token, the highest the caller has seen: a Redis Cluster failover may
+# lose the latest INCR while the namespaces' fences (other slots) keep the token it gave out.
 _ACQUIRE = """
 local held = redis.call('GET', KEYS[1])
 if held then
   return {0, held}
 end
 local token = redis.call('INCR', KEYS[2])
+local min_token = tonumber(ARGV[3])
+if token <= min_token then
+  token = min_token + 1
+  redis.call('SET', KEYS[2], token)
+end
 redis.call('SET', KEYS[1], token .. ':' .. ARGV[1], 'PX', ARGV[2])
 return {1, token}
 """
@@ -82,7 +90,7 @@ class LeaderLease:
 
     def __init__(
         self,
-        client: aredis.Redis,
+        client: RedisClient,
         owner: str,
         *,
         ttl_ms: int = 3000,
@@ -96,6 +104,7 @@ class LeaderLease:
         self._clock_ms = clock_ms
         self._term: Leadership | None = None
         self._expires_at_ms = 0.0
+        self.highest_token = 0  # the highest fencing token seen (own terms and other holders')
         self._scripts = {name: client.register_script(src) for name, src in
                          (("acquire", _ACQUIRE), ("renew", _RENEW), ("release", _RELEASE))}
 
@@ -125,10 +134,13 @@ class LeaderLease:
     async def try_acquire(self) -> Leadership | None:
         """Become leader if nobody holds the lease; ``None`` when another controller does."""
         sent_ms = self._clock_ms()
-        won, value = await self._call("acquire", [LEADER_KEY, LEADER_EPOCH_KEY], [self.owner, self.ttl_ms])
+        won, value = await self._call("acquire", [LEADER_KEY, LEADER_EPOCH_KEY],
+                                      [self.owner, self.ttl_ms, self.highest_token])
         if not won:
+            self._see(cast(bytes, value))
             return None
         self._term = Leadership(self.owner, int(value))
+        self.highest_token = max(self.highest_token, self._term.token)
         self._expires_at_ms = sent_ms + self.ttl_ms
         log.info("leader lease acquired by %s, fencing token %d", self.owner, self._term.token)
         return self._term
@@ -163,8 +175,12 @@ class LeaderLease:
         value = await self._client.get(LEADER_KEY)
         if value is None:
             return None
-        # The client leaves decode_responses off, so redis replies are bytes.
-        token, _, owner = cast(bytes, value).decode().partition(":")
+        return self._see(cast(bytes, value))  # bytes: the client leaves decode_responses off
+
+    def _see(self, value: bytes) -> Leadership:
+        """The lease value ``token:owner`` as a term; remembers its token."""
+        token, _, owner = value.decode().partition(":")
+        self.highest_token = max(self.highest_token, int(token))
         return Leadership(owner, int(token))
 
     async def run(
@@ -193,7 +209,7 @@ class LeaderLease:
                         lost, held = held, None
                         if on_deposed is not None:
                             await on_deposed(lost)
-                except RedisError as exc:
+                except REDIS_ERRORS as exc:
                     log.warning("leader lease: Redis error (%s); retrying", exc)
                     if held is not None and self.term is None:
                         lost, held = held, None
@@ -207,7 +223,7 @@ class LeaderLease:
             if held is not None:
                 try:
                     await self.release()
-                except RedisError as exc:
+                except REDIS_ERRORS as exc:
                     log.warning("leader lease: release failed (%s); it expires in %d ms", exc, self.ttl_ms)
                 if on_deposed is not None:
                     await on_deposed(held)

@@ -40,9 +40,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import redis.asyncio as aredis
-
 from kvtier.controller.leader import GLOBAL_PREFIX
+from kvtier.controller.redis_connect import RedisClient
 from kvtier.controller.resync import REDIS_ERRORS, describe
 from kvtier.domain.errors import FailedPrecondition, NotFound, Unavailable
 from kvtier.domain.records import Policy, RollbackPolicyRequest, SetPolicyRequest, VersionedPolicy, Watermarks
@@ -131,7 +130,7 @@ class PolicyStore:
 
     def __init__(
         self,
-        client: aredis.Redis,
+        client: RedisClient,
         *,
         seed: Policy | None = None,
         clock_ms: Callable[[], int] = wall_clock_ms,

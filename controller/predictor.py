@@ -19,9 +19,9 @@ import hashlib
 from collections.abc import Callable
 from typing import cast
 
-import redis.asyncio as aredis
 from redis.typing import EncodableT, FieldT
 
+from kvtier.controller.redis_connect import RedisClient
 from kvtier.domain.errors import InvalidArgument
 from kvtier.policy.prediction import (
     Prediction,
@@ -49,7 +49,7 @@ class ToolReturnPredictor:
     """Per-(tenant, tool) predictions of tool durations, persisted in Redis."""
 
     def __init__(
-        self, client: aredis.Redis, params: PredictorParams | None = None,
+        self, client: RedisClient, params: PredictorParams | None = None,
         *, on_error: Callable[[Exception], None] | None = None,
     ) -> None:
         self.client = client
@@ -103,9 +103,12 @@ class ToolReturnPredictor:
         key = history_key(tenant, tool)
         mapping: dict[FieldT, EncodableT] = {"tenant": tenant, "tool": tool, "n": history.num_observations}
         try:
-            async with self.client.pipeline(transaction=True) as pipe:
-                if forgotten:
-                    pipe.delete(*forgotten)
+            if forgotten:
+                # Outside the transaction: histories hash to different slots, and on Redis
+                # Cluster the client splits this DEL by slot. A failure in between is like a
+                # failed write (below): the in-memory history still serves.
+                await self.client.delete(*forgotten)
+            async with self.client.pipeline(transaction=True) as pipe:  # one key: one slot
                 if rescaled:
                     pipe.delete(key)
                     mapping.update({f"b{k}": repr(v) for k, v in history.bins.items()})

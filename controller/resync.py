@@ -10,17 +10,23 @@ Three roles::
               and WorkerLink answer UNAVAILABLE naming the leader
 
 Redis down → up (``run`` keeps a monitor that reads the server's ``run_id`` every
-``REACHABLE_POLL_S``, every ``UNREACHABLE_POLL_S`` while it is down):
+``REACHABLE_POLL_S``, every ``UNREACHABLE_POLL_S`` while it is down; on Redis Cluster the
+``run_id`` of every primary, ``controller/redis_connect.py``, and "down" is any primary
+unreachable):
 
 - down: health ``kvtier.directory`` NOT_SERVING; Route ranks by affinity and load with
   ``degraded`` set; links keep heartbeats in the registry and drop page events, flagging
   themselves for a resync;
 - up, same ``run_id`` (the data survived): health SERVING; flagged links resync;
-- up, new ``run_id`` (a restart: the data may be gone): the term ends (a restarted Redis
-  may have reset the fencing counter, so the old token proves nothing), a fresh
-  ``Directory`` replaces the old one (its local caches describe the old data), and every
-  link resyncs once the lease is won again. A controller about to campaign probes first,
-  so a new term never starts on a Directory object of a Redis that has since restarted.
+- up, new ``run_id`` (a restart, or on a cluster a replica promoted in a failed primary's
+  place: the data, or its latest writes, may be gone): the term ends (a restarted Redis
+  may have reset the fencing counter, so the old token proves nothing; the next token and
+  worker ids are drawn above the highest this controller saw), a fresh ``Directory``
+  replaces the old one (its local caches describe the old data; it routes only to
+  incarnations it registers itself, so entries that survived in Redis are not served
+  before the worker's snapshot replaces them), and every link resyncs once the lease is
+  won again. A controller about to campaign probes first, so a new term never starts on a
+  Directory object of a Redis that has since restarted.
 
 A resync (``WorkerLinks``) registers a new incarnation of the worker and asks it for a
 full inventory snapshot, which rebuilds its entries: the directory converges to the
@@ -34,21 +40,18 @@ import contextlib
 import enum
 from collections.abc import Callable
 
-import redis.asyncio as aredis
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
-from redis.exceptions import RedisError
 
 from kvtier.controller.directory import Directory
 from kvtier.controller.directory_records import Outcome
 from kvtier.controller.leader import LeaderLease, Leadership
+from kvtier.controller.redis_connect import REDIS_ERRORS, RedisClient, server_identity
 from kvtier.domain.errors import Unavailable
 from kvtier.runtime.log import get_logger
 
 log = get_logger("kvtier.controller.resync")
 
-REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError)
-"""What a Redis call raises when the server is unreachable or slow (TimeoutError is an OSError)."""
 DIRECTORY_SERVICE = "kvtier.directory"
 LEADER_SERVICE = "kvtier.leader"
 REACHABLE_POLL_S = 0.5
@@ -86,13 +89,13 @@ class DirectoryAccess:
 
     def __init__(
         self,
-        client: aredis.Redis,
+        client: RedisClient,
         *,
         controller_id: str,
         address: str,
         lease_ttl_ms: int,
         health: health_aio.HealthServicer,
-        lookup_client: aredis.Redis | None = None,
+        lookup_client: RedisClient | None = None,
     ) -> None:
         self.controller_id = controller_id
         self.address = address
@@ -277,26 +280,31 @@ class DirectoryAccess:
 
     async def _probe(self) -> None:
         try:
-            info = await asyncio.wait_for(self._client.info("server"), PING_TIMEOUT_S)
+            run_id = await asyncio.wait_for(server_identity(self._client), PING_TIMEOUT_S)
         except REDIS_ERRORS as exc:
             self.report_failure(exc)
             return
-        run_id = str(info.get("run_id", ""))
         restarted = self._redis_run_id is not None and run_id != self._redis_run_id
         self._redis_run_id = run_id
         if self._is_reachable and not restarted:
             return
-        self._is_reachable = True
-        self.last_error = ""
         if restarted:
-            log.warning("Redis restarted; rebuilding the directory from worker inventories")
-            self._depose("Redis restarted")
+            log.warning("Redis restarted or failed over; rebuilding the directory from worker inventories")
+            self._depose("Redis restarted or failed over")
+            # Replaced before anything awaits, and before Route may read again: the old object's
+            # mirror still lists what workers dropped while Redis was away. The fresh Directory
+            # trusts only the incarnations it registers (a promoted replica may list pages a
+            # worker dropped during the outage: they stay unrouted until the worker's snapshot
+            # replaces them) and gives out ids above every one seen so far.
+            old = self._directory
+            self._directory = Directory(self._client, lookup_client=self._lookup_client,
+                                        lease_ttl_ms=self.lease_ttl_ms, fence_token=None,
+                                        adopt_existing=False, min_worker_id=old.max_worker_id)
+            self._directory.on_op = old.on_op
             with contextlib.suppress(*REDIS_ERRORS):
                 await self.lease.release()
-            observer = self._directory.on_op
-            self._directory = Directory(self._client, lookup_client=self._lookup_client,
-                                        lease_ttl_ms=self.lease_ttl_ms, fence_token=None)
-            self._directory.on_op = observer
+        self._is_reachable = True
+        self.last_error = ""
         self._set_health(DIRECTORY_SERVICE, True)
         log.info("directory (Redis) reachable again")
         self.on_resync(restarted)

@@ -21,7 +21,6 @@ from importlib import metadata
 
 import grpc
 import grpc.aio
-import redis.asyncio as aredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -39,6 +38,7 @@ from kvtier.controller.orchestrator import Orchestrator
 from kvtier.controller.orchestrator_params import OrchestratorParams
 from kvtier.controller.policy_store import PolicyInForce, PolicyStore, seed_policy
 from kvtier.controller.predictor import ToolReturnPredictor
+from kvtier.controller.redis_connect import RedisClient, connect
 from kvtier.controller.registry import Registry
 from kvtier.controller.resync import REDIS_ERRORS, DirectoryAccess
 from kvtier.controller.router import Router, RouterServicer
@@ -129,8 +129,8 @@ class ControllerServer:
     router: Router
     health: health_aio.HealthServicer
     started_at_s: float
-    _client: aredis.Redis
-    _lookup_client: aredis.Redis
+    _client: RedisClient
+    _lookup_client: RedisClient
     _embedded: EmbeddedRedis | None = None
     health_port: int | None = None  # the bound plaintext health-only port (config.health_port)
     _health_server: grpc.aio.Server | None = None
@@ -295,7 +295,8 @@ async def serve_controller(
         # server is tied to its starting thread's life (parent-death signal). ~50 ms, start-up only.
         embedded = EmbeddedRedis(config.state_dir.expanduser() / "valkey")
         url = embedded.start()
-    client = aredis.Redis.from_url(
+    # A redis+cluster:// URL gives Redis Cluster clients (controller/redis_connect.py).
+    client = connect(
         url,
         socket_timeout=REDIS_SOCKET_TIMEOUT_S,
         socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
@@ -303,7 +304,7 @@ async def serve_controller(
     )
     # Route's directory lookups only (see Directory.__init__): no socket timeout, the router's
     # own asyncio.timeout bounds them; connecting still fails fast.
-    lookup_client = aredis.Redis.from_url(url, socket_timeout=None, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S)
+    lookup_client = connect(url, socket_timeout=None, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S)
     metrics = None
     if config.metrics_port is not None:
         metrics = ControllerMetrics(Telemetry("kvtier-controller", port=config.metrics_port, host=config.host))

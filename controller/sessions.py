@@ -25,9 +25,9 @@ from dataclasses import dataclass, fields, replace
 from typing import Protocol, cast
 
 import grpc.aio
-import redis.asyncio as aredis
 from redis.typing import EncodableT, FieldT
 
+from kvtier.controller.redis_connect import RedisClient
 from kvtier.controller.resync import REDIS_ERRORS, describe
 from kvtier.domain.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvtier.domain.hashing import NamespaceDigest
@@ -186,7 +186,7 @@ def _bytes_hash(raw: dict[bytes | str, bytes | str]) -> dict[bytes, bytes]:
 class SessionStore:
     """Session records in Redis, each with an idle TTL refreshed on every write."""
 
-    def __init__(self, client: aredis.Redis, *, ttl_s: float = DEFAULT_TTL_S) -> None:
+    def __init__(self, client: RedisClient, *, ttl_s: float = DEFAULT_TTL_S) -> None:
         self.client = client
         self.ttl_s = ttl_s
 

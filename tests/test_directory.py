@@ -3,7 +3,6 @@
 import asyncio
 
 import pytest
-import redis.asyncio as aredis
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
@@ -18,6 +17,7 @@ from kvtier.controller.directory_records import (
     RejectReason,
 )
 from kvtier.controller.leader import LeaderLease
+from kvtier.controller.redis_connect import connect
 from kvtier.controller.resync import REDIS_ERRORS
 from kvtier.domain.errors import InvalidArgument
 from kvtier.domain.hashing import NamespaceIdentity, namespace_digest, page_keys, root_key
@@ -333,6 +333,25 @@ async def test_drop_worker_removes_all_its_entries_in_bounded_batches(redis_clie
     assert (await d.apply_events(W1, 1, inserts(ns_a, keys_a[:3]))).num_applied == 3
 
 
+async def test_a_directory_made_after_a_failover_routes_only_to_incarnations_it_registers(redis_client):
+    """A promoted replica may list pages a worker dropped while its primary was down: the
+    Directory that replaces the old one does not serve them before the worker registers
+    anew (its snapshot then rebuilds the entries), and its ids never reuse one seen before."""
+    before = await make_directory(redis_client, W1)
+    ns = ns_for()
+    keys = chain(ns, 3)
+    await before.apply_events(W1, 1, inserts(ns, keys))
+    await redis_client.delete("kvt:{g}:next_wid")  # the failover lost the id counter's INCRs
+    after = Directory(redis_client, adopt_existing=False, min_worker_id=before.max_worker_id)
+    assert await after.refresh_workers(revive=True) == 1  # the lease is still in Redis...
+    assert (await after.lookup(ns, keys)).matches == ()  # ...but its entries are not routed
+    assert (await after.heartbeat(W1)) is Outcome.UNKNOWN_WORKER  # the link registers again
+    assert (await after.register_worker(W1)).replaced_previous
+    assert after.max_worker_id == before.max_worker_id + 1
+    await after.apply_events(W1, 1, inserts(ns, keys[:2]))
+    assert summary(await after.lookup(ns, keys)) == [(W1, bytes([1, 1]))]
+
+
 async def test_reregistering_retires_the_previous_incarnation(redis_client):
     d = await make_directory(redis_client, W1)
     ns = ns_for()
@@ -355,7 +374,7 @@ async def test_worker_that_stops_heartbeating_disappears_within_its_lease(redis_
     keys = chain(ns, 3)
     await d.apply_events(W1, 1, inserts(ns, keys))
     await d.apply_events(W2, 1, inserts(ns, keys[:2], D))
-    standby_client = aredis.Redis.from_url(flushed_redis_url)
+    standby_client = connect(flushed_redis_url)
     standby = Directory(standby_client, lease_ttl_ms=ttl_ms, fence_token=None)  # reads only
     try:
         assert [m.worker for m in (await standby.lookup(ns, keys)).matches] == [W1, W2]
@@ -390,7 +409,7 @@ async def test_late_heartbeat_after_local_expiry_is_refused(redis_client):
 
 
 async def test_writes_from_a_deposed_leader_are_fenced(redis_client, flushed_redis_url):
-    other_client = aredis.Redis.from_url(flushed_redis_url)
+    other_client = connect(flushed_redis_url)
     try:
         lease_a = LeaderLease(redis_client, "ctl-a", ttl_ms=200)
         lease_b = LeaderLease(other_client, "ctl-b", ttl_ms=200)
@@ -631,7 +650,7 @@ class DirectoryMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.loop = asyncio.new_event_loop()
-        self.client = aredis.Redis.from_url(self.url)
+        self.client = connect(self.url)
         self.run(self.client.flushdb())
         self.model = Model()
         self.directory = Directory(self.client, lease_ttl_ms=TTL_MS, clock_ms=lambda: self.model.now)
@@ -825,7 +844,7 @@ async def test_local_lookup_defers_to_redis_for_incarnations_registered_elsewher
     that controller, so this one's mirror lacks them until the incarnation is gone."""
     now = [0.0]
     ours = await make_directory(redis_client, W1, lease_ttl_ms=60_000, clock_ms=lambda: now[0])
-    other_client = aredis.Redis.from_url(flushed_redis_url)
+    other_client = connect(flushed_redis_url)
     try:
         theirs = await make_directory(other_client, W2, lease_ttl_ms=30_000)
         ns = ns_for()
@@ -845,7 +864,7 @@ async def test_local_lookup_defers_to_redis_for_incarnations_registered_elsewher
 async def test_a_write_that_failed_midway_stops_the_mirror_answering_for_its_worker(tmp_path):
     """Redis may or may not have applied a batch whose reply never came: Route reads Redis."""
     server = EmbeddedRedis(tmp_path)
-    client = aredis.Redis.from_url(server.start())
+    client = connect(server.start())
     try:
         d = await make_directory(client, W1)
         ns = ns_for()
@@ -869,7 +888,7 @@ async def test_an_integrity_check_during_a_purge_sees_one_state_of_the_directory
     MULTI / EXEC snapshot, so a consistent directory always passes, mid-purge included."""
     ns = ns_for()
     rounds, checks = 0, 0
-    checker_client = aredis.Redis.from_url(redis_url)
+    checker_client = connect(redis_url)
     try:
         while rounds < 12:
             rounds += 1

@@ -424,6 +424,14 @@ def test_external_redis_renders_no_valkey(rendered: dict[str, list[dict[str, Any
     assert statefulset["spec"]["replicas"] == 1
 
 
+def test_an_external_redis_cluster_url_reaches_the_controller_config(chart: Any) -> None:
+    url = "redis+cluster://redis-0.redis:6379,redis-1.redis:6379"
+    objs = render(chart, {"redis": {"mode": "external", "external": {"url": url}}})
+    assert config_toml(objs, "controller.toml")["redis_url"] == url
+    with pytest.raises(helm.HelmValuesError, match="schema"):  # a password belongs in a Secret
+        render(chart, {"redis": {"mode": "external", "external": {"url": "redis+cluster://:pw@r:6379"}}})
+
+
 def test_bundled_valkey_persistence_and_password_come_from_values(
     rendered: dict[str, list[dict[str, Any]]],
 ) -> None:
@@ -758,6 +766,40 @@ def test_lint_reports_a_misspelled_key() -> None:
 def test_replicas_outside_min_max_fail_the_render(chart: Any) -> None:
     with pytest.raises(
         helm.HelmRenderError,
-        match=r"ray.worker.replicas \(5\) must lie in \[ray.worker.minReplicas \(1\), ray.worker.maxReplicas \(1\)\]",
+        match=r"ray worker group gpu: replicas \(5\) must lie in \[minReplicas \(1\), maxReplicas \(1\)\]",
     ):
         chart.render({"ray": {"worker": {"replicas": 5}}}, name=RELEASE, namespace=NAMESPACE)
+
+
+def test_several_worker_groups_each_merged_over_the_worker_defaults(chart: Any) -> None:
+    groups = [
+        {"groupName": "h100", "gpusPerWorker": 8, "nodeSelector": {"gpu": "h100"}},
+        {"groupName": "l40s", "gpusPerWorker": 2, "replicas": 3, "maxReplicas": 3, "hostOverheadGiB": 8},
+    ]
+    objs = render(chart, {"ray": {"workerGroups": groups}})
+    specs = raycluster(objs)["spec"]["workerGroupSpecs"]
+    assert [g["groupName"] for g in specs] == ["h100", "l40s"]
+    assert [g["rayStartParams"]["num-gpus"] for g in specs] == ["8", "2"]
+    assert [g["replicas"] for g in specs] == [1, 3]
+    pods = [g["template"]["spec"] for g in specs]
+    assert pods[0]["nodeSelector"] == {"gpu": "h100"} and "nodeSelector" not in pods[1]
+    # Memory per pod follows its own group: GPUs x DRAM per GPU + overhead + shm (defaults: 16, 24, 4).
+    limits = [container(p, "ray-worker")["resources"]["limits"] for p in pods]
+    assert [lim["memory"] for lim in limits] == [f"{8 * 16 + 24 + 4}Gi", f"{2 * 16 + 8 + 4}Gi"]
+    assert [lim["nvidia.com/gpu"] for lim in limits] == [8, 2]
+    ports = [[p["containerPort"] for p in container(p, "ray-worker")["ports"] if p["name"].startswith("grpc-")]
+             for p in pods]
+    assert ports == [[50061 + i for i in range(8)], [50061, 50062]]
+    # Frontends may reach every worker port of the largest pod.
+    worker_policy = next(p for p in of_kind(objs, "NetworkPolicy") if "ray" in p["metadata"]["name"])
+    grpc_ports = [port for rule in worker_policy["spec"]["ingress"] for port in rule.get("ports", ())
+                  if port["port"] == 50061]
+    assert grpc_ports and grpc_ports[0]["endPort"] == 50061 + 7
+
+
+def test_worker_groups_need_distinct_names(chart: Any) -> None:
+    with pytest.raises(helm.HelmRenderError, match=r'groupName "a" is used twice'):
+        chart.render({"ray": {"workerGroups": [{"groupName": "a"}, {"groupName": "a"}]}},
+                     name=RELEASE, namespace=NAMESPACE)
+    with pytest.raises(helm.HelmValuesError, match="workerGroups.*port"):  # one worker.toml: no per-group ports
+        chart.render({"ray": {"workerGroups": [{"groupName": "a", "port": 1}]}}, name=RELEASE, namespace=NAMESPACE)

@@ -23,6 +23,7 @@ from kvtier.controller.policy_store import (
     PolicyStore,
     seed_policy,
 )
+from kvtier.controller.redis_connect import connect
 from kvtier.domain.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from kvtier.domain.records import Policy, RollbackPolicyRequest, SetPolicyRequest, Watermarks
 from kvtier.domain.tiers import Tier
@@ -34,7 +35,7 @@ def weights(hbm: float, dram: float = 0.5, nvme: float = 0.25) -> Policy:
 
 async def test_an_empty_store_gets_the_seed_as_version_1_exactly_once(flushed_redis_url):
     seeds = [weights(1.0, dram=d / 10) for d in range(8)]  # each "controller" seeds differently
-    clients = [aredis.Redis.from_url(flushed_redis_url) for _ in seeds]
+    clients = [connect(flushed_redis_url) for _ in seeds]
     try:
         stores = [PolicyStore(c, seed=s, clock_ms=lambda: 1234) for c, s in zip(clients, seeds, strict=True)]
         firsts = await asyncio.gather(*(s.current() for s in stores))
@@ -64,7 +65,7 @@ async def test_versions_grow_by_one_and_record_who_when_and_why(redis_client):
 
 
 async def test_concurrent_writers_with_the_same_expected_version_exactly_one_wins(flushed_redis_url):
-    clients = [aredis.Redis.from_url(flushed_redis_url) for _ in range(6)]
+    clients = [connect(flushed_redis_url) for _ in range(6)]
     try:
         stores = [PolicyStore(c) for c in clients]
         assert (await stores[0].current()).version == 1
@@ -133,7 +134,7 @@ async def test_bad_policies_are_refused_naming_the_field_and_nothing_is_stored(r
 
 
 async def test_the_policy_in_force_follows_the_store_on_every_controller(flushed_redis_url):
-    leader_client, standby_client = aredis.Redis.from_url(flushed_redis_url), aredis.Redis.from_url(flushed_redis_url)
+    leader_client, standby_client = connect(flushed_redis_url), connect(flushed_redis_url)
     seed = seed_policy({Tier.HBM: 1.0, Tier.DRAM: 0.8, Tier.NVME: 0.5}, {Tier.DRAM: 2e9, Tier.NVME: 2e9})
     try:
         applied: dict[str, list[Policy]] = {"leader": [], "standby": []}

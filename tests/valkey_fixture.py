@@ -3,7 +3,10 @@
 By default one bundled ``valkey-server`` (``kvtier.runtime.embedded_redis``) is started for the whole
 session. ``KVTIER_TEST_REDIS_URL=redis://host:port/db`` points the tests at an existing server
 instead (e.g. Redis 7); its database is flushed before every test, so never give it one that
-holds data you want to keep.
+holds data you want to keep. ``KVTIER_TEST_REDIS_URL=redis+cluster://host:port,...`` points them at
+a Redis Cluster, and ``KVTIER_TEST_REDIS_URL=cluster`` starts one on loopback for the session
+(three masters with a replica each, ``loadtests/redis_cluster.py``; skipped without
+``redis-server``). Tests take clients from ``connect`` so either kind works.
 """
 
 from __future__ import annotations
@@ -16,17 +19,33 @@ from pathlib import Path
 
 import pytest
 import redis
-import redis.asyncio as aredis
+from redis.cluster import ClusterNode
 
+from kvtier.controller.redis_connect import RedisClient, cluster_seeds, connect, is_cluster_url
 from kvtier.domain.errors import Unavailable
 from kvtier.runtime.embedded_redis import EmbeddedRedis
+from loadtests.redis_cluster import LocalRedisCluster, find_binaries, missing_reason
 
 ENV_URL = "KVTIER_TEST_REDIS_URL"
+
+
+def sync_client(url: str) -> redis.Redis | redis.RedisCluster:
+    """A synchronous client of ``url`` (one server or a ``redis+cluster://`` cluster)."""
+    if not is_cluster_url(url):
+        return redis.Redis.from_url(url)
+    first, seeds = cluster_seeds(url)
+    return redis.RedisCluster.from_url(first, startup_nodes=[ClusterNode(h, p) for h, p in seeds])
 
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     external = os.environ.get(ENV_URL)
+    if external == "cluster":
+        if find_binaries() is None:
+            pytest.skip(missing_reason())
+        with LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster")) as cluster:
+            yield cluster.url
+        return
     if external:
         yield external
         return
@@ -41,9 +60,9 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture
 def flushed_redis_url(redis_url: str) -> str:
     """The session server's URL after FLUSHDB (and SCRIPT FLUSH, so NOSCRIPT paths get exercised)."""
-    client = redis.Redis.from_url(redis_url)
+    client = sync_client(redis_url)
     try:
-        client.flushdb()
+        client.flushdb()  # on a cluster: every primary
         client.script_flush()
     finally:
         client.close()
@@ -51,16 +70,16 @@ def flushed_redis_url(redis_url: str) -> str:
 
 
 @pytest.fixture
-async def redis_client(flushed_redis_url: str) -> AsyncIterator[aredis.Redis]:
+async def redis_client(flushed_redis_url: str) -> AsyncIterator[RedisClient]:
     """An async client (bytes replies) on a freshly flushed database."""
-    client = aredis.Redis.from_url(flushed_redis_url)
+    client = connect(flushed_redis_url)
     try:
         yield client
     finally:
         await client.aclose()
 
 
-__all__ = ["flushed_redis_url", "redis_client", "redis_url"]
+__all__ = ["connect", "flushed_redis_url", "redis_client", "redis_url", "sync_client"]
 
 
 # -- a server a test stops and restarts itself -----------------------------------------------

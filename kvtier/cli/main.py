@@ -46,6 +46,7 @@ import kvtier.cli.bench  # noqa: F401
 import kvtier.cli.gateway  # noqa: F401
 import kvtier.cli.policy  # noqa: F401
 import kvtier.cli.token  # noqa: F401
+import kvtier.cli.worker_pool  # noqa: F401
 # isort: on
 from kvtier.cli.common import (
     _REPO_ROOT,
@@ -243,9 +244,10 @@ def demo_command(
 
 @app.command("up")
 def up_command(
-    workers: Annotated[
-        int, typer.Option(help="Worker actors to start (one per GPU on a GPU machine).", min=1)
-    ] = 1,
+    workers: Annotated[int, typer.Option(help="Worker actors to start without --ray-address.", min=1)] = 1,
+    workers_per_node: Annotated[int | None, typer.Option(
+        help="With --ray-address: workers per node without GPUs (default 1); GPU nodes get one per GPU.",
+        min=1)] = None,
     model: Annotated[
         Path | None,
         typer.Option(help="Checkpoint directory; default: a small random-weight model made locally."),
@@ -254,13 +256,10 @@ def up_command(
         str | None,
         typer.Option(envvar="KVTIER_REDIS_URL", help="Use this Redis instead of an embedded Valkey."),
     ] = None,
-    ray_address: Annotated[
-        str | None,
-        typer.Option(envvar="KVTIER_RAY_ADDRESS", help="Join this Ray cluster instead of a local one."),
-    ] = None,
-    state_dir: Annotated[
-        Path, typer.Option(envvar="KVTIER_STATE_DIR", help="Valkey data, model, NVMe files.")
-    ] = Path(".kvtier"),
+    ray_address: Annotated[str | None, typer.Option(envvar="KVTIER_RAY_ADDRESS", help=(
+        "Join this Ray cluster instead of a local one; workers spread over its nodes, pinned by node."))] = None,
+    state_dir: Annotated[Path, typer.Option(envvar="KVTIER_STATE_DIR", help="Valkey data, model, NVMe files.")] = (
+        Path(".kvtier")),
     port: Annotated[
         int, typer.Option(help="Controller gRPC port; 0 picks a free one.", min=0, max=65535)
     ] = 50051,
@@ -290,7 +289,7 @@ def up_command(
       kvtier up
       kvtier up --workers 2 --model ./Llama-3.2-1B --nvme-gib 4
       kvtier up --hbm-gib 60 --dram-gib 200 --session-hold-fraction 1.0
-      kvtier up --redis-url redis://10.0.0.5:6379/0 --ray-address auto
+      kvtier up --redis-url redis://10.0.0.5:6379/0 --ray-address auto --workers-per-node 2
     """
     from kvtier.cli.up import run_until_stopped
     from kvtier.local import stack as local
@@ -308,6 +307,7 @@ def up_command(
         model=model,
         redis_url=redis_url,
         ray_address=ray_address,
+        workers_per_node=workers_per_node,
         controller_port=port,
         **({} if hbm_gib is None else {"hbm_bytes": _gib_to_bytes(hbm_gib, "--hbm-gib", positive=True)}),
         dram_bytes=_gib_to_bytes(dram_gib, "--dram-gib"),

@@ -59,6 +59,11 @@ class StackOptions:
     emulated_nvme_link_bytes_per_s: float | None = None
     wait_scale: float = 1.0  # WorkerConfig.wait_scale of every worker
     max_restarts: int = 2
+    # With ray_address: workers spread over the cluster's nodes, each pinned to its node, one
+    # per GPU and workers_per_node (default 1) on a node without GPUs (kvtier/local/worker_pool.py);
+    # num_workers is then unused, and the controller and workers listen on every interface
+    # (so ``auth`` must be on, as ``kvtier up`` has it).
+    workers_per_node: int | None = None
     # Bearer-token auth for the stack (DESIGN §8): an admin token, a frontend token and one token
     # per worker (bound to its id) under state_dir/auth (0600). `kvtier up` and `kvtier demo` turn it on; off by default for
     # library use (tests, benchmarks), where clients dial without a token.
@@ -140,13 +145,13 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
     import ray
 
     from kvtier.controller.server import serve_controller
+    from kvtier.local.worker_pool import WorkerSlot, plan_slots, ray_nodes, slot_config, start_slot_worker
     from kvtier.runtime.private_files import ensure_private_dir
-    from kvtier.worker.actor import call_actor, start_worker_actor
+    from kvtier.worker.actor import call_actor
 
     # It holds tokens, the Valkey password and data: refused when other users can open it.
     state_dir = ensure_private_dir(options.state_dir.expanduser().resolve())
     options.state_dir = state_dir
-    auth = ensure_local_tokens(state_dir, worker_ids(options.num_workers)) if options.auth else None
     # Ray first, before this process has gRPC's threads (the controller's server): Ray starts
     # its GCS and raylet by fork + exec with Python in between, and a child forked while other
     # threads hold locks can hang before its exec; the raylet then never comes up.
@@ -170,8 +175,18 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
             where = options.ray_address or "a local instance"
             raise Unavailable(f"Ray did not start ({where}): {exc}; retry, or pass --ray-address") from exc
     try:
+        slots = (plan_slots(ray_nodes(), workers_per_node=options.workers_per_node) if options.ray_address
+                 else [WorkerSlot(None, "", i, uses_gpu=False) for i in range(options.num_workers)])
+        if not slots:
+            raise FailedPrecondition(f"the Ray cluster at {options.ray_address} has no node with a CPU for a "
+                                     "worker; add one (`ray start --address ...`)")
+        # One token per worker id, in the table before the controller loads it.
+        auth = ensure_local_tokens(state_dir, [slot.worker_id for slot in slots]) if options.auth else None
+        # Joining a cluster: workers on other nodes dial the controller, clients the workers.
+        host = "0.0.0.0" if options.ray_address else "127.0.0.1"
         controller = await serve_controller(
             ControllerConfig(
+                host=host,
                 port=options.controller_port,
                 state_dir=state_dir,
                 redis_url=options.redis_url,
@@ -180,6 +195,7 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
                 auth_token_file=auth.table_file if auth else None,
             ),
             redis_url=options.redis_url,
+            advertise_host=ray.util.get_node_ip_address() if options.ray_address else None,
             orchestrator_params=options.orchestrator_params,
             predictor_params=options.predictor_params,
         )
@@ -190,8 +206,9 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
     try:
         workers: list[WorkerHandle] = []
         loop = asyncio.get_running_loop()
-        for worker_id in worker_ids(options.num_workers):
+        for slot in slots:
             config = WorkerConfig(
+                host=host,
                 controller_address=controller.address,
                 model=options.model,
                 device="auto",
@@ -204,20 +221,22 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
                 emulated_nvme_link_bytes_per_s=options.emulated_nvme_link_bytes_per_s,
                 wait_scale=options.wait_scale,
                 state_dir=state_dir,
-                auth_token_file=auth.worker_token_files[worker_id] if auth else None,
+                auth_token_file=auth.worker_token_files[slot.worker_id] if auth else None,
                 auth_tokens_file=auth.table_file if auth else None,
             )
             if options.session_hold_fraction is not None:
                 config = dataclasses.replace(config, session_hold_fraction=options.session_hold_fraction)
+            if slot.node_id is not None:
+                config = slot_config(config, slot)
             config.check()  # built directly, not by load_config: the field checks run here
             actor, address = await loop.run_in_executor(
                 None,
                 functools.partial(
-                    start_worker_actor, config, worker_id=worker_id, max_restarts=options.max_restarts,
+                    start_slot_worker, config, slot, max_restarts=options.max_restarts,
                     heartbeat_interval_s=options.heartbeat_interval_s,
                 ),
             )
-            workers.append(WorkerHandle(worker_id, address, actor))
+            workers.append(WorkerHandle(slot.worker_id, address, actor))
         namespace = await loop.run_in_executor(None, lambda: call_actor(workers[0].actor, "namespace"))
         admin_token = auth.admin_token if auth else None
         await _wait_until_routable(controller.address, namespace, len(workers), token=admin_token)
@@ -282,10 +301,6 @@ class LocalTokens:
     table_file: Path  # the controller's and workers' token table (hashes only)
     frontend_token: str
     frontend_token_file: Path  # a frontend's credential for DEFAULT_TENANT
-
-
-def worker_ids(num_workers: int) -> list[str]:
-    return [f"worker-{i}" for i in range(num_workers)]
 
 
 def ensure_local_tokens(state_dir: Path, workers: Sequence[str] = ("worker-0",)) -> LocalTokens:

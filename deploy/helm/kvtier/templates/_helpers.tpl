@@ -110,9 +110,15 @@ from a Secret through the environment (the bundled Valkey always has a password)
 
 {{/* Fails the render on combinations the schema cannot express. */}}
 {{- define "kvtier.validate" -}}
-{{- $w := .Values.ray.worker -}}
+{{- $names := list -}}
+{{- range $w := (include "kvtier.workerGroups" . | fromYamlArray) -}}
 {{- if or (lt (int $w.replicas) (int $w.minReplicas)) (gt (int $w.replicas) (int $w.maxReplicas)) -}}
-{{- fail (printf "ray.worker.replicas (%d) must lie in [ray.worker.minReplicas (%d), ray.worker.maxReplicas (%d)]" (int $w.replicas) (int $w.minReplicas) (int $w.maxReplicas)) -}}
+{{- fail (printf "ray worker group %s: replicas (%d) must lie in [minReplicas (%d), maxReplicas (%d)]" $w.groupName (int $w.replicas) (int $w.minReplicas) (int $w.maxReplicas)) -}}
+{{- end -}}
+{{- if has $w.groupName $names -}}
+{{- fail (printf "ray.workerGroups: groupName %q is used twice; give each group its own" $w.groupName) -}}
+{{- end -}}
+{{- $names = append $names $w.groupName -}}
 {{- end -}}
 {{- if eq .Values.redis.mode "external" -}}
 {{- if and .Values.redis.external.url .Values.redis.external.existingSecret -}}
@@ -220,13 +226,42 @@ the config file is that role's TOML; the auth Secret contributes only that role'
 
 {{/* Memory of one GPU worker pod in GiB: DRAM tier for each GPU, host overhead, /dev/shm. */}}
 {{- define "kvtier.workerMemoryGiB" -}}
-{{- $w := .Values.ray.worker -}}
-{{- add (mul (int $w.gpusPerWorker) (int .Values.kvCache.dramGiBPerGpu)) (int $w.hostOverheadGiB) (int $w.shmGiB) -}}
+{{- $w := .w -}}
+{{- add (mul (int $w.gpusPerWorker) (int .ctx.Values.kvCache.dramGiBPerGpu)) (int $w.hostOverheadGiB) (int $w.shmGiB) -}}
 {{- end -}}
 
 {{/* NVMe volume size of one GPU worker pod in GiB: the tier for each GPU plus 1 GiB slack. */}}
 {{- define "kvtier.nvmeVolumeGiB" -}}
-{{- add1 (mul (int .Values.ray.worker.gpusPerWorker) (int .Values.kvCache.nvme.gibPerGpu)) -}}
+{{- add1 (mul (int .w.gpusPerWorker) (int .ctx.Values.kvCache.nvme.gibPerGpu)) -}}
+{{- end -}}
+
+{{/* The RayCluster's worker groups as a YAML list: each ray.workerGroups entry merged over
+ray.worker (its defaults), or ray.worker alone when the list is empty. */}}
+{{- define "kvtier.workerGroups" -}}
+{{- $groups := list -}}
+{{- range (.Values.ray.workerGroups | default (list (dict))) -}}
+{{- $groups = append $groups (merge (deepCopy .) (deepCopy $.Values.ray.worker)) -}}
+{{- end -}}
+{{- toYaml $groups -}}
+{{- end -}}
+
+{{/* Worker actors the cluster can hold at most: the sum over worker groups of maxReplicas x
+gpusPerWorker (the generated worker-tokens Secret has one token per id worker-0 … worker-N-1). */}}
+{{- define "kvtier.maxWorkers" -}}
+{{- $n := 0 -}}
+{{- range (include "kvtier.workerGroups" . | fromYamlArray) -}}
+{{- $n = add $n (mul (int .maxReplicas) (int .gpusPerWorker)) -}}
+{{- end -}}
+{{- $n -}}
+{{- end -}}
+
+{{/* The most GPUs (worker actors) any worker group's pod has: the port range per pod. */}}
+{{- define "kvtier.maxGpusPerWorker" -}}
+{{- $max := 1 -}}
+{{- range (include "kvtier.workerGroups" . | fromYamlArray) -}}
+{{- $max = max $max (int .gpusPerWorker) -}}
+{{- end -}}
+{{- $max -}}
 {{- end -}}
 
 {{/* Controller environment: secret-derived settings and file paths (empty by default). */}}
