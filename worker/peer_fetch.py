@@ -1,0 +1,206 @@
+"""Peer fetch: bring a prompt's pages from the worker that holds them into this worker's tiers.
+
+    Generate with a fetch plan ──► PeerFetcher.fetch(identity, prompt, peer, deadline)
+        keys of the prompt's full pages; those cached here already are not asked for
+        transport.pull(peer, ExportRequest)   ──► peer: PeerExporter.export (auth, namespace)
+        verify_group (a thread)                    engine thread: export_pages
+        engine thread: install_pages → page events → the directory lists both holders
+    then the request is admitted as usual: the installed pages are prefix hits.
+
+A fetch never fails a request. When the peer is gone, refuses, is slower than the deadline, or
+a page fails its checksum, the fetch ends with what was verified and installed (often nothing)
+and the request recomputes the rest: ``FetchOutcome.problem`` says why, for logs and tests.
+
+The transport is chosen by measurement (decision 0018): ``RayTransport`` pulls the page group
+from the holder actor's return value through the Ray object store (one plasma object per
+group, pulled in chunks by the receiving node); ``LocalTransport`` calls an exporter in the
+same process. Each fetch updates the measured rates the cost model reads (``PeerRates``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvtier.domain.errors import PermissionDenied, Unauthenticated
+from kvtier.domain.hashing import NamespaceIdentity, page_keys, root_key, short
+from kvtier.rpc.auth import Role, TokenTable, TokenTableFile
+from kvtier.runtime.log import get_logger
+from kvtier.worker.engine_loop import EngineLoop
+from kvtier.worker.peer_pages import (
+    ExportRequest,
+    Installed,
+    PageGroup,
+    export_pages,
+    install_pages,
+    verify_group,
+)
+
+log = get_logger("kvtier.worker.peer_fetch")
+
+# Weight of the newest sample in the measured rates (an exponential moving average).
+RATE_SMOOTHING = 0.3
+
+
+class PeerExporter:
+    """The holder's side: exports page groups to authenticated workers only.
+
+    With ``tokens`` the request's credential must be a token of the worker role; without
+    (authentication off, loopback deployments) every request is served, as every other call
+    of this worker is."""
+
+    def __init__(self, loop: EngineLoop, tokens: TokenTable | TokenTableFile | None = None) -> None:
+        self._loop = loop
+        self._tokens = tokens
+        self.num_exported_pages = 0
+
+    def authorize(self, request: ExportRequest) -> None:
+        if self._tokens is None:
+            return
+        principal = self._tokens.authenticate(request.credential or "") if request.credential else None
+        if principal is None:
+            raise Unauthenticated("a page export needs the bearer token of a worker (its auth_token_file)")
+        if principal.role is not Role.WORKER:
+            raise PermissionDenied(f"role {principal.role} may not fetch pages; only workers may", field="role")
+
+    async def export(self, request: ExportRequest) -> PageGroup:
+        self.authorize(request)
+        group = await self._loop.call(lambda: export_pages(self._loop.engine, self._loop.page_events, request))
+        self.num_exported_pages += group.num_pages
+        return group
+
+
+class PeerTransport(Protocol):
+    async def pull(self, peer: str, request: ExportRequest) -> PageGroup: ...
+
+
+class LocalTransport:
+    """Exporters of the same process, by worker id (in-process deployments and tests)."""
+
+    def __init__(self, exporters: Mapping[str, PeerExporter]) -> None:
+        self.exporters = exporters
+
+    async def pull(self, peer: str, request: ExportRequest) -> PageGroup:
+        exporter = self.exporters.get(peer)
+        if exporter is None:
+            raise ConnectionError(f"no worker {peer!r} in this process")
+        return await exporter.export(request)
+
+
+class RayTransport:
+    """The holder is a Ray actor named ``peer`` (``start_worker_actor(name=worker_id)``); its
+    ``export_pages`` return value is the page group in the object store, pulled from there."""
+
+    def __init__(self, namespace: str | None = None) -> None:
+        self._namespace = namespace
+
+    async def pull(self, peer: str, request: ExportRequest) -> PageGroup:
+        import ray
+
+        actor = ray.get_actor(peer, namespace=self._namespace)
+        group: PageGroup = await actor.export_pages.remote(request)
+        return group
+
+
+@dataclass(frozen=True, slots=True)
+class FetchOutcome:
+    num_requested: int  # pages asked of the peer
+    num_installed: int  # pages inserted here
+    num_bytes: int  # received
+    elapsed_s: float
+    problem: str | None = None  # why fewer pages than asked were installed; None: all were
+
+
+class PeerRates:
+    """Measured fetch costs, as the cost model reads them: a least-squares line
+    ``elapsed = setup + bytes / bytes_per_s`` through the last ``MAX_SAMPLES`` fetches (with one
+    size only, the set-up is taken as 0)."""
+
+    MAX_SAMPLES = 32
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, float]] = deque(maxlen=self.MAX_SAMPLES)  # (bytes, seconds)
+        self.bytes_per_s = 0.0  # 0: not measured yet
+        self.setup_ms = 0.0
+
+    def record(self, num_bytes: int, elapsed_s: float) -> None:
+        if num_bytes <= 0 or elapsed_s <= 0:
+            return
+        self._samples.append((float(num_bytes), elapsed_s))
+        n = len(self._samples)
+        mean_b = sum(b for b, _ in self._samples) / n
+        mean_t = sum(t for _, t in self._samples) / n
+        var_b = sum((b - mean_b) ** 2 for b, _ in self._samples)
+        slope = sum((b - mean_b) * (t - mean_t) for b, t in self._samples) / var_b if var_b else 0.0
+        if slope > 0 and mean_t - slope * mean_b >= 0:
+            self.bytes_per_s, self.setup_ms = 1.0 / slope, (mean_t - slope * mean_b) * 1000.0
+        else:
+            self.bytes_per_s, self.setup_ms = mean_b / mean_t, 0.0
+
+
+class PeerFetcher:
+    """The receiver's side. ``credential``: this worker's bearer token, sent with each export."""
+
+    def __init__(self, loop: EngineLoop, transport: PeerTransport, *, credential: str | None = None) -> None:
+        self._loop = loop
+        self._transport = transport
+        self._credential = credential
+        self.rates = PeerRates()
+        self.num_fetches = 0
+        self.num_failed = 0
+
+    async def fetch(self, identity: NamespaceIdentity, prompt: Sequence[int], peer: str, *,
+                    timeout_s: float, num_pages: int | None = None) -> FetchOutcome:
+        """Fetch from ``peer`` the prompt's full pages, up to page ``num_pages`` (all by default),
+        that are not cached here, within ``timeout_s``. Never raises for the peer's
+        trouble: the outcome says what was installed and why not more."""
+        started = time.perf_counter()
+        engine = self._loop.engine
+        digest = engine.digest_for(identity)
+        keys = page_keys(digest, list(prompt), engine.geometry.page_size)
+        # The last prompt token is always computed (for its logits): a page holding it is not needed.
+        keys = keys[: (len(prompt) - 1) // engine.geometry.page_size]
+        end = len(keys) if num_pages is None else min(len(keys), num_pages)
+        num_local = await self._loop.call(lambda: len(engine.cached_chain(keys)))
+        # Pages before the first one missing here are not asked for; pages after a gap could not
+        # be inserted (the index is prefix-closed), so the fetch starts at the first missing page.
+        start = num_local
+        wanted = tuple(keys[start:end])
+        if not wanted:
+            return FetchOutcome(0, 0, 0, time.perf_counter() - started)
+        parent = keys[start - 1] if start else root_key(digest)
+        self.num_fetches += 1
+        request = ExportRequest(digest, wanted, self._credential)
+        try:
+            async with asyncio.timeout(timeout_s):
+                group = await self._transport.pull(peer, request)
+                pulled_at = time.perf_counter()
+                verified = await asyncio.to_thread(verify_group, group, wanted, parent)
+                installed: Installed = await self._loop.call(
+                    lambda: install_pages(engine, self._loop.page_events, identity, group, verified.num_pages, parent))
+        except Exception as exc:  # the peer's trouble never fails the request
+            self.num_failed += 1
+            reason = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {_first_line(exc)}"
+            log.warning("peer fetch failed; the request recomputes", extra={
+                "peer": peer, "namespace": short(digest), "num_pages": len(wanted), "reason": reason})
+            return FetchOutcome(len(wanted), 0, 0, time.perf_counter() - started, reason)
+        elapsed = time.perf_counter() - started
+        self.rates.record(group.num_bytes, pulled_at - started)
+        problem = verified.problem
+        if problem is None and installed.num_pages + installed.num_present < group.num_pages:
+            problem = "no room for every page"
+        if problem is None and group.num_pages < len(wanted):
+            problem = f"the peer holds {group.num_pages} of {len(wanted)} pages"
+        if verified.problem is not None:
+            log.warning("a fetched page failed verification; the rest is recomputed", extra={
+                "peer": peer, "namespace": short(digest), "reason": verified.problem})
+        return FetchOutcome(len(wanted), installed.num_pages, group.num_bytes, elapsed, problem)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else ""
