@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
-from kvtier.domain.records import RankedWorker, TokensByTier, WorkerId
+from kvtier.domain.records import RankedWorker, TokensByTier, WorkerCosts, WorkerId
 from kvtier.domain.tiers import Tier
 
 
@@ -130,18 +130,6 @@ def rank_workers(
 # than the fixed set-up of a fetch. Every rate is measured by the worker and reported over
 # the WorkerLink (``WorkerCosts``); a worker that has not measured one yet reports 0 and the
 # defaults of ``CostParams`` stand in.
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerCosts:
-    """What a worker measured about itself (0: not measured yet; ``CostParams`` fills in)."""
-
-    prefill_ms_per_token: float = 0.0
-    fetch_bytes_per_s: float = 0.0  # pages pulled from a peer, end to end (verify and install included)
-    fetch_setup_ms: float = 0.0  # the fixed part of one peer fetch
-    dram_promote_bytes_per_s: float = 0.0
-    nvme_promote_bytes_per_s: float = 0.0
-    ms_per_queued_request: float = 0.0  # mean time a queued request waits per request ahead of it
 
 
 @dataclass(frozen=True, slots=True)
