@@ -10,19 +10,23 @@ import asyncio
 import dataclasses
 import random
 
+import grpc.aio
 import pytest
 import pytest_asyncio
 import torch
 
 from kvtier.domain.errors import PermissionDenied, Unauthenticated
 from kvtier.domain.hashing import page_keys, root_key
-from kvtier.domain.records import GenerateFinal, GenerateRequest, TokenChunk
+from kvtier.domain.records import GenerateFinal, GenerateRequest, PeerFetch, TokenChunk, WorkerId
 from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
+from kvtier.rpc._gen import worker_pb2_grpc
 from kvtier.rpc.auth import TokenTable, hash_token, make_entry
+from kvtier.rpc.convert.worker import from_proto_generate_event, to_proto_generate_request
 from kvtier.tiers.manager import TierConfig
+from kvtier.worker.costs import PeerRates
 from kvtier.worker.page_events import PageEvents
-from kvtier.worker.peer_fetch import ExportRequest, LocalTransport, PeerExporter, PeerFetcher, PeerRates
+from kvtier.worker.peer_fetch import ExportRequest, LocalTransport, PeerExporter, PeerFetcher
 from kvtier.worker.peer_pages import export_pages, install_pages, verify_group
 from kvtier.worker.servicer import serve_worker
 
@@ -49,8 +53,11 @@ def oracle(checkpoint):
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def pair(checkpoint):
-    servers = [await serve_worker(Engine.from_pretrained(checkpoint, page_size=PAGE, num_pages=64), worker_id=w)
+    exporters: dict[str, PeerExporter] = {}  # the receiver's Generate fetches from the holder's exporter
+    servers = [await serve_worker(Engine.from_pretrained(checkpoint, page_size=PAGE, num_pages=64), worker_id=w,
+                                  peer_transport=LocalTransport(exporters))
                for w in ("holder", "receiver")]
+    exporters["holder"] = servers[0].exporter
     yield servers
     for server in servers:
         await server.stop(0)
@@ -109,6 +116,29 @@ async def test_install_publishes_page_events_for_the_directory(pair):
     assert [e.page_key for e in events] == keys
     assert {e.namespace_digest for e in events} == {digest}
     assert events[0].parent_key == root_key(digest)
+
+
+@ASYNC
+async def test_generate_with_a_fetch_plan_fetches_before_prefilling(pair, oracle):
+    holder, receiver = pair
+    await generate(holder)
+    request = GenerateRequest(namespace=receiver.engine.namespace, prompt_token_ids=tuple(PROMPT),
+                              sampling=SamplingParams(max_tokens=STEPS, ignore_eos=True),
+                              peer_fetch=PeerFetch(WorkerId("holder")))
+    tokens: list[int] = []
+    async with grpc.aio.insecure_channel(receiver.address) as channel:
+        async for message in worker_pb2_grpc.WorkerStub(channel).Generate(to_proto_generate_request(request),
+                                                                         timeout=60):
+            event = from_proto_generate_event(message)
+            if isinstance(event, TokenChunk):
+                tokens.extend(event.token_ids)
+            else:
+                usage = event.usage
+    assert tokens == oracle
+    assert usage.cached_tokens == 40 and usage.recomputed_tokens == 0
+    assert holder.exporter.num_exported_pages == 10
+    assert receiver.loop.costs.fetch.bytes_per_s > 0, "the fetch was measured for the cost model"
+    await assert_clean(receiver)
 
 
 class FlipByte:

@@ -52,6 +52,7 @@ from kvtier.runtime.telemetry import Telemetry
 from kvtier.tiers.manager import TierConfig
 from kvtier.tiers.nvme.format import slots_for_bytes
 from kvtier.worker.link import WorkerLink
+from kvtier.worker.peer_actor import PeerExportMixin, ray_transport
 from kvtier.worker.servicer import WorkerServer, default_worker_id, serve_worker
 from kvtier.worker.sizing import size_hbm_pool
 
@@ -196,8 +197,7 @@ def model_namespace(path: Path, model: LlamaModel, *, page_size: int, kv_dtype: 
 
 
 def module_bytes(model: torch.nn.Module) -> int:
-    tensors = [*model.parameters(), *model.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
 class WorkerRuntime:
@@ -222,7 +222,7 @@ class WorkerRuntime:
 # --------------------------------------------------------------------------- the actor
 
 
-class WorkerActor:
+class WorkerActor(PeerExportMixin):
     """One worker: device, model, page pools, gRPC server and controller link."""
 
     def __init__(
@@ -397,6 +397,7 @@ class WorkerActor:
                 allow_unauthenticated=config.allow_unauthenticated,
                 hold_fraction=config.session_hold_fraction,
                 wait_scale=config.wait_scale,
+                peer_transport=ray_transport(), peer_credential=link_token,
             )
         )
         if self._connect_controller:

@@ -64,6 +64,7 @@ from kvtier.tiers.moves import MoveOutcome
 from kvtier.tiers.transfer import TransferDone
 from kvtier.worker.admission import Admission, Admitted
 from kvtier.worker.commands import Commands, deliver, set_exception, set_result
+from kvtier.worker.costs import CostMeter
 from kvtier.worker.holds import DropOutcome, Holds, PageCounts, SessionPages
 from kvtier.worker.integrity import check_integrity
 from kvtier.worker.load import EngineLoad, measure_load
@@ -105,6 +106,7 @@ class _Run:
     num_emitted: int = 0
     digest: NamespaceDigest | None = None  # of its namespace, from admission on
     waited: Admitted[_Run] | None = None  # its wait outside the engine, if it waited
+    num_queued_ahead: int = 0  # requests queued in the engine when it was added
 
 
 @dataclass(slots=True)
@@ -143,6 +145,7 @@ class EngineLoop:
         self.metrics: WorkerRecorder | None = None
         # Attributes of every ``generate`` span (kvtier.runtime.tracing), e.g. the worker id.
         self.span_attributes: dict[str, str] = {}
+        self.costs = CostMeter()  # measured rates for Route's cost model (heartbeats carry them)
         self._cond = threading.Condition()
         self._inbox = _Inbox()
         self._thread: threading.Thread | None = None
@@ -476,6 +479,7 @@ class EngineLoop:
 
     def _add(self, run: _Run, digest: NamespaceDigest) -> None:
         request = run.request
+        run.num_queued_ahead = self.engine.num_queued
         self.engine.add_request(list(request.prompt_token_ids), request.sampling, request_id=run.run_id,
                                 priority=request.priority, namespace=request.namespace)
         self.page_events.admitted(digest, request.namespace or self.engine.namespace)
@@ -521,6 +525,9 @@ class EngineLoop:
 
     def _final(self, run: _Run) -> GenerateFinal:
         result = self.engine.pop_result(run.run_id)
+        self.costs.finished(submitted_at=run.submitted_at, prefill_started_at=result.prefill_started_at,
+                            first_token_at=run.first_token_at, num_queued_ahead=run.num_queued_ahead,
+                            num_computed_tokens=len(result.prompt_token_ids) - result.num_cached_tokens)
         waited = run.waited
         if waited is not None:
             add_promotions(result, waited.promoted_tokens_by_tier, waited.promotion_wait_s)
@@ -542,6 +549,7 @@ class EngineLoop:
                                        first_token_at=run.first_token_at, promotion_wait_s=result.promotion_wait_s)
 
     def _transfer_done(self, done: TransferDone) -> None:  # a transfer thread; must not block
+        self.costs.transfer_done(done)
         if self.metrics is not None:
             self.metrics.transfer_done(done)
         if tracing.is_enabled():

@@ -14,20 +14,21 @@ and the request recomputes the rest: ``FetchOutcome.problem`` says why, for logs
 The transport is chosen by measurement (decision 0018): ``RayTransport`` pulls the page group
 from the holder actor's return value through the Ray object store (one plasma object per
 group, pulled in chunks by the receiving node); ``LocalTransport`` calls an exporter in the
-same process. Each fetch updates the measured rates the cost model reads (``PeerRates``).
+same process. Each fetch updates the measured rates the cost model reads
+(``kvtier.worker.costs.PeerRates``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvtier.domain.errors import PermissionDenied, Unauthenticated
 from kvtier.domain.hashing import NamespaceIdentity, page_keys, root_key, short
+from kvtier.domain.records import GenerateRequest
 from kvtier.rpc.auth import Role, TokenTable, TokenTableFile
 from kvtier.runtime.log import get_logger
 from kvtier.worker.engine_loop import EngineLoop
@@ -42,8 +43,10 @@ from kvtier.worker.peer_pages import (
 
 log = get_logger("kvtier.worker.peer_fetch")
 
-# Weight of the newest sample in the measured rates (an exponential moving average).
-RATE_SMOOTHING = 0.3
+# A fetch takes at most this share of the request's remaining deadline (the rest is left for
+# recomputing, should the fetch fail), and at most MAX_FETCH_S without a deadline.
+FETCH_DEADLINE_SHARE = 0.5
+MAX_FETCH_S = 10.0
 
 
 class PeerExporter:
@@ -115,33 +118,6 @@ class FetchOutcome:
     problem: str | None = None  # why fewer pages than asked were installed; None: all were
 
 
-class PeerRates:
-    """Measured fetch costs, as the cost model reads them: a least-squares line
-    ``elapsed = setup + bytes / bytes_per_s`` through the last ``MAX_SAMPLES`` fetches (with one
-    size only, the set-up is taken as 0)."""
-
-    MAX_SAMPLES = 32
-
-    def __init__(self) -> None:
-        self._samples: deque[tuple[float, float]] = deque(maxlen=self.MAX_SAMPLES)  # (bytes, seconds)
-        self.bytes_per_s = 0.0  # 0: not measured yet
-        self.setup_ms = 0.0
-
-    def record(self, num_bytes: int, elapsed_s: float) -> None:
-        if num_bytes <= 0 or elapsed_s <= 0:
-            return
-        self._samples.append((float(num_bytes), elapsed_s))
-        n = len(self._samples)
-        mean_b = sum(b for b, _ in self._samples) / n
-        mean_t = sum(t for _, t in self._samples) / n
-        var_b = sum((b - mean_b) ** 2 for b, _ in self._samples)
-        slope = sum((b - mean_b) * (t - mean_t) for b, t in self._samples) / var_b if var_b else 0.0
-        if slope > 0 and mean_t - slope * mean_b >= 0:
-            self.bytes_per_s, self.setup_ms = 1.0 / slope, (mean_t - slope * mean_b) * 1000.0
-        else:
-            self.bytes_per_s, self.setup_ms = mean_b / mean_t, 0.0
-
-
 class PeerFetcher:
     """The receiver's side. ``credential``: this worker's bearer token, sent with each export."""
 
@@ -149,7 +125,7 @@ class PeerFetcher:
         self._loop = loop
         self._transport = transport
         self._credential = credential
-        self.rates = PeerRates()
+        self.rates = loop.costs.fetch  # what the cost model reads (``kvtier.worker.costs``)
         self.num_fetches = 0
         self.num_failed = 0
 
@@ -204,3 +180,19 @@ class PeerFetcher:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0][:200] if text else ""
+
+
+async def fetch_before_generate(fetcher: PeerFetcher, request: GenerateRequest,
+                                time_remaining_s: float | None) -> FetchOutcome | None:
+    """Run ``request.peer_fetch`` (if any) within its share of the deadline; None without one."""
+    plan = request.peer_fetch
+    if plan is None:
+        return None
+    timeout_s = MAX_FETCH_S if time_remaining_s is None else min(MAX_FETCH_S, FETCH_DEADLINE_SHARE * time_remaining_s)
+    outcome = await fetcher.fetch(request.namespace, request.prompt_token_ids, plan.worker_id, timeout_s=timeout_s,
+                                  num_pages=plan.num_pages or None)
+    log.info("peer fetch before prefill", extra={
+        "request_id": request.request_id, "peer": plan.worker_id, "num_requested": outcome.num_requested,
+        "num_installed": outcome.num_installed, "num_bytes": outcome.num_bytes,
+        "elapsed_ms": round(outcome.elapsed_s * 1000.0, 3), "problem": outcome.problem})
+    return outcome

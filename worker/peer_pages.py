@@ -20,6 +20,7 @@ arrived and its checksum and key matched, and pages after a bad one are not inse
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,6 +141,14 @@ def _read_slot(location, num_bytes: int) -> np.ndarray:  # type: ignore[no-untyp
     return np.frombuffer(raw, dtype=np.uint8)
 
 
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """A tensor over ``array`` without a copy. A group pulled from the Ray object store is
+    read-only shared memory; it is only ever read here, so torch's warning about that is moot."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.ascontiguousarray(array))
+
+
 # ---- receiver -------------------------------------------------------------------------
 
 
@@ -153,7 +162,7 @@ def verify_group(group: PageGroup, keys: tuple[PageKey, ...], parent: PageKey) -
         return Verified(0, "the holder sent pages that were not asked for")
     if group.data.shape[0] != n or group.checksums.shape[0] != n or group.tokens.shape[0] != n:
         return Verified(0, "the page group's arrays do not have one row per page")
-    sums = page_checksums(torch.from_numpy(np.ascontiguousarray(group.data))).numpy().view(np.uint64)
+    sums = page_checksums(_tensor(group.data)).numpy().view(np.uint64)
     for i, key in enumerate(group.keys):
         if next_key(parent, group.tokens[i].tolist()) != key:
             return Verified(i, f"page {short(key)}: its tokens do not hash to its key")
@@ -190,14 +199,14 @@ def install_pages(engine: Engine, page_events: PageEvents, identity: NamespaceId
         if floor is Tier.HBM and engine.pool.num_free > 0:
             page = engine.pool.allocate()
             assert page is not None
-            engine.pool.tensor[page].reshape(-1).view(torch.uint8).copy_(torch.from_numpy(group.data[i]))
+            engine.pool.tensor[page].reshape(-1).view(torch.uint8).copy_(_tensor(group.data[i]))
             node = index.insert(key, parent_key, page, tokens, digest, tier=Tier.HBM)
             engine.pool.release(page)  # the index's now (cached), or free again when not inserted
         elif dram is not None and dram.num_free > 0:
             floor = Tier.DRAM
             dpage = dram.allocate()
             assert dpage is not None
-            dram.tensor[dpage].reshape(-1).view(torch.uint8).copy_(torch.from_numpy(group.data[i]))
+            dram.tensor[dpage].reshape(-1).view(torch.uint8).copy_(_tensor(group.data[i]))
             checksum = int(group.checksums[i])
             dram.set_checksums([dpage], [checksum])
             node = index.insert(key, parent_key, dpage, tokens, digest, tier=Tier.DRAM, checksum=checksum)

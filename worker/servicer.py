@@ -54,6 +54,13 @@ from kvtier.runtime.shutdown import run_steps
 from kvtier.runtime.telemetry import Telemetry
 from kvtier.worker.engine_loop import EngineLoop
 from kvtier.worker.metrics import WorkerMetrics
+from kvtier.worker.peer_fetch import (
+    LocalTransport,
+    PeerExporter,
+    PeerFetcher,
+    PeerTransport,
+    fetch_before_generate,
+)
 
 log = get_logger("kvtier.worker.servicer")
 
@@ -93,10 +100,12 @@ def check_serves(namespace: NamespaceIdentity, served: NamespaceIdentity) -> Non
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, loop: EngineLoop, *, worker_id: WorkerId, boot_id: BootId) -> None:
+    def __init__(self, loop: EngineLoop, *, worker_id: WorkerId, boot_id: BootId,
+                 peers: PeerFetcher | None = None) -> None:
         self._loop = loop
         self._worker_id = worker_id
         self._boot_id = boot_id
+        self._peers = peers or PeerFetcher(loop, LocalTransport({}))
 
     @rpc_errors
     async def Generate(
@@ -108,6 +117,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._loop.engine.validate_prompt(list(generate.prompt_token_ids))  # the model's vocabulary and context
         # The digest is derived with the current policy epoch: invalidated keys are unreachable.
         generate = dataclasses.replace(generate, namespace=self._loop.epochs.apply(namespace))
+        await fetch_before_generate(self._peers, generate, context.time_remaining())  # never raises for the peer
         parent = tracing.remote_parent(context.invocation_metadata())  # None unless tracing is on
         async with contextlib.aclosing(self._loop.submit(generate, trace_parent=parent)) as events:
             async for event in events:
@@ -149,6 +159,7 @@ class WorkerServer:
     host: str
     port: int
     advertise_host: str
+    exporter: PeerExporter | None = None  # page groups for peers (``kvtier.worker.peer_fetch``)
 
     @property
     def address(self) -> str:
@@ -184,6 +195,8 @@ async def serve_worker(
     allow_unauthenticated: bool = False,
     hold_fraction: float | None = None,
     wait_scale: float = 1.0,
+    peer_transport: PeerTransport | None = None,
+    peer_credential: str | None = None,
 ) -> WorkerServer:
     """Start the engine thread and the gRPC server on ``host:port`` (0: a free port).
 
@@ -193,6 +206,8 @@ async def serve_worker(
     Without ``tokens`` it refuses a non-loopback ``host`` unless ``allow_unauthenticated``.
     ``hold_fraction``: the share of HBM session holds may keep (``EngineLoop``; None: its default);
     ``wait_scale``: multiplies the engine loop's fixed waits (``WorkerConfig.wait_scale``).
+    ``peer_transport`` carries Generate's peer fetches (None: peers in this process only), sent
+    with ``peer_credential`` (this worker's token); pages are exported to ``tokens``' workers.
     """
     check_exposure(host, what="worker", is_authenticated=tokens is not None,
                    allow_unauthenticated=allow_unauthenticated)
@@ -217,7 +232,8 @@ async def serve_worker(
     loop.span_attributes["kvtier.worker_id"] = worker_id
     if telemetry is not None:
         loop.metrics = WorkerMetrics(telemetry, loop, worker_id)
-    servicer = WorkerServicer(loop, worker_id=worker_id, boot_id=boot)
+    peers = PeerFetcher(loop, peer_transport or LocalTransport({}), credential=peer_credential)
+    servicer = WorkerServicer(loop, worker_id=worker_id, boot_id=boot, peers=peers)
     server = grpc.aio.server(
         options=SERVER_OPTIONS,
         interceptors=(*server_interceptors(tokens, server="worker"), MalformedRequestInterceptor()),
@@ -243,6 +259,7 @@ async def serve_worker(
         host=host,
         port=bound,
         advertise_host=advertise_host or advertised_host(host),
+        exporter=PeerExporter(loop, tokens),
     )
     log.info(
         "worker serving",
