@@ -45,6 +45,8 @@ class RouterParams:
     overload_queue_depth: int = 8
     overload_hbm_fraction: float = 0.02
     lookup_timeout_s: float = 0.5  # a directory read slower than this routes degraded
+    # Rank by estimated time to first token (the cost model below) and plan peer fetches.
+    rank_by_ttft: bool = False
 
 
 @dataclass(frozen=True, slots=True)

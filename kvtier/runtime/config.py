@@ -184,6 +184,10 @@ class ControllerConfig:
     tier_weight_hbm: float = setting(1.0, "routing value of a matched token already in HBM", min=0, max=1)
     tier_weight_dram: float = setting(0.8, "routing value of a matched token in DRAM", min=0, max=1)
     tier_weight_nvme: float = setting(0.5, "routing value of a matched token on NVMe", min=0, max=1)
+    route_by_ttft: bool = setting(
+        False, "rank workers by estimated time to first token (queue, promotion, peer fetch, prefill, from the "
+        "rates workers measure) and send a peer-fetch plan with the pick that needs a peer's pages"
+    )
     session_hold_max_s: float = setting(
         DEFAULT_SESSION_HOLD_MAX_S, "longest a worker holds a paused session's prefetched pages in HBM for its return (the hold "
         "ends at the predicted return's 99 % point, at most this); raise it for tools that run minutes; 0: no hold",
