@@ -26,7 +26,7 @@ from kvtier.rpc.convert.worker import from_proto_generate_event, to_proto_genera
 from kvtier.tiers.manager import TierConfig
 from kvtier.worker.costs import PeerRates
 from kvtier.worker.page_events import PageEvents
-from kvtier.worker.peer_fetch import ExportRequest, LocalTransport, PeerExporter, PeerFetcher
+from kvtier.worker.peer_fetch import ExportRequest, LocalTransport, PeerExporter, PeerFetcher, PeerOptions
 from kvtier.worker.peer_pages import export_pages, install_pages, verify_group
 from kvtier.worker.servicer import serve_worker
 
@@ -55,7 +55,7 @@ def oracle(checkpoint):
 async def pair(checkpoint):
     exporters: dict[str, PeerExporter] = {}  # the receiver's Generate fetches from the holder's exporter
     servers = [await serve_worker(Engine.from_pretrained(checkpoint, page_size=PAGE, num_pages=64), worker_id=w,
-                                  peer_transport=LocalTransport(exporters))
+                                  peers=PeerOptions(LocalTransport(exporters)))
                for w in ("holder", "receiver")]
     exporters["holder"] = servers[0].exporter
     yield servers
@@ -268,3 +268,15 @@ def test_rates_fit_setup_and_bandwidth():
     assert rates.setup_ms == 0.0 and rates.bytes_per_s == pytest.approx(1_000_000 / 0.011)
     rates.record(2_000_000, 0.021)
     assert rates.bytes_per_s == pytest.approx(1e8) and rates.setup_ms == pytest.approx(1.0)
+
+
+@ASYNC
+async def test_an_emulated_peer_link_hands_the_group_over_no_sooner_than_bytes_over_rate(pair):
+    holder, _ = pair
+    await generate(holder)
+    digest = holder.engine.digest_for(holder.engine.namespace)
+    keys = tuple(page_keys(digest, PROMPT, PAGE))
+    exporter = PeerExporter(holder.loop, link_bytes_per_s=holder.engine.geometry.page_bytes * 20)  # 20 pages/s
+    started = asyncio.get_running_loop().time()
+    group = await exporter.export(ExportRequest(digest, keys))
+    assert group.num_pages == 10 and asyncio.get_running_loop().time() - started >= 0.45

@@ -52,7 +52,7 @@ from kvtier.runtime.telemetry import Telemetry
 from kvtier.tiers.manager import TierConfig
 from kvtier.tiers.nvme.format import slots_for_bytes
 from kvtier.worker.link import WorkerLink
-from kvtier.worker.peer_actor import PeerExportMixin, ray_transport
+from kvtier.worker.peer_actor import PeerExportMixin, peer_options
 from kvtier.worker.servicer import WorkerServer, default_worker_id, serve_worker
 from kvtier.worker.sizing import size_hbm_pool
 
@@ -397,7 +397,7 @@ class WorkerActor(PeerExportMixin):
                 allow_unauthenticated=config.allow_unauthenticated,
                 hold_fraction=config.session_hold_fraction,
                 wait_scale=config.wait_scale,
-                peer_transport=ray_transport(), peer_credential=link_token,
+                peers=peer_options(config, link_token),
             )
         )
         if self._connect_controller:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier.domain.errors import FailedPrecondition
-from kvtier.worker.peer_fetch import RayTransport
+from kvtier.runtime.config import WorkerConfig
+from kvtier.worker.peer_fetch import PeerOptions, RayTransport
 from kvtier.worker.peer_pages import ExportRequest, PageGroup
 
 EXPORT_TIMEOUT_S = 60.0
@@ -32,8 +33,10 @@ class PeerExportMixin:
         return group
 
 
-def ray_transport() -> RayTransport | None:
-    """Peers are fetched from through Ray when this process is connected to a Ray cluster."""
+def peer_options(config: WorkerConfig, token: str | None) -> PeerOptions:
+    """Peers are fetched from through Ray when this process is connected to a Ray cluster; each
+    fetch carries the worker's own token (``auth_token_file``)."""
     import ray
 
-    return RayTransport() if ray.is_initialized() else None
+    return PeerOptions(transport=RayTransport() if ray.is_initialized() else None, credential=token,
+                       link_bytes_per_s=config.emulated_peer_link_bytes_per_s)

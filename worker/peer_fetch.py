@@ -56,9 +56,13 @@ class PeerExporter:
     (authentication off, loopback deployments) every request is served, as every other call
     of this worker is."""
 
-    def __init__(self, loop: EngineLoop, tokens: TokenTable | TokenTableFile | None = None) -> None:
+    def __init__(self, loop: EngineLoop, tokens: TokenTable | TokenTableFile | None = None, *,
+                 link_bytes_per_s: float | None = None) -> None:
         self._loop = loop
         self._tokens = tokens
+        # An emulated network link (WorkerConfig.emulated_peer_link_bytes_per_s): a group is handed
+        # over no sooner than bytes / rate after the export started.
+        self._link_bytes_per_s = link_bytes_per_s
         self.num_exported_pages = 0
 
     def authorize(self, request: ExportRequest) -> None:
@@ -72,9 +76,21 @@ class PeerExporter:
 
     async def export(self, request: ExportRequest) -> PageGroup:
         self.authorize(request)
+        started = time.perf_counter()
         group = await self._loop.call(lambda: export_pages(self._loop.engine, self._loop.page_events, request))
+        if self._link_bytes_per_s:
+            await asyncio.sleep(max(0.0, group.num_bytes / self._link_bytes_per_s - (time.perf_counter() - started)))
         self.num_exported_pages += group.num_pages
         return group
+
+
+@dataclass(frozen=True, slots=True)
+class PeerOptions:
+    """How a worker server fetches from peers and exports to them (``serve_worker``)."""
+
+    transport: PeerTransport | None = None  # None: peers in this process only
+    credential: str | None = None  # this worker's bearer token, sent with each fetch
+    link_bytes_per_s: float | None = None  # emulated network link of the exports
 
 
 class PeerTransport(Protocol):

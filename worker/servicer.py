@@ -58,7 +58,7 @@ from kvtier.worker.peer_fetch import (
     LocalTransport,
     PeerExporter,
     PeerFetcher,
-    PeerTransport,
+    PeerOptions,
     fetch_before_generate,
 )
 
@@ -195,8 +195,7 @@ async def serve_worker(
     allow_unauthenticated: bool = False,
     hold_fraction: float | None = None,
     wait_scale: float = 1.0,
-    peer_transport: PeerTransport | None = None,
-    peer_credential: str | None = None,
+    peers: PeerOptions | None = None,
 ) -> WorkerServer:
     """Start the engine thread and the gRPC server on ``host:port`` (0: a free port).
 
@@ -206,8 +205,8 @@ async def serve_worker(
     Without ``tokens`` it refuses a non-loopback ``host`` unless ``allow_unauthenticated``.
     ``hold_fraction``: the share of HBM session holds may keep (``EngineLoop``; None: its default);
     ``wait_scale``: multiplies the engine loop's fixed waits (``WorkerConfig.wait_scale``).
-    ``peer_transport`` carries Generate's peer fetches (None: peers in this process only), sent
-    with ``peer_credential`` (this worker's token); pages are exported to ``tokens``' workers.
+    ``peers``: how Generate's peer fetches travel and what they carry (``PeerOptions``); pages
+    are exported to the workers of ``tokens``.
     """
     check_exposure(host, what="worker", is_authenticated=tokens is not None,
                    allow_unauthenticated=allow_unauthenticated)
@@ -232,8 +231,9 @@ async def serve_worker(
     loop.span_attributes["kvtier.worker_id"] = worker_id
     if telemetry is not None:
         loop.metrics = WorkerMetrics(telemetry, loop, worker_id)
-    peers = PeerFetcher(loop, peer_transport or LocalTransport({}), credential=peer_credential)
-    servicer = WorkerServicer(loop, worker_id=worker_id, boot_id=boot, peers=peers)
+    peers = peers or PeerOptions()
+    fetcher = PeerFetcher(loop, peers.transport or LocalTransport({}), credential=peers.credential)
+    servicer = WorkerServicer(loop, worker_id=worker_id, boot_id=boot, peers=fetcher)
     server = grpc.aio.server(
         options=SERVER_OPTIONS,
         interceptors=(*server_interceptors(tokens, server="worker"), MalformedRequestInterceptor()),
@@ -259,7 +259,7 @@ async def serve_worker(
         host=host,
         port=bound,
         advertise_host=advertise_host or advertised_host(host),
-        exporter=PeerExporter(loop, tokens),
+        exporter=PeerExporter(loop, tokens, link_bytes_per_s=peers.link_bytes_per_s),
     )
     log.info(
         "worker serving",

@@ -257,6 +257,12 @@ class WorkerConfig:
         "(DRAM <-> NVMe is the real disk, never emulated); unset: no emulation",
         min=0, min_open=True,
     )
+    emulated_peer_link_bytes_per_s: float | None = setting(
+        None,
+        "benchmarks on one machine only: emulate a network link of this many bytes/s for page groups this "
+        "worker exports to peers (none is handed over sooner than bytes / rate); unset: no emulation",
+        min=0, min_open=True,
+    )
     session_hold_fraction: float = setting(
         1.0,
         "share of HBM the pages of paused sessions kept or prefetched for their next turn may hold together; "
@@ -314,7 +320,8 @@ class WorkerConfig:
     def check(self) -> None:
         _check_tls(self, client_ca=True)
         # Also for configs built directly (kvtier.local.stack), which skip load_config's range check.
-        for name in ("emulated_dram_link_bytes_per_s", "emulated_nvme_link_bytes_per_s"):
+        for name in ("emulated_dram_link_bytes_per_s", "emulated_nvme_link_bytes_per_s",
+                     "emulated_peer_link_bytes_per_s"):
             rate = getattr(self, name)
             if rate is not None and not (
                 isinstance(rate, int | float) and not isinstance(rate, bool) and math.isfinite(rate) and rate > 0
