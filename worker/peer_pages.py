@@ -32,7 +32,7 @@ from kvtier.domain.hashing import NamespaceDigest, NamespaceIdentity, PageKey, n
 from kvtier.domain.tiers import Tier
 from kvtier.engine.engine import Engine
 from kvtier.tiers.checksum import page_checksums
-from kvtier.tiers.nvme.format import SlotId
+from kvtier.tiers.nvme.format import SlotId, SlotLocation
 from kvtier.worker.page_events import PageEvents
 
 MAX_EXPORT_PAGES = 4096  # one request; a longer prefix is fetched in several
@@ -135,7 +135,7 @@ def _page_bytes(page: torch.Tensor) -> np.ndarray:
     return page.detach().reshape(-1).view(torch.uint8).cpu().numpy()
 
 
-def _read_slot(location, num_bytes: int) -> np.ndarray:  # type: ignore[no-untyped-def]
+def _read_slot(location: SlotLocation, num_bytes: int) -> np.ndarray:
     with open(location.path, "rb") as file:
         raw = os.pread(file.fileno(), num_bytes, location.payload_offset)
     return np.frombuffer(raw, dtype=np.uint8)

@@ -149,8 +149,8 @@ class CostParams:
     def resolve(self, costs: WorkerCosts) -> WorkerCosts:
         """``costs`` with every unmeasured (≤ 0) rate replaced by this stand-in."""
         def pick(name: str) -> float:
-            value = getattr(costs, name)
-            return value if value > 0 else getattr(self, name)
+            value = float(getattr(costs, name))
+            return value if value > 0 else float(getattr(self, name))
 
         return WorkerCosts(**{f.name: pick(f.name) for f in fields(WorkerCosts)})
 
@@ -220,8 +220,8 @@ def choose_by_ttft(
     """Every candidate's estimate, least TTFT first (ties: fewer queued, then worker id). The
     peer each one would fetch from is the candidate holding the longest prefix."""
     holder = max(candidates, key=lambda c: (c.held.total_tokens, -c.load.queue_depth, c.worker_id), default=None)
-    holder_id = holder.worker_id if holder is not None and holder.held.total_tokens else None
-    holder_tokens = holder.held.total_tokens if holder_id is not None else 0
+    holder_tokens = holder.held.total_tokens if holder is not None else 0
+    holder_id = holder.worker_id if holder is not None and holder_tokens else None
     estimates = [(estimate_ttft(c, prompt_tokens, page_size, params, holder_id, holder_tokens), c)
                  for c in candidates]
     estimates.sort(key=lambda e: (e[0].ttft_ms, e[1].load.queue_depth, e[1].worker_id))
