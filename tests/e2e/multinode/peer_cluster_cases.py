@@ -119,10 +119,10 @@ async def workers(cluster, controller, checkpoint, tmp_path_factory):
         options = {**actor_options(config, max_restarts=1, name=worker_id), "resources": {f"node_{node}": 1}}
         actor = ray.remote(**options)(WorkerActor).remote(config, worker_id=worker_id, heartbeat_interval_s=0.5)
         started[node] = (worker_id, actor, config)
-    result = {}
-    for node, (worker_id, actor, config) in started.items():
-        address = await asyncio.to_thread(run_phases, actor, timeout_s=240)
-        result[node] = Worker(worker_id, actor, address, config)
+    addresses = await asyncio.gather(*(asyncio.to_thread(run_phases, actor, timeout_s=240)
+                                       for _, actor, _ in started.values()))
+    result = {node: Worker(worker_id, actor, address, config)
+              for (node, (worker_id, actor, config)), address in zip(started.items(), addresses, strict=True)}
     await eventually(lambda: all(controller.registry.get(WorkerId(w.worker_id)) for w in result.values()),
                      timeout_s=60, what="every worker registered")
     yield result
