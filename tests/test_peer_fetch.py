@@ -280,3 +280,20 @@ async def test_an_emulated_peer_link_hands_the_group_over_no_sooner_than_bytes_o
     started = asyncio.get_running_loop().time()
     group = await exporter.export(ExportRequest(digest, keys))
     assert group.num_pages == 10 and asyncio.get_running_loop().time() - started >= 0.45
+
+
+def test_pages_on_nvme_export_with_their_checksum(checkpoint, tmp_path):
+    holder = Engine.from_pretrained(checkpoint, page_size=PAGE, num_pages=64,
+                                    tier_config=TierConfig(dram_pages=0, nvme_slots=32, nvme_dir=tmp_path / "nvme"))
+    events = PageEvents(holder.index)
+    digest = holder.digest_for(None)
+    events.admitted(digest, holder.namespace)
+    holder.generate([PROMPT], SamplingParams(max_tokens=1))
+    assert holder.tiers is not None
+    holder.tiers.demote_all(Tier.NVME)
+    keys = tuple(page_keys(digest, PROMPT, PAGE))
+    assert all(holder.index.get(k).tier is Tier.NVME for k in keys)
+    group = export_pages(holder, events, ExportRequest(digest, keys))
+    assert group.num_pages == 10
+    assert verify_group(group, keys, root_key(digest)).problem is None
+    holder.close()
