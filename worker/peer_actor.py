@@ -1,4 +1,5 @@
-"""The worker actor's side of peer fetch: ``export_pages`` for a peer's ``RayTransport``.
+"""The worker actor's side of peer fetch: ``export_pages`` for a peer's ``RayTransport``,
+``fetch_from_peer`` and ``peer_stats``.
 
 The holder's page group is this method's return value, so Ray puts it in the holder node's
 object store and the receiver pulls it from there by reference (decision 0018). The actor is
@@ -11,8 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier.domain.errors import FailedPrecondition
+from kvtier.domain.hashing import NamespaceIdentity
 from kvtier.runtime.config import WorkerConfig
-from kvtier.worker.peer_fetch import PeerOptions, RayTransport
+from kvtier.worker.peer_fetch import FetchOutcome, PeerOptions, RayTransport
 from kvtier.worker.peer_pages import ExportRequest, PageGroup
 
 EXPORT_TIMEOUT_S = 60.0
@@ -31,6 +33,27 @@ class PeerExportMixin:
             raise FailedPrecondition("the worker is not serving; it exports no pages")
         group: PageGroup = self._runtime.run(self._server.exporter.export(request), timeout_s=EXPORT_TIMEOUT_S)
         return group
+
+    def fetch_from_peer(self, namespace: NamespaceIdentity, prompt: list[int], peer: str,
+                        timeout_s: float = EXPORT_TIMEOUT_S) -> FetchOutcome:
+        """Fetch ``prompt``'s full pages from ``peer`` now, as a Generate with a fetch plan would
+        (benchmarks, operators warming a worker)."""
+        if self._server is None or self._runtime is None:
+            raise FailedPrecondition("the worker is not serving; it fetches no pages")
+        fetcher = self._server.servicer.peers
+        outcome: FetchOutcome = self._runtime.run(fetcher.fetch(namespace, prompt, peer, timeout_s=timeout_s),
+                                                  timeout_s=timeout_s + 5.0)
+        return outcome
+
+    def peer_stats(self) -> dict[str, int]:
+        """Counters of this worker's peer traffic: pages exported, fetches, bytes fetched."""
+        if self._server is None:
+            return {"exported_pages": 0, "fetches": 0, "failed_fetches": 0, "fetched_bytes": 0}
+        fetcher = self._server.servicer.peers
+        exporter = self._server.exporter
+        return {"exported_pages": exporter.num_exported_pages if exporter is not None else 0,
+                "fetches": fetcher.num_fetches, "failed_fetches": fetcher.num_failed,
+                "fetched_bytes": fetcher.num_fetched_bytes}
 
 
 def peer_options(config: WorkerConfig, token: str | None) -> PeerOptions:

@@ -144,6 +144,7 @@ class PeerFetcher:
         self.rates = loop.costs.fetch  # what the cost model reads (``kvtier.worker.costs``)
         self.num_fetches = 0
         self.num_failed = 0
+        self.num_fetched_bytes = 0
 
     async def fetch(self, identity: NamespaceIdentity, prompt: Sequence[int], peer: str, *,
                     timeout_s: float, num_pages: int | None = None) -> FetchOutcome:
@@ -181,6 +182,7 @@ class PeerFetcher:
                 "peer": peer, "namespace": short(digest), "num_pages": len(wanted), "reason": reason})
             return FetchOutcome(len(wanted), 0, 0, time.perf_counter() - started, reason)
         elapsed = time.perf_counter() - started
+        self.num_fetched_bytes += group.num_bytes
         self.rates.record(group.num_bytes, pulled_at - started)
         problem = verified.problem
         if problem is None and installed.num_pages + installed.num_present < group.num_pages:

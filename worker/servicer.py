@@ -105,7 +105,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._loop = loop
         self._worker_id = worker_id
         self._boot_id = boot_id
-        self._peers = peers or PeerFetcher(loop, LocalTransport({}))
+        self.peers = peers or PeerFetcher(loop, LocalTransport({}))
 
     @rpc_errors
     async def Generate(
@@ -117,7 +117,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._loop.engine.validate_prompt(list(generate.prompt_token_ids))  # the model's vocabulary and context
         # The digest is derived with the current policy epoch: invalidated keys are unreachable.
         generate = dataclasses.replace(generate, namespace=self._loop.epochs.apply(namespace))
-        await fetch_before_generate(self._peers, generate, context.time_remaining())  # never raises for the peer
+        await fetch_before_generate(self.peers, generate, context.time_remaining())  # never raises for the peer
         parent = tracing.remote_parent(context.invocation_metadata())  # None unless tracing is on
         async with contextlib.aclosing(self._loop.submit(generate, trace_parent=parent)) as events:
             async for event in events:
