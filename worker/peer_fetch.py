@@ -26,13 +26,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvtier.domain.errors import PermissionDenied, Unauthenticated
-from kvtier.domain.hashing import NamespaceIdentity, page_keys, root_key, short
+from kvtier.domain.errors import KvtierError, PermissionDenied, Unauthenticated
+from kvtier.domain.hashing import NamespaceDigest, NamespaceIdentity, PageKey, page_keys, root_key, short
 from kvtier.domain.records import GenerateRequest
 from kvtier.rpc.auth import Role, TokenTable, TokenTableFile
 from kvtier.runtime.log import get_logger
 from kvtier.worker.engine_loop import EngineLoop
 from kvtier.worker.peer_pages import (
+    MAX_EXPORT_PAGES,
     ExportRequest,
     Installed,
     PageGroup,
@@ -153,16 +154,23 @@ class PeerFetcher:
         trouble: the outcome says what was installed and why not more."""
         started = time.perf_counter()
         engine = self._loop.engine
-        digest = engine.digest_for(identity)
-        keys = page_keys(digest, list(prompt), engine.geometry.page_size)
-        # The last prompt token is always computed (for its logits): a page holding it is not needed.
-        keys = keys[: (len(prompt) - 1) // engine.geometry.page_size]
+        page_size = engine.geometry.page_size
+
+        def local_prefix() -> tuple[NamespaceDigest, list[PageKey], int]:  # engine thread: it owns the engine
+            digest = engine.digest_for(identity)
+            # The last prompt token is always computed (for its logits): a page holding it is not needed.
+            keys = page_keys(digest, list(prompt), page_size)[: (len(prompt) - 1) // page_size]
+            return digest, keys, len(engine.cached_chain(keys))
+
+        try:
+            digest, keys, num_local = await self._loop.call(local_prefix)
+        except KvtierError as exc:  # e.g. too many namespaces: the request itself will say so
+            return FetchOutcome(0, 0, 0, time.perf_counter() - started, f"{type(exc).__name__}: {_first_line(exc)}")
         end = len(keys) if num_pages is None else min(len(keys), num_pages)
-        num_local = await self._loop.call(lambda: len(engine.cached_chain(keys)))
         # Pages before the first one missing here are not asked for; pages after a gap could not
         # be inserted (the index is prefix-closed), so the fetch starts at the first missing page.
         start = num_local
-        wanted = tuple(keys[start:end])
+        wanted = tuple(keys[start:min(end, start + MAX_EXPORT_PAGES)])
         if not wanted:
             return FetchOutcome(0, 0, 0, time.perf_counter() - started)
         parent = keys[start - 1] if start else root_key(digest)
