@@ -102,6 +102,9 @@ async def test_fetched_prefix_is_a_hit_and_matches_the_oracle(pair, oracle):
     # A second fetch finds everything cached here already: nothing is asked of the peer.
     again = await fetcher(receiver, holder).fetch(receiver.engine.namespace, PROMPT, "holder", timeout_s=30)
     assert again.num_requested == 0
+    # A plan naming the receiver itself asks nothing of anyone.
+    itself = await receiver.servicer.peers.fetch(receiver.engine.namespace, PROMPT, "receiver", timeout_s=30)
+    assert itself.num_requested == 0 and itself.problem == "the peer is this worker"
 
 
 @ASYNC

@@ -138,10 +138,12 @@ class FetchOutcome:
 class PeerFetcher:
     """The receiver's side. ``credential``: this worker's bearer token, sent with each export."""
 
-    def __init__(self, loop: EngineLoop, transport: PeerTransport, *, credential: str | None = None) -> None:
+    def __init__(self, loop: EngineLoop, transport: PeerTransport, *, credential: str | None = None,
+                 worker_id: str | None = None) -> None:
         self._loop = loop
         self._transport = transport
         self._credential = credential
+        self._worker_id = worker_id  # a plan naming this worker fetches nothing
         self.rates = loop.costs.fetch  # what the cost model reads (``kvtier.worker.costs``)
         self.num_fetches = 0
         self.num_failed = 0
@@ -153,6 +155,8 @@ class PeerFetcher:
         that are not cached here, within ``timeout_s``. Never raises for the peer's
         trouble: the outcome says what was installed and why not more."""
         started = time.perf_counter()
+        if peer == self._worker_id:
+            return FetchOutcome(0, 0, 0, 0.0, "the peer is this worker")
         engine = self._loop.engine
         page_size = engine.geometry.page_size
 

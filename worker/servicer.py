@@ -232,7 +232,8 @@ async def serve_worker(
     if telemetry is not None:
         loop.metrics = WorkerMetrics(telemetry, loop, worker_id)
     peers = peers or PeerOptions()
-    fetcher = PeerFetcher(loop, peers.transport or LocalTransport({}), credential=peers.credential)
+    fetcher = PeerFetcher(loop, peers.transport or LocalTransport({}), credential=peers.credential,
+                          worker_id=worker_id)
     servicer = WorkerServicer(loop, worker_id=worker_id, boot_id=boot, peers=fetcher)
     server = grpc.aio.server(
         options=SERVER_OPTIONS,
