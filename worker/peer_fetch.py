@@ -149,6 +149,10 @@ class PeerFetcher:
         self.num_failed = 0
         self.num_fetched_bytes = 0
 
+    @property
+    def is_draining(self) -> bool:
+        return self._loop.is_draining
+
     async def fetch(self, identity: NamespaceIdentity, prompt: Sequence[int], peer: str, *,
                     timeout_s: float, num_pages: int | None = None) -> FetchOutcome:
         """Fetch from ``peer`` the prompt's full pages, up to page ``num_pages`` (all by default),
@@ -216,7 +220,7 @@ async def fetch_before_generate(fetcher: PeerFetcher, request: GenerateRequest,
                                 time_remaining_s: float | None) -> FetchOutcome | None:
     """Run ``request.peer_fetch`` (if any) within its share of the deadline; None without one."""
     plan = request.peer_fetch
-    if plan is None:
+    if plan is None or fetcher.is_draining:  # a draining worker refuses the request right after
         return None
     timeout_s = MAX_FETCH_S if time_remaining_s is None else min(MAX_FETCH_S, FETCH_DEADLINE_SHARE * time_remaining_s)
     outcome = await fetcher.fetch(request.namespace, request.prompt_token_ids, plan.worker_id, timeout_s=timeout_s,
