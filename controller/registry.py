@@ -26,6 +26,7 @@ from kvtier.domain.records import (
     Registration,
     SessionId,
     TierOccupancy,
+    WorkerCosts,
     WorkerId,
     WorkerInfo,
     WorkerState,
@@ -49,6 +50,7 @@ class WorkerEntry:
     queue_depth: int = 0
     num_running_seqs: int = 0
     is_draining: bool = False
+    costs: WorkerCosts | None = None  # measured by the worker, as of its last heartbeat that had them
 
     @property
     def worker_id(self) -> WorkerId:
@@ -112,6 +114,7 @@ class Registry:
         entry.tiers = heartbeat.tiers
         entry.queue_depth = heartbeat.queue_depth
         entry.num_running_seqs = heartbeat.num_running_seqs
+        entry.costs = heartbeat.costs or entry.costs
 
     def disconnect(self, worker: WorkerId, link_id: int) -> None:
         entry = self._workers.get(worker)

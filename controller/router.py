@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import grpc.aio
 
 from kvtier.cache.epochs import EpochTable
+from kvtier.controller.cost_model import rank_entries_by_ttft
 from kvtier.controller.directory_records import PrefixLookup
 from kvtier.controller.registry import Registry, WorkerEntry
 from kvtier.controller.resync import REDIS_ERRORS, DirectoryAccess
@@ -188,7 +189,13 @@ class Router:
                 matched = {m.worker: m.matched_tokens(page_size) for m in result.matches}
         affinity = self.registry.affinity(request.session_id) if request.session_id else None
         candidates = [Candidate(e.worker_id, e.address, worker_load(e)) for e in entries]
-        ranked = rank_workers(candidates, matched, self.params, affinity)
+        if self.params.rank_by_ttft and degraded is None:  # kvtier.controller.cost_model
+            prompt_tokens = (len(request.prefix.token_ids) if isinstance(request.prefix, TokenPrefix)
+                             else len(keys) * namespace.page_size)
+            ranked = rank_entries_by_ttft(entries, candidates, matched, prompt_tokens=prompt_tokens,
+                                          page_size=namespace.page_size, params=self.params, affinity=affinity)
+        else:
+            ranked = rank_workers(candidates, matched, self.params, affinity)
         if request.session_id and ranked:
             self.registry.set_affinity(request.session_id, ranked[0].worker_id)
         if request.session_id and self.on_session_route is not None:

@@ -334,7 +334,7 @@ async def serve_controller(
         access.on_standby = links.close_all
         weights = {Tier.HBM: config.tier_weight_hbm, Tier.DRAM: config.tier_weight_dram,
                    Tier.NVME: config.tier_weight_nvme}
-        router = Router(registry, access, RouterParams(tier_weights=weights))
+        router = Router(registry, access, RouterParams(tier_weights=weights, rank_by_ttft=config.route_by_ttft))
         controller = ControllerServer(
             server=server, config=config, controller_id=controller_id, address=address,
             redis_url=without_credentials(url),

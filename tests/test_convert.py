@@ -138,6 +138,7 @@ sampling_params = st.builds(
     tool_call_sequence=st.lists(TOKEN, max_size=MAX_STOP_SEQUENCE_TOKENS),
     ignore_eos=st.booleans(),
 )
+peer_fetches = st.builds(r.PeerFetch, worker_id=NAME, num_pages=U32)
 ranked_workers = st.builds(
     r.RankedWorker,
     worker_id=NAME,
@@ -146,6 +147,8 @@ ranked_workers = st.builds(
     matched_tokens=tokens_by_tier,
     is_affinity=st.booleans(),
     ticket=OPT_NAME,
+    fetch=st.none() | peer_fetches,
+    estimated_ttft_ms=FINITE,
 )
 token_chunks = st.builds(r.TokenChunk, token_ids=TOKENS, index=U32)
 usages = st.builds(
@@ -200,7 +203,12 @@ served_models = st.builds(
     adapters=st.lists(TEXT, max_size=3).map(tuple),
     num_workers=U32,
 )
-heartbeats = st.builds(r.Heartbeat, seq=U64, tiers=occupancy_lists, queue_depth=U32, num_running_seqs=U32)
+NONNEGATIVE = st.floats(0.0, 1e12)
+worker_costs = st.builds(r.WorkerCosts, prefill_ms_per_token=NONNEGATIVE, fetch_bytes_per_s=NONNEGATIVE,
+                         fetch_setup_ms=NONNEGATIVE, dram_promote_bytes_per_s=NONNEGATIVE,
+                         nvme_promote_bytes_per_s=NONNEGATIVE, ms_per_queued_request=NONNEGATIVE)
+heartbeats = st.builds(r.Heartbeat, seq=U64, tiers=occupancy_lists, queue_depth=U32, num_running_seqs=U32,
+                       costs=st.none() | worker_costs)
 
 
 @st.composite
@@ -319,6 +327,7 @@ ROUND_TRIPS: dict[str, st.SearchStrategy[Any]] = {
     "tier_occupancy": occupancies,
     "tier_capacity": capacities,
     "invalidation_scope": scopes,
+    "peer_fetch": peer_fetches,
     # router
     "route_request": st.builds(r.RouteRequest, namespace=namespaces, prefix=prefixes, session_id=OPT_NAME),
     "ranked_worker": ranked_workers,
@@ -337,6 +346,7 @@ ROUND_TRIPS: dict[str, st.SearchStrategy[Any]] = {
         session_id=OPT_NAME,
         request_id=OPT_NAME,
         priority=st.integers(-r.MAX_PRIORITY, r.MAX_PRIORITY),
+        peer_fetch=st.none() | peer_fetches,
     ),
     "token_chunk": token_chunks,
     "usage": usages,
@@ -367,6 +377,7 @@ ROUND_TRIPS: dict[str, st.SearchStrategy[Any]] = {
     # worker link
     "registration": registrations,
     "heartbeat": heartbeats,
+    "worker_costs": worker_costs,
     "page_event": page_events(),
     "page_event_batch": page_event_batches,
     "inventory_page": inventory_pages,

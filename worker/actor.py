@@ -52,6 +52,7 @@ from kvtier.runtime.telemetry import Telemetry
 from kvtier.tiers.manager import TierConfig
 from kvtier.tiers.nvme.format import slots_for_bytes
 from kvtier.worker.link import WorkerLink
+from kvtier.worker.peer_actor import PeerExportMixin, peer_options
 from kvtier.worker.servicer import WorkerServer, default_worker_id, serve_worker
 from kvtier.worker.sizing import size_hbm_pool
 
@@ -169,11 +170,8 @@ def worker_args(argv: Sequence[str] | None = None, *, env: Mapping[str, str] | N
 
 
 def ensure_tiny_model(state_dir: Path) -> Path:
-    """The built-in random-weight model under ``state_dir``, written once (fixed seed).
-
-    Written to a private directory and renamed into place, so concurrent workers never
-    see a half-written checkpoint; the loser of the race discards its copy.
-    """
+    """The built-in random-weight model under ``state_dir``, written once (fixed seed), to a
+    private directory renamed into place: concurrent workers never see a half-written one."""
     target = state_dir.expanduser() / TINY_MODEL_DIR
     if (target / "config.json").is_file():
         return target
@@ -221,7 +219,7 @@ class WorkerRuntime:
 # --------------------------------------------------------------------------- the actor
 
 
-class WorkerActor:
+class WorkerActor(PeerExportMixin):
     """One worker: device, model, page pools, gRPC server and controller link."""
 
     def __init__(
@@ -404,6 +402,7 @@ class WorkerActor:
                 allow_unauthenticated=config.allow_unauthenticated,
                 hold_fraction=config.session_hold_fraction,
                 wait_scale=config.wait_scale,
+                peers=peer_options(config, link_token),
             )
         )
         if self._connect_controller:

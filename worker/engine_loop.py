@@ -63,6 +63,7 @@ from kvtier.tiers.moves import MoveOutcome
 from kvtier.tiers.transfer import TransferDone
 from kvtier.worker.admission import Admission
 from kvtier.worker.commands import Commands, deliver, set_exception, set_result
+from kvtier.worker.costs import CostMeter
 from kvtier.worker.holds import DropOutcome, Holds, PageCounts, SessionPages
 from kvtier.worker.integrity import check_integrity
 from kvtier.worker.load import EngineLoad
@@ -111,7 +112,8 @@ class EngineLoop:
         self.room = Room(engine, self.holds)
         self.admission: Admission[Run] = Admission(engine, self.holds, self.room, wait_scale=wait_scale)
         self.commands = Commands(engine, self.holds, self.room, self.page_events, wait_scale=self.admission.wait_scale)
-        self.runs = Runs(engine, self.holds, self.admission, self.page_events, self.commands)
+        self.costs = CostMeter()  # measured rates for Route's cost model (heartbeats carry them)
+        self.runs = Runs(engine, self.holds, self.admission, self.page_events, self.commands, self.costs)
         self.upkeep = Upkeep(engine, self.holds, self.room, self.admission, self.commands, self.runs)
         self._name = name
         self._on_failure = on_failure
@@ -382,6 +384,7 @@ class EngineLoop:
         self.commands.fail_moves(error)
 
     def _transfer_done(self, done: TransferDone) -> None:  # a transfer thread; must not block
+        self.costs.transfer_done(done)
         metrics = self.runs.metrics
         if metrics is not None:
             metrics.transfer_done(done)

@@ -328,6 +328,7 @@ class WorkerLink:
                     tiers=load.tiers,
                     queue_depth=load.queue_depth,
                     num_running_seqs=load.num_running_seqs,
+                    costs=self._loop.costs.snapshot(),
                 )
             )
             await asyncio.sleep(self._heartbeat_interval_s)

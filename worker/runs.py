@@ -29,6 +29,7 @@ from kvtier.runtime import tracing
 from kvtier.runtime.log import get_logger, redact_tokens
 from kvtier.worker.admission import Admission, Admitted
 from kvtier.worker.commands import Commands
+from kvtier.worker.costs import CostMeter
 from kvtier.worker.holds import Holds
 from kvtier.worker.page_events import PageEvents
 from kvtier.worker.usage import WorkerRecorder, add_promotions, finish, record_spans
@@ -56,6 +57,7 @@ class Run:
     num_emitted: int = 0
     digest: NamespaceDigest | None = None  # of its namespace, from admission on
     waited: Admitted[Run] | None = None  # its wait outside the engine, if it waited
+    num_queued_ahead: int = 0  # requests queued in the engine when it was added
 
 
 class Runs:
@@ -64,12 +66,13 @@ class Runs:
     ``span_attributes`` are the attributes of every ``generate`` span (e.g. the worker id)."""
 
     def __init__(self, engine: Engine, holds: Holds, admission: Admission[Run], page_events: PageEvents,
-                 commands: Commands) -> None:
+                 commands: Commands, costs: CostMeter) -> None:
         self._engine = engine
         self._holds = holds
         self._admission = admission
         self._page_events = page_events
         self._commands = commands
+        self._costs = costs  # measured rates for Route's cost model
         self._in_engine: dict[str, Run] = {}
         self.metrics: WorkerRecorder | None = None
         self.span_attributes: dict[str, str] = {}
@@ -110,6 +113,7 @@ class Runs:
 
     def _add(self, run: Run, digest: NamespaceDigest) -> None:
         request = run.request
+        run.num_queued_ahead = self._engine.num_queued
         self._engine.enqueue(list(request.prompt_token_ids), request.sampling, request_id=run.run_id,
                              priority=request.priority, namespace=request.namespace)
         self._page_events.admitted(digest, request.namespace or self._engine.namespace)
@@ -172,6 +176,9 @@ class Runs:
 
     def _final(self, run: Run) -> GenerateFinal:
         result = self._engine.pop_result(run.run_id)
+        self._costs.finished(submitted_at=run.submitted_at, prefill_started_at=result.prefill_started_at,
+                             first_token_at=run.first_token_at, num_queued_ahead=run.num_queued_ahead,
+                             num_computed_tokens=len(result.prompt_token_ids) - result.num_cached_tokens)
         waited = run.waited
         if waited is not None:
             add_promotions(result, waited.promoted_tokens_by_tier, waited.promotion_wait_s)

@@ -56,6 +56,13 @@ from kvtier.runtime.shutdown import run_steps
 from kvtier.runtime.telemetry import Telemetry
 from kvtier.worker.engine_loop import EngineLoop
 from kvtier.worker.metrics import WorkerMetrics
+from kvtier.worker.peer_fetch import (
+    LocalTransport,
+    PeerExporter,
+    PeerFetcher,
+    PeerOptions,
+    fetch_before_generate,
+)
 
 log = get_logger("kvtier.worker.servicer")
 
@@ -96,10 +103,11 @@ def check_serves(namespace: NamespaceIdentity, served: NamespaceIdentity) -> Non
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, loop: EngineLoop, *, worker_id: WorkerId, boot_id: BootId,
-                 identity_token: str | None = None) -> None:
+                 identity_token: str | None = None, peers: PeerFetcher | None = None) -> None:
         self._loop = loop
         self._worker_id = worker_id
         self._boot_id = boot_id
+        self.peers = peers or PeerFetcher(loop, LocalTransport({}))
         # SHA-256 of the worker's own bearer token: the key of its address proofs.
         self._proof_key = token_key(identity_token) if identity_token else None
 
@@ -127,6 +135,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         check_serves(namespace, self._loop.engine.namespace)
         # The digest is derived with the current policy epoch: invalidated keys are unreachable.
         generate = dataclasses.replace(generate, namespace=self._loop.epochs.apply(namespace))
+        await fetch_before_generate(self.peers, generate, context.time_remaining())  # never raises for the peer
         parent = tracing.remote_parent(context.invocation_metadata())  # None unless tracing is on
         async with contextlib.aclosing(self._loop.submit(generate, trace_parent=parent)) as events:
             async for event in events:
@@ -169,6 +178,7 @@ class WorkerServer:
     port: int
     advertise_host: str
     tickets: TicketVerifier | None = None  # with authentication: checks Route tickets on Generate
+    exporter: PeerExporter | None = None  # page groups for peers (``kvtier.worker.peer_fetch``)
 
     @property
     def address(self) -> str:
@@ -205,6 +215,7 @@ async def serve_worker(
     allow_unauthenticated: bool = False,
     hold_fraction: float | None = None,
     wait_scale: float = 1.0,
+    peers: PeerOptions | None = None,
 ) -> WorkerServer:
     """Start the engine thread and the gRPC server on ``host:port`` (0: a free port).
 
@@ -217,6 +228,8 @@ async def serve_worker(
     Without ``tokens`` it refuses a non-loopback ``host`` unless ``allow_unauthenticated``.
     ``hold_fraction``: the share of HBM session holds may keep (``EngineLoop``; None: its default);
     ``wait_scale``: multiplies the engine loop's fixed waits (``WorkerConfig.wait_scale``).
+    ``peers``: how Generate's peer fetches travel and what they carry (``PeerOptions``); pages
+    are exported to the workers of ``tokens``.
     """
     check_exposure(host, what="worker", is_authenticated=tokens is not None,
                    allow_unauthenticated=allow_unauthenticated)
@@ -241,7 +254,10 @@ async def serve_worker(
     loop.span_attributes["kvtier.worker_id"] = worker_id
     if telemetry is not None:
         loop.metrics = WorkerMetrics(telemetry, loop, worker_id)
-    servicer = WorkerServicer(loop, worker_id=worker_id, boot_id=boot, identity_token=identity_token)
+    peers = peers or PeerOptions()
+    fetcher = PeerFetcher(loop, peers.transport or LocalTransport({}), credential=peers.credential,
+                          worker_id=worker_id)
+    servicer = WorkerServicer(loop, worker_id=worker_id, boot_id=boot, identity_token=identity_token, peers=fetcher)
     tickets = TicketVerifier(worker_id) if tokens is not None else None
     server = grpc.aio.server(
         options=SERVER_OPTIONS,
@@ -269,6 +285,7 @@ async def serve_worker(
         port=bound,
         advertise_host=advertise_host or advertised_host(host),
         tickets=tickets,
+        exporter=PeerExporter(loop, tokens, link_bytes_per_s=peers.link_bytes_per_s),
     )
     log.info(
         "worker serving",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
@@ -128,15 +129,17 @@ class AsyncClient(AdminClient):
         )
         message = to_proto_generate_request(request)
         if worker is not None:
-            candidates = [(worker, ticket)]
+            candidates = [(worker, ticket, message)]
         else:
             decision = await self.route(namespace, prompt, session_id, timeout_s=remaining_s(deadline, aloop))
-            candidates = [(w.address, w.ticket) for w in decision.workers]
+            # A candidate whose estimate counts on a peer's pages fetches them first (its fetch plan).
+            candidates = [(w.address, w.ticket, message if w.fetch is None else to_proto_generate_request(
+                dataclasses.replace(request, peer_fetch=w.fetch))) for w in decision.workers]
             if not candidates:
                 raise Unavailable(
                     f"no live worker serves model {namespace.model_id!r}; start one, or check `kvtier workers`"
                 )
-        for i, (address, worker_ticket) in enumerate(candidates):
+        for i, (address, worker_ticket, message) in enumerate(candidates):
             call = worker_pb2_grpc.WorkerStub(self._channel(address)).Generate(
                 message, timeout=remaining_s(deadline, aloop), metadata=ticket_metadata(worker_ticket)
             )

@@ -183,6 +183,27 @@ class RouteRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class PeerFetch:
+    """Fetch the prompt's full pages, up to ``num_pages`` from its first (0: all), from the
+    worker ``worker_id`` before prefilling; pages cached on the receiver are not fetched."""
+
+    worker_id: WorkerId
+    num_pages: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCosts:
+    """Rates a worker measured on itself, for Route's cost model (0: not measured yet)."""
+
+    prefill_ms_per_token: float = 0.0
+    fetch_bytes_per_s: float = 0.0  # peer fetches into this worker: pull, verify, install
+    fetch_setup_ms: float = 0.0  # the fixed part of one peer fetch
+    dram_promote_bytes_per_s: float = 0.0
+    nvme_promote_bytes_per_s: float = 0.0
+    ms_per_queued_request: float = 0.0  # mean wait of a queued request per request ahead of it
+
+
+@dataclass(frozen=True, slots=True)
 class RankedWorker:
     worker_id: WorkerId
     address: str
@@ -192,6 +213,8 @@ class RankedWorker:
     # Signed by the controller for this worker and the request's tenant (kvtier.rpc.tickets);
     # None while the controller runs without authentication.
     ticket: str | None = field(default=None, repr=False)
+    fetch: PeerFetch | None = None  # pass as GenerateRequest.peer_fetch
+    estimated_ttft_ms: float = 0.0  # 0: not estimated
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +244,7 @@ class GenerateRequest:
     session_id: SessionId | None = None
     request_id: RequestId | None = None
     priority: int = 0  # in [-MAX_PRIORITY, MAX_PRIORITY]; larger runs first
+    peer_fetch: PeerFetch | None = None  # pages to fetch from a peer before prefilling
 
 
 MAX_PRIORITY = 1000
@@ -388,6 +412,7 @@ class Heartbeat:
     tiers: tuple[TierOccupancy, ...]
     queue_depth: int = 0
     num_running_seqs: int = 0
+    costs: WorkerCosts | None = None  # None: nothing measured yet
 
 
 class PageEventKind(enum.Enum):

@@ -232,7 +232,10 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
             actor, address = await loop.run_in_executor(
                 None,
                 functools.partial(
+                    # Named by worker id (how a peer fetch finds the holder) where this stack
+                    # owns the Ray namespace: the instance it started, or the cluster it joined.
                     start_slot_worker, config, slot, max_restarts=options.max_restarts,
+                    name=slot.worker_id if started_ray or options.ray_address else None,
                     heartbeat_interval_s=options.heartbeat_interval_s,
                 ),
             )

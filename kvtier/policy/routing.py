@@ -25,9 +25,9 @@ least loaded. Derivation and examples: ``docs/decisions/0003-controller.md``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
-from kvtier.domain.records import RankedWorker, TokensByTier, WorkerId
+from kvtier.domain.records import RankedWorker, TokensByTier, WorkerCosts, WorkerId
 from kvtier.domain.tiers import Tier
 
 
@@ -45,6 +45,8 @@ class RouterParams:
     overload_queue_depth: int = 8
     overload_hbm_fraction: float = 0.02
     lookup_timeout_s: float = 0.5  # a directory read slower than this routes degraded
+    # Rank by estimated time to first token (the cost model below) and plan peer fetches.
+    rank_by_ttft: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,3 +115,114 @@ def rank_workers(
         )
         for *_, c, tokens, score in ranked
     )
+
+
+# -- the time-to-first-token cost model (peer fetch) ---------------------------------------------
+#
+# For each candidate worker w and a prompt of P tokens whose longest cached prefix across the
+# deployment is H tokens (held by some peer), with w itself holding L ≤ H of them:
+#
+#     queue(w)     = queue_ms(w)                                   measured wait of its queue
+#     promote(w)   = Σ_{tier below HBM} bytes(L_tier) / promote_bps[tier]
+#     fetch(w)     = fetch_setup_ms + bytes(H − L) / fetch_bps     only a peer holds these
+#     prefill(w)   = (P − covered) × prefill_ms_per_token
+#     ttft(w)      = queue + promote + min(fetch + prefill(P − H), prefill(P − L))
+#
+# The min is the fetch-or-recompute choice: a short missing stretch costs less to recompute
+# than the fixed set-up of a fetch. Every rate is measured by the worker and reported over
+# the WorkerLink (``WorkerCosts``); a worker that has not measured one yet reports 0 and the
+# defaults of ``CostParams`` stand in.
+
+
+@dataclass(frozen=True, slots=True)
+class CostParams:
+    """Stand-ins for rates a worker has not measured yet, and the page size in bytes per token."""
+
+    bytes_per_token: float
+    prefill_ms_per_token: float = 0.5
+    fetch_bytes_per_s: float = 1e9
+    fetch_setup_ms: float = 5.0
+    dram_promote_bytes_per_s: float = 10e9
+    nvme_promote_bytes_per_s: float = 2e9
+    ms_per_queued_request: float = 50.0
+
+    def resolve(self, costs: WorkerCosts) -> WorkerCosts:
+        """``costs`` with every unmeasured (≤ 0) rate replaced by this stand-in."""
+        def pick(name: str) -> float:
+            value = float(getattr(costs, name))
+            return value if value > 0 else float(getattr(self, name))
+
+        return WorkerCosts(**{f.name: pick(f.name) for f in fields(WorkerCosts)})
+
+
+@dataclass(frozen=True, slots=True)
+class CostCandidate:
+    worker_id: WorkerId
+    load: WorkerLoad
+    held: TokensByTier  # the longest prefix this worker holds, contiguously from the first page
+    costs: WorkerCosts = WorkerCosts()
+
+
+@dataclass(frozen=True, slots=True)
+class FetchPlan:
+    """Fetch pages ``[first_page, first_page + num_pages)`` of the prompt from ``peer`` first."""
+
+    peer: WorkerId
+    first_page: int
+    num_pages: int
+
+
+@dataclass(frozen=True, slots=True)
+class TtftEstimate:
+    worker_id: WorkerId
+    ttft_ms: float
+    queue_ms: float
+    promote_ms: float
+    fetch_ms: float
+    prefill_ms: float
+    fetch: FetchPlan | None = None
+
+
+def estimate_ttft(
+    candidate: CostCandidate, prompt_tokens: int, page_size: int, params: CostParams,
+    holder: WorkerId | None = None, holder_tokens: int = 0,
+) -> TtftEstimate:
+    """TTFT of running the prompt on ``candidate`` (module comment above); ``holder`` is the
+    peer holding the longest prefix, ``holder_tokens`` long (whole pages)."""
+    costs = params.resolve(candidate.costs)
+    queue_ms = candidate.load.queue_depth * costs.ms_per_queued_request
+    held = candidate.held
+    promote_ms = 1000.0 * params.bytes_per_token * (
+        held.dram_tokens / costs.dram_promote_bytes_per_s + held.nvme_tokens / costs.nvme_promote_bytes_per_s)
+    local = held.total_tokens
+    # The last prompt token is always computed (its logits), so at most prompt − 1 are reused.
+    reusable = max(prompt_tokens - 1, 0)
+    local = min(local, reusable)
+    recompute_ms = (prompt_tokens - local) * costs.prefill_ms_per_token
+    best = TtftEstimate(candidate.worker_id, queue_ms + promote_ms + recompute_ms, queue_ms, promote_ms,
+                        0.0, recompute_ms)
+    missing_pages = min(holder_tokens, reusable) // page_size - local // page_size
+    if holder is None or holder == candidate.worker_id or missing_pages <= 0:
+        return best
+    fetched = missing_pages * page_size
+    fetch_ms = costs.fetch_setup_ms + 1000.0 * fetched * params.bytes_per_token / costs.fetch_bytes_per_s
+    prefill_ms = (prompt_tokens - local // page_size * page_size - fetched) * costs.prefill_ms_per_token
+    ttft = queue_ms + promote_ms + fetch_ms + prefill_ms
+    if ttft >= best.ttft_ms:
+        return best
+    plan = FetchPlan(peer=holder, first_page=local // page_size, num_pages=missing_pages)
+    return TtftEstimate(candidate.worker_id, ttft, queue_ms, promote_ms, fetch_ms, prefill_ms, plan)
+
+
+def choose_by_ttft(
+    candidates: Sequence[CostCandidate], prompt_tokens: int, page_size: int, params: CostParams,
+) -> tuple[TtftEstimate, ...]:
+    """Every candidate's estimate, least TTFT first (ties: fewer queued, then worker id). The
+    peer each one would fetch from is the candidate holding the longest prefix."""
+    holder = max(candidates, key=lambda c: (c.held.total_tokens, -c.load.queue_depth, c.worker_id), default=None)
+    holder_tokens = holder.held.total_tokens if holder is not None else 0
+    holder_id = holder.worker_id if holder is not None and holder_tokens else None
+    estimates = [(estimate_ttft(c, prompt_tokens, page_size, params, holder_id, holder_tokens), c)
+                 for c in candidates]
+    estimates.sort(key=lambda e: (e[0].ttft_ms, e[1].load.queue_depth, e[1].worker_id))
+    return tuple(e for e, _ in estimates)

@@ -184,6 +184,10 @@ class ControllerConfig:
     tier_weight_hbm: float = setting(1.0, "routing value of a matched token already in HBM", min=0, max=1)
     tier_weight_dram: float = setting(0.8, "routing value of a matched token in DRAM", min=0, max=1)
     tier_weight_nvme: float = setting(0.5, "routing value of a matched token on NVMe", min=0, max=1)
+    route_by_ttft: bool = setting(
+        False, "rank workers by estimated time to first token (queue, promotion, peer fetch, prefill, from the "
+        "rates workers measure) and send a peer-fetch plan with the pick that needs a peer's pages"
+    )
     session_hold_max_s: float = setting(
         DEFAULT_SESSION_HOLD_MAX_S, "longest a worker holds a paused session's prefetched pages in HBM for its return (the hold "
         "ends at the predicted return's 99 % point, at most this); raise it for tools that run minutes; 0: no hold",
@@ -261,6 +265,12 @@ class WorkerConfig:
         "(DRAM <-> NVMe is the real disk, never emulated); unset: no emulation",
         min=0, min_open=True,
     )
+    emulated_peer_link_bytes_per_s: float | None = setting(
+        None,
+        "benchmarks on one machine only: emulate a network link of this many bytes/s for page groups this "
+        "worker exports to peers (none is handed over sooner than bytes / rate); unset: no emulation",
+        min=0, min_open=True,
+    )
     session_hold_fraction: float = setting(
         1.0,
         "share of HBM the pages of paused sessions kept or prefetched for their next turn may hold together; "
@@ -319,7 +329,8 @@ class WorkerConfig:
     def check(self) -> None:
         _check_tls(self, client_ca=True)
         # Also for configs built directly (kvtier.local.stack), which skip load_config's range check.
-        for name in ("emulated_dram_link_bytes_per_s", "emulated_nvme_link_bytes_per_s"):
+        for name in ("emulated_dram_link_bytes_per_s", "emulated_nvme_link_bytes_per_s",
+                     "emulated_peer_link_bytes_per_s"):
             rate = getattr(self, name)
             if rate is not None and not (
                 isinstance(rate, int | float) and not isinstance(rate, bool) and math.isfinite(rate) and rate > 0

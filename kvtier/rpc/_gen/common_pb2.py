@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvtier/v1/common.proto\x12\tkvtier.v1\"\xb2\x01\n\x11NamespaceIdentity\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x16\n\x0eweights_digest\x18\x02 \x01(\t\x12\x18\n\x10tokenizer_digest\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x04 \x01(\t\x12\x13\n\x0brope_config\x18\x05 \x01(\t\x12\x10\n\x08kv_dtype\x18\x06 \x01(\t\x12\x11\n\tpage_size\x18\x07 \x01(\r\x12\x0e\n\x06tenant\x18\x08 \x01(\t\"z\n\rModelIdentity\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x16\n\x0eweights_digest\x18\x02 \x01(\t\x12\x18\n\x10tokenizer_digest\x18\x03 \x01(\t\x12\x13\n\x0brope_config\x18\x04 \x01(\t\x12\x10\n\x08kv_dtype\x18\x05 \x01(\t\"n\n\nModelFacts\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x19\n\x11has_chat_template\x18\x04 \x01(\x08\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x18\n\x08PageKeys\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"L\n\x0cTokensByTier\x12\x12\n\nhbm_tokens\x18\x01 \x01(\r\x12\x13\n\x0b\x64ram_tokens\x18\x02 \x01(\r\x12\x13\n\x0bnvme_tokens\x18\x03 \x01(\r\"\xb4\x01\n\rTierOccupancy\x12\x1d\n\x04tier\x18\x01 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x13\n\x0btotal_pages\x18\x02 \x01(\x04\x12\x12\n\nfree_pages\x18\x03 \x01(\x04\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x04 \x01(\x04\x12\x14\n\x0cin_use_pages\x18\x05 \x01(\x04\x12\x14\n\x0cpinned_pages\x18\x06 \x01(\x04\x12\x19\n\x11reclaimable_pages\x18\x07 \x01(\x04\"]\n\x0cTierCapacity\x12\x1d\n\x04tier\x18\x01 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x16\n\x0e\x63\x61pacity_pages\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\"\x8f\x01\n\x11InvalidationScope\x12\x31\n\tnamespace\x18\x01 \x01(\x0b\x32\x1c.kvtier.v1.NamespaceIdentityH\x00\x12\x10\n\x06tenant\x18\x02 \x01(\tH\x00\x12\x12\n\x08model_id\x18\x03 \x01(\tH\x00\x12\x18\n\x0e\x61ll_namespaces\x18\x04 \x01(\x08H\x00\x42\x07\n\x05scope*H\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_HBM\x10\x01\x12\r\n\tTIER_DRAM\x10\x02\x12\r\n\tTIER_NVME\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvtier/v1/common.proto\x12\tkvtier.v1\"\xb2\x01\n\x11NamespaceIdentity\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x16\n\x0eweights_digest\x18\x02 \x01(\t\x12\x18\n\x10tokenizer_digest\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x04 \x01(\t\x12\x13\n\x0brope_config\x18\x05 \x01(\t\x12\x10\n\x08kv_dtype\x18\x06 \x01(\t\x12\x11\n\tpage_size\x18\x07 \x01(\r\x12\x0e\n\x06tenant\x18\x08 \x01(\t\"z\n\rModelIdentity\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x16\n\x0eweights_digest\x18\x02 \x01(\t\x12\x18\n\x10tokenizer_digest\x18\x03 \x01(\t\x12\x13\n\x0brope_config\x18\x04 \x01(\t\x12\x10\n\x08kv_dtype\x18\x05 \x01(\t\"n\n\nModelFacts\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x19\n\x11has_chat_template\x18\x04 \x01(\x08\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x18\n\x08PageKeys\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"L\n\x0cTokensByTier\x12\x12\n\nhbm_tokens\x18\x01 \x01(\r\x12\x13\n\x0b\x64ram_tokens\x18\x02 \x01(\r\x12\x13\n\x0bnvme_tokens\x18\x03 \x01(\r\"1\n\tPeerFetch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tnum_pages\x18\x02 \x01(\r\"\xb4\x01\n\rTierOccupancy\x12\x1d\n\x04tier\x18\x01 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x13\n\x0btotal_pages\x18\x02 \x01(\x04\x12\x12\n\nfree_pages\x18\x03 \x01(\x04\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x04 \x01(\x04\x12\x14\n\x0cin_use_pages\x18\x05 \x01(\x04\x12\x14\n\x0cpinned_pages\x18\x06 \x01(\x04\x12\x19\n\x11reclaimable_pages\x18\x07 \x01(\x04\"]\n\x0cTierCapacity\x12\x1d\n\x04tier\x18\x01 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x16\n\x0e\x63\x61pacity_pages\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\"\x8f\x01\n\x11InvalidationScope\x12\x31\n\tnamespace\x18\x01 \x01(\x0b\x32\x1c.kvtier.v1.NamespaceIdentityH\x00\x12\x10\n\x06tenant\x18\x02 \x01(\tH\x00\x12\x12\n\x08model_id\x18\x03 \x01(\tH\x00\x12\x18\n\x0e\x61ll_namespaces\x18\x04 \x01(\x08H\x00\x42\x07\n\x05scope*H\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_HBM\x10\x01\x12\r\n\tTIER_DRAM\x10\x02\x12\r\n\tTIER_NVME\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvtier.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=1007
-  _globals['_TIER']._serialized_end=1079
+  _globals['_TIER']._serialized_start=1058
+  _globals['_TIER']._serialized_end=1130
   _globals['_NAMESPACEIDENTITY']._serialized_start=38
   _globals['_NAMESPACEIDENTITY']._serialized_end=216
   _globals['_MODELIDENTITY']._serialized_start=218
@@ -46,10 +46,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PAGEKEYS']._serialized_end=503
   _globals['_TOKENSBYTIER']._serialized_start=505
   _globals['_TOKENSBYTIER']._serialized_end=581
-  _globals['_TIEROCCUPANCY']._serialized_start=584
-  _globals['_TIEROCCUPANCY']._serialized_end=764
-  _globals['_TIERCAPACITY']._serialized_start=766
-  _globals['_TIERCAPACITY']._serialized_end=859
-  _globals['_INVALIDATIONSCOPE']._serialized_start=862
-  _globals['_INVALIDATIONSCOPE']._serialized_end=1005
+  _globals['_PEERFETCH']._serialized_start=583
+  _globals['_PEERFETCH']._serialized_end=632
+  _globals['_TIEROCCUPANCY']._serialized_start=635
+  _globals['_TIEROCCUPANCY']._serialized_end=815
+  _globals['_TIERCAPACITY']._serialized_start=817
+  _globals['_TIERCAPACITY']._serialized_end=910
+  _globals['_INVALIDATIONSCOPE']._serialized_start=913
+  _globals['_INVALIDATIONSCOPE']._serialized_end=1056
 # @@protoc_insertion_point(module_scope)

@@ -87,6 +87,14 @@ class TokensByTier(_message.Message):
     nvme_tokens: int
     def __init__(self, hbm_tokens: _Optional[int] = ..., dram_tokens: _Optional[int] = ..., nvme_tokens: _Optional[int] = ...) -> None: ...
 
+class PeerFetch(_message.Message):
+    __slots__ = ("worker_id", "num_pages")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    num_pages: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_pages: _Optional[int] = ...) -> None: ...
+
 class TierOccupancy(_message.Message):
     __slots__ = ("tier", "total_pages", "free_pages", "cached_pages", "in_use_pages", "pinned_pages", "reclaimable_pages")
     TIER_FIELD_NUMBER: _ClassVar[int]

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as kvtier_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvtier/v1/router.proto\x12\tkvtier.v1\x1a\x16kvtier/v1/common.proto\"\xb1\x01\n\x0cRouteRequest\x12/\n\tnamespace\x18\x01 \x01(\x0b\x32\x1c.kvtier.v1.NamespaceIdentity\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.kvtier.v1.TokenIdsH\x00\x12(\n\tpage_keys\x18\x03 \x01(\x0b\x32\x13.kvtier.v1.PageKeysH\x00\x12\x12\n\nsession_id\x18\x04 \x01(\tB\x08\n\x06prefix\"\x97\x01\n\x0cRankedWorker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05score\x18\x03 \x01(\x01\x12/\n\x0ematched_tokens\x18\x04 \x01(\x0b\x32\x17.kvtier.v1.TokensByTier\x12\x13\n\x0bis_affinity\x18\x05 \x01(\x08\x12\x0e\n\x06ticket\x18\x06 \x01(\t\"d\n\rRouteResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.kvtier.v1.RankedWorker\x12\x10\n\x08\x64\x65graded\x18\x02 \x01(\x08\x12\x17\n\x0f\x64\x65graded_reason\x18\x03 \x01(\t\"\x13\n\x11ListModelsRequest\"\x8b\x01\n\x0bServedModel\x12/\n\tnamespace\x18\x01 \x01(\x0b\x32\x1c.kvtier.v1.NamespaceIdentity\x12$\n\x05\x66\x61\x63ts\x18\x02 \x01(\x0b\x32\x15.kvtier.v1.ModelFacts\x12\x10\n\x08\x61\x64\x61pters\x18\x03 \x03(\t\x12\x13\n\x0bnum_workers\x18\x04 \x01(\r\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.kvtier.v1.ServedModel2\x8f\x01\n\x06Router\x12:\n\x05Route\x12\x17.kvtier.v1.RouteRequest\x1a\x18.kvtier.v1.RouteResponse\x12I\n\nListModels\x12\x1c.kvtier.v1.ListModelsRequest\x1a\x1d.kvtier.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvtier/v1/router.proto\x12\tkvtier.v1\x1a\x16kvtier/v1/common.proto\"\xb1\x01\n\x0cRouteRequest\x12/\n\tnamespace\x18\x01 \x01(\x0b\x32\x1c.kvtier.v1.NamespaceIdentity\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.kvtier.v1.TokenIdsH\x00\x12(\n\tpage_keys\x18\x03 \x01(\x0b\x32\x13.kvtier.v1.PageKeysH\x00\x12\x12\n\nsession_id\x18\x04 \x01(\tB\x08\n\x06prefix\"\xd7\x01\n\x0cRankedWorker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05score\x18\x03 \x01(\x01\x12/\n\x0ematched_tokens\x18\x04 \x01(\x0b\x32\x17.kvtier.v1.TokensByTier\x12\x13\n\x0bis_affinity\x18\x05 \x01(\x08\x12\x0e\n\x06ticket\x18\x06 \x01(\t\x12#\n\x05\x66\x65tch\x18\x07 \x01(\x0b\x32\x14.kvtier.v1.PeerFetch\x12\x19\n\x11\x65stimated_ttft_ms\x18\x08 \x01(\x01\"d\n\rRouteResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.kvtier.v1.RankedWorker\x12\x10\n\x08\x64\x65graded\x18\x02 \x01(\x08\x12\x17\n\x0f\x64\x65graded_reason\x18\x03 \x01(\t\"\x13\n\x11ListModelsRequest\"\x8b\x01\n\x0bServedModel\x12/\n\tnamespace\x18\x01 \x01(\x0b\x32\x1c.kvtier.v1.NamespaceIdentity\x12$\n\x05\x66\x61\x63ts\x18\x02 \x01(\x0b\x32\x15.kvtier.v1.ModelFacts\x12\x10\n\x08\x61\x64\x61pters\x18\x03 \x03(\t\x12\x13\n\x0bnum_workers\x18\x04 \x01(\r\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.kvtier.v1.ServedModel2\x8f\x01\n\x06Router\x12:\n\x05Route\x12\x17.kvtier.v1.RouteRequest\x1a\x18.kvtier.v1.RouteResponse\x12I\n\nListModels\x12\x1c.kvtier.v1.ListModelsRequest\x1a\x1d.kvtier.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,15 +36,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROUTEREQUEST']._serialized_start=62
   _globals['_ROUTEREQUEST']._serialized_end=239
   _globals['_RANKEDWORKER']._serialized_start=242
-  _globals['_RANKEDWORKER']._serialized_end=393
-  _globals['_ROUTERESPONSE']._serialized_start=395
-  _globals['_ROUTERESPONSE']._serialized_end=495
-  _globals['_LISTMODELSREQUEST']._serialized_start=497
-  _globals['_LISTMODELSREQUEST']._serialized_end=516
-  _globals['_SERVEDMODEL']._serialized_start=519
-  _globals['_SERVEDMODEL']._serialized_end=658
-  _globals['_LISTMODELSRESPONSE']._serialized_start=660
-  _globals['_LISTMODELSRESPONSE']._serialized_end=720
-  _globals['_ROUTER']._serialized_start=723
-  _globals['_ROUTER']._serialized_end=866
+  _globals['_RANKEDWORKER']._serialized_end=457
+  _globals['_ROUTERESPONSE']._serialized_start=459
+  _globals['_ROUTERESPONSE']._serialized_end=559
+  _globals['_LISTMODELSREQUEST']._serialized_start=561
+  _globals['_LISTMODELSREQUEST']._serialized_end=580
+  _globals['_SERVEDMODEL']._serialized_start=583
+  _globals['_SERVEDMODEL']._serialized_end=722
+  _globals['_LISTMODELSRESPONSE']._serialized_start=724
+  _globals['_LISTMODELSRESPONSE']._serialized_end=784
+  _globals['_ROUTER']._serialized_start=787
+  _globals['_ROUTER']._serialized_end=930
 # @@protoc_insertion_point(module_scope)

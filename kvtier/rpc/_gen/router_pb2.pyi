@@ -21,20 +21,24 @@ class RouteRequest(_message.Message):
     def __init__(self, namespace: _Optional[_Union[_common_pb2.NamespaceIdentity, _Mapping]] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., page_keys: _Optional[_Union[_common_pb2.PageKeys, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class RankedWorker(_message.Message):
-    __slots__ = ("worker_id", "address", "score", "matched_tokens", "is_affinity", "ticket")
+    __slots__ = ("worker_id", "address", "score", "matched_tokens", "is_affinity", "ticket", "fetch", "estimated_ttft_ms")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IS_AFFINITY_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     score: float
     matched_tokens: _common_pb2.TokensByTier
     is_affinity: bool
     ticket: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., score: _Optional[float] = ..., matched_tokens: _Optional[_Union[_common_pb2.TokensByTier, _Mapping]] = ..., is_affinity: _Optional[bool] = ..., ticket: _Optional[str] = ...) -> None: ...
+    fetch: _common_pb2.PeerFetch
+    estimated_ttft_ms: float
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., score: _Optional[float] = ..., matched_tokens: _Optional[_Union[_common_pb2.TokensByTier, _Mapping]] = ..., is_affinity: _Optional[bool] = ..., ticket: _Optional[str] = ..., fetch: _Optional[_Union[_common_pb2.PeerFetch, _Mapping]] = ..., estimated_ttft_ms: _Optional[float] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
     __slots__ = ("workers", "degraded", "degraded_reason")

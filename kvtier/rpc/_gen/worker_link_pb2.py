@@ -26,53 +26,55 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as kvtier_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvtier/v1/worker_link.proto\x12\tkvtier.v1\x1a\x16kvtier/v1/common.proto\"\xe0\x01\n\x08Register\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x03 \x01(\t\x12\'\n\x05model\x18\x04 \x01(\x0b\x32\x18.kvtier.v1.ModelIdentity\x12\x10\n\x08\x61\x64\x61pters\x18\x05 \x03(\t\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12+\n\ncapacities\x18\x07 \x03(\x0b\x32\x17.kvtier.v1.TierCapacity\x12$\n\x05\x66\x61\x63ts\x18\x08 \x01(\x0b\x32\x15.kvtier.v1.ModelFacts\"p\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\'\n\x05tiers\x18\x02 \x03(\x0b\x32\x18.kvtier.v1.TierOccupancy\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x18\n\x10num_running_seqs\x18\x04 \x01(\r\"\xd8\x01\n\tPageEvent\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.kvtier.v1.PageEventKind\x12\x18\n\x10namespace_digest\x18\x02 \x01(\x0c\x12\x10\n\x08page_key\x18\x03 \x01(\x0c\x12\x12\n\nparent_key\x18\x04 \x01(\x0c\x12\r\n\x05\x64\x65pth\x18\x05 \x01(\r\x12\x1d\n\x04tier\x18\x06 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\'\n\tfrom_tier\x18\x07 \x01(\x0e\x32\x0f.kvtier.v1.TierH\x00\x88\x01\x01\x42\x0c\n\n_from_tier\"C\n\x0ePageEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12$\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x14.kvtier.v1.PageEvent\"D\n\rInventoryPage\x12\x10\n\x08page_key\x18\x01 \x01(\x0c\x12\x12\n\nparent_key\x18\x02 \x01(\x0c\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\r\"v\n\x12NamespaceInventory\x12\x18\n\x10namespace_digest\x18\x01 \x01(\x0c\x12\x1d\n\x04tier\x18\x02 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\'\n\x05pages\x18\x03 \x03(\x0b\x32\x18.kvtier.v1.InventoryPage\"\x9a\x01\n\x16InventorySnapshotChunk\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x0f\n\x07is_last\x18\x03 \x01(\x08\x12\x11\n\tas_of_seq\x18\x04 \x01(\x04\x12\x32\n\x0binventories\x18\x05 \x03(\x0b\x32\x1d.kvtier.v1.NamespaceInventory\"\x85\x01\n\nCommandAck\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x12\n\nerror_code\x18\x03 \x01(\t\x12\x15\n\rerror_message\x18\x04 \x01(\t\x12\x11\n\tnum_pages\x18\x05 \x01(\r\x12\x19\n\x11num_skipped_pages\x18\x06 \x01(\r\"\xf9\x01\n\x0bWorkerEvent\x12\'\n\x08register\x18\x01 \x01(\x0b\x32\x13.kvtier.v1.RegisterH\x00\x12)\n\theartbeat\x18\x02 \x01(\x0b\x32\x14.kvtier.v1.HeartbeatH\x00\x12\x30\n\x0bpage_events\x18\x03 \x01(\x0b\x32\x19.kvtier.v1.PageEventBatchH\x00\x12\x35\n\x08snapshot\x18\x04 \x01(\x0b\x32!.kvtier.v1.InventorySnapshotChunkH\x00\x12$\n\x03\x61\x63k\x18\x05 \x01(\x0b\x32\x15.kvtier.v1.CommandAckH\x00\x42\x07\n\x05\x65vent\"\x8f\x01\n\rDemoteCommand\x12\x18\n\x10namespace_digest\x18\x01 \x01(\x0c\x12\x11\n\tpage_keys\x18\x02 \x03(\x0c\x12$\n\x0btarget_tier\x18\x03 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x17\n\x0fwhole_namespace\x18\x05 \x01(\x08\"\x9e\x02\n\x0fPrefetchCommand\x12\x18\n\x10namespace_digest\x18\x01 \x01(\x0c\x12\x11\n\tpage_keys\x18\x02 \x03(\x0c\x12$\n\x0btarget_tier\x18\x03 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x18\n\x0b\x64\x65\x61\x64line_ms\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12\x19\n\x0creturn_in_ms\x18\x06 \x01(\x04H\x01\x88\x01\x01\x12\x14\n\x07\x61way_ms\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x1a\n\rreturn_spread\x18\x08 \x01(\x01H\x03\x88\x01\x01\x42\x0e\n\x0c_deadline_msB\x0f\n\r_return_in_msB\n\n\x08_away_msB\x10\n\x0e_return_spread\"{\n\x0b\x44ropCommand\x12\x18\n\x10namespace_digest\x18\x01 \x01(\x0c\x12\x11\n\tpage_keys\x18\x02 \x03(\x0c\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x17\n\x0fwhole_namespace\x18\x04 \x01(\x08\x12\x12\n\nkeep_pages\x18\x05 \x01(\x08\"V\n\x11InvalidateCommand\x12+\n\x05scope\x18\x01 \x01(\x0b\x32\x1c.kvtier.v1.InvalidationScope\x12\x14\n\x0cpolicy_epoch\x18\x02 \x01(\x04\"-\n\x16RequestSnapshotCommand\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\" \n\x0c\x44rainCommand\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\"\x96\x01\n\nPinCommand\x12\x0e\n\x06pin_id\x18\x01 \x01(\t\x12\x18\n\x10namespace_digest\x18\x02 \x01(\x0c\x12\x11\n\tpage_keys\x18\x03 \x03(\x0c\x12\x1d\n\x04tier\x18\x04 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x1a\n\rexpires_at_ms\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x10\n\x0e_expires_at_ms\"\x1e\n\x0cUnpinCommand\x12\x0e\n\x06pin_id\x18\x01 \x01(\t\"\x1f\n\x10TicketKeyCommand\x12\x0b\n\x03key\x18\x01 \x01(\x0c\"\xd6\x03\n\x11\x43ontrollerCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12*\n\x06\x64\x65mote\x18\x02 \x01(\x0b\x32\x18.kvtier.v1.DemoteCommandH\x00\x12.\n\x08prefetch\x18\x03 \x01(\x0b\x32\x1a.kvtier.v1.PrefetchCommandH\x00\x12&\n\x04\x64rop\x18\x04 \x01(\x0b\x32\x16.kvtier.v1.DropCommandH\x00\x12\x32\n\ninvalidate\x18\x05 \x01(\x0b\x32\x1c.kvtier.v1.InvalidateCommandH\x00\x12=\n\x10request_snapshot\x18\x06 \x01(\x0b\x32!.kvtier.v1.RequestSnapshotCommandH\x00\x12(\n\x05\x64rain\x18\x07 \x01(\x0b\x32\x17.kvtier.v1.DrainCommandH\x00\x12$\n\x03pin\x18\x08 \x01(\x0b\x32\x15.kvtier.v1.PinCommandH\x00\x12(\n\x05unpin\x18\t \x01(\x0b\x32\x17.kvtier.v1.UnpinCommandH\x00\x12\x31\n\nticket_key\x18\n \x01(\x0b\x32\x1b.kvtier.v1.TicketKeyCommandH\x00\x42\t\n\x07\x63ommand*\x80\x01\n\rPageEventKind\x12\x1f\n\x1bPAGE_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16PAGE_EVENT_KIND_INSERT\x10\x01\x12\x18\n\x14PAGE_EVENT_KIND_MOVE\x10\x02\x12\x18\n\x14PAGE_EVENT_KIND_DROP\x10\x03\x32Q\n\nWorkerLink\x12\x43\n\x07\x43onnect\x12\x16.kvtier.v1.WorkerEvent\x1a\x1c.kvtier.v1.ControllerCommand(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvtier/v1/worker_link.proto\x12\tkvtier.v1\x1a\x16kvtier/v1/common.proto\"\xe0\x01\n\x08Register\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x03 \x01(\t\x12\'\n\x05model\x18\x04 \x01(\x0b\x32\x18.kvtier.v1.ModelIdentity\x12\x10\n\x08\x61\x64\x61pters\x18\x05 \x03(\t\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12+\n\ncapacities\x18\x07 \x03(\x0b\x32\x17.kvtier.v1.TierCapacity\x12$\n\x05\x66\x61\x63ts\x18\x08 \x01(\x0b\x32\x15.kvtier.v1.ModelFacts\"\x97\x01\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\'\n\x05tiers\x18\x02 \x03(\x0b\x32\x18.kvtier.v1.TierOccupancy\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x18\n\x10num_running_seqs\x18\x04 \x01(\r\x12%\n\x05\x63osts\x18\x05 \x01(\x0b\x32\x16.kvtier.v1.WorkerCosts\"\xc1\x01\n\x0bWorkerCosts\x12\x1c\n\x14prefill_ms_per_token\x18\x01 \x01(\x01\x12\x19\n\x11\x66\x65tch_bytes_per_s\x18\x02 \x01(\x01\x12\x16\n\x0e\x66\x65tch_setup_ms\x18\x03 \x01(\x01\x12 \n\x18\x64ram_promote_bytes_per_s\x18\x04 \x01(\x01\x12 \n\x18nvme_promote_bytes_per_s\x18\x05 \x01(\x01\x12\x1d\n\x15ms_per_queued_request\x18\x06 \x01(\x01\"\xd8\x01\n\tPageEvent\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.kvtier.v1.PageEventKind\x12\x18\n\x10namespace_digest\x18\x02 \x01(\x0c\x12\x10\n\x08page_key\x18\x03 \x01(\x0c\x12\x12\n\nparent_key\x18\x04 \x01(\x0c\x12\r\n\x05\x64\x65pth\x18\x05 \x01(\r\x12\x1d\n\x04tier\x18\x06 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\'\n\tfrom_tier\x18\x07 \x01(\x0e\x32\x0f.kvtier.v1.TierH\x00\x88\x01\x01\x42\x0c\n\n_from_tier\"C\n\x0ePageEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12$\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x14.kvtier.v1.PageEvent\"D\n\rInventoryPage\x12\x10\n\x08page_key\x18\x01 \x01(\x0c\x12\x12\n\nparent_key\x18\x02 \x01(\x0c\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\r\"v\n\x12NamespaceInventory\x12\x18\n\x10namespace_digest\x18\x01 \x01(\x0c\x12\x1d\n\x04tier\x18\x02 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\'\n\x05pages\x18\x03 \x03(\x0b\x32\x18.kvtier.v1.InventoryPage\"\x9a\x01\n\x16InventorySnapshotChunk\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x0f\n\x07is_last\x18\x03 \x01(\x08\x12\x11\n\tas_of_seq\x18\x04 \x01(\x04\x12\x32\n\x0binventories\x18\x05 \x03(\x0b\x32\x1d.kvtier.v1.NamespaceInventory\"\x85\x01\n\nCommandAck\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x12\n\nerror_code\x18\x03 \x01(\t\x12\x15\n\rerror_message\x18\x04 \x01(\t\x12\x11\n\tnum_pages\x18\x05 \x01(\r\x12\x19\n\x11num_skipped_pages\x18\x06 \x01(\r\"\xf9\x01\n\x0bWorkerEvent\x12\'\n\x08register\x18\x01 \x01(\x0b\x32\x13.kvtier.v1.RegisterH\x00\x12)\n\theartbeat\x18\x02 \x01(\x0b\x32\x14.kvtier.v1.HeartbeatH\x00\x12\x30\n\x0bpage_events\x18\x03 \x01(\x0b\x32\x19.kvtier.v1.PageEventBatchH\x00\x12\x35\n\x08snapshot\x18\x04 \x01(\x0b\x32!.kvtier.v1.InventorySnapshotChunkH\x00\x12$\n\x03\x61\x63k\x18\x05 \x01(\x0b\x32\x15.kvtier.v1.CommandAckH\x00\x42\x07\n\x05\x65vent\"\x8f\x01\n\rDemoteCommand\x12\x18\n\x10namespace_digest\x18\x01 \x01(\x0c\x12\x11\n\tpage_keys\x18\x02 \x03(\x0c\x12$\n\x0btarget_tier\x18\x03 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x17\n\x0fwhole_namespace\x18\x05 \x01(\x08\"\x9e\x02\n\x0fPrefetchCommand\x12\x18\n\x10namespace_digest\x18\x01 \x01(\x0c\x12\x11\n\tpage_keys\x18\x02 \x03(\x0c\x12$\n\x0btarget_tier\x18\x03 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x18\n\x0b\x64\x65\x61\x64line_ms\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12\x19\n\x0creturn_in_ms\x18\x06 \x01(\x04H\x01\x88\x01\x01\x12\x14\n\x07\x61way_ms\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x1a\n\rreturn_spread\x18\x08 \x01(\x01H\x03\x88\x01\x01\x42\x0e\n\x0c_deadline_msB\x0f\n\r_return_in_msB\n\n\x08_away_msB\x10\n\x0e_return_spread\"{\n\x0b\x44ropCommand\x12\x18\n\x10namespace_digest\x18\x01 \x01(\x0c\x12\x11\n\tpage_keys\x18\x02 \x03(\x0c\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x17\n\x0fwhole_namespace\x18\x04 \x01(\x08\x12\x12\n\nkeep_pages\x18\x05 \x01(\x08\"V\n\x11InvalidateCommand\x12+\n\x05scope\x18\x01 \x01(\x0b\x32\x1c.kvtier.v1.InvalidationScope\x12\x14\n\x0cpolicy_epoch\x18\x02 \x01(\x04\"-\n\x16RequestSnapshotCommand\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\" \n\x0c\x44rainCommand\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\"\x96\x01\n\nPinCommand\x12\x0e\n\x06pin_id\x18\x01 \x01(\t\x12\x18\n\x10namespace_digest\x18\x02 \x01(\x0c\x12\x11\n\tpage_keys\x18\x03 \x03(\x0c\x12\x1d\n\x04tier\x18\x04 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x1a\n\rexpires_at_ms\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x10\n\x0e_expires_at_ms\"\x1e\n\x0cUnpinCommand\x12\x0e\n\x06pin_id\x18\x01 \x01(\t\"\x1f\n\x10TicketKeyCommand\x12\x0b\n\x03key\x18\x01 \x01(\x0c\"\xd6\x03\n\x11\x43ontrollerCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12*\n\x06\x64\x65mote\x18\x02 \x01(\x0b\x32\x18.kvtier.v1.DemoteCommandH\x00\x12.\n\x08prefetch\x18\x03 \x01(\x0b\x32\x1a.kvtier.v1.PrefetchCommandH\x00\x12&\n\x04\x64rop\x18\x04 \x01(\x0b\x32\x16.kvtier.v1.DropCommandH\x00\x12\x32\n\ninvalidate\x18\x05 \x01(\x0b\x32\x1c.kvtier.v1.InvalidateCommandH\x00\x12=\n\x10request_snapshot\x18\x06 \x01(\x0b\x32!.kvtier.v1.RequestSnapshotCommandH\x00\x12(\n\x05\x64rain\x18\x07 \x01(\x0b\x32\x17.kvtier.v1.DrainCommandH\x00\x12$\n\x03pin\x18\x08 \x01(\x0b\x32\x15.kvtier.v1.PinCommandH\x00\x12(\n\x05unpin\x18\t \x01(\x0b\x32\x17.kvtier.v1.UnpinCommandH\x00\x12\x31\n\nticket_key\x18\n \x01(\x0b\x32\x1b.kvtier.v1.TicketKeyCommandH\x00\x42\t\n\x07\x63ommand*\x80\x01\n\rPageEventKind\x12\x1f\n\x1bPAGE_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16PAGE_EVENT_KIND_INSERT\x10\x01\x12\x18\n\x14PAGE_EVENT_KIND_MOVE\x10\x02\x12\x18\n\x14PAGE_EVENT_KIND_DROP\x10\x03\x32Q\n\nWorkerLink\x12\x43\n\x07\x43onnect\x12\x16.kvtier.v1.WorkerEvent\x1a\x1c.kvtier.v1.ControllerCommand(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvtier.v1.worker_link_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PAGEEVENTKIND']._serialized_start=2851
-  _globals['_PAGEEVENTKIND']._serialized_end=2979
+  _globals['_PAGEEVENTKIND']._serialized_start=3087
+  _globals['_PAGEEVENTKIND']._serialized_end=3215
   _globals['_REGISTER']._serialized_start=67
   _globals['_REGISTER']._serialized_end=291
-  _globals['_HEARTBEAT']._serialized_start=293
-  _globals['_HEARTBEAT']._serialized_end=405
-  _globals['_PAGEEVENT']._serialized_start=408
-  _globals['_PAGEEVENT']._serialized_end=624
-  _globals['_PAGEEVENTBATCH']._serialized_start=626
-  _globals['_PAGEEVENTBATCH']._serialized_end=693
-  _globals['_INVENTORYPAGE']._serialized_start=695
-  _globals['_INVENTORYPAGE']._serialized_end=763
-  _globals['_NAMESPACEINVENTORY']._serialized_start=765
-  _globals['_NAMESPACEINVENTORY']._serialized_end=883
-  _globals['_INVENTORYSNAPSHOTCHUNK']._serialized_start=886
-  _globals['_INVENTORYSNAPSHOTCHUNK']._serialized_end=1040
-  _globals['_COMMANDACK']._serialized_start=1043
-  _globals['_COMMANDACK']._serialized_end=1176
-  _globals['_WORKEREVENT']._serialized_start=1179
-  _globals['_WORKEREVENT']._serialized_end=1428
-  _globals['_DEMOTECOMMAND']._serialized_start=1431
-  _globals['_DEMOTECOMMAND']._serialized_end=1574
-  _globals['_PREFETCHCOMMAND']._serialized_start=1577
-  _globals['_PREFETCHCOMMAND']._serialized_end=1863
-  _globals['_DROPCOMMAND']._serialized_start=1865
-  _globals['_DROPCOMMAND']._serialized_end=1988
-  _globals['_INVALIDATECOMMAND']._serialized_start=1990
-  _globals['_INVALIDATECOMMAND']._serialized_end=2076
-  _globals['_REQUESTSNAPSHOTCOMMAND']._serialized_start=2078
-  _globals['_REQUESTSNAPSHOTCOMMAND']._serialized_end=2123
-  _globals['_DRAINCOMMAND']._serialized_start=2125
-  _globals['_DRAINCOMMAND']._serialized_end=2157
-  _globals['_PINCOMMAND']._serialized_start=2160
-  _globals['_PINCOMMAND']._serialized_end=2310
-  _globals['_UNPINCOMMAND']._serialized_start=2312
-  _globals['_UNPINCOMMAND']._serialized_end=2342
-  _globals['_TICKETKEYCOMMAND']._serialized_start=2344
-  _globals['_TICKETKEYCOMMAND']._serialized_end=2375
-  _globals['_CONTROLLERCOMMAND']._serialized_start=2378
-  _globals['_CONTROLLERCOMMAND']._serialized_end=2848
-  _globals['_WORKERLINK']._serialized_start=2981
-  _globals['_WORKERLINK']._serialized_end=3062
+  _globals['_HEARTBEAT']._serialized_start=294
+  _globals['_HEARTBEAT']._serialized_end=445
+  _globals['_WORKERCOSTS']._serialized_start=448
+  _globals['_WORKERCOSTS']._serialized_end=641
+  _globals['_PAGEEVENT']._serialized_start=644
+  _globals['_PAGEEVENT']._serialized_end=860
+  _globals['_PAGEEVENTBATCH']._serialized_start=862
+  _globals['_PAGEEVENTBATCH']._serialized_end=929
+  _globals['_INVENTORYPAGE']._serialized_start=931
+  _globals['_INVENTORYPAGE']._serialized_end=999
+  _globals['_NAMESPACEINVENTORY']._serialized_start=1001
+  _globals['_NAMESPACEINVENTORY']._serialized_end=1119
+  _globals['_INVENTORYSNAPSHOTCHUNK']._serialized_start=1122
+  _globals['_INVENTORYSNAPSHOTCHUNK']._serialized_end=1276
+  _globals['_COMMANDACK']._serialized_start=1279
+  _globals['_COMMANDACK']._serialized_end=1412
+  _globals['_WORKEREVENT']._serialized_start=1415
+  _globals['_WORKEREVENT']._serialized_end=1664
+  _globals['_DEMOTECOMMAND']._serialized_start=1667
+  _globals['_DEMOTECOMMAND']._serialized_end=1810
+  _globals['_PREFETCHCOMMAND']._serialized_start=1813
+  _globals['_PREFETCHCOMMAND']._serialized_end=2099
+  _globals['_DROPCOMMAND']._serialized_start=2101
+  _globals['_DROPCOMMAND']._serialized_end=2224
+  _globals['_INVALIDATECOMMAND']._serialized_start=2226
+  _globals['_INVALIDATECOMMAND']._serialized_end=2312
+  _globals['_REQUESTSNAPSHOTCOMMAND']._serialized_start=2314
+  _globals['_REQUESTSNAPSHOTCOMMAND']._serialized_end=2359
+  _globals['_DRAINCOMMAND']._serialized_start=2361
+  _globals['_DRAINCOMMAND']._serialized_end=2393
+  _globals['_PINCOMMAND']._serialized_start=2396
+  _globals['_PINCOMMAND']._serialized_end=2546
+  _globals['_UNPINCOMMAND']._serialized_start=2548
+  _globals['_UNPINCOMMAND']._serialized_end=2578
+  _globals['_TICKETKEYCOMMAND']._serialized_start=2580
+  _globals['_TICKETKEYCOMMAND']._serialized_end=2611
+  _globals['_CONTROLLERCOMMAND']._serialized_start=2614
+  _globals['_CONTROLLERCOMMAND']._serialized_end=3084
+  _globals['_WORKERLINK']._serialized_start=3217
+  _globals['_WORKERLINK']._serialized_end=3298
 # @@protoc_insertion_point(module_scope)

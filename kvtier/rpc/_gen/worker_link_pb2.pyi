@@ -41,16 +41,34 @@ class Register(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., boot_id: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelIdentity, _Mapping]] = ..., adapters: _Optional[_Iterable[str]] = ..., page_size: _Optional[int] = ..., capacities: _Optional[_Iterable[_Union[_common_pb2.TierCapacity, _Mapping]]] = ..., facts: _Optional[_Union[_common_pb2.ModelFacts, _Mapping]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("seq", "tiers", "queue_depth", "num_running_seqs")
+    __slots__ = ("seq", "tiers", "queue_depth", "num_running_seqs", "costs")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_SEQS_FIELD_NUMBER: _ClassVar[int]
+    COSTS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierOccupancy]
     queue_depth: int
     num_running_seqs: int
-    def __init__(self, seq: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierOccupancy, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., num_running_seqs: _Optional[int] = ...) -> None: ...
+    costs: WorkerCosts
+    def __init__(self, seq: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierOccupancy, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., num_running_seqs: _Optional[int] = ..., costs: _Optional[_Union[WorkerCosts, _Mapping]] = ...) -> None: ...
+
+class WorkerCosts(_message.Message):
+    __slots__ = ("prefill_ms_per_token", "fetch_bytes_per_s", "fetch_setup_ms", "dram_promote_bytes_per_s", "nvme_promote_bytes_per_s", "ms_per_queued_request")
+    PREFILL_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FETCH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    FETCH_SETUP_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAM_PROMOTE_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    NVME_PROMOTE_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    MS_PER_QUEUED_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    prefill_ms_per_token: float
+    fetch_bytes_per_s: float
+    fetch_setup_ms: float
+    dram_promote_bytes_per_s: float
+    nvme_promote_bytes_per_s: float
+    ms_per_queued_request: float
+    def __init__(self, prefill_ms_per_token: _Optional[float] = ..., fetch_bytes_per_s: _Optional[float] = ..., fetch_setup_ms: _Optional[float] = ..., dram_promote_bytes_per_s: _Optional[float] = ..., nvme_promote_bytes_per_s: _Optional[float] = ..., ms_per_queued_request: _Optional[float] = ...) -> None: ...
 
 class PageEvent(_message.Message):
     __slots__ = ("kind", "namespace_digest", "page_key", "parent_key", "depth", "tier", "from_tier")

@@ -26,15 +26,15 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as kvtier_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvtier/v1/worker.proto\x12\tkvtier.v1\x1a\x16kvtier/v1/common.proto\"H\n\x13ProveAddressRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05nonce\x18\x03 \x01(\x0c\"%\n\x14ProveAddressResponse\x12\r\n\x05proof\x18\x01 \x01(\x0c\"\x8b\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12+\n\x0estop_sequences\x18\x07 \x03(\x0b\x32\x13.kvtier.v1.TokenIds\x12\x1a\n\x12tool_call_sequence\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"\xc3\x01\n\x0fGenerateRequest\x12/\n\tnamespace\x18\x01 \x01(\x0b\x32\x1c.kvtier.v1.NamespaceIdentity\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvtier.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\".\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05index\x18\x02 \x01(\r\"\xbb\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x17\n\x0fpromoted_tokens\x18\x03 \x01(\r\x12\x19\n\x11recomputed_tokens\x18\x04 \x01(\r\x12\x18\n\x10generated_tokens\x18\x05 \x01(\r\x12\x36\n\x15\x63\x61\x63hed_tokens_by_tier\x18\x06 \x01(\x0b\x32\x17.kvtier.v1.TokensByTier\"\x81\x01\n\rGenerateFinal\x12\x1f\n\x05usage\x18\x01 \x01(\x0b\x32\x10.kvtier.v1.Usage\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.kvtier.v1.FinishReason\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\"l\n\rGenerateEvent\x12\'\n\x06tokens\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.TokenChunkH\x00\x12)\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x18.kvtier.v1.GenerateFinalH\x00\x42\x07\n\x05\x65vent\"\x17\n\x15\x43heckIntegrityRequest\"T\n\x0fIntegrityReport\x12\x11\n\tcomponent\x18\x01 \x01(\t\x12\x1d\n\x04tier\x18\x02 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x0f\n\x07problem\x18\x03 \x01(\t\"E\n\x16\x43heckIntegrityResponse\x12+\n\x07reports\x18\x01 \x03(\x0b\x32\x1a.kvtier.v1.IntegrityReport\"\x0e\n\x0cStatsRequest\"\x8b\x01\n\rStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x02 \x01(\t\x12\'\n\x05tiers\x18\x03 \x03(\x0b\x32\x18.kvtier.v1.TierOccupancy\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\r\x12\x18\n\x10num_running_seqs\x18\x05 \x01(\r*\x97\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1b\n\x17\x46INISH_REASON_TOOL_CALL\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x32\xb0\x02\n\x06Worker\x12\x42\n\x08Generate\x12\x1a.kvtier.v1.GenerateRequest\x1a\x18.kvtier.v1.GenerateEvent0\x01\x12U\n\x0e\x43heckIntegrity\x12 .kvtier.v1.CheckIntegrityRequest\x1a!.kvtier.v1.CheckIntegrityResponse\x12:\n\x05Stats\x12\x17.kvtier.v1.StatsRequest\x1a\x18.kvtier.v1.StatsResponse\x12O\n\x0cProveAddress\x12\x1e.kvtier.v1.ProveAddressRequest\x1a\x1f.kvtier.v1.ProveAddressResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvtier/v1/worker.proto\x12\tkvtier.v1\x1a\x16kvtier/v1/common.proto\"H\n\x13ProveAddressRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05nonce\x18\x03 \x01(\x0c\"%\n\x14ProveAddressResponse\x12\r\n\x05proof\x18\x01 \x01(\x0c\"\x8b\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12+\n\x0estop_sequences\x18\x07 \x03(\x0b\x32\x13.kvtier.v1.TokenIds\x12\x1a\n\x12tool_call_sequence\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"\xed\x01\n\x0fGenerateRequest\x12/\n\tnamespace\x18\x01 \x01(\x0b\x32\x1c.kvtier.v1.NamespaceIdentity\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvtier.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12(\n\npeer_fetch\x18\x07 \x01(\x0b\x32\x14.kvtier.v1.PeerFetch\".\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05index\x18\x02 \x01(\r\"\xbb\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x17\n\x0fpromoted_tokens\x18\x03 \x01(\r\x12\x19\n\x11recomputed_tokens\x18\x04 \x01(\r\x12\x18\n\x10generated_tokens\x18\x05 \x01(\r\x12\x36\n\x15\x63\x61\x63hed_tokens_by_tier\x18\x06 \x01(\x0b\x32\x17.kvtier.v1.TokensByTier\"\x81\x01\n\rGenerateFinal\x12\x1f\n\x05usage\x18\x01 \x01(\x0b\x32\x10.kvtier.v1.Usage\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.kvtier.v1.FinishReason\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\"l\n\rGenerateEvent\x12\'\n\x06tokens\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.TokenChunkH\x00\x12)\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x18.kvtier.v1.GenerateFinalH\x00\x42\x07\n\x05\x65vent\"\x17\n\x15\x43heckIntegrityRequest\"T\n\x0fIntegrityReport\x12\x11\n\tcomponent\x18\x01 \x01(\t\x12\x1d\n\x04tier\x18\x02 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x0f\n\x07problem\x18\x03 \x01(\t\"E\n\x16\x43heckIntegrityResponse\x12+\n\x07reports\x18\x01 \x03(\x0b\x32\x1a.kvtier.v1.IntegrityReport\"\x0e\n\x0cStatsRequest\"\x8b\x01\n\rStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x02 \x01(\t\x12\'\n\x05tiers\x18\x03 \x03(\x0b\x32\x18.kvtier.v1.TierOccupancy\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\r\x12\x18\n\x10num_running_seqs\x18\x05 \x01(\r*\x97\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1b\n\x17\x46INISH_REASON_TOOL_CALL\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x32\xb0\x02\n\x06Worker\x12\x42\n\x08Generate\x12\x1a.kvtier.v1.GenerateRequest\x1a\x18.kvtier.v1.GenerateEvent0\x01\x12U\n\x0e\x43heckIntegrity\x12 .kvtier.v1.CheckIntegrityRequest\x1a!.kvtier.v1.CheckIntegrityResponse\x12:\n\x05Stats\x12\x17.kvtier.v1.StatsRequest\x1a\x18.kvtier.v1.StatsResponse\x12O\n\x0cProveAddress\x12\x1e.kvtier.v1.ProveAddressRequest\x1a\x1f.kvtier.v1.ProveAddressResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvtier.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1463
-  _globals['_FINISHREASON']._serialized_end=1614
+  _globals['_FINISHREASON']._serialized_start=1505
+  _globals['_FINISHREASON']._serialized_end=1656
   _globals['_PROVEADDRESSREQUEST']._serialized_start=61
   _globals['_PROVEADDRESSREQUEST']._serialized_end=133
   _globals['_PROVEADDRESSRESPONSE']._serialized_start=135
@@ -42,25 +42,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=175
   _globals['_SAMPLINGPARAMS']._serialized_end=442
   _globals['_GENERATEREQUEST']._serialized_start=445
-  _globals['_GENERATEREQUEST']._serialized_end=640
-  _globals['_TOKENCHUNK']._serialized_start=642
-  _globals['_TOKENCHUNK']._serialized_end=688
-  _globals['_USAGE']._serialized_start=691
-  _globals['_USAGE']._serialized_end=878
-  _globals['_GENERATEFINAL']._serialized_start=881
-  _globals['_GENERATEFINAL']._serialized_end=1010
-  _globals['_GENERATEEVENT']._serialized_start=1012
-  _globals['_GENERATEEVENT']._serialized_end=1120
-  _globals['_CHECKINTEGRITYREQUEST']._serialized_start=1122
-  _globals['_CHECKINTEGRITYREQUEST']._serialized_end=1145
-  _globals['_INTEGRITYREPORT']._serialized_start=1147
-  _globals['_INTEGRITYREPORT']._serialized_end=1231
-  _globals['_CHECKINTEGRITYRESPONSE']._serialized_start=1233
-  _globals['_CHECKINTEGRITYRESPONSE']._serialized_end=1302
-  _globals['_STATSREQUEST']._serialized_start=1304
-  _globals['_STATSREQUEST']._serialized_end=1318
-  _globals['_STATSRESPONSE']._serialized_start=1321
-  _globals['_STATSRESPONSE']._serialized_end=1460
-  _globals['_WORKER']._serialized_start=1617
-  _globals['_WORKER']._serialized_end=1921
+  _globals['_GENERATEREQUEST']._serialized_end=682
+  _globals['_TOKENCHUNK']._serialized_start=684
+  _globals['_TOKENCHUNK']._serialized_end=730
+  _globals['_USAGE']._serialized_start=733
+  _globals['_USAGE']._serialized_end=920
+  _globals['_GENERATEFINAL']._serialized_start=923
+  _globals['_GENERATEFINAL']._serialized_end=1052
+  _globals['_GENERATEEVENT']._serialized_start=1054
+  _globals['_GENERATEEVENT']._serialized_end=1162
+  _globals['_CHECKINTEGRITYREQUEST']._serialized_start=1164
+  _globals['_CHECKINTEGRITYREQUEST']._serialized_end=1187
+  _globals['_INTEGRITYREPORT']._serialized_start=1189
+  _globals['_INTEGRITYREPORT']._serialized_end=1273
+  _globals['_CHECKINTEGRITYRESPONSE']._serialized_start=1275
+  _globals['_CHECKINTEGRITYRESPONSE']._serialized_end=1344
+  _globals['_STATSREQUEST']._serialized_start=1346
+  _globals['_STATSREQUEST']._serialized_end=1360
+  _globals['_STATSRESPONSE']._serialized_start=1363
+  _globals['_STATSRESPONSE']._serialized_end=1502
+  _globals['_WORKER']._serialized_start=1659
+  _globals['_WORKER']._serialized_end=1963
 # @@protoc_insertion_point(module_scope)

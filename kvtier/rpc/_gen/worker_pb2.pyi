@@ -61,20 +61,22 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_sequences: _Optional[_Iterable[_Union[_common_pb2.TokenIds, _Mapping]]] = ..., tool_call_sequence: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("namespace", "prompt_token_ids", "sampling", "session_id", "request_id", "priority")
+    __slots__ = ("namespace", "prompt_token_ids", "sampling", "session_id", "request_id", "priority", "peer_fetch")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PEER_FETCH_FIELD_NUMBER: _ClassVar[int]
     namespace: _common_pb2.NamespaceIdentity
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     session_id: str
     request_id: str
     priority: int
-    def __init__(self, namespace: _Optional[_Union[_common_pb2.NamespaceIdentity, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    peer_fetch: _common_pb2.PeerFetch
+    def __init__(self, namespace: _Optional[_Union[_common_pb2.NamespaceIdentity, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., peer_fetch: _Optional[_Union[_common_pb2.PeerFetch, _Mapping]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "index")

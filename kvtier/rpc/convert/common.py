@@ -1,5 +1,5 @@
 """Messages of ``common.proto``: namespace and model identity, model facts, tokens and occupancy
-by tier, tier capacity, invalidation scope."""
+by tier, tier capacity, invalidation scope, peer fetch plans."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ from kvtier.domain.records import (
     InvalidationScope,
     ModelFacts,
     ModelIdentity,
+    PeerFetch,
     TierCapacity,
     TierOccupancy,
     TokensByTier,
+    WorkerId,
 )
 from kvtier.rpc._gen import common_pb2
 from kvtier.rpc.convert.fields import (
@@ -216,3 +218,12 @@ def from_proto_model_facts(msg: common_pb2.ModelFacts, path: str = "facts") -> M
         eos_token_ids=read_token_ids(msg.eos_token_ids, join_path(path, "eos_token_ids"), limit=MAX_STOP_TOKEN_IDS),
         has_chat_template=msg.has_chat_template,
     )
+
+
+def to_proto_peer_fetch(fetch: PeerFetch) -> common_pb2.PeerFetch:
+    return common_pb2.PeerFetch(worker_id=fetch.worker_id, num_pages=fetch.num_pages)
+
+
+def from_proto_peer_fetch(msg: common_pb2.PeerFetch, path: str = "") -> PeerFetch:
+    return PeerFetch(worker_id=WorkerId(read_string(msg.worker_id, join_path(path, "worker_id"), required=True)),
+                     num_pages=msg.num_pages)

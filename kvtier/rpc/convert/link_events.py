@@ -3,6 +3,7 @@ inventory snapshots and command acknowledgements."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ from kvtier.domain.records import (
     PageEventKind,
     Registration,
     SnapshotId,
+    WorkerCosts,
     WorkerEvent,
     WorkerId,
 )
@@ -40,6 +42,7 @@ from kvtier.rpc.convert.fields import (
     invalid,
     join_path,
     read_digest,
+    read_finite,
     read_key,
     read_list,
     read_optional_tier,
@@ -97,7 +100,25 @@ def to_proto_heartbeat(heartbeat: Heartbeat) -> worker_link_pb2.Heartbeat:
         tiers=[to_proto_tier_occupancy(t) for t in heartbeat.tiers],
         queue_depth=heartbeat.queue_depth,
         num_running_seqs=heartbeat.num_running_seqs,
+        costs=to_proto_worker_costs(heartbeat.costs) if heartbeat.costs is not None else None,
     )
+
+
+_COST_FIELDS = tuple(f.name for f in dataclasses.fields(WorkerCosts))
+
+
+def to_proto_worker_costs(costs: WorkerCosts) -> worker_link_pb2.WorkerCosts:
+    return worker_link_pb2.WorkerCosts(**{name: getattr(costs, name) for name in _COST_FIELDS})
+
+
+def from_proto_worker_costs(msg: worker_link_pb2.WorkerCosts, path: str = "costs") -> WorkerCosts:
+    values = {}
+    for name in _COST_FIELDS:
+        value = read_finite(getattr(msg, name), join_path(path, name))
+        if value < 0:
+            raise invalid(join_path(path, name), f"must be >= 0, got {value}")
+        values[name] = value
+    return WorkerCosts(**values)
 
 
 def from_proto_heartbeat(msg: worker_link_pb2.Heartbeat, path: str = "heartbeat") -> Heartbeat:
@@ -106,6 +127,7 @@ def from_proto_heartbeat(msg: worker_link_pb2.Heartbeat, path: str = "heartbeat"
         tiers=read_occupancies(msg.tiers, join_path(path, "tiers")),
         queue_depth=msg.queue_depth,
         num_running_seqs=msg.num_running_seqs,
+        costs=from_proto_worker_costs(msg.costs, join_path(path, "costs")) if msg.HasField("costs") else None,
     )
 
 

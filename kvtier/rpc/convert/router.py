@@ -9,9 +9,11 @@ from kvtier.rpc._gen import router_pb2
 from kvtier.rpc.convert.common import (
     from_proto_model_facts,
     from_proto_namespace_identity,
+    from_proto_peer_fetch,
     from_proto_tokens_by_tier,
     to_proto_model_facts,
     to_proto_namespace_identity,
+    to_proto_peer_fetch,
     to_proto_tokens_by_tier,
 )
 from kvtier.rpc.convert.fields import (
@@ -58,6 +60,8 @@ def to_proto_ranked_worker(worker: RankedWorker) -> router_pb2.RankedWorker:
         matched_tokens=to_proto_tokens_by_tier(worker.matched_tokens),
         is_affinity=worker.is_affinity,
         ticket=worker.ticket or "",
+        fetch=to_proto_peer_fetch(worker.fetch) if worker.fetch is not None else None,
+        estimated_ttft_ms=worker.estimated_ttft_ms,
     )
 
 
@@ -69,6 +73,8 @@ def from_proto_ranked_worker(msg: router_pb2.RankedWorker, path: str = "") -> Ra
         matched_tokens=from_proto_tokens_by_tier(msg.matched_tokens, join_path(path, "matched_tokens")),
         is_affinity=msg.is_affinity,
         ticket=msg.ticket or None,
+        fetch=from_proto_peer_fetch(msg.fetch, join_path(path, "fetch")) if msg.HasField("fetch") else None,
+        estimated_ttft_ms=read_finite(msg.estimated_ttft_ms, join_path(path, "estimated_ttft_ms")),
     )
 
 

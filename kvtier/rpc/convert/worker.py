@@ -23,9 +23,11 @@ from kvtier.domain.records import (
 from kvtier.rpc._gen import common_pb2, worker_pb2
 from kvtier.rpc.convert.common import (
     from_proto_namespace_identity,
+    from_proto_peer_fetch,
     from_proto_tokens_by_tier,
     read_occupancies,
     to_proto_namespace_identity,
+    to_proto_peer_fetch,
     to_proto_tier_occupancy,
     to_proto_tokens_by_tier,
 )
@@ -97,6 +99,7 @@ def to_proto_generate_request(request: GenerateRequest) -> worker_pb2.GenerateRe
         session_id=request.session_id or "",
         request_id=request.request_id or "",
         priority=request.priority,
+        peer_fetch=to_proto_peer_fetch(request.peer_fetch) if request.peer_fetch is not None else None,
     )
 
 
@@ -127,6 +130,8 @@ def from_proto_generate_request(msg: worker_pb2.GenerateRequest, path: str = "")
         session_id=SessionId(session_id) if session_id else None,
         request_id=RequestId(request_id) if request_id else None,
         priority=msg.priority,
+        peer_fetch=from_proto_peer_fetch(msg.peer_fetch, join_path(path, "peer_fetch"))
+        if msg.HasField("peer_fetch") else None,
     )
 
 

@@ -1,0 +1,232 @@
+"""Peer fetch: bring a prompt's pages from the worker that holds them into this worker's tiers.
+
+    Generate with a fetch plan ──► PeerFetcher.fetch(identity, prompt, peer, deadline)
+        keys of the prompt's full pages; those cached here already are not asked for
+        transport.pull(peer, ExportRequest)   ──► peer: PeerExporter.export (auth, namespace)
+        verify_group (a thread)                    engine thread: export_pages
+        engine thread: install_pages → page events → the directory lists both holders
+    then the request is admitted as usual: the installed pages are prefix hits.
+
+A fetch never fails a request. When the peer is gone, refuses, is slower than the deadline, or
+a page fails its checksum, the fetch ends with what was verified and installed (often nothing)
+and the request recomputes the rest: ``FetchOutcome.problem`` says why, for logs and tests.
+
+The transport is chosen by measurement (decision 0018): ``RayTransport`` pulls the page group
+from the holder actor's return value through the Ray object store (one plasma object per
+group, pulled in chunks by the receiving node); ``LocalTransport`` calls an exporter in the
+same process. Each fetch updates the measured rates the cost model reads
+(``kvtier.worker.costs.PeerRates``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvtier.domain.errors import KvtierError, PermissionDenied, Unauthenticated
+from kvtier.domain.hashing import NamespaceDigest, NamespaceIdentity, PageKey, page_keys, root_key, short
+from kvtier.domain.records import GenerateRequest
+from kvtier.rpc.auth import Role, TokenTable, TokenTableFile
+from kvtier.runtime.log import get_logger
+from kvtier.worker.engine_loop import EngineLoop
+from kvtier.worker.peer_pages import (
+    MAX_EXPORT_PAGES,
+    ExportRequest,
+    Installed,
+    PageGroup,
+    export_pages,
+    install_pages,
+    verify_group,
+)
+
+log = get_logger("kvtier.worker.peer_fetch")
+
+# A fetch takes at most this share of the request's remaining deadline (the rest is left for
+# recomputing, should the fetch fail), and at most MAX_FETCH_S without a deadline.
+FETCH_DEADLINE_SHARE = 0.5
+MAX_FETCH_S = 10.0
+
+
+class PeerExporter:
+    """The holder's side: exports page groups to authenticated workers only.
+
+    With ``tokens`` the request's credential must be a token of the worker role; without
+    (authentication off, loopback deployments) every request is served, as every other call
+    of this worker is."""
+
+    def __init__(self, loop: EngineLoop, tokens: TokenTable | TokenTableFile | None = None, *,
+                 link_bytes_per_s: float | None = None) -> None:
+        self._loop = loop
+        self._tokens = tokens
+        # An emulated network link (WorkerConfig.emulated_peer_link_bytes_per_s): a group is handed
+        # over no sooner than bytes / rate after the export started.
+        self._link_bytes_per_s = link_bytes_per_s
+        self.num_exported_pages = 0
+
+    def authorize(self, request: ExportRequest) -> None:
+        if self._tokens is None:
+            return
+        principal = self._tokens.authenticate(request.credential or "") if request.credential else None
+        if principal is None:
+            raise Unauthenticated("a page export needs the bearer token of a worker (its auth_token_file)")
+        if principal.role is not Role.WORKER:
+            raise PermissionDenied(f"role {principal.role} may not fetch pages; only workers may", field="role")
+
+    async def export(self, request: ExportRequest) -> PageGroup:
+        self.authorize(request)
+        started = time.perf_counter()
+        group = await self._loop.call(lambda: export_pages(self._loop.engine, self._loop.page_events, request))
+        if self._link_bytes_per_s:
+            await asyncio.sleep(max(0.0, group.num_bytes / self._link_bytes_per_s - (time.perf_counter() - started)))
+        self.num_exported_pages += group.num_pages
+        return group
+
+
+@dataclass(frozen=True, slots=True)
+class PeerOptions:
+    """How a worker server fetches from peers and exports to them (``serve_worker``)."""
+
+    transport: PeerTransport | None = None  # None: peers in this process only
+    credential: str | None = None  # this worker's bearer token, sent with each fetch
+    link_bytes_per_s: float | None = None  # emulated network link of the exports
+
+
+class PeerTransport(Protocol):
+    async def pull(self, peer: str, request: ExportRequest) -> PageGroup: ...
+
+
+class LocalTransport:
+    """Exporters of the same process, by worker id (in-process deployments and tests)."""
+
+    def __init__(self, exporters: Mapping[str, PeerExporter]) -> None:
+        self.exporters = exporters
+
+    async def pull(self, peer: str, request: ExportRequest) -> PageGroup:
+        exporter = self.exporters.get(peer)
+        if exporter is None:
+            raise ConnectionError(f"no worker {peer!r} in this process")
+        return await exporter.export(request)
+
+
+class RayTransport:
+    """The holder is a Ray actor named ``peer`` (``start_worker_actor(name=worker_id)``); its
+    ``export_pages`` return value is the page group in the object store, pulled from there."""
+
+    def __init__(self, namespace: str | None = None) -> None:
+        self._namespace = namespace
+
+    async def pull(self, peer: str, request: ExportRequest) -> PageGroup:
+        import ray
+
+        actor = ray.get_actor(peer, namespace=self._namespace)
+        group: PageGroup = await actor.export_pages.remote(request)
+        return group
+
+
+@dataclass(frozen=True, slots=True)
+class FetchOutcome:
+    num_requested: int  # pages asked of the peer
+    num_installed: int  # pages inserted here
+    num_bytes: int  # received
+    elapsed_s: float
+    problem: str | None = None  # why fewer pages than asked were installed; None: all were
+
+
+class PeerFetcher:
+    """The receiver's side. ``credential``: this worker's bearer token, sent with each export."""
+
+    def __init__(self, loop: EngineLoop, transport: PeerTransport, *, credential: str | None = None,
+                 worker_id: str | None = None) -> None:
+        self._loop = loop
+        self._transport = transport
+        self._credential = credential
+        self._worker_id = worker_id  # a plan naming this worker fetches nothing
+        self.rates = loop.costs.fetch  # what the cost model reads (``kvtier.worker.costs``)
+        self.num_fetches = 0
+        self.num_failed = 0
+        self.num_fetched_bytes = 0
+
+    @property
+    def is_draining(self) -> bool:
+        return self._loop.is_draining
+
+    async def fetch(self, identity: NamespaceIdentity, prompt: Sequence[int], peer: str, *,
+                    timeout_s: float, num_pages: int | None = None) -> FetchOutcome:
+        """Fetch from ``peer`` the prompt's full pages, up to page ``num_pages`` (all by default),
+        that are not cached here, within ``timeout_s``. Never raises for the peer's
+        trouble: the outcome says what was installed and why not more."""
+        started = time.perf_counter()
+        if peer == self._worker_id:
+            return FetchOutcome(0, 0, 0, 0.0, "the peer is this worker")
+        engine = self._loop.engine
+        page_size = engine.geometry.page_size
+
+        def local_prefix() -> tuple[NamespaceDigest, list[PageKey], int]:  # engine thread: it owns the engine
+            digest = engine.digest_for(identity)
+            # The last prompt token is always computed (for its logits): a page holding it is not needed.
+            keys = page_keys(digest, list(prompt), page_size)[: (len(prompt) - 1) // page_size]
+            return digest, keys, len(engine.cached_chain(keys))
+
+        try:
+            digest, keys, num_local = await self._loop.call(local_prefix)
+        except KvtierError as exc:  # e.g. too many namespaces: the request itself will say so
+            return FetchOutcome(0, 0, 0, time.perf_counter() - started, f"{type(exc).__name__}: {_first_line(exc)}")
+        end = len(keys) if num_pages is None else min(len(keys), num_pages)
+        # Pages before the first one missing here are not asked for; pages after a gap could not
+        # be inserted (the index is prefix-closed), so the fetch starts at the first missing page.
+        start = num_local
+        wanted = tuple(keys[start:min(end, start + MAX_EXPORT_PAGES)])
+        if not wanted:
+            return FetchOutcome(0, 0, 0, time.perf_counter() - started)
+        parent = keys[start - 1] if start else root_key(digest)
+        self.num_fetches += 1
+        request = ExportRequest(digest, wanted, self._credential)
+        try:
+            async with asyncio.timeout(timeout_s):
+                group = await self._transport.pull(peer, request)
+                pulled_at = time.perf_counter()
+                verified = await asyncio.to_thread(verify_group, group, wanted, parent)
+                installed: Installed = await self._loop.call(
+                    lambda: install_pages(engine, self._loop.page_events, identity, group, verified.num_pages, parent))
+        except Exception as exc:  # the peer's trouble never fails the request
+            self.num_failed += 1
+            reason = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {_first_line(exc)}"
+            log.warning("peer fetch failed; the request recomputes", extra={
+                "peer": peer, "namespace": short(digest), "num_pages": len(wanted), "reason": reason})
+            return FetchOutcome(len(wanted), 0, 0, time.perf_counter() - started, reason)
+        elapsed = time.perf_counter() - started
+        self.num_fetched_bytes += group.num_bytes
+        self.rates.record(group.num_bytes, pulled_at - started)
+        problem = verified.problem
+        if problem is None and installed.num_pages + installed.num_present < group.num_pages:
+            problem = "no room for every page"
+        if problem is None and group.num_pages < len(wanted):
+            problem = f"the peer holds {group.num_pages} of {len(wanted)} pages"
+        if verified.problem is not None:
+            log.warning("a fetched page failed verification; the rest is recomputed", extra={
+                "peer": peer, "namespace": short(digest), "reason": verified.problem})
+        return FetchOutcome(len(wanted), installed.num_pages, group.num_bytes, elapsed, problem)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else ""
+
+
+async def fetch_before_generate(fetcher: PeerFetcher, request: GenerateRequest,
+                                time_remaining_s: float | None) -> FetchOutcome | None:
+    """Run ``request.peer_fetch`` (if any) within its share of the deadline; None without one."""
+    plan = request.peer_fetch
+    if plan is None or fetcher.is_draining:  # a draining worker refuses the request right after
+        return None
+    timeout_s = MAX_FETCH_S if time_remaining_s is None else min(MAX_FETCH_S, FETCH_DEADLINE_SHARE * time_remaining_s)
+    outcome = await fetcher.fetch(request.namespace, request.prompt_token_ids, plan.worker_id, timeout_s=timeout_s,
+                                  num_pages=plan.num_pages or None)
+    log.info("peer fetch before prefill", extra={
+        "request_id": request.request_id, "peer": plan.worker_id, "num_requested": outcome.num_requested,
+        "num_installed": outcome.num_installed, "num_bytes": outcome.num_bytes,
+        "elapsed_ms": round(outcome.elapsed_s * 1000.0, 3), "problem": outcome.problem})
+    return outcome
