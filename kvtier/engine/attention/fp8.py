@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.cache.page_pool import FP8_TORCH_DTYPES, PagePool, PoolGeometry
 from kvtier.domain.errors import InvalidArgument
 from kvtier.domain.page_layout import PageLayout
 
@@ -135,6 +136,14 @@ class Fp8Pages:
         layout = PageLayout("fp8", num_layers, 2, page_size, kv_heads, head_dim)
         return cls(torch.zeros(num_pages, layout.page_bytes, dtype=torch.uint8, device=device), layout, fmt)
 
+    @classmethod
+    def over_pool(cls, pool: PagePool) -> Fp8Pages:
+        """Codes and scales over the bytes of an FP8 ``PagePool`` (its tensor, no copy)."""
+        g = pool.geometry
+        if not g.is_fp8:
+            raise InvalidArgument(f"pool of {g.dtype} pages is not an FP8 pool", field="pool")
+        return cls(pool.tensor, g.layout, get_format(g.fp8_format))
+
     @property
     def num_pages(self) -> int:
         return self.raw.shape[0]
@@ -217,3 +226,31 @@ def quantize_pages(values: torch.Tensor, fmt: str | Fp8Format = "e4m3") -> Fp8Pa
     pages.codes.copy_(encode(values, scales[:, :, :, None, :, None], fmt))
     pages.scales.copy_(scales)
     return pages
+
+
+class Fp8PageCodec:
+    """Float HBM pages to FP8 pages below HBM and back (``kvtier.tiers.page_codec.PageCodec``).
+
+    Encoding quantizes each whole page at once, as ``quantize_pages`` does; decoding gives
+    the values attention would read from those FP8 pages, in the HBM pool's dtype.
+    """
+
+    def __init__(self, hbm: PoolGeometry, fmt: str | Fp8Format = "e4m3") -> None:
+        if hbm.is_fp8:
+            raise InvalidArgument("an FP8 HBM pool demotes its pages as they are, without a codec", field="geometry")
+        self.format = get_format(fmt) if isinstance(fmt, str) else fmt
+        self.hbm = hbm
+        dtype = next(d for d, name in FP8_TORCH_DTYPES.items() if name == self.format.name)
+        self._lower = PoolGeometry(hbm.num_layers, hbm.kv_heads, hbm.head_dim, hbm.page_size, dtype)
+
+    @property
+    def lower_geometry(self) -> PoolGeometry:
+        return self._lower
+
+    def encode(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        pages = quantize_pages(src.to(torch.float32), self.format)
+        dst.copy_(pages.raw)
+
+    def decode(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        pages = Fp8Pages(src.contiguous(), self._lower.layout, self.format)
+        dst.copy_(pages.dequantize(dst.dtype))
