@@ -17,7 +17,8 @@ Loops are bounded in count; nothing leaves the process.
   (2) pages of the bench model that fit in the same HBM bytes, fp8 / bf16 (target >= 1.9);
   (3) bytes moved per page demoted HBM -> DRAM by the engine's tiers, fp8 / bf16, and for a
       bf16 cache that demotes as FP8 (``lower_tier_dtype = fp8``)   (target 0.5 plus the scales);
-  (4) decode tokens/s of the engine at batch 8 with an fp8 cache / with a bf16 cache.
+  (4) one engine decode step at batch 8 with an fp8 cache / with an fp32 cache (the model runs
+      in fp32 either way), the two engines stepping in turn.
 """
 
 from __future__ import annotations
@@ -182,13 +183,13 @@ def run_fp8(quick: bool = False) -> dict:
             pages[name] = {"num_pages": engine.pool.num_pages, "page_bytes": engine.geometry.page_bytes}
             del engine
         moved = {kv: _demoted_bytes_per_page(path, kv) for kv in ("bf16", "fp8", "bf16/fp8")}
-        throughput = {}
-        for name, kv in (("fp32", None), ("fp8", "fp8")):
-            engine = Engine.from_pretrained(path, page_size=16, num_pages=1024, kv_cache_dtype=kv)
-            engine.generate([_prompt(64, seed=1)], SamplingParams(max_tokens=2))  # warm-up
-            throughput[name] = measure_throughput(engine, 8, prompt_len=64, max_tokens=8 if quick else 32)
-            backend = engine.backend.name
-            del engine
+        engines = {
+            name: Engine.from_pretrained(path, page_size=16, num_pages=1024, kv_cache_dtype=kv)
+            for name, kv in (("fp32", None), ("fp8", "fp8"))
+        }
+        decode_steps = interleaved_decode(engines, batch=8, prompt_len=64, steps=8 if quick else 32)
+        backend = engines["fp8"].backend.name
+        del engines
     bf16_bytes = moved["bf16"]["bytes_per_page"]
     return {
         "attention_backend": backend,
@@ -197,14 +198,40 @@ def run_fp8(quick: bool = False) -> dict:
         "pages_in_same_hbm_bytes": pages["fp8"]["num_pages"] / pages["bf16"]["num_pages"],
         "demoted_bytes_per_page_fp8_over_bf16": moved["fp8"]["bytes_per_page"] / bf16_bytes,
         "demoted_bytes_per_page_lower_fp8_over_bf16": moved["bf16/fp8"]["bytes_per_page"] / bf16_bytes,
-        "decode_tokens_per_s_fp8_over_fp32": (
-            throughput["fp8"]["decode_tokens_per_s"] / throughput["fp32"]["decode_tokens_per_s"]
-        ),
+        "decode_step_fp8_over_fp32": decode_steps["fp8_over_fp32"],
         "decode": decode,
         "hbm_bytes": hbm_bytes,
         "pages": pages,
         "demotion": moved,
-        "throughput": throughput,
+        "decode_steps": decode_steps,
+    }
+
+
+def interleaved_decode(engines: dict[str, Engine], *, batch: int, prompt_len: int, steps: int) -> dict:
+    """Decode step times of engines serving the same batch, one step each in turn (the order
+    alternating), so a loaded machine slows both alike; the median of per-step ratios."""
+    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    prompts = [_prompt(prompt_len, seed=5000 + i) for i in range(batch)]
+    for engine in engines.values():
+        for p in prompts:
+            engine.add_request(p, params)
+        while engine.scheduler.waiting:  # prefill
+            engine.step()
+    names = list(engines)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(steps):
+        for name in names if i % 2 == 0 else reversed(names):
+            start = time.perf_counter()
+            engines[name].step()
+            times[name].append(time.perf_counter() - start)
+    ratios = [f / b for f, b in zip(times["fp8"], times["fp32"], strict=True)]
+    return {
+        "batch": batch,
+        "steps": steps,
+        **{f"{name}_step_ms": statistics.median(t) * 1e3 for name, t in times.items()},
+        "fp8_over_fp32": statistics.median(ratios),
+        "fp8_over_fp32_min": min(ratios),
+        "fp8_over_fp32_max": max(ratios),
     }
 
 
@@ -229,10 +256,11 @@ def print_fp8(r: dict) -> None:
         f"    fp8/bf16 {r['demoted_bytes_per_page_fp8_over_bf16']:.4f}x, bf16 demoting as fp8 "
         f"{r['demoted_bytes_per_page_lower_fp8_over_bf16']:.4f}x (target 0.5 plus the scales)"
     )
-    t = r["throughput"]
+    t = r["decode_steps"]
     print(
-        f"(4) decode at batch 8: fp32 cache {t['fp32']['decode_tokens_per_s']:.1f} tokens/s, fp8 cache "
-        f"{t['fp8']['decode_tokens_per_s']:.1f} -> {r['decode_tokens_per_s_fp8_over_fp32']:.2f}x"
+        f"(4) engine decode step at batch {t['batch']}: fp32 cache {t['fp32_step_ms']:.1f} ms, fp8 cache "
+        f"{t['fp8_step_ms']:.1f} ms -> {t['fp8_over_fp32']:.2f} [{t['fp8_over_fp32_min']:.2f}, "
+        f"{t['fp8_over_fp32_max']:.2f}]"
     )
 
 
