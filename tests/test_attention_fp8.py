@@ -183,6 +183,33 @@ def test_writing_token_by_token_gives_the_values_of_quantizing_whole_pages(page_
     assert torch.equal(got[full:, :, : ctx % page_size], want[full:, :, : ctx % page_size])
 
 
+@pytest.mark.parametrize("pattern", ["falling", "zeros-then-small", "mixed"])
+def test_rows_written_under_a_page_s_held_scale_match_quantizing_the_whole_page(pattern: str) -> None:
+    # Falling magnitudes: every row after a page's first fits its scale (codes written in place).
+    # Zero rows first: the held scale of 1 marks nothing held, so small rows later take the full path.
+    gen = torch.Generator().manual_seed(5)
+    page_size, kv_heads, head_dim, ctx = 8, 2, 8, 30
+    magnitude = {
+        "falling": torch.logspace(2, -2, ctx),
+        "zeros-then-small": torch.cat([torch.zeros(4), torch.full((ctx - 4,), 1e-3)]),
+        "mixed": torch.logspace(-1, 1, ctx)[torch.randperm(ctx, generator=gen)],
+    }[pattern]
+    k = torch.randn(ctx, kv_heads, head_dim, generator=gen) * magnitude[:, None, None]
+    v = torch.randn(ctx, kv_heads, head_dim, generator=gen) * magnitude.flip(0)[:, None, None]
+    num_pages = -(-ctx // page_size)
+    pages = Fp8Pages.allocate(num_pages, num_layers=1, page_size=page_size, kv_heads=kv_heads, head_dim=head_dim)
+    for start in range(0, ctx, 3):  # three rows per write, so some writes span two pages
+        slots = torch.arange(start, min(ctx, start + 3))
+        write_kv_fp8(pages[:, 0], k[slots], v[slots], slots)
+    whole = torch.zeros(num_pages * page_size, 2, kv_heads, head_dim)
+    whole[:ctx, 0], whole[:ctx, 1] = k, v
+    whole = whole.reshape(num_pages, page_size, 2, kv_heads, head_dim).transpose(1, 2)[:, None]
+    full = ctx // page_size
+    got, want = pages[:, 0].dequantize(), quantize_pages(whole)[:, 0].dequantize()
+    assert torch.equal(got[:full], want[:full])
+    assert torch.equal(got[full:, :, : ctx % page_size], want[full:, :, : ctx % page_size])
+
+
 def test_a_write_keeps_earlier_rows_of_its_pages_and_leaves_other_pages_alone() -> None:
     batch = make_batch([9, 1], [9, 14], page_size=4, kv_heads=2, head_dim=16)
     pages = quantize_pages(batch.pool)

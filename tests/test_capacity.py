@@ -78,6 +78,24 @@ def test_fp8_halves_element_bytes_and_adds_its_scales_to_each_page() -> None:
     assert fp8.bytes_per_page == bf16.bytes_per_page // 2 + scales == 1024 * 1024 + 2048
     assert fp8.tier("dram").num_pages == 64 * GIB // (1024 * 1024 + 2048)
     assert 1.99 < fp8.tier("dram").num_pages / bf16.tier("dram").num_pages < 2
+    # The namespace's full scheme names are counted as the element type they store.
+    assert plan(geometry, "fp8_e5m2@page-head", 16, 80 * GIB).bytes_per_page == fp8.bytes_per_page
+
+
+def test_a_float_cache_that_demotes_as_fp8_counts_fp8_pages_below_hbm() -> None:
+    geometry = load_geometry(EXAMPLE)
+    bf16 = plan(geometry, "bf16", 16, 80 * GIB, 64 * GIB, 100 * GIB)
+    mixed = plan(geometry, "bf16/fp8", 16, 80 * GIB, 64 * GIB, 100 * GIB)
+    fp8_page = 1024 * 1024 + 32 * 2 * 8 * 4
+    assert mixed.kv_dtype == "bf16/fp8" and mixed.bytes_per_token == bf16.bytes_per_token
+    assert mixed.bytes_per_page == bf16.bytes_per_page == 2 * 1024 * 1024
+    assert mixed.lower_bytes_per_page == fp8_page and bf16.lower_bytes_per_page == bf16.bytes_per_page
+    assert mixed.tier("hbm").num_pages == bf16.tier("hbm").num_pages
+    assert mixed.tier("dram").num_pages == 64 * GIB // fp8_page
+    assert mixed.tier("nvme").num_pages == 100 * GIB // fp8_page
+    with pytest.raises(InvalidArgument) as caught:
+        plan(geometry, "bf16/int3", 16, 80 * GIB)
+    assert caught.value.field == "kv_dtype"
 
 
 def test_fp4_fractional_bytes_stay_exact() -> None:

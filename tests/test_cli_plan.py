@@ -88,6 +88,9 @@ def test_plan_json_fp8_and_page_size(capsys: pytest.CaptureFixture[str]) -> None
     # fp8 pages carry one fp32 scale per (layer, plane, kv head): 32 x 2 x 8 x 4 bytes.
     assert out["bytes_per_token"] == 65_536 and out["bytes_per_page"] == 32 * 65_536 + 2048
     assert out["kv_dtype"] == "fp8" and out["sessions"]["hbm"].keys() == {"4096", "32768"}
+    mixed = run_json(capsys, "--model-config", str(EXAMPLE), "--kv-dtype", "bf16/fp8", "--dram-gib", "1")
+    assert mixed["bytes_per_page"] == 16 * 131_072 and mixed["lower_bytes_per_page"] == 16 * 65_536 + 2048
+    assert mixed["pages"]["dram"] == GIB // (16 * 65_536 + 2048)
 
 
 def test_plan_json_latent_cache(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

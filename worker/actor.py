@@ -33,9 +33,9 @@ from typing import Any, TypeVar
 import torch
 from opentelemetry.sdk.trace import TracerProvider
 
-from kvtier.cache.page_pool import PoolGeometry
 from kvtier.domain.errors import ConfigError, FailedPrecondition, Unavailable
 from kvtier.domain.hashing import NamespaceIdentity
+from kvtier.domain.kv_dtype import KvCacheDtype
 from kvtier.domain.records import WorkerStats
 from kvtier.domain.tiers import Tier
 from kvtier.engine.engine import Engine, default_namespace
@@ -54,7 +54,7 @@ from kvtier.tiers.nvme.format import slots_for_bytes
 from kvtier.worker.link import WorkerLink
 from kvtier.worker.peer_actor import PeerExportMixin, peer_options
 from kvtier.worker.servicer import WorkerServer, default_worker_id, serve_worker
-from kvtier.worker.sizing import size_hbm_pool
+from kvtier.worker.sizing import cache_format, model_dtype, pool_geometries, size_hbm_pool
 
 log = get_logger("kvtier.worker.actor")
 
@@ -62,7 +62,6 @@ T = TypeVar("T")
 
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0  # WorkerConfig has no setting for it
 TINY_MODEL_DIR = "models/tiny"
-_KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _PHASES = ("init_device", "load_model", "allocate_pools", "serve")
 
 
@@ -87,6 +86,7 @@ _FLAG_FIELDS: dict[str, str] = {
     "--device": "device",
     "--block-size": "page_size",
     "--kv-cache-dtype": "kv_cache_dtype",
+    "--lower-tier-dtype": "lower_tier_dtype",
     "--gpu-memory-utilization": "gpu_memory_utilization",
     "--max-model-len": "max_model_len",
     "--eviction-policy": "eviction_policy",
@@ -238,7 +238,7 @@ class WorkerActor(PeerExportMixin):
         self._attention_backend = attention_backend
         self._device: torch.device | None = None
         self._dtype: torch.dtype | None = None
-        self._kv_dtype: str | None = None
+        self._kv_format: KvCacheDtype | None = None
         self._model: LlamaModel | None = None
         self._model_path: Path | None = None
         self._engine: Engine | None = None
@@ -269,22 +269,15 @@ class WorkerActor(PeerExportMixin):
                 field="device",
             )
         use_cuda = wanted == "cuda" or (wanted == "auto" and has_cuda)
-        kv_dtype = self.config.kv_cache_dtype
-        if kv_dtype == "auto":
-            kv_dtype = "bf16" if use_cuda else "fp32"
-        if kv_dtype not in _KV_DTYPES:
-            raise ConfigError(
-                f"kv_cache_dtype {kv_dtype} is not supported by the engine yet; use one of {', '.join(_KV_DTYPES)}",
-                field="kv_cache_dtype",
-            )
+        kv_format = cache_format(self.config.kv_cache_dtype, self.config.lower_tier_dtype, use_cuda=use_cuda)
         if use_cuda:
             torch.cuda.set_device(0)
         self._device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
-        self._kv_dtype = kv_dtype
-        self._dtype = _KV_DTYPES[kv_dtype]  # the model runs in the KV dtype (the engine's pool follows it)
+        self._kv_format = kv_format
+        self._dtype = model_dtype(kv_format, use_cuda=use_cuda)
         log.info(
             "device ready",
-            extra={"device": str(self._device), "kv_dtype": kv_dtype, "worker_id": self.worker_id},
+            extra={"device": str(self._device), "kv_dtype": kv_format.name, "worker_id": self.worker_id},
         )
         self._results["init_device"] = str(self._device)
         return str(self._device)
@@ -309,12 +302,12 @@ class WorkerActor(PeerExportMixin):
     def allocate_pools(self) -> dict[str, Any]:
         if "allocate_pools" in self._results:
             return self._results["allocate_pools"]
-        if self._model is None or self._model_path is None or self._kv_dtype is None:
+        if self._model is None or self._model_path is None or self._kv_format is None:
             raise FailedPrecondition("call load_model() before allocate_pools()")
         assert self._device is not None and self._dtype is not None
         page_size = self.config.page_size
-        num_layers, kv_heads, head_dim = self._model.kv_geometry
-        geometry = PoolGeometry(num_layers, kv_heads, head_dim, page_size, self._dtype)
+        kv_format = self._kv_format
+        geometry, lower_geometry = pool_geometries(self._model.kv_geometry, page_size, self._dtype, kv_format)
         budget = size_hbm_pool(
             gpu_memory_utilization=self.config.gpu_memory_utilization,
             weights_bytes=module_bytes(self._model),
@@ -329,11 +322,11 @@ class WorkerActor(PeerExportMixin):
                 field="hbm_bytes",
             )
         namespace = model_namespace(
-            self._model_path, self._model, page_size=page_size, kv_dtype=self._kv_dtype
+            self._model_path, self._model, page_size=page_size, kv_dtype=kv_format.name
         )
         tier_config = TierConfig(
-            dram_pages=self.config.dram_bytes // geometry.page_bytes,
-            nvme_slots=slots_for_bytes(self.config.nvme_bytes, geometry),
+            dram_pages=self.config.dram_bytes // lower_geometry.page_bytes,
+            nvme_slots=slots_for_bytes(self.config.nvme_bytes, lower_geometry),
             nvme_dir=self.config.nvme_dir or Path(self.config.state_dir).expanduser() / "nvme" / self.worker_id,
             link_bytes_per_s=emulated_links(self.config) or None,
         )
@@ -348,10 +341,13 @@ class WorkerActor(PeerExportMixin):
             eviction_policy=self.config.eviction_policy,
             tenant_quotas=self.config.tenant_quotas,
             namespace_ttls=self.config.namespace_ttls,
+            kv_cache_dtype=kv_format.name,
         )
         info = {
             "num_pages": num_pages,
+            "kv_dtype": kv_format.name,
             "page_bytes": geometry.page_bytes,
+            "lower_page_bytes": lower_geometry.page_bytes,
             "hbm_bytes": num_pages * geometry.page_bytes,
             "source": budget.source,
             "max_model_len": self._engine.max_model_len,

@@ -9,6 +9,10 @@ memory after the weights are loaded, and
 where the headroom covers activations, the CUDA context and allocator slack. An explicit
 ``hbm_bytes`` always wins. Without a GPU (or when NVML fails) the configured
 ``hbm_bytes`` is used, else ``DEFAULT_CPU_HBM_BYTES``; the chosen source is logged.
+
+The pools are counted in whole pages of their exact bytes (``pool_geometries``): an FP8 page is
+its codes plus one fp32 scale per (layer, plane, kv head), as ``kvtier plan`` counts it, and
+with ``lower_tier_dtype = fp8`` DRAM and NVMe are counted in FP8 pages while HBM holds float ones.
 """
 
 from __future__ import annotations
@@ -16,7 +20,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from kvtier.domain.errors import ConfigError
+import torch
+
+from kvtier.cache.page_pool import PoolGeometry
+from kvtier.domain.errors import ConfigError, InvalidArgument
+from kvtier.domain.kv_dtype import KvCacheDtype, resolve
+from kvtier.engine.engine import page_dtype
 from kvtier.runtime.log import get_logger
 
 log = get_logger("kvtier.worker.sizing")
@@ -146,3 +155,34 @@ def size_hbm_pool(
         extra={"kv_bytes": budget.kv_bytes, "source": budget.source, "detail": budget.detail},
     )
     return budget
+
+
+_FLOAT_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def cache_format(kv_cache_dtype: str, lower_tier_dtype: str, *, use_cuda: bool) -> KvCacheDtype:
+    """The worker's cache format (``auto``: fp32 on a CPU, bf16 on a GPU); errors name the setting."""
+    if kv_cache_dtype == "auto":
+        kv_cache_dtype = "bf16" if use_cuda else "fp32"
+    try:
+        return resolve(kv_cache_dtype, lower_tier_dtype=lower_tier_dtype)
+    except InvalidArgument as err:
+        raise ConfigError(err.message, field=err.field or "kv_cache_dtype") from None
+
+
+def model_dtype(kv_format: KvCacheDtype, *, use_cuda: bool) -> torch.dtype:
+    """The dtype the model runs in: a float cache's own (the pool follows the model), else the
+    device's usual one; FP8 K/V are quantized as they are written."""
+    base = kv_format.hbm.base if kv_format.hbm.is_float else ("bf16" if use_cuda else "fp32")
+    return getattr(torch, _FLOAT_DTYPES[base])
+
+
+def pool_geometries(
+    kv_geometry: tuple[int, int, int], page_size: int, dtype: torch.dtype, kv_format: KvCacheDtype
+) -> tuple[PoolGeometry, PoolGeometry]:
+    """``(hbm, lower)``: the geometry of an HBM page and of a DRAM / NVMe page."""
+    num_layers, kv_heads, head_dim = kv_geometry
+    return (
+        PoolGeometry(num_layers, kv_heads, head_dim, page_size, page_dtype(dtype, kv_format.hbm)),
+        PoolGeometry(num_layers, kv_heads, head_dim, page_size, page_dtype(dtype, kv_format.lower)),
+    )

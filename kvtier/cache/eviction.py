@@ -95,7 +95,7 @@ class CostModel:
         bandwidth_bytes_per_s: Mapping[tuple[Tier, Tier], float] | None = None,
     ) -> CostModel:
         """The cost model of a model read from its config (``kvtier.domain.geometry``)."""
-        page_bytes = -(-geometry.kv_bits_per_token(kv_dtype) * page_size // 8)
+        page_bytes = geometry.page_bytes(kv_dtype, page_size)  # FP8 pages include their scales
         return cls(
             num_params=float(geometry.param_count),
             num_layers=geometry.num_layers,

@@ -1,7 +1,10 @@
 """Page allocation and reference counting for one tier (DESIGN §5 decisions 1 and 4).
 
 One pool is one tensor ``[num_pages, layers, 2, page_size, kv_heads, head_dim]``; a
-page is one contiguous block, so moving a page is one copy.
+page is one contiguous block, so moving a page is one copy. A pool of FP8 pages (geometry
+dtype ``float8_e4m3fn`` or ``float8_e5m2``) is the byte tensor ``uint8 [num_pages, page_bytes]``
+laid out by ``kvtier.domain.page_layout`` (codes, then scales); the engine views it as
+codes and scales, and every tier copies and checksums it as the bytes it is.
 
 Every page is in exactly one state, derived from two fields (never stored as a flag):
 
@@ -27,6 +30,7 @@ import numpy as np
 import torch
 
 from kvtier.domain.errors import IntegrityError
+from kvtier.domain.page_layout import PageLayout
 
 PageId = NewType("PageId", int)
 
@@ -44,11 +48,49 @@ class PoolGeometry:
         return self.num_layers * 2 * self.page_size * self.kv_heads * self.head_dim
 
     @property
+    def is_fp8(self) -> bool:
+        return self.dtype in FP8_TORCH_DTYPES
+
+    @property
+    def fp8_format(self) -> str:
+        """``e4m3`` or ``e5m2`` for an FP8 pool; empty for a float pool."""
+        return FP8_TORCH_DTYPES.get(self.dtype, "")
+
+    @property
+    def layout(self) -> PageLayout:
+        """Where the bytes of one page sit (codes and scales for FP8)."""
+        kv_dtype = "fp8" if self.is_fp8 else _FLOAT_NAMES.get(self.dtype, "fp32")
+        return PageLayout(kv_dtype, self.num_layers, 2, self.page_size, self.kv_heads, self.head_dim)
+
+    @property
     def page_bytes(self) -> int:
+        """Exact bytes of one page in every tier; an FP8 page includes its scales."""
+        if self.is_fp8:
+            return self.layout.page_bytes
         return self.page_numel * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """Element type of the pool tensor: the KV dtype, or bytes for FP8 pages."""
+        return torch.uint8 if self.is_fp8 else self.dtype
+
+    def tensor_shape(self, num_pages: int) -> tuple[int, ...]:
+        """Shape of a pool tensor of ``num_pages`` pages (page-major in both cases)."""
+        if self.is_fp8:
+            return (num_pages, self.page_bytes)
+        return (num_pages, self.num_layers, 2, self.page_size, self.kv_heads, self.head_dim)
+
+    @property
+    def dtype_name(self) -> str:
+        """The element type as NVMe superblocks record it (``float8_e4m3fn``, ``bfloat16``, ...)."""
+        return str(self.dtype).removeprefix("torch.")
 
     def pages_for_bytes(self, num_bytes: int) -> int:
         return num_bytes // self.page_bytes
+
+
+FP8_TORCH_DTYPES: dict[torch.dtype, str] = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+_FLOAT_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +124,7 @@ class PagePool:
         self.num_pages = num_pages
         g = geometry
         self.tensor = torch.zeros(
-            (num_pages, g.num_layers, 2, g.page_size, g.kv_heads, g.head_dim),
-            dtype=g.dtype,
-            device=device,
-            pin_memory=pin_memory,
+            g.tensor_shape(num_pages), dtype=g.storage_dtype, device=device, pin_memory=pin_memory
         )
         self._ref = [0] * num_pages
         self._pins = [0] * num_pages

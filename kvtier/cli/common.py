@@ -77,6 +77,11 @@ def _worker_setting_help(name: str) -> str:
     return f"{info.help[:1].upper()}{info.help[1:]}; {info.accepted or 'any'}, default {info.default}."
 
 
+def _worker_option(name: str) -> Any:
+    """A ``kvtier up`` option setting every worker's ``name``: its env var and help as ``kvtier worker`` has them."""
+    return typer.Option(envvar=f"KVTIER_{name.upper()}", help=_worker_setting_help(name))
+
+
 def _gib_to_bytes(gib: float, flag: str, *, positive: bool = False) -> int:
     validate_budget(gib, name=flag, positive=positive)
     return round(gib * GIB)

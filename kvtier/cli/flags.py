@@ -15,6 +15,7 @@ import typer
 from kvtier.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, CommandFailed, Remote
 from kvtier.domain.errors import InvalidArgument
 from kvtier.domain.hashing import KV_DTYPES, NamespaceIdentity
+from kvtier.domain.kv_dtype import is_valid_namespace_kv_dtype
 from kvtier.domain.records import ModelIdentity, TierOccupancy, WorkerInfo, WorkerState
 from kvtier.domain.tiers import Tier
 
@@ -69,8 +70,12 @@ class NamespaceFlags:
     page_size: int | None = None
 
     def check(self) -> None:
-        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
-            raise InvalidArgument(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}", field="--kv-dtype")
+        if self.kv_dtype is not None and not is_valid_namespace_kv_dtype(self.kv_dtype):
+            raise InvalidArgument(
+                f"--kv-dtype must be one of {', '.join(KV_DTYPES)} or an FP8 scheme such as fp8_e4m3@page-head, "
+                f"got {self.kv_dtype!r}",
+                field="--kv-dtype",
+            )
 
     def resolve(self, workers: tuple[WorkerInfo, ...]) -> NamespaceIdentity:
         """Model fields from the registered workers serving ``--model`` (or the one served model),

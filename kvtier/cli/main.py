@@ -64,7 +64,7 @@ from kvtier.cli.common import (
     _format_bytes,
     _gib_to_bytes,
     _json_number,
-    _worker_setting_help,
+    _worker_option,
     app,
     fail,
     print_json,
@@ -75,12 +75,17 @@ from kvtier.policy.capacity import (
     CapacityPlan,
     PageSizeStudy,
     page_size_study,
+    parse_plan_dtype,
     plan,
     read_lengths_csv,
     validate_headroom,
     validate_page_size,
 )
 from kvtier.runtime.config import WorkerConfig, load_config
+
+_PLAN_KV_DTYPE_HELP = "KV element type: bf16, fp16, fp32, fp8 or fp4; HBM/lower (bf16/fp8) for lower_tier_dtype."
+_PLAN_BUDGET_HELP = "Study: share of requests whose allocated slots fit this many tokens."
+_PLAN_CSV_HELP = "CSV of request lengths for a page-size study (needs --column)."
 
 
 @app.command("plan")
@@ -93,7 +98,7 @@ def plan_command(
             "weight bytes are then summed exactly from the safetensors headers).",
         ),
     ],
-    kv_dtype: Annotated[str, typer.Option(help="KV element type: bf16, fp16, fp32, fp8 or fp4.")] = "bf16",
+    kv_dtype: Annotated[str, typer.Option(help=_PLAN_KV_DTYPE_HELP)] = "bf16",
     page_size: Annotated[int, typer.Option(help="Tokens per page, a power of two in [1, 1024].")] = 16,
     hbm_gib: Annotated[
         float, typer.Option(help="Device memory of one GPU, GiB (weights come out of it).")
@@ -116,13 +121,9 @@ def plan_command(
         ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
-    lengths_csv: Annotated[
-        Path | None, typer.Option(help="CSV of request lengths for a page-size study (needs --column).")
-    ] = None,
+    lengths_csv: Annotated[Path | None, typer.Option(help=_PLAN_CSV_HELP)] = None,
     column: Annotated[str | None, typer.Option(help="Column of --lengths-csv holding token counts.")] = None,
-    budget_tokens: Annotated[
-        int | None, typer.Option(help="Study: share of requests whose allocated slots fit this many tokens.")
-    ] = None,
+    budget_tokens: Annotated[int | None, typer.Option(help=_PLAN_BUDGET_HELP)] = None,
 ) -> None:
     """Capacity plan: KV bytes per token and page, pages, tokens and sessions per tier.
 
@@ -134,7 +135,7 @@ def plan_command(
 
       kvtier plan --model-config config.json --lengths-csv trace.csv --column ContextTokens --budget-tokens 8192
     """
-    kv_dtype = parse_dtype(kv_dtype, field="--kv-dtype")[0]
+    parse_plan_dtype(kv_dtype, field="--kv-dtype")  # its errors name the flag
     validate_page_size(page_size, name="--page-size")
     validate_headroom(headroom, name="--headroom")
     budgets = (
@@ -271,16 +272,10 @@ def up_command(
     nvme_gib: Annotated[
         float, typer.Option(help="NVMe tier per worker, GiB (files under STATE_DIR/nvme).")
     ] = 0.0,
-    eviction_policy: Annotated[
-        str | None,
-        typer.Option(envvar="KVTIER_EVICTION_POLICY", help=_worker_setting_help("eviction_policy")),
-    ] = None,
-    session_hold_fraction: Annotated[
-        float | None,
-        typer.Option(
-            envvar="KVTIER_SESSION_HOLD_FRACTION", help=_worker_setting_help("session_hold_fraction")
-        ),
-    ] = None,
+    eviction_policy: Annotated[str | None, _worker_option("eviction_policy")] = None,
+    session_hold_fraction: Annotated[float | None, _worker_option("session_hold_fraction")] = None,
+    kv_cache_dtype: Annotated[str | None, _worker_option("kv_cache_dtype")] = None,
+    lower_tier_dtype: Annotated[str | None, _worker_option("lower_tier_dtype")] = None,
 ) -> None:
     """Start a local kvtier: Valkey, Ray, the controller and workers; Ctrl-C (or `kvtier down`) stops it.
 
@@ -289,6 +284,7 @@ def up_command(
       kvtier up
       kvtier up --workers 2 --model ./Llama-3.2-1B --nvme-gib 4
       kvtier up --hbm-gib 60 --dram-gib 200 --session-hold-fraction 1.0
+      kvtier up --model ./Llama-3.2-1B --kv-cache-dtype fp8
       kvtier up --redis-url redis://10.0.0.5:6379/0 --ray-address auto --workers-per-node 2
     """
     from kvtier.cli.up import run_until_stopped
@@ -299,7 +295,8 @@ def up_command(
     worker = load_config(
         WorkerConfig,
         env={},
-        overrides={"eviction_policy": eviction_policy, "session_hold_fraction": session_hold_fraction},
+        overrides={"eviction_policy": eviction_policy, "session_hold_fraction": session_hold_fraction,
+                   "kv_cache_dtype": kv_cache_dtype, "lower_tier_dtype": lower_tier_dtype},
     )
     options = local.StackOptions(
         state_dir=state_dir,
@@ -313,6 +310,8 @@ def up_command(
         dram_bytes=_gib_to_bytes(dram_gib, "--dram-gib"),
         nvme_bytes=_gib_to_bytes(nvme_gib, "--nvme-gib"),
         eviction_policy=worker.eviction_policy,
+        kv_cache_dtype=worker.kv_cache_dtype,
+        lower_tier_dtype=worker.lower_tier_dtype,
         session_hold_fraction=worker.session_hold_fraction,
         auth=True,  # an admin token in STATE_DIR/auth/admin.token; kvtier commands pick it up
     )
@@ -465,6 +464,7 @@ def plan_json(result: CapacityPlan, study: PageSizeStudy | None = None) -> dict[
         "headroom": result.headroom,
         "bytes_per_token": _json_number(result.bytes_per_token),
         "bytes_per_page": result.bytes_per_page,
+        "lower_bytes_per_page": result.lower_bytes_per_page,
         "weights_bytes": g.weights_bytes,
         "weights_source": g.weights_source,
         "latent": g.is_latent,

@@ -59,7 +59,8 @@ def _bits_to_bytes(num_bits: int) -> int:
 
 def parse_dtype(name: str, *, field: str = "kv_dtype") -> tuple[str, int]:
     """Canonical dtype name and bits per element; accepts torch spellings (``bfloat16``)."""
-    canonical = _DTYPE_ALIASES.get(str(name).strip().lower())
+    # A namespace's FP8 scheme (fp8_e4m3@page-head) is counted as its element type.
+    canonical = _DTYPE_ALIASES.get(str(name).strip().lower().partition("@")[0])
     if canonical is None:
         raise InvalidArgument(
             f"{field} {name!r} is not one of {', '.join(KV_DTYPES)} (or a torch name such as bfloat16)",

@@ -18,6 +18,7 @@ from typing import NewType
 import numpy as np
 
 from kvtier.domain.errors import InvalidArgument
+from kvtier.domain.kv_dtype import KV_ELEMENT_TYPES, parse_kv_dtype
 
 PageKey = NewType("PageKey", bytes)
 """16-byte BLAKE2b digest identifying one full page together with its whole prefix."""
@@ -25,7 +26,7 @@ PageKey = NewType("PageKey", bytes)
 NamespaceDigest = NewType("NamespaceDigest", bytes)
 
 KEY_BYTES = 16
-KV_DTYPES = ("fp32", "fp16", "bf16", "fp8", "fp4")
+KV_DTYPES = KV_ELEMENT_TYPES  # element types; a namespace's kv_dtype may also name an FP8 scheme
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,9 @@ class NamespaceIdentity:
     The server derives the digest from these fields; clients never send a digest.
     ``tenant`` comes from the authenticated principal, not from the payload alone.
     ``policy_epoch`` is bumped by invalidation so old keys become unreachable at once.
+    ``kv_dtype`` is a ``kvtier.domain.kv_dtype`` name: an FP8 cache names its format and scale
+    granularity (``fp8_e4m3@page-head``), a cache that demotes in another format names both
+    (``bf16/fp8_e4m3@page-head``), so caches whose bytes or values differ never share pages.
     """
 
     model_id: str
@@ -50,11 +54,7 @@ class NamespaceIdentity:
     def validate(self) -> None:
         if not self.model_id:
             raise InvalidArgument("namespace.model_id must not be empty", field="namespace.model_id")
-        if self.kv_dtype not in KV_DTYPES:
-            raise InvalidArgument(
-                f"namespace.kv_dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}",
-                field="namespace.kv_dtype",
-            )
+        parse_kv_dtype(self.kv_dtype, field="namespace.kv_dtype")
         if self.page_size < 1:
             raise InvalidArgument(
                 f"namespace.page_size must be >= 1, got {self.page_size}", field="namespace.page_size"

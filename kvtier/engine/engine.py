@@ -12,6 +12,7 @@ or, step by step (what the worker's engine loop does)::
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -30,8 +31,10 @@ from kvtier.cache.radix import EvictionPolicy, RadixIndex, RadixNode
 from kvtier.cache.ttls import TtlSweeper, TtlTable
 from kvtier.domain.errors import IntegrityError, InvalidArgument, NotFound, ResourceExhausted
 from kvtier.domain.hashing import NamespaceDigest, NamespaceIdentity, PageKey, namespace_digest
+from kvtier.domain.kv_dtype import KvCacheDtype, KvElement, resolve
 from kvtier.domain.params import FinishReason, SamplingParams
 from kvtier.domain.tiers import Tier
+from kvtier.engine.attention.fp8 import Fp8PageCodec
 from kvtier.engine.attention.registry import get_backend
 from kvtier.engine.model import LlamaModel, load_model
 from kvtier.engine.runner import ModelRunner
@@ -43,6 +46,7 @@ from kvtier.tiers.manager import TierConfig, TierManager
 log = logging.getLogger("kvtier.engine")
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+_FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 # Pages quota enforcement and TTL expiry may handle per step (each), so a burst of work never
 # stalls decode for long; what is left goes in the next steps (or the worker's idle loop).
 LIMIT_PAGES_PER_STEP = 64
@@ -104,6 +108,29 @@ def default_namespace(
     )
 
 
+def cache_format(model_dtype: torch.dtype, kv_cache_dtype: str | None) -> KvCacheDtype:
+    """The engine's cache format: ``kv_cache_dtype`` resolved (``kvtier.domain.kv_dtype``), or,
+    when None, pages in the model's own float dtype."""
+    if kv_cache_dtype is None:
+        element = KvElement(_DTYPE_NAMES.get(model_dtype, "fp32"))
+        return KvCacheDtype(element, element)
+    return resolve(kv_cache_dtype)
+
+
+def page_dtype(model_dtype: torch.dtype, element: KvElement) -> torch.dtype:
+    """The pool geometry's dtype for one tier's element: the model's dtype for a float cache
+    (the model computes K/V in it), an FP8 torch dtype for FP8 pages."""
+    if element.is_fp8:
+        return _FP8_DTYPES[element.fp8_format]
+    if _DTYPE_NAMES.get(model_dtype) != element.base:
+        raise InvalidArgument(
+            f"kv_cache_dtype {element.name} needs a model loaded in {element.name}, got {model_dtype}; "
+            "load the model in the KV dtype or choose an fp8 cache",
+            field="kv_cache_dtype",
+        )
+    return model_dtype
+
+
 class Engine:
     def __init__(
         self,
@@ -120,6 +147,7 @@ class Engine:
         tier_config: TierConfig | None = None,
         tenant_quotas: QuotaTable | None = None,
         namespace_ttls: TtlTable | None = None,
+        kv_cache_dtype: str | None = None,
     ) -> None:
         if page_size < 1:
             raise InvalidArgument(f"page_size must be >= 1, got {page_size}", field="page_size")
@@ -127,8 +155,15 @@ class Engine:
         cfg = model.config
         param = next(model.parameters())
         num_layers, kv_heads, head_dim = model.kv_geometry
-        self.geometry = PoolGeometry(num_layers, kv_heads, head_dim, page_size, param.dtype)
+        self.cache_format = cache_format(param.dtype, kv_cache_dtype)
+        hbm_dtype = page_dtype(param.dtype, self.cache_format.hbm)
+        self.geometry = PoolGeometry(num_layers, kv_heads, head_dim, page_size, hbm_dtype)
         self.pool = PagePool(num_pages, self.geometry, device=param.device)
+        if namespace is not None and kv_cache_dtype is not None and namespace.kv_dtype != self.cache_format.name:
+            raise InvalidArgument(
+                f"namespace.kv_dtype is {namespace.kv_dtype!r} but this engine's cache is {self.cache_format.name!r}",
+                field="namespace.kv_dtype",
+            )
         if eviction_policy is None or isinstance(eviction_policy, str):
             # A policy by name (kvtier.cache.eviction.POLICY_NAMES) gets this engine's cost model and
             # tiers. Value-based eviction is the default (LRU stays selectable): the trace replay
@@ -146,6 +181,9 @@ class Engine:
                 capacity_pages=capacity_pages,
             )
         self.index = RadixIndex(self.pool, eviction_policy)
+        if tier_config is not None and self.cache_format.requantizes_below:
+            lower = self.cache_format.lower
+            tier_config = dataclasses.replace(tier_config, lower_codec=Fp8PageCodec(self.geometry, lower.fp8_format))
         self.tiers = TierManager(self.index, tier_config) if tier_config is not None else None
         self.backend = get_backend(attention_backend, param.device)
         self.runner = ModelRunner(model, self.pool, self.backend)
@@ -153,7 +191,7 @@ class Engine:
         self.max_model_len = min(max_model_len or cfg.max_context_len, cfg.max_context_len)
         self.eos_token_ids: frozenset[int] = frozenset(cfg.eos_token_ids)
         self.namespace = namespace or NamespaceIdentity(
-            model_id="unnamed", kv_dtype=_DTYPE_NAMES.get(param.dtype, "fp32"), page_size=page_size
+            model_id="unnamed", kv_dtype=self.cache_format.name, page_size=page_size
         )
         self._digests: dict[NamespaceIdentity, NamespaceDigest] = {}
         self._identities: dict[NamespaceDigest, NamespaceIdentity] = {}  # the reverse, for quotas and TTLs
@@ -181,12 +219,14 @@ class Engine:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         model_id: str | None = None,
+        kv_cache_dtype: str | None = None,
         **kwargs,
     ) -> Engine:
         path = Path(path)
         model = load_model(path, dtype=dtype, device=device)
         num_layers, kv_heads, head_dim = model.kv_geometry
-        geometry = PoolGeometry(num_layers, kv_heads, head_dim, page_size, dtype)
+        kv_format = cache_format(dtype, kv_cache_dtype)
+        geometry = PoolGeometry(num_layers, kv_heads, head_dim, page_size, page_dtype(dtype, kv_format.hbm))
         if num_pages is None:
             if hbm_bytes is None:
                 raise InvalidArgument("give num_pages or hbm_bytes to size the page pool", field="num_pages")
@@ -196,9 +236,12 @@ class Engine:
                     f"hbm_bytes={hbm_bytes} holds no page of {geometry.page_bytes} bytes", field="hbm_bytes"
                 )
         namespace = kwargs.pop("namespace", None) or default_namespace(
-            path, model, page_size=page_size, kv_dtype=_DTYPE_NAMES.get(dtype, "fp32"), model_id=model_id
+            path, model, page_size=page_size, kv_dtype=kv_format.name, model_id=model_id
         )
-        return cls(model, num_pages=num_pages, page_size=page_size, namespace=namespace, **kwargs)
+        return cls(
+            model, num_pages=num_pages, page_size=page_size, namespace=namespace, kv_cache_dtype=kv_cache_dtype,
+            **kwargs,
+        )
 
     @staticmethod
     def _cost_model(model: LlamaModel, geometry: PoolGeometry) -> CostModel:

@@ -6,6 +6,7 @@ import torch
 
 from kvtier.cache.page_pool import PagePool
 from kvtier.engine.attention.base import AttentionBackend, AttentionMetadata
+from kvtier.engine.attention.fp8 import Fp8Pages
 from kvtier.engine.model import LlamaModel
 from kvtier.engine.sequence import Sequence
 
@@ -16,6 +17,9 @@ class ModelRunner:
         self.pool = pool
         self.backend = backend
         self.device = pool.tensor.device
+        # What the model reads and writes: the float pool itself, or codes and scales over an
+        # FP8 pool's bytes (views, no copy).
+        self.kv: torch.Tensor | Fp8Pages = Fp8Pages.over_pool(pool) if pool.geometry.is_fp8 else pool.tensor
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -40,6 +44,6 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, self.pool.tensor, md, self.backend)
+        hidden = self.model(ids, pos, self.kv, md, self.backend)
         last_rows = md.query_start[1:].long() - 1
         return self.model.compute_logits(hidden[last_rows])

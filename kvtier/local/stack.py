@@ -50,6 +50,8 @@ class StackOptions:
     dram_bytes: int = 256 << 20
     nvme_bytes: int = 0
     eviction_policy: str = "experts"  # WorkerConfig.eviction_policy of every worker
+    kv_cache_dtype: str = "auto"  # WorkerConfig.kv_cache_dtype of every worker
+    lower_tier_dtype: str = "same"  # WorkerConfig.lower_tier_dtype of every worker
     # WorkerConfig.session_hold_fraction of every worker; None: its default.
     session_hold_fraction: float | None = None
     # Link emulation, benchmarks without a GPU only (WorkerConfig.emulated_*_link_bytes_per_s,
@@ -217,6 +219,8 @@ async def start_local_stack(options: StackOptions) -> LocalStack:
                 dram_bytes=options.dram_bytes,
                 nvme_bytes=options.nvme_bytes,
                 eviction_policy=options.eviction_policy,
+                kv_cache_dtype=options.kv_cache_dtype,
+                lower_tier_dtype=options.lower_tier_dtype,
                 emulated_dram_link_bytes_per_s=options.emulated_dram_link_bytes_per_s,
                 emulated_nvme_link_bytes_per_s=options.emulated_nvme_link_bytes_per_s,
                 wait_scale=options.wait_scale,

@@ -5,6 +5,7 @@
     NVMe  kv = budget
     pages = kv // bytes_per_page        tokens = pages × page_size
     bytes_per_page = ceil(bits/token × page_size / 8), plus fp8's per-(layer, plane, kv head) scales
+    kv_dtype "bf16/fp8": HBM pages in bf16, DRAM and NVMe pages in fp8 (``lower_tier_dtype = fp8``)
     sessions(L) = pages // ceil(L / page_size)          a session owns whole pages; its tail page is private
 
 The page-size study answers the other half of choosing ``page_size`` from a real length
@@ -52,6 +53,13 @@ def validate_budget(num_bytes: float, *, name: str, positive: bool = False) -> N
         raise InvalidArgument(f"{name} must be >= 0, got {num_bytes}", field=name)
 
 
+def parse_plan_dtype(text: str, *, field: str = "kv_dtype") -> tuple[str, str]:
+    """``(hbm, lower)`` element types: one dtype for every tier, or ``HBM/lower`` such as ``bf16/fp8``."""
+    hbm_text, sep, lower_text = str(text).partition("/")
+    hbm = parse_dtype(hbm_text, field=field)[0]
+    return hbm, parse_dtype(lower_text, field=field)[0] if sep else hbm
+
+
 @dataclass(frozen=True, slots=True)
 class TierPlan:
     tier: str
@@ -70,7 +78,8 @@ class CapacityPlan:
     page_size: int
     headroom: float
     bits_per_token: int
-    bytes_per_page: int
+    bytes_per_page: int  # of an HBM page
+    lower_bytes_per_page: int  # of a DRAM or NVMe page: bytes_per_page unless kv_dtype names a lower element
     context_lengths: tuple[int, ...]
     tiers: tuple[TierPlan, ...]
     latent_note: str | None  # set for a latent (MLA) cache, whose size is not 2 × K/V
@@ -103,7 +112,8 @@ def plan(
     headroom: float = 0.15,
 ) -> CapacityPlan:
     """Pages, tokens and sessions per tier for one model on one GPU with the given budgets."""
-    kv_dtype, _ = parse_dtype(kv_dtype)
+    hbm_dtype, lower_dtype = parse_plan_dtype(kv_dtype)
+    kv_dtype = hbm_dtype if lower_dtype == hbm_dtype else f"{hbm_dtype}/{lower_dtype}"
     validate_page_size(page_size)
     validate_headroom(headroom)
     validate_budget(hbm_bytes, name="hbm_bytes", positive=True)
@@ -114,8 +124,9 @@ def plan(
         if length < 1:
             raise InvalidArgument(f"context lengths must be >= 1, got {length}", field="context_lengths")
 
-    bits_per_token = geometry.kv_bits_per_token(kv_dtype)
-    bytes_per_page = geometry.page_bytes(kv_dtype, page_size)  # whole bytes; fp8 includes its scales
+    bits_per_token = geometry.kv_bits_per_token(hbm_dtype)
+    bytes_per_page = geometry.page_bytes(hbm_dtype, page_size)  # whole bytes; fp8 includes its scales
+    lower_bytes_per_page = geometry.page_bytes(lower_dtype, page_size)
     notes: list[str] = []
 
     hbm_free = hbm_bytes - geometry.weights_bytes
@@ -131,7 +142,7 @@ def plan(
     tiers = []
     for name in TIERS:
         budget, kv = budgets[name]
-        num_pages = kv // bytes_per_page
+        num_pages = kv // (bytes_per_page if name == "hbm" else lower_bytes_per_page)
         tiers.append(
             TierPlan(
                 tier=name,
@@ -155,7 +166,7 @@ def plan(
     too_long = [n for n in lengths if limit is not None and n > limit]
     if too_long:
         notes.append(f"context lengths {too_long} exceed the model's max_position_embeddings ({limit})")
-    if kv_dtype == "fp4":
+    if "fp4" in (hbm_dtype, lower_dtype):
         notes.append("fp4 counts 4 bits per element; block scales (e.g. NVFP4's fp8 scale per 16) are extra")
     return CapacityPlan(
         geometry=geometry,
@@ -164,6 +175,7 @@ def plan(
         headroom=headroom,
         bits_per_token=bits_per_token,
         bytes_per_page=bytes_per_page,
+        lower_bytes_per_page=lower_bytes_per_page,
         context_lengths=lengths,
         tiers=tuple(tiers),
         latent_note=latent_note,

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 ENV_PREFIX = "KVTIER_"
+# What --kv-cache-dtype takes (vLLM's spellings for FP8); fp4 is refused at start (no engine format).
+KV_CACHE_DTYPE_CHOICES = ("auto", *KV_DTYPES, "fp8_e4m3", "fp8_e5m2")
 _SETTING = "kvtier.setting"
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -239,7 +241,16 @@ class WorkerConfig:
     device: str = setting("auto", "where the model and the HBM tier live", choices=("auto", "cpu", "cuda"))
     page_size: int = setting(16, "tokens per KV page", min=1, max=1024, power_of_two=True)
     kv_cache_dtype: str = setting(
-        "auto", "KV element type; auto is fp32 on CPU, bf16 on GPU", choices=("auto", *KV_DTYPES)
+        "auto",
+        "KV element type; auto is fp32 on CPU, bf16 on GPU; fp8 (= fp8_e4m3) or fp8_e5m2 stores FP8 codes with "
+        "per-(page, layer, plane, kv head) scales in every tier (decision 0015)",
+        choices=KV_CACHE_DTYPE_CHOICES,
+    )
+    lower_tier_dtype: str = setting(
+        "same",
+        "what pages hold below HBM: same as kv_cache_dtype, or fp8 (fp8_e4m3, fp8_e5m2) for a float HBM cache that "
+        "demotes as FP8 (requantized on the way down: changes output, and the namespace says so)",
+        choices=("same", "fp8", "fp8_e4m3", "fp8_e5m2"),
     )
     gpu_memory_utilization: float = setting(
         0.9, "share of device memory for weights + KV when hbm_bytes is unset", min=0, max=1, min_open=True

@@ -72,14 +72,13 @@ class DramPool(PagePool):
         # replaces it (PagePool only ever reads ``self.tensor``).
         super().__init__(num_pages, geometry, device="meta")
         g = geometry
-        shape = (num_pages, g.num_layers, 2, g.page_size, g.kv_heads, g.head_dim)
         raw = aligned_host_tensor(num_pages * g.page_bytes, pin_memory=pin_memory)
         if not pin_memory:
             # Fault every page in now, once: faulting huge pages in lazily, under a
             # demotion, slowed the decode steps running beside it 2-4x on the CI VM
             # (pinned memory is resident from the start anyway).
             raw.zero_()
-        self.tensor = raw.view(g.dtype).view(shape)
+        self.tensor = raw.view(g.storage_dtype).view(g.tensor_shape(num_pages))
         self.is_pinned_memory = pin_memory
         self._checksums = np.zeros(num_pages, dtype=np.uint64)
         self._has_checksum = np.zeros(num_pages, dtype=bool)

@@ -66,6 +66,7 @@ from kvtier.tiers.dram import DramPool
 from kvtier.tiers.moves import MoveOutcome, MoveTicket, PendingMove
 from kvtier.tiers.nvme.format import SlotId
 from kvtier.tiers.nvme.pool import NvmePool
+from kvtier.tiers.page_codec import PageCodec
 from kvtier.tiers.promotion import Promotions
 from kvtier.tiers.room import RoomMaking
 from kvtier.tiers.shadows import Shadow, ShadowCopies
@@ -108,6 +109,9 @@ class TierConfig:
     # 0011): bytes/s per tier pair that touches HBM; None (the default) moves at memory speed.
     link_bytes_per_s: dict[tuple[Tier, Tier], float] | None = None
     simulate: bool = False  # move pages in the index and pools only (no bytes, no files)
+    # DRAM and NVMe hold pages in this codec's format (``lower_tier_dtype = fp8``: requantized on
+    # the way down, kvtier.tiers.page_codec); None: in HBM's format, byte for byte.
+    lower_codec: PageCodec | None = None
 
 
 @dataclass(slots=True)
@@ -189,8 +193,8 @@ class TierManager(ShadowCopies, RoomMaking, Demotions, Promotions):
         self.index = index
         self.hbm: PagePool = index.pool
         self.config = config
-        geometry = self.hbm.geometry
-        self.page_bytes = geometry.page_bytes
+        geometry = self.hbm.geometry if config.lower_codec is None else config.lower_codec.lower_geometry
+        self.page_bytes = geometry.page_bytes  # of a page as DRAM and NVMe store it: what a move carries
         self.dram = DramPool(config.dram_pages, geometry) if config.dram_pages > 0 else None
         self.nvme: NvmePool | None = None
         if config.nvme_slots > 0 and config.simulate:
@@ -203,6 +207,7 @@ class TierManager(ShadowCopies, RoomMaking, Demotions, Promotions):
             self.hbm, self.dram, None if config.simulate else self.nvme,
             budget_bytes_per_s=config.demotion_budget_bytes_per_s,
             link_bytes_per_s=None if config.simulate else config.link_bytes_per_s,
+            codec=config.lower_codec,
         )
         self.counters = TierCounters()
         self._pending: dict[TransferId, PendingMove] = {}

@@ -25,6 +25,7 @@ from kvtier.tiers import copy as page_copy
 from kvtier.tiers.dram import DramPool
 from kvtier.tiers.link_emulation import EmulatedLinks, check_link_rates
 from kvtier.tiers.nvme.pool import NvmePool
+from kvtier.tiers.page_codec import PageCodec
 from kvtier.tiers.transfer import (
     CancelOutcome,
     TierPair,
@@ -76,6 +77,7 @@ class TransferEngine(CopyPaths):
         on_done: Callable[[TransferDone], None] | None = None,
         budget_bytes_per_s: float | None = None,
         link_bytes_per_s: Mapping[TierPair, float] | None = None,
+        codec: PageCodec | None = None,
     ) -> None:
         self.budget_bytes_per_s = budget_bytes_per_s
         self.link_bytes_per_s = check_link_rates(link_bytes_per_s)
@@ -89,10 +91,16 @@ class TransferEngine(CopyPaths):
             self._pools[Tier.DRAM] = dram
         if nvme is not None:
             self._pools[Tier.NVME] = nvme
+        # Below HBM pages are in the codec's format when there is one (kvtier.tiers.page_codec).
+        self.codec = codec
+        self.lower_geometry = hbm.geometry if codec is None else codec.lower_geometry
         page_bytes = {tier: pool.geometry.page_bytes for tier, pool in self._pools.items()}
-        if len(set(page_bytes.values())) != 1:
-            raise InvalidArgument(f"tiers disagree on the page size in bytes: {page_bytes}")
-        self.page_bytes = hbm.geometry.page_bytes
+        expected = dict.fromkeys(page_bytes, self.lower_geometry.page_bytes)
+        expected[Tier.HBM] = hbm.geometry.page_bytes
+        if page_bytes != expected:
+            raise InvalidArgument(f"tiers disagree on the page size in bytes: {page_bytes}, expected {expected}")
+        # Bytes of one page as it is stored below HBM: what every transfer moves and is paced by.
+        self.page_bytes = self.lower_geometry.page_bytes
         self.hbm, self.dram, self.nvme = hbm, dram, nvme
         self.is_cuda = hbm.tensor.is_cuda
         if chunk_bytes is None:

@@ -134,6 +134,10 @@ class CopyPaths:
 
     def _hbm_to_dram(self, job: Job, pairs: np.ndarray) -> np.ndarray:
         assert self.dram is not None
+        if self.codec is not None:
+            sums = self._encode_pages(job, pairs)
+            self.dram.set_checksums(pairs[:, 1], sums)
+            return sums
         sums = self._memcpy_runs(
             job, pairs, self.hbm.tensor, self.dram.tensor, "src" if self.is_cuda else "dst"
         )
@@ -143,17 +147,59 @@ class CopyPaths:
     def _dram_to_hbm(self, job: Job, pairs: np.ndarray) -> tuple[list[int], list[bool]]:
         assert self.dram is not None
         expected, present = self.dram.checksum_array(pairs[:, 0])
-        got = self._memcpy_runs(job, pairs, self.dram.tensor, self.hbm.tensor, "dst")
+        if self.codec is not None:
+            got = self._decode_pages(job, pairs)
+        else:
+            got = self._memcpy_runs(job, pairs, self.dram.tensor, self.hbm.tensor, "dst")
         return expected.tolist(), ((got == expected) & present).tolist()
 
+    # ---- a lower-tier format (kvtier.tiers.page_codec): convert on the HBM boundary -------------
+    def _encode_pages(self, job: Job, pairs: np.ndarray) -> np.ndarray:
+        """HBM pages ``pairs[:, 0]`` encoded into DRAM pages ``pairs[:, 1]``; the checksums of the
+        encoded bytes, the ones DRAM stores."""
+        assert self.dram is not None and self.codec is not None
+        sums = np.zeros(len(pairs), dtype=np.uint64)
+        for a in range(0, len(pairs), self.chunk_pages):
+            self._check_cancel(job)
+            part = pairs[a : a + self.chunk_pages]
+            src = self.hbm.tensor[torch.from_numpy(part[:, 0].copy()).to(self.hbm.tensor.device)]
+            encoded = torch.empty(self.lower_geometry.tensor_shape(len(part)), dtype=self.lower_geometry.storage_dtype,
+                                  device=src.device)
+            self.codec.encode(src, encoded)
+            sums[a : a + len(part)] = page_checksums(encoded).cpu().numpy().view(np.uint64)
+            self.dram.tensor[torch.from_numpy(part[:, 1].copy())] = encoded.cpu()
+            job.moved_bytes += len(part) * self.page_bytes
+        return sums
+
+    def _decode_pages(self, job: Job, pairs: np.ndarray) -> np.ndarray:
+        """DRAM pages ``pairs[:, 0]`` decoded into HBM pages ``pairs[:, 1]``; the checksums of the
+        DRAM bytes as read (the caller compares them with the stored ones)."""
+        assert self.dram is not None and self.codec is not None
+        sums = np.zeros(len(pairs), dtype=np.uint64)
+        for a in range(0, len(pairs), self.chunk_pages):
+            self._check_cancel(job)
+            part = pairs[a : a + self.chunk_pages]
+            stored = self.dram.tensor[torch.from_numpy(part[:, 0].copy())]
+            sums[a : a + len(part)] = page_checksums(stored).numpy().view(np.uint64)
+            self._decode_into_hbm(stored, part[:, 1])
+            job.moved_bytes += len(part) * self.page_bytes
+        return sums
+
+    def _decode_into_hbm(self, stored: torch.Tensor, hbm_ids: np.ndarray) -> None:
+        assert self.codec is not None
+        hbm = self.hbm.tensor
+        decoded = torch.empty((len(hbm_ids), *hbm.shape[1:]), dtype=hbm.dtype, device=hbm.device)
+        self.codec.decode(stored.to(hbm.device, non_blocking=True), decoded)
+        hbm[torch.from_numpy(np.array(hbm_ids, dtype=np.int64)).to(hbm.device)] = decoded
+
     def _host_pages(self, num_pages: int) -> torch.Tensor:
-        """Per-thread aligned (pinned on CUDA) staging pages for NVMe <-> GPU HBM."""
+        """Per-thread aligned (pinned on CUDA) staging pages, in the lower tiers' format, for
+        NVMe <-> GPU HBM and for NVMe <-> HBM through a codec."""
         buf = getattr(self._staging, "pages", None)
         if buf is None or buf.shape[0] < num_pages:
-            g = self.hbm.geometry
-            raw = aligned_host_tensor(num_pages * self.page_bytes, pin_memory=True)
-            shape = (num_pages, g.num_layers, 2, g.page_size, g.kv_heads, g.head_dim)
-            buf = raw.view(g.dtype).view(shape)
+            g = self.lower_geometry
+            raw = aligned_host_tensor(num_pages * self.page_bytes, pin_memory=self.is_cuda)
+            buf = raw.view(g.storage_dtype).view(g.tensor_shape(num_pages))
             self._staging.pages = buf
         return buf[:num_pages]
 
@@ -165,13 +211,22 @@ class CopyPaths:
         src = self.hbm.tensor if from_hbm else self.dram.tensor  # type: ignore[union-attr]
         if from_hbm:
             sums = np.zeros(len(pairs), dtype=np.uint64)
+            encode = self.codec is not None
         else:
+            encode = False
             assert self.dram is not None
             sums = self.dram.checksum_array(pairs[:, 0])[0]  # carried, not recomputed
         for group in self._runs(pairs, nvme.max_slots_per_io, by="dst"):
             self._check_cancel(job)
             ids = pairs[group, 0]
-            if from_hbm:
+            pages, rows = src, ids
+            if encode:
+                assert self.codec is not None
+                # Encoded into the staging pages, checksummed as stored.
+                pages, rows = self._host_pages(len(ids)), None
+                self.codec.encode(src[torch.from_numpy(ids.copy()).to(src.device)], pages)
+                sums[group] = page_copy.checksums(pages).numpy().view(np.uint64)
+            elif from_hbm:
                 # Checksum per run of consecutive source pages, in HBM, before they leave.
                 for part in np.split(np.arange(len(ids)), np.flatnonzero(np.diff(ids) != 1) + 1):
                     a = int(ids[part[0]])
@@ -179,8 +234,7 @@ class CopyPaths:
                     sums[group[part]] = values.numpy().view(np.uint64)
             # Host pages go out straight from the pool (pages picked by row, no per-page
             # tensor); device pages through the staging buffer.
-            pages, rows = src, ids
-            if src.is_cuda:
+            if src.is_cuda and not encode:
                 pages, rows = self._host_pages(len(ids)), None
                 for j, i in enumerate(ids.tolist()):
                     pages[j].copy_(src[i])
@@ -221,9 +275,12 @@ class CopyPaths:
             d0, k = int(pairs[group[0], 1]), len(group)
             slots = pairs[group, 0]
             target = dst_pool.tensor[d0 : d0 + k]
-            staged = self._host_pages(k) if target.is_cuda else target
+            decode = self.codec is not None and dst_pool is self.hbm
+            staged = self._host_pages(k) if target.is_cuda or decode else target
             verdicts = nvme.read_pages(slots, staged)
-            if staged is not target:
+            if decode:
+                self._decode_into_hbm(staged, pairs[group, 1])
+            elif staged is not target:
                 target.copy_(staged)
             sums[group] = nvme.stored_checksums(slots)
             ok[group] = [v.ok for v in verdicts]

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtier.domain.errors import InvalidArgument
-from kvtier.engine.attention.base import AttentionBackend, AttentionMetadata
+from kvtier.engine.attention.base import AttentionBackend, AttentionMetadata, KvLayer
+from kvtier.engine.attention.fp8 import Fp8Pages
 from kvtier.engine.model.config import SUPPORTED_ROPE_TYPES, ModelConfig, RopeConfig
 
 # The cos/sin table grows in powers of two from here, capped at max_position_embeddings.
@@ -151,7 +152,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_layer: torch.Tensor,
+        kv_layer: KvLayer,
         md: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
@@ -192,7 +193,7 @@ class DecoderLayer(nn.Module):
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_layer: torch.Tensor,
+        kv_layer: KvLayer,
         md: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
@@ -250,7 +251,7 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        pool: torch.Tensor,
+        pool: torch.Tensor | Fp8Pages,
         md: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
@@ -268,7 +269,7 @@ class LlamaModel(nn.Module):
         return F.linear(hidden, weight).float()
 
     def _check_inputs(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor, md: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor | Fp8Pages, md: AttentionMetadata
     ) -> None:
         # Host-side shape checks only: nothing here may sync with the device.
         num_tokens = md.num_tokens

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtier.domain.hashing import KV_DTYPES, NamespaceIdentity
+from kvtier.domain.kv_dtype import is_valid_namespace_kv_dtype
 from kvtier.domain.records import (
     InvalidationScope,
     ModelFacts,
@@ -88,9 +89,10 @@ def from_proto_model_identity(msg: common_pb2.ModelIdentity, path: str = "model"
     for name in ("model_id", "weights_digest", "tokenizer_digest", "rope_config"):
         read_string(getattr(msg, name), join_path(path, name), max_chars=MAX_IDENTITY_FIELD_CHARS)
     read_string(msg.model_id, join_path(path, "model_id"), required=True)
-    if msg.kv_dtype not in KV_DTYPES:
+    if not is_valid_namespace_kv_dtype(msg.kv_dtype):
         raise invalid(
-            join_path(path, "kv_dtype"), f"must be one of {', '.join(KV_DTYPES)}, got {msg.kv_dtype!r}"
+            join_path(path, "kv_dtype"),
+            f"must be one of {', '.join(KV_DTYPES)} or an FP8 scheme such as fp8_e4m3@page-head, got {msg.kv_dtype!r}",
         )
     return ModelIdentity(
         model_id=msg.model_id,

@@ -150,7 +150,7 @@ class NvmePool(SlotTable, SlotIO, SlotRecovery):
             g.kv_heads,
             g.head_dim,
             g.page_size,
-            str(g.dtype).removeprefix("torch.").encode()[:16],
+            g.dtype_name.encode()[:16],
             self.slots_per_group,
             self.record_bytes,
         )
