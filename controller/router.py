@@ -24,7 +24,7 @@ from kvtier.cache.epochs import EpochTable
 from kvtier.controller.directory_records import PrefixLookup
 from kvtier.controller.registry import Registry, WorkerEntry
 from kvtier.controller.resync import REDIS_ERRORS, DirectoryAccess
-from kvtier.domain.errors import NotFound, Unavailable
+from kvtier.domain.errors import NotFound, ResourceExhausted, Unavailable
 from kvtier.domain.hashing import NamespaceDigest, NamespaceIdentity, PageKey, namespace_digest, page_keys
 from kvtier.domain.records import (
     LookupRequest,
@@ -185,11 +185,11 @@ class Router:
             if result is not None:
                 page_size = namespace.page_size
                 matched = {m.worker: m.matched_tokens(page_size) for m in result.matches}
-        affinity = self.registry.affinity(request.session_id) if request.session_id else None
+        # Sessions are keyed by (tenant, id): another tenant's session of the same id is not this one.
+        session = (namespace.tenant, request.session_id) if request.session_id else None
+        affinity = self.registry.affinity(session) if session else None
         candidates = [Candidate(e.worker_id, e.address, worker_load(e)) for e in entries]
         ranked = rank_workers(candidates, matched, self.params, affinity)
-        if request.session_id and ranked:
-            self.registry.set_affinity(request.session_id, ranked[0].worker_id)
         if request.session_id and self.on_session_route is not None:
             try:
                 top = ranked[0].worker_id if ranked else None
@@ -197,10 +197,15 @@ class Router:
                     request.session_id, tenant=namespace.tenant, worker=top,
                     digest=digest, num_tokens=len(keys) * namespace.page_size,
                     matched=None if degraded or top is None else matched.get(top, TokensByTier()),
+                    owner=caller.name if caller is not None else "",
                 )
+            except ResourceExhausted:  # the tenant is at its cap of live sessions
+                raise
             except Exception as exc:  # session bookkeeping must never fail a Route
                 log.warning("session bookkeeping on Route failed", extra={
                     "session_id": request.session_id, "reason": str(exc)})
+        if session and ranked:
+            self.registry.set_affinity(session, ranked[0].worker_id)
         return RouteDecision(workers=ranked, degraded_reason=degraded)
 
     def list_models(self, caller: Principal | None) -> tuple[ServedModel, ...]:

@@ -331,7 +331,8 @@ async def serve_controller(
 
         predictor = ToolReturnPredictor(client, predictor_params, on_error=access.report_failure)
         if orchestrator_params is None:
-            orchestrator_params = OrchestratorParams(max_hold_ms=config.session_hold_max_s * 1000.0)
+            orchestrator_params = OrchestratorParams(max_hold_ms=config.session_hold_max_s * 1000.0,
+                                                     max_sessions_per_tenant=config.max_sessions_per_tenant)
         orchestrator = Orchestrator(
             SessionStore(client), predictor, registry, controller.send_command, orchestrator_params
         )

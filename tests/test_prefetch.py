@@ -16,6 +16,7 @@ import pytest_asyncio
 
 from kvtier.controller.orchestrator_params import OrchestratorParams
 from kvtier.controller.prefetch import Outcome, PauseOutcome, PrefetchStats, PromoteLatency
+from kvtier.controller.session_tenancy import SessionKey
 from kvtier.controller.sessions import PrefetchState
 from kvtier.domain.hashing import namespace_digest, page_keys
 from kvtier.domain.records import SessionState
@@ -395,7 +396,7 @@ async def test_top_ups_stop_where_the_hold_would_end(worker, flushed_redis_url, 
             # on (the next at ~3.15 s, then ~6.35 s, ...). Polling for an empty timer slot would
             # not do: it is empty too while a top-up is in flight.
             await asyncio.sleep(2.5)
-            assert not orchestrator.timers.is_scheduled("s-bound")
+            assert not orchestrator.timers.is_scheduled(SessionKey("", "s-bound"))
         sent = [r for r in caplog.records
                 if r.getMessage() == "session prefetched" and getattr(r, "session_id", None) == "s-bound"]
         # The prefetch, then top-ups at ~50, 150, 350, 750, 1550 ms (later by their acks' time:

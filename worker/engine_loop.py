@@ -298,8 +298,8 @@ class EngineLoop:
         """Forget the session and release its hold; ``drop`` also removes its private pages."""
         return await self.call(lambda: self.holds.drop_session(digest, session, drop=drop))
 
-    async def session_pages(self, session: SessionId) -> SessionPages | None:
-        return await self.call(lambda: self.holds.session_pages(session))
+    async def session_pages(self, session: SessionId, digest: NamespaceDigest) -> SessionPages | None:
+        return await self.call(lambda: self.holds.session_pages(session, digest))
 
     # ---- posting ----------------------------------------------------------------------
     def _post(self, op: Callable[[], None]) -> bool:
@@ -449,9 +449,9 @@ class EngineLoop:
 
     def _admit(self, run: _Run) -> None:
         request = run.request
-        if request.session_id is not None:
-            self.holds.arrived(request.session_id)
         digest = run.digest = self.engine.digest_for(request.namespace)
+        if request.session_id is not None:
+            self.holds.arrived(digest, request.session_id)
         tiers = self.engine.tiers
         if tiers is not None and not tiers.config.simulate:
             if self.admission.offer(run.run_id, run, request, digest):
@@ -526,7 +526,7 @@ class EngineLoop:
             add_promotions(result, waited.promoted_tokens_by_tier, waited.promotion_wait_s)
         session = run.request.session_id
         # A session's next turn here: its last turn's pages are the history this one resumes.
-        resumed = session is not None and self.holds.has_session(session)
+        resumed = session is not None and run.digest is not None and self.holds.has_session(session, run.digest)
         if session is not None:
             assert run.digest is not None
             self.holds.remember(session, run.digest, result.prompt_token_ids, result.token_ids)
