@@ -18,12 +18,14 @@ import asyncio
 import dataclasses
 from collections.abc import Callable, Sequence
 
+import grpc
 import grpc.aio
 
 from kvtier.cache.epochs import EpochTable
 from kvtier.controller.directory_records import PrefixLookup
 from kvtier.controller.registry import Registry, WorkerEntry
 from kvtier.controller.resync import REDIS_ERRORS, DirectoryAccess
+from kvtier.controller.route_hashing import RouteHashing
 from kvtier.domain.errors import NotFound, ResourceExhausted, Unavailable
 from kvtier.domain.hashing import NamespaceDigest, NamespaceIdentity, PageKey, namespace_digest, page_keys
 from kvtier.domain.records import (
@@ -47,7 +49,6 @@ from kvtier.rpc.auth_interceptor import principal_name as principal_name
 from kvtier.rpc.auth_interceptor import principal_tenant as principal_tenant
 from kvtier.rpc.auth_interceptor import resolve_tenant as resolve_tenant
 from kvtier.rpc.convert.router import (
-    from_proto_route_request,
     to_proto_route_decision,
     to_proto_served_models,
 )
@@ -260,19 +261,24 @@ class Router:
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    """Thin shell: convert, route, convert back. Standbys answer UNAVAILABLE naming the leader."""
+    """Thin shell: convert, route, convert back. Standbys answer UNAVAILABLE naming the leader.
 
-    def __init__(self, router: Router) -> None:
+    Route takes its request as bytes (``add_router_servicer``): a large one is decoded and
+    hashed off the event loop (``kvtier.controller.route_hashing``)."""
+
+    def __init__(self, router: Router, hashing: RouteHashing | None = None) -> None:
         self._router = router
+        self._hashing = hashing or RouteHashing()
 
     @rpc_errors
     async def Route(
-        self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext
+        self, request: bytes, context: grpc.aio.ServicerContext
     ) -> router_pb2.RouteResponse:
         self._router.access.check_serving()
-        route = from_proto_route_request(request)
+        caller = principal_tenant(context)
+        route = await self._hashing.request(request, caller, self._router.epochs)
         decision = await tracing.traced_route(  # the `route` span (a no-op with tracing off)
-            self._router.route(route, principal_tenant(context)), route, context.invocation_metadata()
+            self._router.route(route, caller), route, context.invocation_metadata()
         )
         return to_proto_route_decision(decision)
 
@@ -282,3 +288,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> router_pb2.ListModelsResponse:
         self._router.access.check_serving()  # workers link to the leader: a standby knows none
         return to_proto_served_models(self._router.list_models(principal_tenant(context)))
+
+
+def add_router_servicer(servicer: RouterServicer, server: grpc.aio.Server) -> None:
+    """``router_pb2_grpc.add_RouterServicer_to_server``, with Route's request left as bytes."""
+    handlers = {
+        "Route": grpc.unary_unary_rpc_method_handler(
+            servicer.Route, response_serializer=router_pb2.RouteResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels, request_deserializer=router_pb2.ListModelsRequest.FromString,
+            response_serializer=router_pb2.ListModelsResponse.SerializeToString),
+    }
+    service = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))

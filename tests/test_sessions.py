@@ -290,7 +290,7 @@ async def test_a_route_does_not_wait_for_the_session_bookkeeping_but_the_next_pa
         held, release = asyncio.Event(), asyncio.Event()
 
         async def hold_the_session() -> None:
-            async with orchestrator.serial.locked(SessionId("s-slow")):
+            async with orchestrator.serial.locked(SessionKey("", SessionId("s-slow"))):
                 held.set()
                 await release.wait()
 
