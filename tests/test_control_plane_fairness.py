@@ -47,7 +47,7 @@ from kvtier.rpc.status import status_details
 from google.rpc import error_details_pb2
 address, token, num_threads, num_tokens, run_s = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
 msg = router_pb2.RouteRequest()
-msg.namespace.model_id, msg.namespace.page_size = "m", 16
+msg.namespace.model_id, msg.namespace.page_size, msg.namespace.kv_dtype = "m", 16, "fp32"
 msg.token_ids.ids.extend(range(num_tokens))
 raw = msg.SerializeToString()
 channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20),
