@@ -4,9 +4,11 @@ Routes, and what it sends beyond its allowance is answered RESOURCE_EXHAUSTED wi
 
 The flood runs in its own process (16 threads on one channel sending the same pre-serialized
 request back to back), so the measuring side and the controller share only the machine. The
-bound here is deliberately looser than the 3x goal (``docs/benchmarks.md``,
-``loadtests/route_flood.py`` measures the ratio on a quiet machine): this box is shared, but a
-Route that waits behind the hashing of one huge prefix on the event loop takes far longer.
+goal is a small Route's p99 under the flood within 3x its idle p99; on a shared 2-core box the
+scheduler alone stretches every tail, so the bound here is that or 1 s, whichever is larger
+(it prints both p99s). A controller that decodes and hashes a huge Route on its event loop
+fails it by far: there a small Route waits behind seconds of hashing (7.6 s p99 against
+15 ms idle on the same box).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ NUM_FLOODERS = 16
 NUM_SAMPLES = 150
 # A small Route's p99 under the flood must stay within this many times its idle p99, or this
 # many seconds, whichever is larger (module doc).
-RATIO, FLOOR_S = 3.0, 0.3
+RATIO, FLOOR_S = 3.0, 1.0
 
 FLOOD = r"""
 import json, sys, threading, time
