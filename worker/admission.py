@@ -27,6 +27,7 @@ from its own session's hold.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Iterator
@@ -174,8 +175,11 @@ class Admission(Generic[R]):
                     deferring = now - wait.waiting_since < HOLD_DEFER_S * scale
                     spared = time.time() * 1000.0 + HOLD_DUE_SOON_S * scale * 1000.0 if deferring else None
                     # Its own pages are not the room it makes: pinned before anything is demoted.
-                    made = self._room.make(short, protect=functools.partial(self._pin_chain, run_id, chain),
-                                           weaker_than=spared, sparing=self._session_of(wait))
+                    quotas = self._engine.quotas
+                    # On the request's tenant's behalf: other tenants' reserved pages stay.
+                    with quotas.acting_for(wait.digest) if quotas is not None else contextlib.nullcontext():
+                        made = self._room.make(short, protect=functools.partial(self._pin_chain, run_id, chain),
+                                               weaker_than=spared, sparing=self._session_of(wait))
                     if not made and spared is not None and self._holds.is_due_soon(
                             spared, excluding=self._waiting_sessions()):
                         if wait.deferred_at is None:
