@@ -59,7 +59,13 @@ from dataclasses import replace
 from kvtier.controller.lateness import LatenessBudget
 from kvtier.controller.orchestrator_params import OrchestratorParams
 from kvtier.controller.predictor import ToolReturnPredictor
-from kvtier.controller.prefetch import MoveReason, Outcome, PauseOutcome, PrefetchStats
+from kvtier.controller.prefetch import (
+    MoveReason,
+    Outcome,
+    PauseOutcome,
+    PrefetchStats,
+    evicted_since_prefetch,
+)
 from kvtier.controller.registry import Registry
 from kvtier.controller.session_census import SessionCensus
 from kvtier.controller.session_serial import SessionSerial
@@ -118,16 +124,9 @@ class Orchestrator:
     the commands and knows their costs; ``serial`` (``SessionSerial``) runs Pause, Returning,
     End, Route and timer work on one session one at a time; ``timers`` holds the prefetches."""
 
-    def __init__(
-        self,
-        store: SessionStore,
-        predictor: ToolReturnPredictor,
-        registry: Registry,
-        send_command: SendCommand,
-        params: OrchestratorParams | None = None,
-        *,
-        clock_ms: Callable[[], float] = wall_clock_ms,
-    ) -> None:
+    def __init__(self, store: SessionStore, predictor: ToolReturnPredictor, registry: Registry,
+                 send_command: SendCommand, params: OrchestratorParams | None = None, *,
+                 clock_ms: Callable[[], float] = wall_clock_ms) -> None:
         self.store = store
         self.predictor = predictor
         self.registry = registry
@@ -296,7 +295,13 @@ class Orchestrator:
         num_bytes = num_pages * page_bytes
         if done and record.num_parked_pages:  # parked and prefetched, or a guard that moved pages
             lead_ms = float(now - (record.prefetch_done_at_ms or now))
-            wasted_bytes = self._evicted_since_prefetch(record, now, matched, skipped) * page_bytes
+            entry = self.moves.entry(record.worker_id)
+            unknown = entry is None or matched is None or record.prefetch_done_at_ms is None
+            num_evicted = 0 if unknown else evicted_since_prefetch(
+                matched, page_size=entry.registration.page_size, num_parked_pages=record.num_parked_pages,
+                num_cached_tokens=record.num_cached_tokens, num_skipped=skipped,
+                is_too_recent=lead_ms < self.params.directory_lag_ms)
+            wasted_bytes = num_evicted * page_bytes
             self.stats.count_waste("evicted", wasted_bytes)
         if outcome != Outcome.KEPT or lead_ms is not None:
             log.info("session returned", extra={
@@ -312,22 +317,6 @@ class Orchestrator:
         if not record.is_duration_observed and actual_ms is not None:
             await self.predictor.observe(record.tenant, record.tool_name or "", actual_ms)
         record.clear_pause()
-
-    def _evicted_since_prefetch(
-        self, record: SessionRecord, now: int, matched: TokensByTier | None, skipped: int
-    ) -> int:
-        """Prefetched pages of ``record`` the directory no longer has in HBM on its worker: below
-        HBM again (beyond the ``skipped`` ones the prefetch left there), or gone (the prefix it
-        matches is shorter than the previous turn's). 0 when the directory cannot tell yet (no
-        match given, or the prefetch is too recent)."""
-        entry = self.moves.entry(record.worker_id)
-        done_at = record.prefetch_done_at_ms
-        if matched is None or entry is None or done_at is None or now - done_at < self.params.directory_lag_ms:
-            return 0
-        page_size = entry.registration.page_size
-        below = max(0, (matched.dram_tokens + matched.nvme_tokens) // page_size - skipped)
-        missing = max(0, record.num_cached_tokens // page_size - matched.total_tokens // page_size)
-        return min(record.num_parked_pages, below + missing)
 
     # ---- Pause -----------------------------------------------------------------------------
     async def pause(self, request: PauseRequest, *, caller: Principal | None = None) -> SessionInfo:

@@ -30,8 +30,6 @@ from kvtier.rpc.auth import hash_token
 
 from live_controller import controller_at
 
-
-
 TOKENS = {"fe-a": "kvt_fairness-a", "fe-b": "kvt_fairness-b"}
 NS = NamespaceIdentity(model_id="m", page_size=16)
 FLOOD_TOKENS = 1 << 20

@@ -43,8 +43,9 @@ from kvtier.engine.engine import Engine
 from kvtier.policy.holds import DeferralOutcome, deferral_outcome
 from kvtier.runtime.config import MAX_WAIT_SCALE
 from kvtier.tiers.moves import MoveOutcome, MoveTicket
-from kvtier.worker.holds import Holds, SessionRef, is_in_range, require_tiers
+from kvtier.worker.holds import Holds, is_in_range, require_tiers
 from kvtier.worker.room import Room
+from kvtier.worker.session_ref import SessionRef
 
 R = TypeVar("R")
 

@@ -31,9 +31,10 @@ from kvtier.engine.engine import Engine
 from kvtier.policy.holds import ExpectedReturn, hold_rank_ms
 from kvtier.runtime.log import get_logger
 from kvtier.tiers.moves import MoveOutcome, MoveTicket
-from kvtier.worker.holds import DropOutcome, Holds, PageCounts, SessionRef, require_tiers
+from kvtier.worker.holds import DropOutcome, Holds, PageCounts, require_tiers
 from kvtier.worker.page_events import PageEvents
 from kvtier.worker.room import Room
+from kvtier.worker.session_ref import SessionRef
 
 log = get_logger("kvtier.worker.commands")
 

@@ -40,7 +40,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Literal
 
 from kvtier.cache.radix import RadixNode
 from kvtier.domain.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -62,11 +62,10 @@ from kvtier.policy.holds import (
 from kvtier.runtime.log import get_logger
 from kvtier.tiers.manager import TierManager
 from kvtier.tiers.moves import MoveOutcome, MoveTicket
+from kvtier.worker.session_ref import HOLD_PREFIX, SessionRef, hold_id, hold_ref
 
 log = get_logger("kvtier.worker.holds")
 
-# Session holds' pin ids start with this (admin pin ids never do).
-HOLD_PREFIX = "session-hold/"
 # What became of session holds (``outcomes``, the ``kvtier.session_holds`` metric): taken; not
 # taken because none of the session's pages was in HBM or the worker is draining (``unheld``), or
 # holds were at their cap and all were due back sooner (``refused``); released early for a hold
@@ -77,24 +76,6 @@ HOLD_OUTCOMES = ("taken", "unheld", "refused", "displaced", "yielded", "retaken"
 MAX_HELD_FRACTION = 1.0
 # Sessions whose last generation's pages are kept (least recently finished go first).
 MAX_SESSIONS = 1 << 16
-
-
-class SessionRef(NamedTuple):
-    """What the worker keys a session by: its namespace digest (which covers its tenant) and id."""
-
-    digest: NamespaceDigest
-    session_id: SessionId
-
-
-def hold_id(session: SessionRef) -> PinId:
-    """The pin id of a session's hold (admin pin ids never start with ``HOLD_PREFIX``)."""
-    return PinId(f"{HOLD_PREFIX}{session.digest.hex()}/{session.session_id}")
-
-
-def _hold_ref(pin_id: PinId) -> SessionRef:
-    """The session of a hold's pin id (``hold_id`` reversed)."""
-    digest, _, session = pin_id.removeprefix(HOLD_PREFIX).partition("/")
-    return SessionRef(NamespaceDigest(bytes.fromhex(digest)), SessionId(session))
 
 
 def is_in_range(value: object, most: float) -> bool:
@@ -226,7 +207,7 @@ class Holds:
         if digest is not None:
             return self._pins.get(hold_id(SessionRef(digest, session)))
         return next((pin for pin_id, pin in list(self._pins.items())
-                     if pin_id.startswith(HOLD_PREFIX) and _hold_ref(pin_id).session_id == session), None)
+                     if pin_id.startswith(HOLD_PREFIX) and hold_ref(pin_id).session_id == session), None)
 
     def is_held(self, session: SessionId, digest: NamespaceDigest | None = None) -> bool:
         """Whether ``session`` (in namespace ``digest``; None: in any) has a hold."""
@@ -246,7 +227,7 @@ class Holds:
         pin_ids = frozenset(dict(self._pins))
         return HoldsSnapshot(
             pin_ids=pin_ids,
-            held=frozenset(_hold_ref(p).session_id for p in pin_ids if p.startswith(HOLD_PREFIX)),
+            held=frozenset(hold_ref(p).session_id for p in pin_ids if p.startswith(HOLD_PREFIX)),
             lapsed=frozenset(ref.session_id for ref in dict(self._lapsed)),
             num_sessions_prefetched=len(self._prefetched),
             num_awaited_pages=len(self._awaited),
@@ -408,7 +389,7 @@ class Holds:
         for pin_id in plan.displaced:
             self._lapse(PinId(str(pin_id)))
             log.info("session hold displaced", extra={
-                "session_id": _hold_ref(PinId(str(pin_id))).session_id, "by_session_id": session})
+                "session_id": hold_ref(PinId(str(pin_id))).session_id, "by_session_id": session})
         self.outcomes["displaced"] += len(plan.displaced)
         self.outcomes["taken"] += 1
         self._lapsed.pop(ref, None)  # held anew: nothing to retake
@@ -430,7 +411,7 @@ class Holds:
             return False
         self._lapse(pin_id)
         self.outcomes["yielded"] += 1
-        log.info("session hold yielded", extra={"session_id": _hold_ref(pin_id).session_id})
+        log.info("session hold yielded", extra={"session_id": hold_ref(pin_id).session_id})
         return True
 
     def is_due_soon(self, before_ms: float, *, excluding: set[SessionRef]) -> bool:
@@ -589,7 +570,7 @@ class Holds:
         """Release a session hold before its session is back, remembering it for ``retake``."""
         pin = self._pins.get(pin_id)
         if pin is not None:
-            self._lapsed[_hold_ref(pin_id)] = pin
+            self._lapsed[hold_ref(pin_id)] = pin
             self.release(pin_id)
 
 

@@ -15,7 +15,8 @@ from kvtier.cache.radix import RadixNode
 from kvtier.domain.tiers import Tier
 from kvtier.engine.engine import Engine
 from kvtier.tiers.transfer import TransferReason
-from kvtier.worker.holds import Holds, SessionRef, require_tiers
+from kvtier.worker.holds import Holds, require_tiers
+from kvtier.worker.session_ref import SessionRef
 
 
 def num_in_hbm(chain: Sequence[RadixNode]) -> int:
