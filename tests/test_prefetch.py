@@ -19,7 +19,7 @@ from kvtier.controller.prefetch import Outcome, PauseOutcome, PrefetchStats, Pro
 from kvtier.controller.session_tenancy import SessionKey
 from kvtier.controller.sessions import PrefetchState
 from kvtier.domain.hashing import namespace_digest, page_keys
-from kvtier.domain.records import SessionState
+from kvtier.domain.records import SessionId, SessionState
 from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
 from kvtier.policy.placement import ParkPrices
@@ -28,6 +28,7 @@ from kvtier.worker import admission as admission_module
 from kvtier.worker import commands as commands_module
 from kvtier.worker import holds as holds_module
 from kvtier.worker.servicer import serve_worker
+from kvtier.worker.session_ref import SessionRef
 
 from hf_checkpoints import build_checkpoint
 from live_controller import orchestrated
@@ -1155,7 +1156,8 @@ async def test_a_prefetch_never_takes_its_room_from_its_own_sessions_hold(tmp_pa
         rank = pin.rank_ms - 1.0
 
         def short_of_room(session: str) -> bool:
-            return loop.room.needs(loop.room.free_hbm(sparing=rank) + 1, rank=rank, session=session)
+            ref = SessionRef(namespace_digest(engine.namespace), SessionId(session))
+            return loop.room.needs(loop.room.free_hbm(sparing=rank) + 1, rank=rank, session=ref)
 
         assert await loop.call(lambda: short_of_room("s-late")) is False  # nothing may leave for it
         still = loop.holds.view(hold_id)  # the same hold, not yielded and retaken anew
