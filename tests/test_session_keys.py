@@ -7,6 +7,7 @@ tenant's live sessions are capped."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -48,54 +49,64 @@ def serving(controller) -> None:
         page_size=16, capacities=(TierCapacity(Tier.HBM, 1024, 1024 * 4096),)), link_id=1)
 
 
-async def test_another_tenant_learns_nothing_of_a_session_id_and_cannot_squat_on_it(flushed_redis_url, tmp_path):
-    async with controller_at(flushed_redis_url, tmp_path, auth_token_file=table(tmp_path), lease_ttl_s=600.0,
-                             heartbeat_interval_s=1.0) as controller:
+@contextlib.asynccontextmanager
+async def tenants(redis_url, tmp_path, **config):
+    """A controller with authentication on and a worker serving NS; clients of A, B and an admin."""
+    async with controller_at(redis_url, tmp_path, auth_token_file=table(tmp_path), lease_ttl_s=600.0,
+                             heartbeat_interval_s=1.0, **config) as controller:
         serving(controller)
         async with (AsyncClient(controller.address, token=TOKENS["fe-a"]) as a,
                     AsyncClient(controller.address, token=TOKENS["fe-b"]) as b,
                     AsyncClient(controller.address, token=TOKENS["ops"]) as ops):
-            await a.route(NS, list(range(40)), "s-live")
-            assert (await a.route(NS, list(range(40)), "s-live")).best.is_affinity  # A's own: affinity
-            # B naming A's live id is answered as for an id nobody uses: no existence oracle.
-            assert not (await b.route(NS, list(range(40)), "s-live")).best.is_affinity
-            assert not (await b.route(NS, list(range(40)), "s-unused")).best.is_affinity
-            await controller.orchestrator.settled()
-            # B used "s-squat" first (a Pause starts its session); A's later session of that id is A's own.
-            assert (await b.pause("s-squat", tool="t")).state is SessionState.PAUSED
-            await a.route(NS, list(range(40)), "s-squat")
-            await controller.orchestrator.settled()
-            assert (await a.pause("s-squat", tool="t")).state is SessionState.PAUSED
-            assert (await a.pause("s-live", tool="t")).state is SessionState.PAUSED
-            # B ending "s-live" ends B's own session of that id (its Route started one); A's stays paused.
-            assert (await b.end("s-live")).state is SessionState.ENDED
-            assert (await a.returning("s-live")).state is SessionState.RESUMING
-            # A session without a tenant (an admin's) is its credential's: a frontend cannot end it.
-            await ops.route(NS, list(range(40)), "s-ops")
-            await controller.orchestrator.settled()
-            with pytest.raises(NotFound):
-                await b.end("s-ops")
-            assert (await ops.end("s-ops")).state is SessionState.ENDED
+            yield controller, a, b, ops
+
+
+async def test_another_tenants_route_naming_a_live_session_id_gets_no_affinity(flushed_redis_url, tmp_path):
+    async with tenants(flushed_redis_url, tmp_path) as (_, a, b, _ops):
+        await a.route(NS, list(range(40)), "s-live")
+        assert (await a.route(NS, list(range(40)), "s-live")).best.is_affinity  # A's own: affinity
+        # B naming A's live id is answered as for an id nobody uses: no existence oracle.
+        assert not (await b.route(NS, list(range(40)), "s-live")).best.is_affinity
+        assert not (await b.route(NS, list(range(40)), "s-unused")).best.is_affinity
+
+
+async def test_an_id_another_tenant_used_first_is_still_the_owners_to_pause_and_end(flushed_redis_url, tmp_path):
+    async with tenants(flushed_redis_url, tmp_path) as (controller, a, b, _ops):
+        # B used "s-squat" first (a Pause starts its session); A's later session of that id is A's own.
+        assert (await b.pause("s-squat", tool="t")).state is SessionState.PAUSED
+        await a.route(NS, list(range(40)), "s-squat")
+        await controller.orchestrator.settled()
+        assert (await a.pause("s-squat", tool="t")).state is SessionState.PAUSED
+        # B's Route and End of that id act on B's own session; A's stays paused.
+        await b.route(NS, list(range(40)), "s-squat")
+        await controller.orchestrator.settled()
+        assert (await b.end("s-squat")).state is SessionState.ENDED
+        assert (await a.returning("s-squat")).state is SessionState.RESUMING
+
+
+async def test_a_session_without_a_tenant_is_its_credentials(flushed_redis_url, tmp_path):
+    async with tenants(flushed_redis_url, tmp_path) as (controller, _a, b, ops):
+        await ops.route(NS, list(range(40)), "s-ops")  # an admin's Route: no tenant
+        await controller.orchestrator.settled()
+        with pytest.raises(NotFound):
+            await b.end("s-ops")
+        assert (await ops.end("s-ops")).state is SessionState.ENDED
 
 
 async def test_each_tenant_may_have_so_many_live_sessions(flushed_redis_url, tmp_path):
-    async with controller_at(flushed_redis_url, tmp_path, auth_token_file=table(tmp_path), lease_ttl_s=600.0,
-                             heartbeat_interval_s=1.0, max_sessions_per_tenant=3) as controller:
-        serving(controller)
-        async with (AsyncClient(controller.address, token=TOKENS["fe-a"]) as a,
-                    AsyncClient(controller.address, token=TOKENS["fe-b"]) as b):
-            for i in range(3):
-                await a.route(NS, [1, 2, 3], f"s-{i}")
-            await a.route(NS, [1, 2, 3], "s-0")  # a live one goes on
-            with pytest.raises(ResourceExhausted, match="max_sessions_per_tenant") as info:
-                await a.route(NS, [1, 2, 3], "s-3")
-            assert info.value.field == "session_id"
-            with pytest.raises(ResourceExhausted):
-                await a.pause("s-4", tool="t")
-            await b.route(NS, [1, 2, 3], "s-3")  # another tenant's cap is its own
-            await controller.orchestrator.settled()
-            await a.end("s-1")
+    async with tenants(flushed_redis_url, tmp_path, max_sessions_per_tenant=3) as (controller, a, b, _ops):
+        for i in range(3):
+            await a.route(NS, [1, 2, 3], f"s-{i}")
+        await a.route(NS, [1, 2, 3], "s-0")  # a live one goes on
+        with pytest.raises(ResourceExhausted, match="max_sessions_per_tenant") as info:
             await a.route(NS, [1, 2, 3], "s-3")
+        assert info.value.field == "session_id"
+        with pytest.raises(ResourceExhausted):
+            await a.pause("s-4", tool="t")
+        await b.route(NS, [1, 2, 3], "s-3")  # another tenant's cap is its own
+        await controller.orchestrator.settled()
+        await a.end("s-1")
+        await a.route(NS, [1, 2, 3], "s-3")
 
 
 # --------------------------------------------------------------------------- the worker's session map
