@@ -21,12 +21,16 @@ import time
 
 import pytest
 
+from kvtier.cache.epochs import EpochTable
 from kvtier.client import AsyncClient
 from kvtier.controller.caller_limits import CallerLimits, GroupLimit
-from kvtier.domain.errors import ResourceExhausted
+from kvtier.controller.route_hashing import decode_route, hashed_route
+from kvtier.controller.router import prefix_page_keys
+from kvtier.domain.errors import PermissionDenied, ResourceExhausted
 from kvtier.domain.hashing import NamespaceIdentity
-from kvtier.domain.records import BootId, ModelIdentity, Registration, WorkerId
-from kvtier.rpc.auth import hash_token
+from kvtier.domain.records import BootId, ModelIdentity, PageKeyPrefix, Registration, WorkerId
+from kvtier.rpc._gen import router_pb2
+from kvtier.rpc.auth import Principal, Role, bind_tenant, hash_token
 
 from live_controller import controller_at
 
@@ -148,3 +152,19 @@ def test_over_a_credentials_rate_the_answer_names_the_limit_and_when_to_retry():
     limits.enter("fe-b", "route", 100)
     assert limits.num_refused["route"] == 2
 
+
+
+def test_a_route_hashed_off_the_loop_looks_up_the_keys_the_loop_would_derive():
+    msg = router_pb2.RouteRequest(session_id="s1")
+    msg.namespace.model_id, msg.namespace.page_size, msg.namespace.kv_dtype = "m", 16, "fp32"
+    msg.token_ids.ids.extend(range(1000))
+    caller = Principal("fe-b", Role.FRONTEND, frozenset({"b"}))
+    epochs = EpochTable()
+    hashed = hashed_route(msg.SerializeToString(), caller, epochs)
+    inline = decode_route(msg.SerializeToString())
+    assert isinstance(hashed.prefix, PageKeyPrefix) and hashed.session_id == inline.session_id == "s1"
+    namespace = epochs.apply(bind_tenant(inline.namespace, caller))
+    assert prefix_page_keys(namespace, hashed.prefix) == prefix_page_keys(namespace, inline.prefix)
+    with pytest.raises(PermissionDenied):  # the caller's tenants bind it off the loop too
+        msg.namespace.tenant = "a"
+        hashed_route(msg.SerializeToString(), caller, epochs)
