@@ -2,13 +2,14 @@
 a frontend flooding Route with 1,048,576-token prefixes does not starve another tenant's small
 Routes, and what it sends beyond its allowance is answered RESOURCE_EXHAUSTED with RetryInfo.
 
-The flood runs in its own process (16 threads on one channel sending the same pre-serialized
-request back to back), so the measuring side and the controller share only the machine. The
-goal is a small Route's p99 under the flood within 3x its idle p99; on a shared 2-core box the
-scheduler alone stretches every tail, so the bound here is that or 1 s, whichever is larger
-(it prints both p99s). A controller that decodes and hashes a huge Route on its event loop
-fails it by far: there a small Route waits behind seconds of hashing (7.6 s p99 against
-15 ms idle on the same box).
+The flood runs in its own process (``loadtests/route_flood.py``: 16 threads on one channel
+sending the same pre-serialized request back to back), so the measuring side and the
+controller share only the machine. The goal is a small Route's p99 under the flood within 3x
+its idle p99; on a shared 2-core box the scheduler alone stretches every tail, so the bound
+here is that or 1 s, whichever is larger (it prints both p99s; ``python -m
+loadtests.route_flood`` measures the ratio). A controller that decodes and hashes a huge Route
+on its event loop fails it by far: there a small Route waits behind seconds of hashing (7.6 s
+p99 against 15 ms idle on the same box).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -31,10 +32,12 @@ from kvtier.domain.hashing import NamespaceIdentity
 from kvtier.domain.records import BootId, ModelIdentity, PageKeyPrefix, Registration, WorkerId
 from kvtier.rpc._gen import router_pb2
 from kvtier.rpc.auth import Principal, Role, bind_tenant, hash_token
+from loadtests.route_flood import flood_command
 
 from live_controller import controller_at
 
 TOKENS = {"fe-a": "kvt_fairness-a", "fe-b": "kvt_fairness-b"}
+REPO = Path(__file__).resolve().parents[1]
 NS = NamespaceIdentity(model_id="m", page_size=16)
 FLOOD_TOKENS = 1 << 20
 NUM_FLOODERS = 16
@@ -42,43 +45,6 @@ NUM_SAMPLES = 150
 # A small Route's p99 under the flood must stay within this many times its idle p99, or this
 # many seconds, whichever is larger (module doc).
 RATIO, FLOOR_S = 3.0, 1.0
-
-FLOOD = r"""
-import json, sys, threading, time
-import grpc
-from kvtier.rpc._gen import router_pb2
-from kvtier.rpc.status import status_details
-from google.rpc import error_details_pb2
-address, token, num_threads, num_tokens, run_s = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
-msg = router_pb2.RouteRequest()
-msg.namespace.model_id, msg.namespace.page_size, msg.namespace.kv_dtype = "m", 16, "fp32"
-msg.token_ids.ids.extend(range(num_tokens))
-raw = msg.SerializeToString()
-channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20),
-                                                  ("grpc.max_receive_message_length", 64 << 20)])
-route = channel.unary_unary("/kvtier.v1.Router/Route")
-counts, retry_info, lock = {}, [False], threading.Lock()
-deadline = time.monotonic() + run_s
-def flood():
-    while time.monotonic() < deadline:
-        try:
-            route(raw, metadata=(("authorization", "Bearer " + token),), timeout=30)
-            code = "OK"
-        except grpc.RpcError as err:
-            code = err.code().name
-            status = status_details(err)
-            if status is not None and any(d.Is(error_details_pb2.RetryInfo.DESCRIPTOR) for d in status.details):
-                retry_info[0] = True
-        with lock:
-            counts[code] = counts.get(code, 0) + 1
-            if sum(counts.values()) == 1:
-                print("flooding", flush=True)
-threads = [threading.Thread(target=flood) for _ in range(num_threads)]
-for t in threads: t.start()
-for t in threads: t.join()
-print(json.dumps({"counts": counts, "retry_info": retry_info[0]}), flush=True)
-"""
-
 
 def table(tmp_path):
     path = tmp_path / "tokens.yaml"
@@ -113,9 +79,8 @@ async def test_a_huge_route_flood_leaves_another_tenants_small_routes_fast(flush
         async with AsyncClient(controller.address, token=TOKENS["fe-a"]) as client:
             await small_route_latencies(client, 20)  # warm-up
             idle = p99(await small_route_latencies(client, NUM_SAMPLES))
-            flood = subprocess.Popen(
-                [sys.executable, "-c", FLOOD, controller.address, TOKENS["fe-b"], str(NUM_FLOODERS),
-                 str(FLOOD_TOKENS), "20"], stdout=subprocess.PIPE, text=True)
+            flood = subprocess.Popen(flood_command(controller.address, TOKENS["fe-b"], NUM_FLOODERS, FLOOD_TOKENS,
+                                                   run_s=20.0), stdout=subprocess.PIPE, text=True, cwd=REPO)
             try:
                 line = await asyncio.wait_for(asyncio.to_thread(flood.stdout.readline), 60)
                 assert line.strip() == "flooding"
