@@ -6,9 +6,12 @@
 Groups: ``route`` (Router.Route and ListModels), ``sessions`` (Pause, Returning, End) and
 ``admin`` (every Admin call); WorkerLink, health and reflection are not limited. A call over a
 limit is answered RESOURCE_EXHAUSTED before its request is decoded, with a ``RetryInfo`` of
-when the allowance will have it (a rate: its refill; in flight: ``IN_FLIGHT_RETRY_S``). So one
-frontend sending huge Routes back to back spends its own allowance, not the controller's event
-loop that every tenant's Route shares. Buckets hold ``BURST_S`` seconds of their rate; a
+when the allowance will have it (a rate: its refill; in flight: ``IN_FLIGHT_RETRY_S``). A call
+over a rate whose allowance refills within ``RATE_HOLD_S`` waits for it instead (counted in
+flight meanwhile): answered at once, a caller that ignores RetryInfo sends its next huge
+request at once, and receiving those costs the controller more than serving the calls did
+(measured: ``loadtests/route_flood.py``). So one frontend sending huge Routes back to back
+spends its own allowance, not the controller's event loop that every tenant's Route shares. Buckets hold ``BURST_S`` seconds of their rate; a
 request-bytes bucket at least one largest message. With authentication off there is no
 credential to bound, and nothing is limited.
 
@@ -18,6 +21,7 @@ outside ``MalformedRequestInterceptor`` (it sees the request's raw bytes).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -35,6 +39,7 @@ from kvtier.runtime.config import ControllerConfig
 
 BURST_S = 2.0
 IN_FLIGHT_RETRY_S = 0.05
+RATE_HOLD_S = 1.0
 GROUPS = {"/kvtier.v1.Router/": "route", "/kvtier.v1.Sessions/": "sessions", "/kvtier.v1.Admin/": "admin"}
 
 
@@ -163,8 +168,21 @@ class CallerLimits(grpc.aio.ServerInterceptor):
         caller = current_principal()
         if caller is None:
             return None
-        try:
-            return self.enter(caller.name, group, size(request))
-        except ResourceExhausted as err:
-            await abort_with(context, err)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RATE_HOLD_S
+        while True:
+            try:
+                return self.enter(caller.name, group, size(request))
+            except ResourceExhausted as err:
+                refused = err
+            wait_s, left_s = refused.retry_after_s or 0.0, deadline - loop.time()
+            if wait_s <= IN_FLIGHT_RETRY_S or wait_s > left_s:  # the in-flight cap, or too long a wait
+                break
+            allowance = self._allowance(caller.name, group)  # over a rate: wait for it (module doc)
+            allowance.num_in_flight += 1
+            try:
+                await asyncio.sleep(wait_s)
+            finally:
+                allowance.num_in_flight -= 1
+        await abort_with(context, refused)
         raise AssertionError("abort_with returned")

@@ -20,12 +20,15 @@ import multiprocessing
 import os
 
 from kvtier.cache.epochs import EpochTable
-from kvtier.domain.hashing import namespace_digest, page_keys
+from kvtier.domain.hashing import PackedKeys, namespace_digest, page_keys
 from kvtier.domain.records import PageKeyPrefix, RouteRequest, TokenPrefix
 from kvtier.rpc._gen import router_pb2
 from kvtier.rpc.auth import Principal, bind_tenant
 from kvtier.rpc.convert.router import from_proto_route_request
 from kvtier.rpc.status import decode_request
+from kvtier.runtime.log import get_logger
+
+log = get_logger("kvtier.controller.route_hashing")
 
 INLINE_BYTES = 64 << 10  # ~16k tokens: decoded and hashed on the event loop below this
 HASHING_PROCESSES = max(1, min(4, (os.cpu_count() or 2) // 2))
@@ -44,7 +47,9 @@ def hashed_route(raw: bytes, caller: Principal | None, epochs: EpochTable) -> Ro
         return request
     namespace = epochs.apply(bind_tenant(request.namespace, caller))
     keys = page_keys(namespace_digest(namespace), request.prefix.token_ids, namespace.page_size)
-    return RouteRequest(request.namespace, PageKeyPrefix(tuple(keys)), request.session_id)
+    # One bytes object back across the process boundary: unpickling 65,536 keys one by one would
+    # hold the controller's GIL for tens of milliseconds.
+    return RouteRequest(request.namespace, PageKeyPrefix(PackedKeys(b"".join(keys))), request.session_id)
 
 
 class RouteHashing:
@@ -54,15 +59,26 @@ class RouteHashing:
         self.inline_bytes = inline_bytes
         self.num_processes = num_processes
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._is_pool_broken = False
 
     async def request(self, raw: bytes, caller: Principal | None, epochs: EpochTable) -> RouteRequest:
         if len(raw) <= self.inline_bytes:
             return decode_route(raw)
-        if self._pool is None:
+        if self._pool is None and not self._is_pool_broken:
             # spawn: the controller has gRPC's threads running, and a forked child can deadlock.
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 self.num_processes, mp_context=multiprocessing.get_context("spawn"))
-        return await asyncio.get_running_loop().run_in_executor(self._pool, hashed_route, raw, caller, epochs)
+        if self._pool is not None:
+            try:
+                return await asyncio.get_running_loop().run_in_executor(self._pool, hashed_route, raw, caller, epochs)
+            except (RuntimeError, concurrent.futures.BrokenExecutor) as exc:
+                # No process could start (a program embedding the controller without the
+                # ``if __name__ == "__main__"`` guard spawn needs) or one died: hash in a thread,
+                # still off the event loop, though sharing its interpreter lock.
+                log.warning("route hashing processes unavailable; hashing in a thread", extra={"reason": str(exc)})
+                self.close()
+                self._is_pool_broken = True
+        return await asyncio.to_thread(hashed_route, raw, caller, epochs)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -27,7 +27,14 @@ from kvtier.controller.registry import Registry, WorkerEntry
 from kvtier.controller.resync import REDIS_ERRORS, DirectoryAccess
 from kvtier.controller.route_hashing import RouteHashing
 from kvtier.domain.errors import NotFound, ResourceExhausted, Unavailable
-from kvtier.domain.hashing import NamespaceDigest, NamespaceIdentity, PageKey, namespace_digest, page_keys
+from kvtier.domain.hashing import (
+    NamespaceDigest,
+    NamespaceIdentity,
+    PackedKeys,
+    PageKey,
+    namespace_digest,
+    page_keys,
+)
 from kvtier.domain.records import (
     LookupRequest,
     LookupResult,
@@ -129,13 +136,14 @@ def served_models(live: Sequence[WorkerEntry], tenant: str) -> tuple[ServedModel
                                                 m.namespace.weights_digest, m.namespace.kv_dtype)))
 
 
-def prefix_page_keys(namespace: NamespaceIdentity, prefix: Prefix) -> tuple[NamespaceDigest, list[PageKey]]:
+def prefix_page_keys(namespace: NamespaceIdentity, prefix: Prefix) -> tuple[NamespaceDigest, Sequence[PageKey]]:
     """The server-derived digest and the prefix's page keys under it (given keys are used as is:
     looked up under this digest only, so a key of another namespace or tenant never matches)."""
     digest = namespace_digest(namespace)
     if isinstance(prefix, TokenPrefix):
         return digest, page_keys(digest, prefix.token_ids, namespace.page_size)
-    return digest, list(prefix.page_keys)
+    keys = prefix.page_keys
+    return digest, keys if isinstance(keys, PackedKeys) else list(keys)
 
 
 # -- authentication -----------------------------------------------------------------------------
