@@ -1,6 +1,6 @@
 """A small Route's latency while another credential floods Route with huge prefixes.
 
-    python -m loadtests.route_flood [--flooders 16] [--tokens 1048576] [--samples 300] [--json]
+    python -m loadtests.route_flood [--flooders 16] [--tokens 1048576] [--duration-s 20] [--json]
 
 Starts a controller (embedded Valkey, authentication on, one worker registered straight into
 its registry: Route ranks it, nothing dials it), measures tenant A's 3-token Route p99 idle,
@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -62,12 +64,21 @@ def flood(address: str, token: str, num_threads: int, num_tokens: int, run_s: fl
                 if sum(counts.values()) == 1:
                     print("flooding", flush=True)
 
-    threads = [threading.Thread(target=one_caller) for _ in range(num_threads)]
+    def report(*_: object) -> None:
+        with lock:
+            print(json.dumps({"counts": counts, "retry_info": retry_info[0]}), flush=True)
+
+    def stop(*_: object) -> None:  # terminated before its time: report what it saw
+        report()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    threads = [threading.Thread(target=one_caller, daemon=True) for _ in range(num_threads)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    print(json.dumps({"counts": counts, "retry_info": retry_info[0]}), flush=True)
+    report()
 
 
 def flood_command(address: str, token: str, num_threads: int, num_tokens: int, run_s: float) -> list[str]:
@@ -97,19 +108,24 @@ def p99(samples: list[float]) -> float:
     return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
 
 
-async def small_routes(client, num: int) -> list[float]:  # type: ignore[no-untyped-def]
+async def small_routes(client, num: int, *, for_s: float = 0.0, gap_s: float = 0.0) -> list[float]:  # type: ignore[no-untyped-def]
+    """Latencies of ``num`` 3-token Routes one after another, or as many as fit in ``for_s``
+    seconds with ``gap_s`` between them."""
     from kvtier.domain.hashing import NamespaceIdentity
 
     namespace = NamespaceIdentity(model_id="m", page_size=16)
-    out = []
-    for i in range(num):
+    out: list[float] = []
+    until = time.perf_counter() + for_s
+    while len(out) < num or time.perf_counter() < until:
         start = time.perf_counter()
-        await client.route(namespace, [1, 2, i % 7], None)
+        await client.route(namespace, [1, 2, len(out) % 7], None)
         out.append(time.perf_counter() - start)
+        if gap_s:
+            await asyncio.sleep(gap_s)
     return out
 
 
-async def measure(num_flooders: int, num_tokens: int, num_samples: int) -> dict[str, object]:
+async def measure(num_flooders: int, num_tokens: int, duration_s: float) -> dict[str, object]:
     from kvtier.client import AsyncClient
     from kvtier.controller.server import serve_controller
     from kvtier.runtime.config import ControllerConfig
@@ -123,13 +139,13 @@ async def measure(num_flooders: int, num_tokens: int, num_samples: int) -> dict[
             register_worker(controller)
             async with AsyncClient(controller.address, token=TOKENS["fe-a"]) as client:
                 await small_routes(client, 30)
-                idle = await small_routes(client, num_samples)
+                idle = await small_routes(client, 0, for_s=duration_s / 2, gap_s=0.01)
                 process = subprocess.Popen(flood_command(controller.address, TOKENS["fe-b"], num_flooders, num_tokens,
-                                                         run_s=60.0), stdout=subprocess.PIPE, text=True)
+                                                         run_s=duration_s + 60.0), stdout=subprocess.PIPE, text=True)
                 try:
                     assert process.stdout is not None
                     await asyncio.to_thread(process.stdout.readline)
-                    loaded = await small_routes(client, num_samples)
+                    loaded = await small_routes(client, 0, for_s=duration_s, gap_s=0.01)
                 finally:
                     process.terminate()
                     out, _ = await asyncio.to_thread(process.communicate)
@@ -138,7 +154,8 @@ async def measure(num_flooders: int, num_tokens: int, num_samples: int) -> dict[
     lines = out.strip().splitlines()
     report = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
     return {"idle_p99_ms": round(p99(idle) * 1e3, 2), "flood_p99_ms": round(p99(loaded) * 1e3, 2),
-            "ratio": round(p99(loaded) / p99(idle), 2), "flood_answers": report.get("counts")}
+            "ratio": round(p99(loaded) / p99(idle), 2), "num_samples": [len(idle), len(loaded)],
+            "flood_answers": report.get("counts")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,10 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtests.route_flood", description=__doc__.split("\n")[0])
     parser.add_argument("--flooders", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=1 << 20)
-    parser.add_argument("--samples", type=int, default=300)
+    parser.add_argument("--duration-s", type=float, default=20.0, help="seconds of small Routes under the flood "
+                        "(half as long idle before)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    result = asyncio.run(measure(args.flooders, args.tokens, args.samples))
+    result = asyncio.run(measure(args.flooders, args.tokens, args.duration_s))
     if args.json:
         print(json.dumps(result))
     else:
