@@ -178,7 +178,9 @@ class Admission(Generic[R]):
                     # Its own pages are not the room it makes: pinned before anything is demoted.
                     quotas = self._engine.quotas
                     # On the request's tenant's behalf: other tenants' reserved pages stay.
-                    with quotas.acting_for(wait.digest) if quotas is not None else contextlib.nullcontext():
+                    acting = (quotas.acting_for(wait.digest, len(wait.page_keys)) if quotas is not None
+                              else contextlib.nullcontext())
+                    with acting:
                         made = self._room.make(short, protect=functools.partial(self._pin_chain, run_id, chain),
                                                weaker_than=spared, sparing=self._session_of(wait))
                     if not made and spared is not None and self._holds.is_due_soon(

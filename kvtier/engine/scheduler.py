@@ -102,13 +102,13 @@ class Scheduler:
     def _free_page(self, seq: Sequence, num_pending: int) -> bool:
         """Free one HBM page for ``seq``, which will cache ``num_pending`` new pages: its tenant's
         own page when it would pass its quota, else by the tiers (a clean page, a spill), else
-        the index's next victim dropped; other tenants' reserved pages are passed over
-        (``QuotaTracker.is_reserved``)."""
+        the index's next victim dropped; when it would pass its quota, other tenants' reserved
+        pages are passed over (``QuotaTracker.is_reserved``)."""
         if self.quotas is None or seq.namespace is None:
             return self._free_any_page()
         if self.quotas.free_own_page(seq.namespace, num_pending):
             return True
-        with self.quotas.acting_for(seq.namespace):
+        with self.quotas.acting_for(seq.namespace, num_pending):
             return self._free_any_page()
 
     def _free_any_page(self) -> bool:
