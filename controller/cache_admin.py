@@ -318,7 +318,7 @@ class CacheAdmin:
 
     def _resolve(
         self, namespace: NamespaceIdentity, prefix: Prefix, caller: Principal | None
-    ) -> tuple[NamespaceIdentity, NamespaceDigest, list[PageKey]]:
+    ) -> tuple[NamespaceIdentity, NamespaceDigest, Sequence[PageKey]]:
         identity = self.router.resolve_namespace(namespace, caller)
         digest, keys = prefix_page_keys(identity, prefix)
         if not keys:

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from kvtier.domain.errors import InvalidArgument
-from kvtier.domain.hashing import KEY_BYTES, PageKey
+from kvtier.domain.hashing import KEY_BYTES, PackedKeys, PageKey
 from kvtier.domain.records import PageEvent, PageEventKind
 from kvtier.domain.tiers import Tier
 
@@ -59,6 +59,8 @@ def ns_key(namespace: bytes, suffix: str) -> str:
 
 
 def pack_keys(keys: Sequence[PageKey]) -> bytes:
+    if isinstance(keys, PackedKeys):
+        return keys.packed
     packed = b"".join(keys)
     if len(packed) != KEY_BYTES * len(keys):
         bad = next(i for i, k in enumerate(keys) if len(k) != KEY_BYTES)

@@ -59,10 +59,23 @@ from dataclasses import replace
 from kvtier.controller.lateness import LatenessBudget
 from kvtier.controller.orchestrator_params import OrchestratorParams
 from kvtier.controller.predictor import ToolReturnPredictor
-from kvtier.controller.prefetch import MoveReason, Outcome, PauseOutcome, PrefetchStats
+from kvtier.controller.prefetch import (
+    MoveReason,
+    Outcome,
+    PauseOutcome,
+    PrefetchStats,
+    evicted_since_prefetch,
+)
 from kvtier.controller.registry import Registry
+from kvtier.controller.session_census import SessionCensus
 from kvtier.controller.session_serial import SessionSerial
-from kvtier.controller.session_tenancy import is_visible_to, session_not_found, tenant_of_paused_start
+from kvtier.controller.session_tenancy import (
+    SessionKey,
+    is_visible_to,
+    key_for_call,
+    owner_of,
+    session_not_found,
+)
 from kvtier.controller.sessions import PrefetchState, SessionRecord, SessionStore
 from kvtier.controller.tier_moves import SendCommand, SentPrefetch, TierMoves
 from kvtier.controller.timer_queue import TimerQueue, wall_clock_ms
@@ -111,16 +124,9 @@ class Orchestrator:
     the commands and knows their costs; ``serial`` (``SessionSerial``) runs Pause, Returning,
     End, Route and timer work on one session one at a time; ``timers`` holds the prefetches."""
 
-    def __init__(
-        self,
-        store: SessionStore,
-        predictor: ToolReturnPredictor,
-        registry: Registry,
-        send_command: SendCommand,
-        params: OrchestratorParams | None = None,
-        *,
-        clock_ms: Callable[[], float] = wall_clock_ms,
-    ) -> None:
+    def __init__(self, store: SessionStore, predictor: ToolReturnPredictor, registry: Registry,
+                 send_command: SendCommand, params: OrchestratorParams | None = None, *,
+                 clock_ms: Callable[[], float] = wall_clock_ms) -> None:
         self.store = store
         self.predictor = predictor
         self.registry = registry
@@ -134,14 +140,13 @@ class Orchestrator:
         self.listeners: list[Callable[[PauseOutcome], None]] = []  # called as each pause closes
         self.moves = TierMoves(registry, send_command, self.params, self.stats, clock_ms)
         self.serial = SessionSerial()  # per-session locks, Route bookkeeping in the background
-        # State and last write (clock ms) per session, for counts without a Redis scan; a
-        # session untouched for the store's TTL has expired there and is not counted.
-        self._states: dict[SessionId, tuple[SessionState, float]] = {}
+        # Live sessions by (tenant, id): counts without a Redis scan, the per-tenant cap.
+        self.census = SessionCensus(store.ttl_s, clock_ms, max_per_tenant=self.params.max_sessions_per_tenant)
         # How a prefetch of a paused session should hold its pages in HBM (until the
         # prediction's high quantile). In memory only: after a restart the median is used.
-        self._holds: dict[SessionId, HoldPlan] = {}
+        self._holds: dict[SessionKey, HoldPlan] = {}
         # Pages a session's last prefetch left below HBM (moving, or no room): not its waste.
-        self._skipped_pages: dict[SessionId, int] = {}
+        self._skipped_pages: dict[SessionKey, int] = {}
         self._task: asyncio.Task[None] | None = None
         self._forget_task: asyncio.Task[None] | None = None
 
@@ -170,12 +175,10 @@ class Orchestrator:
         TTL (their records have expired in Redis): sessions nobody ends, or abandoned while
         paused. Without this a controller's memory grows with every such session. Returns how
         many were forgotten."""
-        horizon_ms = self.clock_ms() - self.store.ttl_s * 1000.0
-        idle = [s for s, (_, at) in self._states.items() if at < horizon_ms]
-        for session in idle:
-            del self._states[session]
-            self._holds.pop(session, None)
-            self._skipped_pages.pop(session, None)
+        idle = self.census.forget_idle()
+        for key in idle:
+            self._holds.pop(key, None)
+            self._skipped_pages.pop(key, None)
         return len(idle)
 
     async def settled(self) -> None:
@@ -186,9 +189,9 @@ class Orchestrator:
         """Reschedule the prefetches of parked sessions (after a restart or takeover)."""
         num = 0
         async for record in self.store.scan():
-            self._states[record.session_id] = (record.state, self.clock_ms())
+            self.census.note(record.key, record.state)
             if record.prefetch_state in (PrefetchState.SCHEDULED, PrefetchState.SENT) and record.prefetch_at_ms:
-                self._schedule(record.session_id, record.prefetch_at_ms)
+                self._schedule(record.key, record.prefetch_at_ms)
                 num += 1
         return num
 
@@ -199,12 +202,16 @@ class Orchestrator:
                               watermarks=dict(policy.watermarks))
         self.moves.apply_params(self.params)
 
-    async def _get(self, session: SessionId, caller: Principal | None = None) -> SessionRecord:
-        """The session's record; NOT_FOUND when there is none or it belongs to a tenant the
-        caller may not act for (the same answer, so ids of other tenants' sessions leak nothing)."""
-        record = await self.store.get(session)
-        if record is None or not is_visible_to(record.tenant, caller):
-            raise session_not_found(session)
+    def key_for(self, session: SessionId, caller: Principal | None) -> SessionKey:
+        """The (tenant, id) a Sessions call from ``caller`` names (``session_tenancy.key_for_call``)."""
+        return key_for_call(caller, session, self.census.live_tenants)
+
+    async def _get(self, key: SessionKey, caller: Principal | None = None) -> SessionRecord:
+        """The session's record; NOT_FOUND when there is none or the caller may not act for it
+        (the same answer, so ids of other tenants' sessions leak nothing)."""
+        record = await self.store.get(key.session_id, key.tenant)
+        if record is None or not is_visible_to(record.tenant, caller, record.owner):
+            raise session_not_found(key.session_id)
         return record
 
     def _now(self) -> int:
@@ -212,15 +219,12 @@ class Orchestrator:
 
     async def _save(self, record: SessionRecord) -> None:
         await self.store.put(record)
-        self._states[record.session_id] = (record.state, self.clock_ms())
+        self.census.note(record.key, record.state)
 
     def session_counts(self) -> dict[SessionState, int]:
         """Sessions per state, as this controller last wrote them (ENDED ones are forgotten)."""
         self.forget_idle()
-        counts = dict.fromkeys(SessionState, 0)
-        for state, _ in self._states.values():
-            counts[state] += 1
-        return counts
+        return self.census.counts()
 
     def _record_outcome(self, outcome: PauseOutcome) -> None:
         self.stats.count_outcome(outcome)
@@ -234,38 +238,37 @@ class Orchestrator:
     # ---- Route ---------------------------------------------------------------------------
     def route_seen(
         self, session: SessionId, *, tenant: str, worker: WorkerId | None, digest: NamespaceDigest,
-        num_tokens: int, matched: TokensByTier | None = None,
+        num_tokens: int, matched: TokensByTier | None = None, owner: str = "",
     ) -> None:
         """The Router's hook (``Router.on_session_route``): ``on_route`` in the background, as
         of now. A Route does not wait for the session's bookkeeping (Redis round trips: ~0.5 ms
         of a resume's time to first token in the agent workload, and however long a slow Redis
         takes); the session's next Pause, Returning, End or prefetch waits for it instead
-        (``SessionSerial.after_route``), so each still sees the turn."""
+        (``SessionSerial.after_route``), so each still sees the turn. A session the tenant does
+        not have live yet must fit its cap (``SessionCensus.admit``: ``ResourceExhausted``,
+        which fails the Route)."""
+        key = SessionKey(tenant, session)
+        self.census.admit(key)
         bookkeeping = self.on_route(session, tenant=tenant, worker=worker, digest=digest, num_tokens=num_tokens,
-                                    matched=matched, now_ms=self._now())
-        self.serial.run_after_route(session, bookkeeping)
+                                    matched=matched, now_ms=self._now(), owner=owner)
+        self.serial.run_after_route(key, bookkeeping)
 
     async def on_route(
         self, session: SessionId, *, tenant: str, worker: WorkerId | None, digest: NamespaceDigest,
-        num_tokens: int, matched: TokensByTier | None = None, now_ms: int | None = None,
+        num_tokens: int, matched: TokensByTier | None = None, now_ms: int | None = None, owner: str = "",
     ) -> SessionInfo:
         """The session's next turn is being routed: it is ACTIVE again (a pause closes here).
 
         ``matched``: where the directory has the request's prefix on ``worker`` (None when
         unknown, e.g. a degraded Route); it tells whether prefetched pages were still in HBM.
         ``now_ms``: when the Route came (default: now), which a prefetch's ack must precede to
-        be on time."""
-        async with self.serial.locked(session):
+        be on time. ``owner``: the credential of the Route (a new session is its)."""
+        key = SessionKey(tenant, session)
+        async with self.serial.locked(key):
             now = self._now() if now_ms is None else now_ms
-            record = await self.store.get(session)
-            if record is not None and record.state is not SessionState.ENDED and record.tenant != tenant:
-                # Another tenant's live session under the same id: its record is not ours to
-                # change (the Route itself still answers; only the bookkeeping is skipped).
-                log.warning("Route names a session of another tenant; session left as it is",
-                            extra={"session_id": session})
-                return record.info()
+            record = await self.store.get(session, tenant)
             if record is None or record.state is SessionState.ENDED:
-                record = SessionRecord(session_id=session, state=SessionState.ACTIVE)
+                record = SessionRecord(session_id=session, state=SessionState.ACTIVE, owner=owner)
             elif record.state in (SessionState.PAUSED, SessionState.RESUMING):
                 await self._close_pause(record, now, matched if worker == record.worker_id else None)
             record.state = SessionState.ACTIVE
@@ -275,9 +278,9 @@ class Orchestrator:
             return record.info()
 
     async def _close_pause(self, record: SessionRecord, now: int, matched: TokensByTier | None) -> None:
-        self.timers.cancel(record.session_id)
-        self._holds.pop(record.session_id, None)
-        skipped = self._skipped_pages.pop(record.session_id, 0)
+        self.timers.cancel(record.key)
+        self._holds.pop(record.key, None)
+        skipped = self._skipped_pages.pop(record.key, 0)
         page_bytes = self.moves.page_bytes(record.worker_id)
         num_pages = record.num_parked_pages
         outcome, wasted_bytes, lead_ms = Outcome.KEPT, 0, None
@@ -292,7 +295,14 @@ class Orchestrator:
         num_bytes = num_pages * page_bytes
         if done and record.num_parked_pages:  # parked and prefetched, or a guard that moved pages
             lead_ms = float(now - (record.prefetch_done_at_ms or now))
-            wasted_bytes = self._evicted_since_prefetch(record, now, matched, skipped) * page_bytes
+            entry = self.moves.entry(record.worker_id)
+            num_evicted = 0
+            if entry is not None and matched is not None and record.prefetch_done_at_ms is not None:
+                num_evicted = evicted_since_prefetch(
+                    matched, page_size=entry.registration.page_size, num_parked_pages=record.num_parked_pages,
+                    num_cached_tokens=record.num_cached_tokens, num_skipped=skipped,
+                    is_too_recent=lead_ms < self.params.directory_lag_ms)
+            wasted_bytes = num_evicted * page_bytes
             self.stats.count_waste("evicted", wasted_bytes)
         if outcome != Outcome.KEPT or lead_ms is not None:
             log.info("session returned", extra={
@@ -309,32 +319,18 @@ class Orchestrator:
             await self.predictor.observe(record.tenant, record.tool_name or "", actual_ms)
         record.clear_pause()
 
-    def _evicted_since_prefetch(
-        self, record: SessionRecord, now: int, matched: TokensByTier | None, skipped: int
-    ) -> int:
-        """Prefetched pages of ``record`` the directory no longer has in HBM on its worker: below
-        HBM again (beyond the ``skipped`` ones the prefetch left there), or gone (the prefix it
-        matches is shorter than the previous turn's). 0 when the directory cannot tell yet (no
-        match given, or the prefetch is too recent)."""
-        entry = self.moves.entry(record.worker_id)
-        done_at = record.prefetch_done_at_ms
-        if matched is None or entry is None or done_at is None or now - done_at < self.params.directory_lag_ms:
-            return 0
-        page_size = entry.registration.page_size
-        below = max(0, (matched.dram_tokens + matched.nvme_tokens) // page_size - skipped)
-        missing = max(0, record.num_cached_tokens // page_size - matched.total_tokens // page_size)
-        return min(record.num_parked_pages, below + missing)
-
     # ---- Pause -----------------------------------------------------------------------------
     async def pause(self, request: PauseRequest, *, caller: Principal | None = None) -> SessionInfo:
-        await self.serial.after_route(request.session_id)
-        async with self.serial.locked(request.session_id):
-            record = await self.store.get(request.session_id)
+        key = self.key_for(request.session_id, caller)
+        await self.serial.after_route(key)
+        async with self.serial.locked(key):
+            record = await self.store.get(key.session_id, key.tenant)
             if record is None:  # a Pause starts the session (sessions.proto): no worker, nothing to park
+                self.census.admit(key)
                 record = SessionRecord(session_id=request.session_id, state=SessionState.ACTIVE,
-                                       tenant=tenant_of_paused_start(caller, request.session_id))
+                                       tenant=key.tenant, owner=owner_of(caller))
             else:
-                record = await self._get(request.session_id, caller)
+                record = await self._get(key, caller)
             if record.state is SessionState.PAUSED:
                 return record.info()
             record.require(SessionState.ACTIVE, action="Pause")
@@ -346,7 +342,7 @@ class Orchestrator:
             record.paused_at_ms = now
             record.predicted_return_at_ms = now + round(prediction.return_in_ms)
             record.prediction_source = prediction.source
-            self._holds[record.session_id] = predicted_hold(now, prediction, self.predictor.spread(prediction))
+            self._holds[record.key] = predicted_hold(now, prediction, self.predictor.spread(prediction))
             record.parked_tier = Tier.HBM
             await self._park(record, prediction, now)
             await self._save(record)
@@ -381,7 +377,7 @@ class Orchestrator:
                                   self.params.margin_ms)
         record.prefetch_at_ms = round(at_ms)
         record.prefetch_state = PrefetchState.SCHEDULED
-        self._schedule(record.session_id, record.prefetch_at_ms)
+        self._schedule(record.key, record.prefetch_at_ms)
         log.info("session parked", extra={
             "session_id": record.session_id, "tier": choice.tier.label, "num_pages": record.num_parked_pages,
             "prefetch_in_ms": round(at_ms - self._now())})
@@ -399,13 +395,14 @@ class Orchestrator:
             return
         record.prefetch_at_ms = self._now()
         record.prefetch_state = PrefetchState.SCHEDULED
-        self._schedule(record.session_id, record.prefetch_at_ms)
+        self._schedule(record.key, record.prefetch_at_ms)
 
     # ---- Returning -------------------------------------------------------------------------
     async def returning(self, request: ReturningRequest, *, caller: Principal | None = None) -> SessionInfo:
-        await self.serial.after_route(request.session_id)
-        async with self.serial.locked(request.session_id):
-            record = await self._get(request.session_id, caller)
+        key = self.key_for(request.session_id, caller)
+        await self.serial.after_route(key)
+        async with self.serial.locked(key):
+            record = await self._get(key, caller)
             record.require(SessionState.PAUSED, SessionState.RESUMING, action="Returning")
             now = self._now()
             eta_ms = request.eta_ms or 0
@@ -415,7 +412,7 @@ class Orchestrator:
             record.state = SessionState.RESUMING
             record.predicted_return_at_ms = now + eta_ms
             record.prediction_source = PredictionSource.CALLER_ETA
-            self._holds[record.session_id] = eta_hold(now, eta_ms, self.params.margin_ms)
+            self._holds[record.key] = eta_hold(now, eta_ms, self.params.margin_ms)
             if record.prefetch_state == PrefetchState.SCHEDULED:
                 promote_ms = self.moves.promote_ms(record)
                 at_ms = prefetch_start_ms(now + eta_ms, promote_ms, self.params.margin_ms)
@@ -423,20 +420,21 @@ class Orchestrator:
                     await self._prefetch_locked(record, MoveReason.RETURNING)
                 else:
                     record.prefetch_at_ms = round(at_ms)
-                    self._schedule(record.session_id, record.prefetch_at_ms)
+                    self._schedule(record.key, record.prefetch_at_ms)
             await self._save(record)
             return record.info()
 
     # ---- End ---------------------------------------------------------------------------------
     async def end(self, request: EndRequest, *, caller: Principal | None = None) -> SessionInfo:
-        await self.serial.after_route(request.session_id)
-        async with self.serial.locked(request.session_id):
-            record = await self._get(request.session_id, caller)
+        key = self.key_for(request.session_id, caller)
+        await self.serial.after_route(key)
+        async with self.serial.locked(key):
+            record = await self._get(key, caller)
             if record.state is SessionState.ENDED:
                 return record.info()
-            self.timers.cancel(record.session_id)
-            self._holds.pop(record.session_id, None)
-            self._skipped_pages.pop(record.session_id, None)
+            self.timers.cancel(record.key)
+            self._holds.pop(record.key, None)
+            self._skipped_pages.pop(record.key, None)
             page_bytes = self.moves.page_bytes(record.worker_id)
             if record.prefetch_state == PrefetchState.DONE and record.state is not SessionState.ACTIVE:
                 self.stats.count_waste("ended", record.num_parked_pages * page_bytes)
@@ -450,12 +448,12 @@ class Orchestrator:
             record.clear_pause()
             record.state = SessionState.ENDED
             await self.store.put(record)
-            self._states.pop(record.session_id, None)
-            self.registry.forget_session(record.session_id)
+            self.census.forget(record.key)
+            self.registry.forget_session(record.key)
             return record.info()
 
     # ---- prefetch ------------------------------------------------------------------------------
-    def _schedule(self, session: SessionId, at_ms: float) -> None:
+    def _schedule(self, session: SessionKey, at_ms: float) -> None:
         async def fire() -> None:
             await self._run_prefetch(
                 session, attempt=0,
@@ -465,7 +463,7 @@ class Orchestrator:
 
         self.timers.schedule(session, at_ms, fire)
 
-    def _schedule_topup(self, session: SessionId, attempt: int) -> None:
+    def _schedule_topup(self, session: SessionKey, attempt: int) -> None:
         """Bring up, later, what the pause's prefetch left below. The pause stays scored by its
         first prefetch (on time: its ack came before the Route); the top-up adds its pages to
         those the Route judges, and a Route or End meanwhile cancels it (same timer key).
@@ -488,7 +486,7 @@ class Orchestrator:
         self.timers.schedule(session, at_ms, fire)
 
     async def _run_prefetch(
-        self, session: SessionId, *, attempt: int,
+        self, session: SessionKey, *, attempt: int,
         may_start: Callable[[SessionRecord], bool], may_finish: Callable[[SessionRecord], bool],
     ) -> None:
         """A timer's prefetch (``attempt`` 0) or top-up, if the session is still where ``may_start``
@@ -501,7 +499,7 @@ class Orchestrator:
         try:
             await self.serial.after_route(session)
             async with self.serial.locked(session):
-                record = await self.store.get(session)
+                record = await self.store.get(session.session_id, session.tenant)
                 if record is None or not may_start(record):
                     return
                 sent = self._prefetch_begin(record, MoveReason.PREFETCH, attempt=attempt)
@@ -510,14 +508,15 @@ class Orchestrator:
                 return
             ack = await self.moves.send(sent.worker, sent.command)
             async with self.serial.locked(session):
-                record = await self.store.get(session)
+                record = await self.store.get(session.session_id, session.tenant)
                 if record is not None and may_finish(record) and record.paused_at_ms == sent.paused_at_ms:
                     self._prefetch_end(sent, ack, record)
                     await self._save(record)
                 else:
                     self._prefetch_end(sent, ack, None)
         except Exception as exc:  # a timer must not die silently
-            log.error("scheduled prefetch failed", exc_info=exc, extra={"session_id": session, "attempt": attempt})
+            log.error("scheduled prefetch failed", exc_info=exc,
+                      extra={"session_id": session.session_id, "attempt": attempt})
 
     @staticmethod
     def _is_topping_up(record: SessionRecord) -> bool:
@@ -534,7 +533,7 @@ class Orchestrator:
     def _prefetch_begin(self, record: SessionRecord, reason: str, *, attempt: int = 0) -> SentPrefetch | None:
         """Mark ``record``'s prefetch SENT and build its command (None: nothing to prefetch); a
         top-up (``attempt`` > 0) leaves the state DONE."""
-        self.timers.cancel(record.session_id)
+        self.timers.cancel(record.key)
         source = self.moves.source_tier(record)
         if record.worker_id is None or record.namespace_digest is None or source is None:
             return None
@@ -552,11 +551,11 @@ class Orchestrator:
         page_bytes = self.moves.page_bytes(record.worker_id)
         bucket = self.moves.bucket(record.worker_id, source)
         if bucket is not None:  # a top-up moves at most what the last ack left below
-            num_pages = self._skipped_pages.get(record.session_id, 0) if attempt else record.num_parked_pages
+            num_pages = self._skipped_pages.get(record.key, 0) if attempt else record.num_parked_pages
             bucket.take(num_pages * page_bytes)
         if attempt == 0:
             record.prefetch_state = PrefetchState.SENT
-        plan = self._holds.get(record.session_id)
+        plan = self._holds.get(record.key)
         terms = hold_terms(
             self._now(), hold_until_ms=plan.until_ms if plan is not None else record.predicted_return_at_ms,
             predicted_return_at_ms=record.predicted_return_at_ms, paused_at_ms=record.paused_at_ms,
@@ -588,9 +587,9 @@ class Orchestrator:
         record.prefetch_state = PrefetchState.DONE
         record.prefetch_done_at_ms = self._now()
         record.num_parked_pages = ack.num_pages + (record.num_parked_pages if sent.attempt else 0)
-        self._skipped_pages[record.session_id] = ack.num_skipped_pages
+        self._skipped_pages[record.key] = ack.num_skipped_pages
         if ack.num_skipped_pages and sent.attempt < self.params.max_topups:
-            self._schedule_topup(record.session_id, sent.attempt + 1)
+            self._schedule_topup(record.key, sent.attempt + 1)
 
     def _target_ms(self, prediction: Prediction) -> float:
         """When, after the pause, the pages must be back: the low quantile of the prediction."""

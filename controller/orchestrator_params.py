@@ -10,7 +10,7 @@ from kvtier.domain.records import Watermarks
 from kvtier.domain.tiers import Tier
 from kvtier.policy.lateness import LatenessParams
 from kvtier.policy.placement import ParkPrices
-from kvtier.runtime.config import DEFAULT_SESSION_HOLD_MAX_S
+from kvtier.runtime.config import DEFAULT_MAX_SESSIONS_PER_TENANT, DEFAULT_SESSION_HOLD_MAX_S
 
 
 @dataclass(slots=True)
@@ -42,6 +42,8 @@ class OrchestratorParams:
     # quantile (a late return finds them still there), but never longer than this (a controller
     # takes it from ``ControllerConfig.session_hold_max_s``).
     max_hold_ms: float = DEFAULT_SESSION_HOLD_MAX_S * 1000.0
+    # Live sessions one tenant may have (``ControllerConfig.max_sessions_per_tenant``).
+    max_sessions_per_tenant: int = DEFAULT_MAX_SESSIONS_PER_TENANT
     # A prefetch that left pages below (a page of the chain in the middle of another move, or no
     # room in HBM at that moment) is topped up this much later, each next top-up
     # ``topup_backoff`` times later than the one before, at most ``max_topups`` times and never

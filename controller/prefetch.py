@@ -34,7 +34,7 @@ import collections
 import math
 from dataclasses import dataclass, field
 
-from kvtier.domain.records import PredictionSource, SessionId
+from kvtier.domain.records import PredictionSource, SessionId, TokensByTier
 from kvtier.domain.tiers import Tier
 
 
@@ -169,3 +169,16 @@ class PromoteLatency:
 
     def estimate_ms(self, num_bytes: int, bytes_per_s: float) -> float:
         return num_bytes / bytes_per_s * 1000.0 + self.overhead_ms()
+
+
+def evicted_since_prefetch(matched: TokensByTier, *, page_size: int, num_parked_pages: int, num_cached_tokens: int,
+                           num_skipped: int, is_too_recent: bool) -> int:
+    """Prefetched pages of a session the directory no longer has in HBM on its worker
+    (``matched``: its next Route's prefix there): below HBM again (beyond the ``num_skipped``
+    the prefetch left there), or gone (the prefix is shorter than the previous turn's). 0 while
+    the directory cannot tell yet (``is_too_recent``: the prefetch landed within its lag)."""
+    if is_too_recent:
+        return 0
+    below = max(0, (matched.dram_tokens + matched.nvme_tokens) // page_size - num_skipped)
+    missing = max(0, num_cached_tokens // page_size - matched.total_tokens // page_size)
+    return min(num_parked_pages, below + missing)

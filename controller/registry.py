@@ -82,13 +82,14 @@ class WorkerEntry:
 
 
 class Registry:
-    """Workers by id and sessions by id. ``clock_s`` is monotonic seconds (tests pass their own)."""
+    """Workers by id and session affinity by (tenant, session id). ``clock_s`` is monotonic seconds (tests pass their own)."""
 
     def __init__(self, lease_ttl_s: float, *, clock_s: Callable[[], float] = time.monotonic) -> None:
         self.lease_ttl_s = lease_ttl_s
         self._clock_s = clock_s
         self._workers: dict[WorkerId, WorkerEntry] = {}
-        self._affinity: collections.OrderedDict[SessionId, WorkerId] = collections.OrderedDict()
+        # By (tenant, session id): another tenant naming the same id has no affinity to learn.
+        self._affinity: collections.OrderedDict[tuple[str, SessionId], WorkerId] = collections.OrderedDict()
 
     # -- workers --------------------------------------------------------------------------
 
@@ -172,16 +173,17 @@ class Registry:
 
     # -- session affinity -----------------------------------------------------------------
 
-    def affinity(self, session: SessionId) -> WorkerId | None:
+    def affinity(self, session: tuple[str, SessionId]) -> WorkerId | None:
+        """The worker of the session keyed (tenant, id), if any."""
         return self._affinity.get(session)
 
-    def set_affinity(self, session: SessionId, worker: WorkerId) -> None:
+    def set_affinity(self, session: tuple[str, SessionId], worker: WorkerId) -> None:
         self._affinity[session] = worker
         self._affinity.move_to_end(session)
         while len(self._affinity) > MAX_SESSIONS:
             self._affinity.popitem(last=False)
 
-    def forget_session(self, session: SessionId) -> None:
+    def forget_session(self, session: tuple[str, SessionId]) -> None:
         self._affinity.pop(session, None)
 
     @property

@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 from collections.abc import Callable, Sequence
 
+import grpc
 import grpc.aio
 
 from kvtier.cache.epochs import EpochTable
@@ -25,8 +26,16 @@ from kvtier.controller.cost_model import rank_entries_by_ttft
 from kvtier.controller.directory_records import PrefixLookup
 from kvtier.controller.registry import Registry, WorkerEntry
 from kvtier.controller.resync import REDIS_ERRORS, DirectoryAccess
-from kvtier.domain.errors import NotFound, Unavailable
-from kvtier.domain.hashing import NamespaceDigest, NamespaceIdentity, PageKey, namespace_digest, page_keys
+from kvtier.controller.route_hashing import RouteHashing
+from kvtier.domain.errors import NotFound, ResourceExhausted, Unavailable
+from kvtier.domain.hashing import (
+    NamespaceDigest,
+    NamespaceIdentity,
+    PackedKeys,
+    PageKey,
+    namespace_digest,
+    page_keys,
+)
 from kvtier.domain.records import (
     LookupRequest,
     LookupResult,
@@ -48,7 +57,6 @@ from kvtier.rpc.auth_interceptor import principal_name as principal_name
 from kvtier.rpc.auth_interceptor import principal_tenant as principal_tenant
 from kvtier.rpc.auth_interceptor import resolve_tenant as resolve_tenant
 from kvtier.rpc.convert.router import (
-    from_proto_route_request,
     to_proto_route_decision,
     to_proto_served_models,
 )
@@ -130,13 +138,14 @@ def served_models(live: Sequence[WorkerEntry], tenant: str) -> tuple[ServedModel
                                                 m.namespace.weights_digest, m.namespace.kv_dtype)))
 
 
-def prefix_page_keys(namespace: NamespaceIdentity, prefix: Prefix) -> tuple[NamespaceDigest, list[PageKey]]:
+def prefix_page_keys(namespace: NamespaceIdentity, prefix: Prefix) -> tuple[NamespaceDigest, Sequence[PageKey]]:
     """The server-derived digest and the prefix's page keys under it (given keys are used as is:
     looked up under this digest only, so a key of another namespace or tenant never matches)."""
     digest = namespace_digest(namespace)
     if isinstance(prefix, TokenPrefix):
         return digest, page_keys(digest, prefix.token_ids, namespace.page_size)
-    return digest, list(prefix.page_keys)
+    keys = prefix.page_keys
+    return digest, keys if isinstance(keys, PackedKeys) else list(keys)
 
 
 # -- authentication -----------------------------------------------------------------------------
@@ -187,7 +196,9 @@ class Router:
             if result is not None:
                 page_size = namespace.page_size
                 matched = {m.worker: m.matched_tokens(page_size) for m in result.matches}
-        affinity = self.registry.affinity(request.session_id) if request.session_id else None
+        # Sessions are keyed by (tenant, id): another tenant's session of the same id is not this one.
+        session = (namespace.tenant, request.session_id) if request.session_id else None
+        affinity = self.registry.affinity(session) if session else None
         candidates = [Candidate(e.worker_id, e.address, worker_load(e)) for e in entries]
         if self.params.rank_by_ttft and degraded is None:  # kvtier.controller.cost_model
             prompt_tokens = (len(request.prefix.token_ids) if isinstance(request.prefix, TokenPrefix)
@@ -196,8 +207,6 @@ class Router:
                                           page_size=namespace.page_size, params=self.params, affinity=affinity)
         else:
             ranked = rank_workers(candidates, matched, self.params, affinity)
-        if request.session_id and ranked:
-            self.registry.set_affinity(request.session_id, ranked[0].worker_id)
         if request.session_id and self.on_session_route is not None:
             try:
                 top = ranked[0].worker_id if ranked else None
@@ -205,10 +214,15 @@ class Router:
                     request.session_id, tenant=namespace.tenant, worker=top,
                     digest=digest, num_tokens=len(keys) * namespace.page_size,
                     matched=None if degraded or top is None else matched.get(top, TokensByTier()),
+                    owner=caller.name if caller is not None else "",
                 )
+            except ResourceExhausted:  # the tenant is at its cap of live sessions
+                raise
             except Exception as exc:  # session bookkeeping must never fail a Route
                 log.warning("session bookkeeping on Route failed", extra={
                     "session_id": request.session_id, "reason": str(exc)})
+        if session and ranked:
+            self.registry.set_affinity(session, ranked[0].worker_id)
         return RouteDecision(workers=ranked, degraded_reason=degraded)
 
     def list_models(self, caller: Principal | None) -> tuple[ServedModel, ...]:
@@ -265,20 +279,24 @@ class Router:
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """Thin shell: convert, route, convert back. Standbys answer UNAVAILABLE naming the leader.
 
-    With ``tickets`` (authentication on) every ranked worker comes with a Route ticket for the
-    caller's tenant: what the frontend sends that worker's Generate instead of its token."""
+    Route takes its request as bytes (``add_router_servicer``): a large one is decoded and
+    hashed off the event loop (``kvtier.controller.route_hashing``). With ``tickets``
+    (authentication on) every ranked worker comes with a Route ticket for the caller's tenant:
+    what the frontend sends that worker's Generate instead of its token."""
 
-    def __init__(self, router: Router, *, tickets: TicketSigner | None = None) -> None:
+    def __init__(self, router: Router, hashing: RouteHashing | None = None, *,
+                 tickets: TicketSigner | None = None) -> None:
         self._router = router
+        self._hashing = hashing or RouteHashing()
         self._tickets = tickets
 
     @rpc_errors
     async def Route(
-        self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext
+        self, request: bytes, context: grpc.aio.ServicerContext
     ) -> router_pb2.RouteResponse:
         self._router.access.check_serving()
-        route = from_proto_route_request(request)
         caller = principal_tenant(context)
+        route = await self._hashing.request(request, caller, self._router.epochs)
         decision = await tracing.traced_route(  # the `route` span (a no-op with tracing off)
             self._router.route(route, caller), route, context.invocation_metadata()
         )
@@ -292,3 +310,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> router_pb2.ListModelsResponse:
         self._router.access.check_serving()  # workers link to the leader: a standby knows none
         return to_proto_served_models(self._router.list_models(principal_tenant(context)))
+
+
+def add_router_servicer(servicer: RouterServicer, server: grpc.aio.Server) -> None:
+    """``router_pb2_grpc.add_RouterServicer_to_server``, with Route's request left as bytes."""
+    handlers = {
+        "Route": grpc.unary_unary_rpc_method_handler(
+            servicer.Route, response_serializer=router_pb2.RouteResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels, request_deserializer=router_pb2.ListModelsRequest.FromString,
+            response_serializer=router_pb2.ListModelsResponse.SerializeToString),
+    }
+    service = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))

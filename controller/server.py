@@ -30,6 +30,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from kvtier.controller.admin import AdminServicer
 from kvtier.controller.cache_admin import CacheAdmin
 from kvtier.controller.cache_store import CacheStore
+from kvtier.controller.caller_limits import CallerLimits, limits_of
 from kvtier.controller.directory import Directory
 from kvtier.controller.directory_records import Outcome
 from kvtier.controller.link_servicer import WorkerLinks, WorkerLinkServicer
@@ -41,7 +42,8 @@ from kvtier.controller.predictor import ToolReturnPredictor
 from kvtier.controller.redis_connect import RedisClient, connect
 from kvtier.controller.registry import Registry
 from kvtier.controller.resync import REDIS_ERRORS, DirectoryAccess
-from kvtier.controller.router import Router, RouterServicer
+from kvtier.controller.route_hashing import RouteHashing
+from kvtier.controller.router import Router, RouterServicer, add_router_servicer
 from kvtier.controller.sessions import SessionsServicer, SessionStore
 from kvtier.controller.worker_admin import WorkerAdmin
 from kvtier.controller.worker_identity import WorkerIdentity
@@ -54,7 +56,6 @@ from kvtier.rpc._gen import (
     admin_pb2,
     admin_pb2_grpc,
     router_pb2,
-    router_pb2_grpc,
     sessions_pb2,
     sessions_pb2_grpc,
     worker_link_pb2,
@@ -139,6 +140,7 @@ class ControllerServer:
     policy: PolicyInForce | None = None  # the tiering policy version in force
     worker_admin: WorkerAdmin | None = None  # drain, snapshot
     cache_admin: CacheAdmin | None = None  # invalidate (policy epochs), pin, evict
+    route_hashing: RouteHashing | None = None  # large Routes decoded and hashed off the event loop
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _stopped: bool = False
 
@@ -207,6 +209,8 @@ class ControllerServer:
             ("directory access", self.access.close),
             ("grpc server", lambda: self.server.stop(grace_s)),
         ]
+        if (hashing := self.route_hashing) is not None:
+            steps.append(("route hashing", hashing.close))
         if (health_server := self._health_server) is not None:
             steps.append(("health server", lambda: health_server.stop(0)))
         steps += [("redis client", self._client.aclose), ("redis lookup client", self._lookup_client.aclose)]
@@ -311,7 +315,8 @@ async def serve_controller(
     server = grpc.aio.server(
         options=SERVER_OPTIONS,
         interceptors=(*([metrics.interceptor()] if metrics else []),
-                      *server_interceptors(tokens, server="controller"), MalformedRequestInterceptor()),
+                      *server_interceptors(tokens, server="controller"), CallerLimits(limits_of(config)),
+                      MalformedRequestInterceptor()),
     )
     access: DirectoryAccess | None = None
     try:
@@ -345,7 +350,8 @@ async def serve_controller(
 
         predictor = ToolReturnPredictor(client, predictor_params, on_error=access.report_failure)
         if orchestrator_params is None:
-            orchestrator_params = OrchestratorParams(max_hold_ms=config.session_hold_max_s * 1000.0)
+            orchestrator_params = OrchestratorParams(max_hold_ms=config.session_hold_max_s * 1000.0,
+                                                     max_sessions_per_tenant=config.max_sessions_per_tenant)
         orchestrator = Orchestrator(
             SessionStore(client), predictor, registry, controller.send_command, orchestrator_params
         )
@@ -368,7 +374,8 @@ async def serve_controller(
             cache_admin.on_resync(everything)
 
         access.on_resync = on_resync
-        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router, tickets=identity.tickets if identity else None), server)
+        controller.route_hashing = hashing = RouteHashing()
+        add_router_servicer(RouterServicer(router, hashing, tickets=identity.tickets if identity else None), server)
         sessions_pb2_grpc.add_SessionsServicer_to_server(
             SessionsServicer(orchestrator, access.check_serving), server
         )

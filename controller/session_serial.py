@@ -15,7 +15,7 @@ import functools
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 
-from kvtier.domain.records import SessionId
+from kvtier.controller.session_tenancy import SessionKey
 from kvtier.runtime.log import get_logger
 
 log = get_logger("kvtier.controller.orchestrator")  # the orchestrator's sessions log as it does
@@ -28,13 +28,14 @@ class _SessionLock:
 
 
 class SessionSerial:
-    """Per-session locks and background Route bookkeeping (module doc). One event loop."""
+    """Per-session locks and background Route bookkeeping, by (tenant, id) (module doc). One
+    event loop."""
 
     def __init__(self) -> None:
         # One lock per session in use: gone once no one holds or waits for it.
-        self._locks: dict[SessionId, _SessionLock] = {}
+        self._locks: dict[SessionKey, _SessionLock] = {}
         # Route bookkeeping running in the background, the latest per session.
-        self._route_tasks: dict[SessionId, asyncio.Task[None]] = {}
+        self._route_tasks: dict[SessionKey, asyncio.Task[None]] = {}
 
     @property
     def num_locks(self) -> int:
@@ -45,7 +46,7 @@ class SessionSerial:
         return len(self._route_tasks)
 
     @contextlib.asynccontextmanager
-    async def locked(self, session: SessionId) -> AsyncIterator[None]:
+    async def locked(self, session: SessionKey) -> AsyncIterator[None]:
         """Hold ``session``'s lock. The lock exists while someone holds or waits for it, so
         sessions that are never ended leave no lock behind."""
         entry = self._locks.get(session)
@@ -60,24 +61,25 @@ class SessionSerial:
             if not entry.users:
                 del self._locks[session]
 
-    def run_after_route(self, session: SessionId, bookkeeping: Awaitable[object]) -> None:
+    def run_after_route(self, session: SessionKey, bookkeeping: Awaitable[object]) -> None:
         """Run a Route's ``bookkeeping`` for ``session`` in the background; a failure is logged."""
         task = asyncio.create_task(self._logged(session, bookkeeping), name="kvtier-session-route")
         self._route_tasks[session] = task
         task.add_done_callback(functools.partial(self._route_task_done, session))
 
-    def _route_task_done(self, session: SessionId, task: asyncio.Task[None]) -> None:
+    def _route_task_done(self, session: SessionKey, task: asyncio.Task[None]) -> None:
         if self._route_tasks.get(session) is task:
             del self._route_tasks[session]
 
     @staticmethod
-    async def _logged(session: SessionId, bookkeeping: Awaitable[object]) -> None:
+    async def _logged(session: SessionKey, bookkeeping: Awaitable[object]) -> None:
         try:
             await bookkeeping
         except Exception as exc:  # session bookkeeping must never fail a Route
-            log.warning("session bookkeeping on Route failed", extra={"session_id": session, "reason": str(exc)})
+            log.warning("session bookkeeping on Route failed", extra={
+                "session_id": session.session_id, "reason": str(exc)})
 
-    async def after_route(self, session: SessionId) -> None:
+    async def after_route(self, session: SessionKey) -> None:
         """Wait for the session's Route bookkeeping, if some is still running."""
         task = self._route_tasks.get(session)
         if task is not None:

@@ -12,7 +12,8 @@ session and Returning of an ACTIVE or ENDED one fail with ``FailedPrecondition``
 the state; Returning or End of an id no Route or Pause named is ``NotFound``.
 End keeps the session's pages as ordinary cache entries; ``EndRequest.drop`` frees them.
 
-Storage: one hash per session, ``kvt:session:<id>``, rewritten on every change with an
+Storage: one hash per session, ``kvt:session:<tenant hex>:<id>`` (sessions are keyed by
+tenant and id: ``kvtier.controller.session_tenancy``), rewritten on every change with an
 idle TTL (``ttl_s``), so a session nobody touches expires by itself. The orchestrator
 (``kvtier.controller.orchestrator``) drives the transitions and serialises them per
 session; this module is the record, its Redis form and the gRPC shell.
@@ -29,6 +30,7 @@ from redis.typing import EncodableT, FieldT
 
 from kvtier.controller.redis_connect import RedisClient
 from kvtier.controller.resync import REDIS_ERRORS, describe
+from kvtier.controller.session_tenancy import SessionKey
 from kvtier.domain.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvtier.domain.hashing import NamespaceDigest
 from kvtier.domain.records import (
@@ -94,6 +96,7 @@ class SessionRecord:
     num_cached_tokens: int = 0  # tokens of the prefix the last Route named
     # The controller's own.
     tenant: str = ""
+    owner: str = ""  # the credential that started it (a session without a tenant is its owner's)
     namespace_digest: NamespaceDigest | None = None
     num_parked_pages: int = 0
     prefetch_state: str = PrefetchState.NONE
@@ -118,6 +121,10 @@ class SessionRecord:
         self.num_parked_pages = 0
         self.prefetch_state = PrefetchState.NONE
         self.is_duration_observed = False
+
+    @property
+    def key(self) -> SessionKey:
+        return SessionKey(self.tenant, self.session_id)
 
     def require(self, *allowed: SessionState, action: str) -> None:
         if self.state not in allowed:
@@ -157,6 +164,7 @@ class SessionRecord:
             session_id=SessionId(h["session_id"]),
             state=SessionState(h["state"]),
             tenant=h.get("tenant", ""),
+            owner=h.get("owner", ""),
             worker_id=WorkerId(h["worker_id"]) if "worker_id" in h else None,
             namespace_digest=NamespaceDigest(bytes.fromhex(h["namespace_digest"])) if "namespace_digest" in h
             else None,
@@ -177,11 +185,16 @@ class SessionRecord:
 SESSION_FETCH_BATCH = 200
 
 
+def store_key(tenant: str, session: SessionId) -> str:
+    """The Redis key of a session: the tenant in hex, so that no tenant or id can reach another's."""
+    return f"{KEY_PREFIX}{tenant.encode().hex()}:{session}"
+
 
 def _bytes_hash(raw: dict[bytes | str, bytes | str]) -> dict[bytes, bytes]:
     """An HGETALL reply: redis-py types it bytes-or-str for decode_responses, which the
     session store's client leaves off, so it is bytes."""
     return cast("dict[bytes, bytes]", raw)
+
 
 class SessionStore:
     """Session records in Redis, each with an idle TTL refreshed on every write."""
@@ -190,12 +203,13 @@ class SessionStore:
         self.client = client
         self.ttl_s = ttl_s
 
-    async def get(self, session_id: SessionId) -> SessionRecord | None:
-        raw = await self.client.hgetall(KEY_PREFIX + session_id)
+    async def get(self, session_id: SessionId, tenant: str = "") -> SessionRecord | None:
+        """The session ``session_id`` of ``tenant`` ("" for the tenant-less one)."""
+        raw = await self.client.hgetall(store_key(tenant, session_id))
         return SessionRecord.from_hash(_bytes_hash(raw)) if raw else None
 
     async def put(self, record: SessionRecord) -> None:
-        key = KEY_PREFIX + record.session_id
+        key = store_key(record.tenant, record.session_id)
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.delete(key)  # fields that became None must go too
             fields: dict[FieldT, EncodableT] = {k: v for k, v in record.to_hash().items()}
@@ -211,8 +225,9 @@ class SessionStore:
                 yield SessionRecord.from_hash(_bytes_hash(raw))
 
     async def page(self, request: ListSessionsRequest) -> SessionPage:
-        """One page of sessions in session-id order (Admin.ListSessions): the page token is the hex of
-        the last session id returned, empty when no session follows. ``Unavailable`` without Redis."""
+        """One page of sessions in (tenant, session id) order (Admin.ListSessions): the page token is
+        the hex of the last session's key returned, empty when no session follows. ``Unavailable``
+        without Redis."""
         after = ""
         if request.page_token:
             try:
@@ -222,13 +237,13 @@ class SessionStore:
                                       "next_page_token of the previous page, or none", field="page_token") from None
         try:
             keys = [key.decode() async for key in self.client.scan_iter(match=KEY_PREFIX + "*", count=500)]
-            ids = sorted(SessionId(k.removeprefix(KEY_PREFIX)) for k in keys)
+            ids = sorted(k.removeprefix(KEY_PREFIX) for k in keys)  # "<tenant hex>:<id>"
             ids = [i for i in ids if i > after]
             found: list[SessionRecord] = []
             for start in range(0, len(ids), SESSION_FETCH_BATCH):  # one more than a page says if one follows
                 async with self.client.pipeline(transaction=False) as pipe:
-                    for session in ids[start:start + SESSION_FETCH_BATCH]:
-                        pipe.hgetall(KEY_PREFIX + session)
+                    for suffix in ids[start:start + SESSION_FETCH_BATCH]:
+                        pipe.hgetall(KEY_PREFIX + suffix)
                     raws = await pipe.execute()
                 found.extend(r for r in (SessionRecord.from_hash(raw) for raw in raws if raw)
                              if request.state is None or r.state is request.state)
@@ -240,7 +255,8 @@ class SessionStore:
         more = len(found) > request.limit
         return SessionPage(
             sessions=tuple(r.info() for r in page),
-            next_page_token=page[-1].session_id.encode().hex() if more else None,
+            next_page_token=store_key(page[-1].tenant, page[-1].session_id).removeprefix(KEY_PREFIX).encode().hex()
+            if more else None,
         )
 
 

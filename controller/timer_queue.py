@@ -6,7 +6,7 @@ import asyncio
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Hashable
 from typing import Any
 
 
@@ -21,23 +21,23 @@ class TimerQueue:
 
     def __init__(self, clock_ms: Callable[[], float] = wall_clock_ms) -> None:
         self.clock_ms = clock_ms
-        self._heap: list[tuple[float, int, str]] = []
-        self._entries: dict[str, tuple[int, Callable[[], Coroutine[Any, Any, None]]]] = {}
+        self._heap: list[tuple[float, int, Hashable]] = []
+        self._entries: dict[Hashable, tuple[int, Callable[[], Coroutine[Any, Any, None]]]] = {}
         self._seq = itertools.count()
         self._tasks: set[asyncio.Task[None]] = set()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def schedule(self, key: str, at_ms: float, callback: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    def schedule(self, key: Hashable, at_ms: float, callback: Callable[[], Coroutine[Any, Any, None]]) -> None:
         seq = next(self._seq)
         self._entries[key] = (seq, callback)
         heapq.heappush(self._heap, (at_ms, seq, key))
 
-    def cancel(self, key: str) -> bool:
+    def cancel(self, key: Hashable) -> bool:
         return self._entries.pop(key, None) is not None
 
-    def is_scheduled(self, key: str) -> bool:
+    def is_scheduled(self, key: Hashable) -> bool:
         return key in self._entries
 
     def pop_due(self, now_ms: float) -> list[Callable[[], Coroutine[Any, Any, None]]]:

@@ -1,4 +1,5 @@
-"""The anti-thrash budget of one (worker, lower tier) link: bytes per second with a burst."""
+"""A budget per second with a burst: the anti-thrash budget of one (worker, lower tier) link,
+and a caller's allowance of calls and request bytes (``kvtier.controller.caller_limits``)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,13 @@ class TokenBucket:
             return True
         self.is_throttled = True
         return False
+
+    def wait_s(self, amount: float) -> float:
+        """Seconds until ``amount`` can be taken without debt (0: now)."""
+        self._refill()
+        if self.level >= amount:
+            return 0.0
+        return (amount - self.level) / self.rate if self.rate > 0 else float("inf")
 
     def take(self, num_bytes: float) -> None:
         self._refill()

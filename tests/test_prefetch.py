@@ -16,9 +16,10 @@ import pytest_asyncio
 
 from kvtier.controller.orchestrator_params import OrchestratorParams
 from kvtier.controller.prefetch import Outcome, PauseOutcome, PrefetchStats, PromoteLatency
+from kvtier.controller.session_tenancy import SessionKey
 from kvtier.controller.sessions import PrefetchState
 from kvtier.domain.hashing import namespace_digest, page_keys
-from kvtier.domain.records import SessionState
+from kvtier.domain.records import SessionId, SessionState
 from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
 from kvtier.policy.placement import ParkPrices
@@ -27,6 +28,7 @@ from kvtier.worker import admission as admission_module
 from kvtier.worker import commands as commands_module
 from kvtier.worker import holds as holds_module
 from kvtier.worker.servicer import serve_worker
+from kvtier.worker.session_ref import SessionRef
 
 from hf_checkpoints import build_checkpoint
 from live_controller import orchestrated
@@ -395,7 +397,7 @@ async def test_top_ups_stop_where_the_hold_would_end(worker, flushed_redis_url, 
             # on (the next at ~3.15 s, then ~6.35 s, ...). Polling for an empty timer slot would
             # not do: it is empty too while a top-up is in flight.
             await asyncio.sleep(2.5)
-            assert not orchestrator.timers.is_scheduled("s-bound")
+            assert not orchestrator.timers.is_scheduled(SessionKey("", "s-bound"))
         sent = [r for r in caplog.records
                 if r.getMessage() == "session prefetched" and getattr(r, "session_id", None) == "s-bound"]
         # The prefetch, then top-ups at ~50, 150, 350, 750, 1550 ms (later by their acks' time:
@@ -1154,7 +1156,8 @@ async def test_a_prefetch_never_takes_its_room_from_its_own_sessions_hold(tmp_pa
         rank = pin.rank_ms - 1.0
 
         def short_of_room(session: str) -> bool:
-            return loop.room.needs(loop.room.free_hbm(sparing=rank) + 1, rank=rank, session=session)
+            ref = SessionRef(namespace_digest(engine.namespace), SessionId(session))
+            return loop.room.needs(loop.room.free_hbm(sparing=rank) + 1, rank=rank, session=ref)
 
         assert await loop.call(lambda: short_of_room("s-late")) is False  # nothing may leave for it
         still = loop.holds.view(hold_id)  # the same hold, not yielded and retaken anew

@@ -457,3 +457,27 @@ async def test_a_namespace_ttl_drops_idle_pages_and_the_directory_forgets_them(s
     assert missed.usage.cached_tokens == 0 and kept.usage.cached_tokens == 3 * PS
     assert stack.worker.engine.ttls.num_expired >= 3
     await stack.assert_intact()
+
+
+def test_reserved_pages_stay_for_an_over_quota_tenant_and_go_for_one_within_its_quota(ckpt) -> None:
+    """Reservations (decision 0009): A's pages within its quota are passed over by victim searches
+    for a tenant over its own quota, or for nobody (background demotion), never for A itself; a
+    tenant within its quota, or without one, takes them in the usual order (nobody starves)."""
+    engine = make_engine(ckpt, num_pages=16, quotas={"qa": {"hbm": 8}, "qb": {"hbm": 2}})
+    run(engine, "qa", fresh(6))
+    quotas = engine.quotas
+    node = next(n for n in engine.index.nodes() if n.namespace == engine.digest_for(ns(engine, "qa")))
+    digest = {t: engine.digest_for(ns(engine, t)) for t in ("qa", "qb", "qc")}
+    assert quotas.is_reserved(node)  # nobody's behalf
+    with quotas.acting_for(digest["qb"], num_pending=12):  # B would pass its 2 pages
+        assert quotas.is_reserved(node)
+    with quotas.acting_for(digest["qb"], num_pending=1):  # B within its quota
+        assert not quotas.is_reserved(node)
+    with quotas.acting_for(digest["qa"], num_pending=100):  # A's own pages
+        assert not quotas.is_reserved(node)
+    with quotas.acting_for(digest["qc"], num_pending=100):  # no quota: never over
+        assert not quotas.is_reserved(node)
+    run(engine, "qc", fresh(14))  # needs A's pages: a tenant without a quota gets them
+    assert pages(engine, "qa")[Tier.HBM] < 6
+    engine.check_integrity()
+    engine.close()

@@ -169,7 +169,7 @@ async def test_route_without_redis_is_degraded_by_load_and_keeps_affinity():
         decision = await router.route(request, caller=None)
         assert decision.is_degraded and "directory unreachable" in decision.degraded_reason
         assert order(decision.workers) == ["b", "c", "a"]  # least loaded first
-        assert registry.affinity(SessionId("s")) == "b"
+        assert registry.affinity(("", SessionId("s"))) == "b"
         registry.heartbeat(WorkerId("b"), 1, Heartbeat(2, (hbm,), queue_depth=3))
         decision = await router.route(request, caller=None)
         assert order(decision.workers) == ["b", "c", "a"] and decision.workers[0].is_affinity

@@ -23,7 +23,8 @@ from kvtier.controller.orchestrator import Orchestrator
 from kvtier.controller.orchestrator_params import OrchestratorParams
 from kvtier.controller.predictor import ToolReturnPredictor
 from kvtier.controller.registry import Registry
-from kvtier.controller.sessions import ENDED_TTL_S, KEY_PREFIX, PrefetchState, SessionRecord, SessionStore
+from kvtier.controller.session_tenancy import SessionKey
+from kvtier.controller.sessions import ENDED_TTL_S, PrefetchState, SessionRecord, SessionStore, store_key
 from kvtier.controller.timer_queue import TimerQueue
 from kvtier.controller.token_bucket import TokenBucket
 from kvtier.domain import errors
@@ -148,11 +149,11 @@ async def test_returning_promotes_at_once_and_end_cancels_and_frees(worker, flus
         keys = history_keys(worker, prompt + out)
         info = await client.pause("s-ret", tool="slow", expected_ms=60_000)
         assert info.parked_tier is Tier.DRAM and tiers_of(worker, keys) == [Tier.DRAM] * len(keys)
-        assert orchestrator.timers.is_scheduled("s-ret")
+        assert orchestrator.timers.is_scheduled(SessionKey("", "s-ret"))
         info = await client.returning("s-ret")
         assert info.state is SessionState.RESUMING and info.prefetch_at_ms is None
         assert tiers_of(worker, keys) == [Tier.HBM] * len(keys)
-        assert not orchestrator.timers.is_scheduled("s-ret")
+        assert not orchestrator.timers.is_scheduled(SessionKey("", "s-ret"))
         assert (await client.returning("s-ret")).state is SessionState.RESUMING  # idempotent
 
         # End with drop: the scheduled prefetch is cancelled, the session's pages leave the worker.
@@ -160,12 +161,12 @@ async def test_returning_promotes_at_once_and_end_cancels_and_frees(worker, flus
         out, _ = await client.complete(namespace, prompt, GREEDY, session_id="s-end")
         keys = history_keys(worker, prompt + out)
         await client.pause("s-end", tool="slow", expected_ms=60_000)
-        assert orchestrator.timers.is_scheduled("s-end")
+        assert orchestrator.timers.is_scheduled(SessionKey("", "s-end"))
         status = await client.status()  # s-ret is RESUMING, s-end PAUSED
         assert (status.num_active_sessions, status.num_paused_sessions, status.num_resuming_sessions) == (0, 1, 1)
         info = await client.end("s-end", drop=True)
         assert info.state is SessionState.ENDED
-        assert not orchestrator.timers.is_scheduled("s-end")
+        assert not orchestrator.timers.is_scheduled(SessionKey("", "s-end"))
         assert tiers_of(worker, keys) == [None] * len(keys)
         assert (await client.end("s-end")).state is SessionState.ENDED  # idempotent
         assert orchestrator.stats.num_wasted == 0
@@ -200,7 +201,7 @@ async def test_end_keeps_the_pages_as_ordinary_cache_entries(worker, flushed_red
         assert worker.loop.holds.is_held("s-keep")
         info = await client.end("s-keep")
         assert info.state is SessionState.ENDED
-        assert not controller.orchestrator.timers.is_scheduled("s-keep")
+        assert not controller.orchestrator.timers.is_scheduled(SessionKey("", "s-keep"))
         assert tiers_of(worker, keys) == [Tier.HBM] * len(keys)
         assert not worker.loop.holds.is_held("s-keep")
         assert all(worker.engine.index.is_evictable(worker.engine.index.get(k)) for k in keys[-1:])
@@ -250,7 +251,7 @@ async def test_a_long_tools_prefetch_aims_later_once_a_short_tool_shares_the_lat
             prompt = [first + k for k in range(9)]
             await client.complete(namespace, prompt, GREEDY, session_id=session)
             info = await client.pause(session, tool=tool)
-            assert info.parked_tier is Tier.DRAM and orchestrator.timers.is_scheduled(session)
+            assert info.parked_tier is Tier.DRAM and orchestrator.timers.is_scheduled(SessionKey("", session))
             return info.prefetch_at_ms - info.paused_at_ms
 
         at_budget = await park("s-b1", "build", 10)  # nothing parked before: every tool at 5 %
@@ -289,7 +290,7 @@ async def test_a_route_does_not_wait_for_the_session_bookkeeping_but_the_next_pa
         held, release = asyncio.Event(), asyncio.Event()
 
         async def hold_the_session() -> None:
-            async with orchestrator.serial.locked(SessionId("s-slow")):
+            async with orchestrator.serial.locked(SessionKey("", SessionId("s-slow"))):
                 held.set()
                 await release.wait()
 
@@ -374,8 +375,8 @@ async def test_an_ended_session_record_expires_soon_an_active_one_keeps_the_idle
     ended = SessionRecord(session_id=SessionId("s-ended"), state=SessionState.ENDED)
     await store.put(active)
     await store.put(ended)
-    assert await redis_client.pttl(KEY_PREFIX + "s-active") > ENDED_TTL_S * 1000
-    assert 0 < await redis_client.pttl(KEY_PREFIX + "s-ended") <= ENDED_TTL_S * 1000
+    assert await redis_client.pttl(store_key("", SessionId("s-active"))) > ENDED_TTL_S * 1000
+    assert 0 < await redis_client.pttl(store_key("", SessionId("s-ended"))) <= ENDED_TTL_S * 1000
     assert (await store.get(SessionId("s-ended"))).state is SessionState.ENDED
 
 
@@ -396,7 +397,7 @@ async def test_sessions_nobody_ends_leave_nothing_behind_in_the_orchestrator(red
     for i in range(10):  # half of them pause (their tool never returns)
         await orchestrator.pause(PauseRequest(SessionId(f"s-{i}"), tool_name="search", expected_ms=500))
     assert not orchestrator.serial.num_locks
-    assert len(orchestrator._states) == 20 and len(orchestrator._holds) == 10
+    assert len(orchestrator.census) == 20 and len(orchestrator._holds) == 10
     assert orchestrator.session_counts()[SessionState.PAUSED] == 10
 
     now[0] += 30_000  # within the TTL: one session is touched again, nothing is forgotten
@@ -404,6 +405,7 @@ async def test_sessions_nobody_ends_leave_nothing_behind_in_the_orchestrator(red
     assert orchestrator.forget_idle() == 0
     now[0] += 31_000  # past the TTL for all but s-0
     assert orchestrator.forget_idle() == 19
-    assert list(orchestrator._states) == ["s-0"] and not orchestrator._holds
+    assert SessionKey("t", "s-0") in orchestrator.census and len(orchestrator.census) == 1
+    assert not orchestrator._holds
     assert orchestrator.session_counts()[SessionState.ACTIVE] == 1 and not orchestrator.serial.num_locks
 

@@ -20,15 +20,16 @@ from kvtier.cache.quotas import QuotaTable
 from kvtier.cache.ttls import TtlTable
 from kvtier.client import AsyncClient
 from kvtier.domain.hashing import namespace_digest
+from kvtier.domain.records import SessionId
 from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
 from kvtier.policy.holds import ExpectedReturn
 from kvtier.runtime.telemetry import Telemetry
 from kvtier.tiers.manager import TierConfig
 from kvtier.worker import holds as holds_module
-from kvtier.worker.holds import hold_id
 from kvtier.worker.metrics import GpuMetrics
 from kvtier.worker.servicer import serve_worker
+from kvtier.worker.session_ref import SessionRef, hold_id
 
 from hf_checkpoints import build_checkpoint
 from polling import wait_for
@@ -221,7 +222,7 @@ async def test_demotions_a_hold_recalled_and_those_onto_a_kept_copy_are_counted(
         before, "kvtier_demotions_abandoned_total", reason="kept") == 4
     assert value(mid, "kvtier_demotions_abandoned_total", reason="reused") == value(
         before, "kvtier_demotions_abandoned_total", reason="reused")
-    await loop.unpin(hold_id("s-recall"))  # the session is back
+    await loop.unpin(hold_id(SessionRef(digest, SessionId("s-recall"))))  # the session is back
     await loop.demote(digest, (), "s-recall", Tier.DRAM)  # and pauses again: onto the kept copies
     assert [n.tier for n in chain] == [Tier.DRAM] * 4
     after = scrape(telemetry.port)

@@ -27,6 +27,7 @@ from its own session's hold.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Iterator
@@ -36,7 +37,7 @@ from typing import Generic, TypeVar
 from kvtier.cache.radix import RadixNode
 from kvtier.domain.errors import InvalidArgument
 from kvtier.domain.hashing import NamespaceDigest, PageKey, page_keys
-from kvtier.domain.records import GenerateRequest, SessionId
+from kvtier.domain.records import GenerateRequest
 from kvtier.domain.tiers import Tier
 from kvtier.engine.engine import Engine
 from kvtier.policy.holds import DeferralOutcome, deferral_outcome
@@ -44,6 +45,7 @@ from kvtier.runtime.config import MAX_WAIT_SCALE
 from kvtier.tiers.moves import MoveOutcome, MoveTicket
 from kvtier.worker.holds import Holds, is_in_range, require_tiers
 from kvtier.worker.room import Room
+from kvtier.worker.session_ref import SessionRef
 
 R = TypeVar("R")
 
@@ -174,8 +176,13 @@ class Admission(Generic[R]):
                     deferring = now - wait.waiting_since < HOLD_DEFER_S * scale
                     spared = time.time() * 1000.0 + HOLD_DUE_SOON_S * scale * 1000.0 if deferring else None
                     # Its own pages are not the room it makes: pinned before anything is demoted.
-                    made = self._room.make(short, protect=functools.partial(self._pin_chain, run_id, chain),
-                                           weaker_than=spared, sparing=wait.request.session_id)
+                    quotas = self._engine.quotas
+                    # On the request's tenant's behalf: other tenants' reserved pages stay.
+                    acting = (quotas.acting_for(wait.digest, len(wait.page_keys)) if quotas is not None
+                              else contextlib.nullcontext())
+                    with acting:
+                        made = self._room.make(short, protect=functools.partial(self._pin_chain, run_id, chain),
+                                               weaker_than=spared, sparing=self._session_of(wait))
                     if not made and spared is not None and self._holds.is_due_soon(
                             spared, excluding=self._waiting_sessions()):
                         if wait.deferred_at is None:
@@ -222,8 +229,13 @@ class Admission(Generic[R]):
         ps = self._engine.pool.page_size
         return self._room.short_for(len(request.prompt_token_ids) + min(request.sampling.max_tokens, ps), chain)
 
-    def _waiting_sessions(self) -> set[SessionId]:
-        return {w.request.session_id for w in self._waiting.values() if w.request.session_id}
+    def _waiting_sessions(self) -> set[SessionRef]:
+        return {ref for w in self._waiting.values() if (ref := self._session_of(w)) is not None}
+
+    @staticmethod
+    def _session_of(wait: _Waiting[R]) -> SessionRef | None:
+        session = wait.request.session_id
+        return SessionRef(wait.digest, session) if session else None
 
     def _pin_chain(self, run_id: str, chain: list[RadixNode]) -> None:
         """Pin the deepest of the request's pages in HBM (the chain above it stays) while it waits."""

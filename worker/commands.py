@@ -34,6 +34,7 @@ from kvtier.tiers.moves import MoveOutcome, MoveTicket
 from kvtier.worker.holds import DropOutcome, Holds, PageCounts, require_tiers
 from kvtier.worker.page_events import PageEvents
 from kvtier.worker.room import Room
+from kvtier.worker.session_ref import SessionRef
 
 log = get_logger("kvtier.worker.commands")
 
@@ -129,7 +130,8 @@ class Commands:
         if session is not None and hold_s:
             rank = hold_rank_ms(expected, time.time() * 1000.0 + hold_s * 1000.0, time.time() * 1000.0)
         if now - since < MAX_PREFETCH_ROOM_WAIT_S * self._wait_scale and self._room.needs(
-            sum(n.tier is not Tier.HBM for n in chain), rank=rank, session=session
+            sum(n.tier is not Tier.HBM for n in chain), rank=rank,
+            session=None if session is None else SessionRef(digest, session)
         ):
             self._defer(lambda: self.prefetch(digest, keys, session, hold_s, done, since, expected=expected), done)
             return
@@ -137,14 +139,14 @@ class Commands:
         if session is None:
             self._track(ticket, done)
             return
-        pages = self._holds.session_pages(session)
+        pages = self._holds.session_pages(session, digest)
 
         def landed() -> None:
             # Not once the session's next generation has finished (it released the hold and
             # cached its pages as usual) or the session ended meanwhile.
-            if self._holds.session_pages(session) is not pages:
+            if self._holds.session_pages(session, digest) is not pages:
                 return
-            self._holds.note_prefetched(session, ticket.promoted)
+            self._holds.note_prefetched(SessionRef(digest, session), ticket.promoted)
             if hold_s:
                 self._holds.take(digest, session, chain, hold_s, num_moved=ticket.outcome.num_moved,
                                  expected=expected)

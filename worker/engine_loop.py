@@ -282,8 +282,8 @@ class EngineLoop:
         """Forget the session and release its hold; ``drop`` also removes its private pages."""
         return await self.call(lambda: self.holds.drop_session(digest, session, drop=drop))
 
-    async def session_pages(self, session: SessionId) -> SessionPages | None:
-        return await self.call(lambda: self.holds.session_pages(session))
+    async def session_pages(self, session: SessionId, digest: NamespaceDigest) -> SessionPages | None:
+        return await self.call(lambda: self.holds.session_pages(session, digest))
 
     # ---- posting ----------------------------------------------------------------------
     def _post(self, op: Callable[[], None]) -> bool:

@@ -6,9 +6,11 @@ Engine thread only, except the read-only views (``is_held``, ``view``, ``is_laps
 Sessions: when a generation with a ``session_id`` finishes (``remember``), the worker keeps
 that session's namespace digest and the keys of the full pages it left cached (prompt plus
 output, less the last sampled token, which is never fed back). Only the worker knows the
-output pages, so the controller addresses a session's pages by session id and they resolve
-here (``session_chain``): the longest prefix of those keys still cached. The newest
-``MAX_SESSIONS`` sessions are kept.
+output pages, so the controller addresses a session's pages by namespace digest and session
+id and they resolve here (``session_chain``): the longest prefix of those keys still cached.
+Sessions are keyed by (namespace digest, session id) (``SessionRef``): the digest covers the
+tenant, so another tenant's generation under the same id is another session and leaves this
+one's pages, hold and tally alone. The newest ``MAX_SESSIONS`` sessions are kept.
 
 Admin pins (``pin`` / ``release``, by pin id): radix pins on the listed pages the worker
 holds in the pin's tier or a faster one, released exactly once: by ``release``, when
@@ -60,11 +62,10 @@ from kvtier.policy.holds import (
 from kvtier.runtime.log import get_logger
 from kvtier.tiers.manager import TierManager
 from kvtier.tiers.moves import MoveOutcome, MoveTicket
+from kvtier.worker.session_ref import HOLD_PREFIX, SessionRef, hold_id, hold_ref
 
 log = get_logger("kvtier.worker.holds")
 
-# Session holds' pin ids start with this (admin pin ids never do).
-HOLD_PREFIX = "session-hold/"
 # What became of session holds (``outcomes``, the ``kvtier.session_holds`` metric): taken; not
 # taken because none of the session's pages was in HBM or the worker is draining (``unheld``), or
 # holds were at their cap and all were due back sooner (``refused``); released early for a hold
@@ -75,11 +76,6 @@ HOLD_OUTCOMES = ("taken", "unheld", "refused", "displaced", "yielded", "retaken"
 MAX_HELD_FRACTION = 1.0
 # Sessions whose last generation's pages are kept (least recently finished go first).
 MAX_SESSIONS = 1 << 16
-
-
-def hold_id(session: SessionId) -> PinId:
-    """The pin id of a session's hold (admin pin ids never start with ``HOLD_PREFIX``)."""
-    return PinId(HOLD_PREFIX + session)
 
 
 def is_in_range(value: object, most: float) -> bool:
@@ -184,10 +180,10 @@ class Holds:
         self._engine = engine
         self._hold_fraction = hold_fraction  # None: MAX_HELD_FRACTION
         self._pins: dict[PinId, _Pin] = {}
-        self._lapsed: dict[SessionId, _Pin] = {}  # holds gone before their session was back
-        self._sessions: OrderedDict[SessionId, SessionPages] = OrderedDict()
-        self._prefetched: dict[SessionId, _Prefetched] = {}
-        self._awaited: dict[PageKey, SessionId] = {}  # those pages, until their session settles
+        self._lapsed: dict[SessionRef, _Pin] = {}  # holds gone before their session was back
+        self._sessions: OrderedDict[SessionRef, SessionPages] = OrderedDict()
+        self._prefetched: dict[SessionRef, _Prefetched] = {}
+        self._awaited: dict[PageKey, SessionRef] = {}  # those pages, until their session settles
         self.is_draining = False
         # Counts per HOLD_OUTCOMES (engine thread writes; the keys never change, so a scrape may
         # read them from another thread).
@@ -206,15 +202,23 @@ class Holds:
         fraction = MAX_HELD_FRACTION if self._hold_fraction is None else self._hold_fraction
         return fraction * self._engine.pool.num_pages
 
-    def is_held(self, session: SessionId) -> bool:
-        return hold_id(session) in self._pins
+    def _held_pin(self, session: SessionId, digest: NamespaceDigest | None) -> _Pin | None:
+        """The hold of ``session`` in namespace ``digest`` (None: in whichever holds one)."""
+        if digest is not None:
+            return self._pins.get(hold_id(SessionRef(digest, session)))
+        return next((pin for pin_id, pin in list(self._pins.items())
+                     if pin_id.startswith(HOLD_PREFIX) and hold_ref(pin_id).session_id == session), None)
 
-    def is_lapsed(self, session: SessionId) -> bool:
-        return session in self._lapsed
+    def is_held(self, session: SessionId, digest: NamespaceDigest | None = None) -> bool:
+        """Whether ``session`` (in namespace ``digest``; None: in any) has a hold."""
+        return self._held_pin(session, digest) is not None
 
-    def view(self, session: SessionId) -> HoldView | None:
+    def is_lapsed(self, session: SessionId, digest: NamespaceDigest | None = None) -> bool:
+        return any(ref.session_id == session and digest in (None, ref.digest) for ref in list(self._lapsed))
+
+    def view(self, session: SessionId, digest: NamespaceDigest | None = None) -> HoldView | None:
         """The session's hold as of now; None when it holds nothing."""
-        pin = self._pins.get(hold_id(session))
+        pin = self._held_pin(session, digest)
         if pin is None:
             return None
         return HoldView(pin.expires_at_ms, pin.expected, pin.rank(_now_ms()), pin.num_moved)
@@ -223,8 +227,8 @@ class Holds:
         pin_ids = frozenset(dict(self._pins))
         return HoldsSnapshot(
             pin_ids=pin_ids,
-            held=frozenset(SessionId(p.removeprefix(HOLD_PREFIX)) for p in pin_ids if p.startswith(HOLD_PREFIX)),
-            lapsed=frozenset(dict(self._lapsed)),
+            held=frozenset(hold_ref(p).session_id for p in pin_ids if p.startswith(HOLD_PREFIX)),
+            lapsed=frozenset(ref.session_id for ref in dict(self._lapsed)),
             num_sessions_prefetched=len(self._prefetched),
             num_awaited_pages=len(self._awaited),
         )
@@ -241,39 +245,41 @@ class Holds:
         self.num_held_pages = num_held(self._chains()) if self._pins else 0
         return self.num_held_pages
 
-    def session_pages(self, session: SessionId) -> SessionPages | None:
-        return self._sessions.get(session)
+    def session_pages(self, session: SessionId, digest: NamespaceDigest) -> SessionPages | None:
+        return self._sessions.get(SessionRef(digest, session))
 
     def session_chain(self, digest: NamespaceDigest, session: SessionId) -> list[RadixNode]:
         """The longest cached prefix of the session's last generation's pages (root first)."""
-        pages = self._sessions.get(session)
-        if pages is None or pages.namespace_digest != digest:
+        pages = self._sessions.get(SessionRef(digest, session))
+        if pages is None:
             raise NotFound(f"this worker finished no generation for session {session!r} in that namespace",
                            field="session_id")
         return self._engine.cached_chain(pages.page_keys)
 
-    def arrived(self, session: SessionId) -> None:
+    def arrived(self, digest: NamespaceDigest, session: SessionId) -> None:
         """The session's next request arrived: its own admission brings its pages up (nothing to
         retake), and the pages brought up for it are settled."""
-        self._lapsed.pop(session, None)
-        self.settle(session, "arrived")
+        ref = SessionRef(digest, session)
+        self._lapsed.pop(ref, None)
+        self.settle(ref, "arrived")
 
     def remember(self, session: SessionId, digest: NamespaceDigest, prompt: list[int], output: list[int]) -> None:
         """The session's generation finished: release its hold (its pages cache as usual) and keep
         the pages it left cached."""
-        self._lapsed.pop(session, None)
-        self.release(hold_id(session))
+        ref = SessionRef(digest, session)
+        self._lapsed.pop(ref, None)
+        self.release(hold_id(ref))
         fed = [*prompt, *output[:-1]]  # the last sampled token is never fed back: no K/V
         keys = tuple(page_keys(digest, fed, self._engine.pool.page_size))
-        self.settle(session, "finished")
-        self._sessions[session] = SessionPages(digest, keys)
-        self._sessions.move_to_end(session)
+        self.settle(ref, "finished")
+        self._sessions[ref] = SessionPages(digest, keys)
+        self._sessions.move_to_end(ref)
         while len(self._sessions) > MAX_SESSIONS:
             forgotten, _ = self._sessions.popitem(last=False)
             self.settle(forgotten, "gone")
 
-    def has_session(self, session: SessionId) -> bool:
-        return session in self._sessions
+    def has_session(self, session: SessionId, digest: NamespaceDigest) -> bool:
+        return SessionRef(digest, session) in self._sessions
 
     # ---- admin pins ------------------------------------------------------------------
     def pin(self, command: PinCommand, digest_of: Mapping[PageKey, NamespaceDigest], *, is_stale: bool) -> PageCounts:
@@ -354,7 +360,8 @@ class Holds:
         (``kvtier.policy.holds.plan_displacement``). A guard's hold (``num_moved`` 0: its pages
         never left) ranks like a prefetch's: a page that leaves HBM goes back onto its copy
         below without a write (decision 0012)."""
-        self.release(hold_id(session))
+        ref = SessionRef(digest, session)
+        self.release(hold_id(ref))
         if self.is_draining:  # a prefetch sent before the drain landed after it
             self.outcomes["unheld"] += 1
             log.info("session not held: the worker is draining", extra={"session_id": session})
@@ -374,24 +381,25 @@ class Holds:
         plan = plan_displacement(pin.rank(now_ms), _chain_keys(held), holds, self.cap_pages)
         if not plan.is_taken:
             self.outcomes["refused"] += 1
-            self._lapsed[session] = pin
+            self._lapsed[ref] = pin
             log.info("session not held: holds are at their cap", extra={
                 "session_id": session, "num_pages": held.depth, "num_held": num_held(c for _, c in holds.values()),
                 "num_moved": num_moved})
             return
         for pin_id in plan.displaced:
             self._lapse(PinId(str(pin_id)))
-            log.info("session hold displaced", extra={"pin_id": pin_id, "by_session_id": session})
+            log.info("session hold displaced", extra={
+                "session_id": hold_ref(PinId(str(pin_id))).session_id, "by_session_id": session})
         self.outcomes["displaced"] += len(plan.displaced)
         self.outcomes["taken"] += 1
-        self._lapsed.pop(session, None)  # held anew: nothing to retake
+        self._lapsed.pop(ref, None)  # held anew: nothing to retake
         index.pin(held.key)
-        self._pins[hold_id(session)] = pin
+        self._pins[hold_id(ref)] = pin
         log.info("session held", extra={"session_id": session, "num_pages": held.depth,
                                         "num_held": num_held(self._chains()),
                                         "hold_ms": round(hold_s * 1000.0), "num_moved": num_moved})
 
-    def yield_weakest(self, weaker_than_ms: float | None = None, *, sparing: SessionId | None = None) -> bool:
+    def yield_weakest(self, weaker_than_ms: float | None = None, *, sparing: SessionRef | None = None) -> bool:
         """Release the weakest session hold (only one ranked after ``weaker_than_ms`` when given,
         and never ``sparing``'s); False when none may yield. A hold is a prediction; room asked
         for now (a waiting request, a preemption) is certain."""
@@ -403,10 +411,10 @@ class Holds:
             return False
         self._lapse(pin_id)
         self.outcomes["yielded"] += 1
-        log.info("session hold yielded", extra={"pin_id": pin_id})
+        log.info("session hold yielded", extra={"session_id": hold_ref(pin_id).session_id})
         return True
 
-    def is_due_soon(self, before_ms: float, *, excluding: set[SessionId]) -> bool:
+    def is_due_soon(self, before_ms: float, *, excluding: set[SessionRef]) -> bool:
         """Whether a hold ranks at or before ``before_ms`` for a session other than ``excluding``
         (sessions whose own request waits for room: it would wait for itself)."""
         now_ms = _now_ms()
@@ -416,16 +424,17 @@ class Holds:
     def drop_session(self, digest: NamespaceDigest, session: SessionId, *, drop: bool = True) -> DropOutcome:
         """Forget the session and release its hold; with ``drop``, also remove its private pages,
         deepest first (a shared prefix stays cached). Without, they stay as ordinary cache entries."""
-        self._lapsed.pop(session, None)
-        self.release(hold_id(session))
+        ref = SessionRef(digest, session)
+        self._lapsed.pop(ref, None)
+        self.release(hold_id(ref))
         chain = self.session_chain(digest, session)
         # A prefetch in flight owns its pages (moving: kept); cancelled and applied now, what
         # it brought up is held again, and is released below with the rest.
         tiers = self._engine.tiers
         if tiers is not None and tiers.cancel_prefetches(chain):
-            self.release(hold_id(session))
+            self.release(hold_id(ref))
             chain = self.session_chain(digest, session)
-        num_missing = len(self._sessions[session].page_keys) - len(chain)
+        num_missing = len(self._sessions[ref].page_keys) - len(chain)
         index = self._engine.index
         num_dropped = 0
         if not drop:  # ordinary cache entries now, the first to go under pressure
@@ -436,8 +445,8 @@ class Holds:
                 break
             index.remove(node.key)
             num_dropped += 1
-        del self._sessions[session]
-        self.settle(session, "gone")
+        del self._sessions[ref]
+        self.settle(ref, "gone")
         return DropOutcome(num_dropped=num_dropped, num_kept=len(chain) - num_dropped, num_missing=num_missing)
 
     def retake(self) -> None:
@@ -478,14 +487,14 @@ class Holds:
             held.update(n.key for n in chain)  # its hold comes once the pages land
             ticket = tiers.start_prefetch(chain)
             self.outcomes["retaken"] += 1
-            log.info("session hold retaken", extra={"session_id": session, "num_pages": len(chain)})
+            log.info("session hold retaken", extra={"session_id": session.session_id, "num_pages": len(chain)})
             if ticket.is_done:
                 self._hold_retaken(session, pages, pin, ticket)
             else:
                 ticket.on_done = functools.partial(self._hold_retaken, session, pages, pin, ticket)
 
     def _hold_retaken(
-        self, session: SessionId, pages: SessionPages, pin: _Pin, ticket: MoveTicket, _: MoveOutcome | None = None
+        self, session: SessionRef, pages: SessionPages, pin: _Pin, ticket: MoveTicket, _: MoveOutcome | None = None
     ) -> None:
         outcome = ticket.outcome
         self.retaken_pages += outcome.num_moved
@@ -497,11 +506,11 @@ class Holds:
         # newer hold (a prefetch the controller sent meanwhile). Pages up for the session and not
         # yet counted as wasted: those just moved, and those of the last prefetch that never went down.
         if self._sessions.get(session) is pages and hold_s > 0 and hold_id(session) not in self._pins:
-            self.take(pin.digest, session, self._engine.cached_chain(pages.page_keys), hold_s,
+            self.take(pin.digest, session.session_id, self._engine.cached_chain(pages.page_keys), hold_s,
                       num_moved=max(outcome.num_moved, pin.num_moved), expected=pin.expected)
 
     # ---- pages brought up for sessions ----------------------------------------------
-    def note_prefetched(self, session: SessionId, promoted: list[PageKey]) -> None:
+    def note_prefetched(self, session: SessionRef, promoted: list[PageKey]) -> None:
         """Count the pages a move up for ``session`` promoted (``MoveTicket.promoted``) as
         brought up for it."""
         if promoted:
@@ -519,13 +528,13 @@ class Holds:
         if rank is None:
             return frozenset()
         now_ms = _now_ms()
-        ranks: dict[SessionId, float] = {}
+        ranks: dict[SessionRef, float] = {}
         for session in set(self._awaited.values()):
             pin = self._pins.get(hold_id(session)) or self._lapsed.get(session)
             ranks[session] = float("inf") if pin is None else pin.rank(now_ms)
         return frozenset(key for key, session in self._awaited.items() if ranks[session] <= rank)
 
-    def settle(self, session: SessionId, why: Literal["arrived", "finished", "gone"] = "arrived") -> None:
+    def settle(self, session: SessionRef, why: Literal["arrived", "finished", "gone"] = "arrived") -> None:
         """Count the page moves that brought pages up for ``session`` since its last generation,
         and those wasted, as of ``why``:
 
@@ -561,7 +570,7 @@ class Holds:
         """Release a session hold before its session is back, remembering it for ``retake``."""
         pin = self._pins.get(pin_id)
         if pin is not None:
-            self._lapsed[SessionId(pin_id.removeprefix(HOLD_PREFIX))] = pin
+            self._lapsed[hold_ref(pin_id)] = pin
             self.release(pin_id)
 
 

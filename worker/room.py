@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvtier.cache.radix import RadixNode
-from kvtier.domain.records import SessionId
 from kvtier.domain.tiers import Tier
 from kvtier.engine.engine import Engine
 from kvtier.tiers.transfer import TransferReason
 from kvtier.worker.holds import Holds, require_tiers
+from kvtier.worker.session_ref import SessionRef
 
 
 def num_in_hbm(chain: Sequence[RadixNode]) -> int:
@@ -66,7 +66,7 @@ class Room:
         ps = self._engine.pool.page_size
         return -(-num_tokens // ps) - num_in_hbm(chain) - self.free_hbm() + self.backlog_pages()
 
-    def needs(self, num_pages: int, *, rank: float | None = None, session: SessionId | None = None) -> bool:
+    def needs(self, num_pages: int, *, rank: float | None = None, session: SessionRef | None = None) -> bool:
         """Fewer than ``num_pages`` HBM pages free to take, and room for them on its way
         (``make``; ``rank``: that of the hold the pages will have; ``session``: whose pages they
         are, so its own hold never yields to them)."""
@@ -75,7 +75,7 @@ class Room:
 
     def make(
         self, short: int, *, protect: Callable[[], None] | None = None, weaker_than: float | None = None,
-        sparing: SessionId | None = None,
+        sparing: SessionRef | None = None,
     ) -> bool:
         """Free ``short`` HBM pages in the background: True when pages already leaving HBM cover
         them or a demotion started (``protect`` runs first); False when nothing can leave HBM now.

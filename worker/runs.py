@@ -86,9 +86,9 @@ class Runs:
     def admit(self, run: Run) -> None:
         """Add ``run`` to the engine, or let it wait outside for its pages or room."""
         request = run.request
-        if request.session_id is not None:
-            self._holds.arrived(request.session_id)
         digest = run.digest = self._engine.digest_for(request.namespace)
+        if request.session_id is not None:
+            self._holds.arrived(digest, request.session_id)
         tiers = self._engine.tiers
         if tiers is not None and not tiers.config.simulate:
             if self._admission.offer(run.run_id, run, request, digest):
@@ -184,7 +184,7 @@ class Runs:
             add_promotions(result, waited.promoted_tokens_by_tier, waited.promotion_wait_s)
         session = run.request.session_id
         # A session's next turn here: its last turn's pages are the history this one resumes.
-        resumed = session is not None and self._holds.has_session(session)
+        resumed = session is not None and run.digest is not None and self._holds.has_session(session, run.digest)
         if session is not None:
             assert run.digest is not None
             self._holds.remember(session, run.digest, result.prompt_token_ids, result.token_ids)

@@ -33,14 +33,27 @@ sequence caches what it is computing, gives up its own idle HBM pages first. Whe
 page comes from the normal eviction order (a running sequence must always be able to
 grow; refusing it would livelock a tenant whose one sequence is larger than its quota),
 and that is counted (``QuotaCounters.num_foreign_evictions``).
+
+Reservations (``is_reserved``, docs/decisions/0009-quotas-and-ttls.md): a tenant's HBM pages
+are reserved while it holds no more of them than its HBM limit. A victim search of the index
+(the eviction order, spills, watermark and room-making demotions) passes over reserved pages
+when it is made on behalf of a tenant over its HBM limit (``acting_for``: the scheduler's
+allocations, the worker's room-making for a waiting request, counting the pages the request
+will cache) or on nobody's behalf (background watermark demotion); a tenant's own pages are
+never reserved against itself, and a tenant within its limit searches as if there were no
+reservations. So however many sequences of an over-quota tenant run at once, they take free
+pages, their own, and pages of tenants over their limit or without one; when none is left
+they wait (admission) or are preempted, as for a full pool. Explicit moves (a drain, commands,
+TTLs, the tenant's own enforcement) are not victim searches and do not look at reservations.
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -68,6 +81,7 @@ DEFAULT_TENANT = "*"
 FIELD = "tenant_quotas"
 
 Tenant = str | None  # None: the namespace's identity is not known (yet)
+_NOBODY = object()  # ``QuotaTracker.acting_for`` no tenant
 _Entry = tuple[float, int, int, "RadixNode"]  # (priority, push order, node version, node)
 
 
@@ -200,6 +214,9 @@ class QuotaTracker:
         self._order = itertools.count()
         self._due: set[tuple[str, Tier]] = set()  # over their limit with something to take, maybe
         self._enforcing = False
+        # Whose behalf victim searches are on, and whether it is over its HBM limit (acting_for).
+        self._acting: Tenant | object = _NOBODY
+        self._is_acting_over = True
         for node in index.nodes():
             self._on_insert(node)
             if index.is_evictable(node):
@@ -208,6 +225,7 @@ class QuotaTracker:
         index.on_remove.append(self._on_remove)
         index.on_move.append(self._on_move)
         index.on_evictable = self._on_evictable
+        index.is_reserved = self.is_reserved
 
     # ---- queries --------------------------------------------------------------------
     def limit(self, tenant: Tenant, tier: Tier) -> int | None:
@@ -235,6 +253,31 @@ class QuotaTracker:
 
     def has_work(self) -> bool:
         return bool(self._due)
+
+    def is_reserved(self, node: RadixNode) -> bool:
+        """``node`` is an HBM page of a tenant within its HBM limit, and the victim search asking
+        is on behalf of another tenant over its own limit, or of nobody (module doc, Reservations)."""
+        if node.tier is not Tier.HBM or not self._is_acting_over:
+            return False
+        tenant = self.tenant_of(node.namespace)
+        if tenant is None or tenant == self._acting:
+            return False
+        limit = self.limit(tenant, Tier.HBM)
+        return limit is not None and self.num_pages(tenant, Tier.HBM) <= limit
+
+    @contextlib.contextmanager
+    def acting_for(self, digest: NamespaceDigest, num_pending: int = 0) -> Iterator[None]:
+        """Victim searches inside are on behalf of ``digest``'s tenant, which will cache
+        ``num_pending`` new HBM pages: reservations hold against it only when that puts it over
+        its HBM limit, and never for its own pages."""
+        saved = self._acting, self._is_acting_over
+        tenant = self._acting = self.tenant_of(digest)
+        limit = self.limit(tenant, Tier.HBM)
+        self._is_acting_over = limit is not None and self.num_pages(tenant, Tier.HBM) + num_pending > limit
+        try:
+            yield
+        finally:
+            self._acting, self._is_acting_over = saved
 
     def tenant_of(self, digest: NamespaceDigest | None) -> Tenant:
         tenant = self._tenant_of.get(digest, ...)

@@ -32,11 +32,12 @@ hands back the ones it keeps (``requeue``).
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -153,6 +154,10 @@ class RadixIndex:
         self.release_lower: Callable[[RadixNode], None] | None = None
         # Set by a quota tracker: told of each node that becomes evictable, with its priority.
         self.on_evictable: Callable[[RadixNode, float], None] | None = None
+        # Pages a victim search passes over (a quota's reservation: ``QuotaTracker.is_reserved``);
+        # ``all_evictable`` lifts it for moves that must take every page (a drain).
+        self.is_reserved: Callable[[RadixNode], bool] | None = None
+        self._is_reservation_lifted = False
         pool.on_idle = self._page_became_idle
         pool.on_held = self._page_became_held
 
@@ -423,12 +428,15 @@ class RadixIndex:
         return version == node.version and node.tier is tier and self._nodes.get(node.key) is node
 
     def pop_victims(self, tier: Tier, num_pages: int) -> list[RadixNode]:
-        """Up to ``num_pages`` evictable nodes of ``tier`` in policy order.
+        """Up to ``num_pages`` evictable nodes of ``tier`` in policy order, passing over reserved
+        ones (``is_reserved``; they keep their place).
 
         The caller moves or drops each one, or hands it back with ``requeue``.
         """
         heap = self._heaps[tier]
         victims: list[RadixNode] = []
+        passed: list[tuple[float, int, int, RadixNode]] = []
+        is_reserved = None if self._is_reservation_lifted else self.is_reserved
         while len(victims) < num_pages and heap:
             entry = heapq.heappop(heap)
             priority, node = entry[0], entry[3]
@@ -436,10 +444,24 @@ class RadixIndex:
                 continue
             if not self.is_evictable(node):
                 continue
+            if is_reserved is not None and is_reserved(node):
+                passed.append(entry)
+                continue
             node.version += 1  # its remaining heap entries are stale now
             self.policy.on_evict(node, priority)
             victims.append(node)
+        for entry in passed:
+            heapq.heappush(heap, entry)
         return victims
+
+    @contextlib.contextmanager
+    def all_evictable(self) -> Iterator[None]:
+        """Victim searches inside pass over nothing (``is_reserved`` lifted): a drain moves every page."""
+        lifted, self._is_reservation_lifted = self._is_reservation_lifted, True
+        try:
+            yield
+        finally:
+            self._is_reservation_lifted = lifted
 
     def requeue(self, node: RadixNode) -> None:
         self._push_if_evictable(node)

@@ -42,9 +42,14 @@ class NotFound(KvtierError):
 
 
 class ResourceExhausted(KvtierError):
-    """A request can never fit, or a quota is exceeded."""
+    """A request can never fit, or a quota is exceeded. ``retry_after_s``: when a retry may
+    succeed (a rate limit's refill); None: the default delay."""
 
     code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, *, field: str | None = None, retry_after_s: float | None = None) -> None:
+        super().__init__(message, field=field)
+        self.retry_after_s = retry_after_s
 
 
 class FailedPrecondition(KvtierError):

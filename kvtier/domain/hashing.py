@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import astuple, dataclass, fields
-from typing import NewType
+from typing import NewType, overload
 
 import numpy as np
 
@@ -103,6 +103,45 @@ def page_keys(digest: NamespaceDigest, token_ids: Sequence[int], page_size: int)
         parent = PageKey(hashlib.blake2b(parent + encoded[start : start + step], digest_size=KEY_BYTES).digest())
         keys.append(parent)
     return keys
+
+
+class PackedKeys(Sequence[PageKey]):
+    """Page keys end to end in one ``bytes`` (``KEY_BYTES`` each): a sequence that cuts a key out
+    only when one is asked for. A long prefix's keys cross a process boundary, or go to Redis,
+    as one object (``packed``) rather than one per page."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed: bytes) -> None:
+        if len(packed) % KEY_BYTES:
+            raise InvalidArgument(f"packed page keys must be a multiple of {KEY_BYTES} bytes, got {len(packed)}",
+                                  field="page_keys")
+        self.packed = packed
+
+    def __len__(self) -> int:
+        return len(self.packed) // KEY_BYTES
+
+    @overload
+    def __getitem__(self, index: int) -> PageKey: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> PackedKeys: ...
+
+    def __getitem__(self, index: int | slice) -> PageKey | PackedKeys:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                raise ValueError("packed page keys slice with step 1 only")
+            return PackedKeys(self.packed[start * KEY_BYTES:max(start, stop) * KEY_BYTES])
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return PageKey(self.packed[index * KEY_BYTES:(index + 1) * KEY_BYTES])
+
+    def __iter__(self) -> Iterator[PageKey]:
+        packed = self.packed
+        return (PageKey(packed[i:i + KEY_BYTES]) for i in range(0, len(packed), KEY_BYTES))
 
 
 def short(key: bytes) -> str:

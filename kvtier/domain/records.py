@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NewType
 
@@ -46,9 +46,10 @@ class TokenPrefix:
 
 @dataclass(frozen=True, slots=True)
 class PageKeyPrefix:
-    """A prompt prefix given as chained page keys, root first (trace replay)."""
+    """A prompt prefix given as chained page keys, root first (trace replay; a Route hashed off
+    the controller's event loop carries ``PackedKeys``)."""
 
-    page_keys: tuple[PageKey, ...]
+    page_keys: Sequence[PageKey]
 
 
 Prefix = TokenPrefix | PageKeyPrefix

@@ -102,9 +102,16 @@ class Scheduler:
     def _free_page(self, seq: Sequence, num_pending: int) -> bool:
         """Free one HBM page for ``seq``, which will cache ``num_pending`` new pages: its tenant's
         own page when it would pass its quota, else by the tiers (a clean page, a spill), else
-        the index's next victim dropped."""
-        if self.quotas is not None and seq.namespace is not None and self.quotas.free_own_page(seq.namespace, num_pending):
+        the index's next victim dropped; when it would pass its quota, other tenants' reserved
+        pages are passed over (``QuotaTracker.is_reserved``)."""
+        if self.quotas is None or seq.namespace is None:
+            return self._free_any_page()
+        if self.quotas.free_own_page(seq.namespace, num_pending):
             return True
+        with self.quotas.acting_for(seq.namespace, num_pending):
+            return self._free_any_page()
+
+    def _free_any_page(self) -> bool:
         if self.tiers is not None:
             return self.tiers.free_hbm_page()
         return self.index.evict(1) == 1

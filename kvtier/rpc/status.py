@@ -136,7 +136,8 @@ def rich_status(err: KvtierError, code: grpc.StatusCode) -> status_pb2.Status:
             error_details_pb2.QuotaFailure.Violation(subject=err.field or "", description=err.message)]))
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
         retry = error_details_pb2.RetryInfo()
-        retry.retry_delay.FromSeconds(RETRY_DELAY_S)
+        delay_s = getattr(err, "retry_after_s", None)
+        retry.retry_delay.FromNanoseconds(round((RETRY_DELAY_S if delay_s is None else delay_s) * 1e9))
         details.append(retry)
     status = status_pb2.Status(code=code.value[0], message=err.message)
     for detail in details:
@@ -229,6 +230,15 @@ def rpc_errors(method: F) -> F:
 
 
 KVTIER_METHOD_PREFIX = "/kvtier.v1."
+
+
+def decode_request(decode: Callable[[bytes], Any], raw: bytes) -> Any:
+    """``decode(raw)``, or ``InvalidArgument`` naming the message type when the bytes do not
+    decode (for a servicer that takes raw bytes: ``kvtier.controller.route_hashing``)."""
+    try:
+        return decode(raw)
+    except DecodeError as exc:
+        raise _malformed(decode, exc) from None
 
 
 def _malformed(decode: Callable[[bytes], Any], exc: DecodeError) -> InvalidArgument:

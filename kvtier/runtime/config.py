@@ -54,6 +54,7 @@ MAX_WAIT_SCALE = 100.0
 # The longest hold on a prefetched session's pages (``ControllerConfig.session_hold_max_s``;
 # ``OrchestratorParams.max_hold_ms`` of an orchestrator built without a configuration).
 DEFAULT_SESSION_HOLD_MAX_S = 10.0
+DEFAULT_MAX_SESSIONS_PER_TENANT = 1000
 
 C = TypeVar("C", bound="DataclassInstance")
 
@@ -198,6 +199,26 @@ class ControllerConfig:
     auth_token_file: Path | None = setting(
         None, "token table (YAML/TOML: name, role, tenants, sha256 per token; see kvtier.rpc.auth); unset disables auth"
     )
+    max_sessions_per_tenant: int = setting(
+        DEFAULT_MAX_SESSIONS_PER_TENANT, "live sessions one tenant may have; a Route or Pause starting one more is "
+        "RESOURCE_EXHAUSTED", min=1, max=10_000_000,
+    )
+    # Per-credential limits (authentication on; docs/decisions/0007-authentication.md): each
+    # credential's calls per second (a burst of two seconds' worth) and calls in flight per
+    # service; 0: unlimited.
+    route_calls_per_s: float = setting(1000.0, "Route and ListModels calls per second per credential; 0: unlimited",
+                                       min=0, max=1e7)
+    route_bytes_per_s: float = setting(
+        8 * 2**20, "Route request bytes per second per credential (a 1,048,576-token Route is 3-5 MiB); 0: unlimited",
+        min=0, max=1e12,
+    )
+    route_in_flight: int = setting(32, "Route and ListModels calls in flight per credential; 0: unlimited",
+                                   min=0, max=100_000)
+    sessions_calls_per_s: float = setting(1000.0, "Sessions calls (Pause, Returning, End) per second per credential; "
+                                          "0: unlimited", min=0, max=1e7)
+    sessions_in_flight: int = setting(32, "Sessions calls in flight per credential; 0: unlimited", min=0, max=100_000)
+    admin_calls_per_s: float = setting(50.0, "Admin calls per second per credential; 0: unlimited", min=0, max=1e7)
+    admin_in_flight: int = setting(8, "Admin calls in flight per credential; 0: unlimited", min=0, max=100_000)
     allow_unauthenticated: bool = _allow_unauthenticated()
     route_ticket_ttl_s: float = setting(
         30.0, "how long a Route ticket lets its frontend start a Generate on the ticket's worker (with auth)",

@@ -210,10 +210,11 @@ class RoomMaking:
         else:
             steps = [(Tier.HBM, Tier.NVME)]
         moved = 0
-        for src, to in steps:
-            while victims := self.index.pop_victims(src, 1):
-                if not self._move_now(victims[0], to, TransferReason.DRAIN, allow_room=True):
-                    self.index.requeue(victims[0])
-                    break
-                moved += 1
+        with self.index.all_evictable():  # a drain takes reserved pages too
+            for src, to in steps:
+                while victims := self.index.pop_victims(src, 1):
+                    if not self._move_now(victims[0], to, TransferReason.DRAIN, allow_room=True):
+                        self.index.requeue(victims[0])
+                        break
+                    moved += 1
         return moved

@@ -62,6 +62,7 @@ from kvtier.rpc.convert.router import to_proto_route_request
 from kvtier.rpc.convert.sessions import (
     from_proto_end_response,
     from_proto_pause_response,
+    from_proto_returning_response,
     to_proto_end_request,
     to_proto_pause_request,
     to_proto_returning_request,
@@ -468,18 +469,25 @@ def namespace_of(stack, tenant):
 
 
 async def test_a_frontend_cannot_touch_another_tenants_session(cluster):
-    """Pause/Returning/End of tenant a's session with tenant b's token: NOT_FOUND, the same answer
-    as an unknown id (no oracle for other tenants' session ids); b's Route naming the id leaves
-    a's record as it is; a's own token still ends it."""
+    """Sessions are keyed by (tenant, id): Pause/Returning/End of tenant a's session id with
+    tenant b's token act on b's own session of that id, answering exactly as for an id nobody
+    uses (no oracle for other tenants' session ids); b's Route naming the id leaves a's record as
+    it is; a's own token still pauses and ends a's session."""
     _, worker, ch = cluster
     await call_route_with_session(cluster, "fe-a", "s-owned")
     stub = sessions_pb2_grpc.SessionsStub(ch["controller"])
-    for rpc, message in (
-        (stub.Pause, to_proto_pause_request(PauseRequest(SessionId("s-owned"), tool_name="t"))),
-        (stub.Returning, to_proto_returning_request(ReturningRequest(SessionId("s-owned")))),
-        (stub.End, to_proto_end_request(EndRequest(SessionId("s-owned")))),
-    ):
-        assert await code_of(rpc(message, metadata=bearer("fe-b"), timeout=10)) is grpc.StatusCode.NOT_FOUND
+    answers = {}
+    for session in ("s-owned", "s-nobodys"):
+        answers[session] = [
+            from_proto_pause_response(await stub.Pause(to_proto_pause_request(
+                PauseRequest(SessionId(session), tool_name="t")), metadata=bearer("fe-b"), timeout=10)).state,
+            from_proto_returning_response(await stub.Returning(to_proto_returning_request(
+                ReturningRequest(SessionId(session))), metadata=bearer("fe-b"), timeout=10)).state,
+            from_proto_end_response(await stub.End(to_proto_end_request(
+                EndRequest(SessionId(session))), metadata=bearer("fe-b"), timeout=10)).state,
+        ]
+    assert answers["s-owned"] == answers["s-nobodys"] == [
+        SessionState.PAUSED, SessionState.RESUMING, SessionState.ENDED]
     hijack = RouteRequest(namespace(worker, "b"), TokenPrefix(tuple(PROMPT)), session_id=SessionId("s-owned"))
     await router_pb2_grpc.RouterStub(ch["controller"]).Route(
         to_proto_route_request(hijack), metadata=bearer("fe-b"), timeout=10)
