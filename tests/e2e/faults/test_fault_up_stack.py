@@ -95,7 +95,7 @@ def test_the_record_holds_no_secret_and_valkey_refuses_callers_without_the_passw
     password_file = Path(record["redis_password_file"])
     assert stat.S_IMODE(password_file.stat().st_mode) == 0o600
     password = password_file.read_text().strip()
-    secrets = [password, *(up.token(name) for name in ("admin", "worker", "frontend"))]
+    secrets = [password, *(up.token(name) for name in ("admin", "worker-0", "frontend"))]
     assert not [s for s in secrets if s in record_text or s in up.log()]
     assert "@" not in record["redis"]
 
