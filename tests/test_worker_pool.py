@@ -132,3 +132,4 @@ def test_the_ids_of_a_tokens_directory_are_its_file_names_as_a_secret_volume_pre
     with pytest.raises(ConfigError, match="cannot be read") as missing:
         list_worker_ids(tmp_path / "absent")
     assert missing.value.field == "worker_tokens_dir"
+
