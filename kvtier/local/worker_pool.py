@@ -228,6 +228,7 @@ class WorkerPool:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.workers: dict[str, PoolWorker] = {}
         self.slots_without_id: tuple[WorkerSlot, ...] = ()
+        self._without_id_reason = ""
         self._claims = SlotClaims(namespace)
 
     def status(self) -> PoolStatus:
@@ -280,8 +281,9 @@ class WorkerPool:
         return {by_key[k]: worker_id for k, worker_id in assignment.worker_ids.items()}
 
     def _report_without_id(self, without_id: tuple[WorkerSlot, ...], why: str) -> None:
-        """Logs when the set of slots without an id changes (not every pass); ``status`` has it."""
-        if without_id and without_id != self.slots_without_id:
+        """Logs when the slots without an id, or the reason, change (not every pass); ``status``
+        has them."""
+        if without_id and (without_id, why) != (self.slots_without_id, self._without_id_reason):
             log.error(
                 "no worker id for %d slot(s), so no worker starts there: %s. Add a token per worker id "
                 "(the chart: a key of auth.workerTokensSecret, or more maxReplicas x gpusPerWorker for "
@@ -290,6 +292,7 @@ class WorkerPool:
         elif not without_id and self.slots_without_id:
             log.info("every planned slot has a worker id again")
         self.slots_without_id = without_id
+        self._without_id_reason = why
 
     def _slot_config(self, slot: WorkerSlot, worker_id: str) -> WorkerConfig:
         config = load_slot_config(self.config_file, self.base_config, slot)
