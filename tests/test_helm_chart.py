@@ -271,7 +271,16 @@ def test_raycluster_head_runs_the_worker_pool(rendered: dict[str, list[dict[str,
         "auto",
         "--config",
         "/etc/kvtier/config.toml",
+        # Auth is on: each actor's id is a free key of the worker-tokens Secret, listed and read
+        # on the GPU worker pods (the only pods mounting it), never on the head.
+        "--worker-tokens-dir",
+        "/etc/kvtier/worker-tokens",
     ]
+    assert "worker-tokens" not in {m["name"] for m in pool["volumeMounts"]}
+    tokens_dir = pool["command"][pool["command"].index("--worker-tokens-dir") + 1]
+    for group in raycluster(rendered["default"])["spec"]["workerGroupSpecs"]:
+        mounts = {m["name"]: m for m in container(group["template"]["spec"], "ray-worker")["volumeMounts"]}
+        assert mounts["worker-tokens"]["mountPath"] == tokens_dir
     # Ray's "auto" address needs the head's session directory and GCS address.
     assert literal_env(pool)["RAY_ADDRESS"] == "127.0.0.1:6379"
     head_tmp = {m["mountPath"]: m["name"] for m in container(head, "ray-head")["volumeMounts"]}
@@ -493,6 +502,9 @@ def test_auth_off_lets_callers_in_only_where_the_network_admits_them(chart: Any)
     assert literal_env(controller)["KVTIER_ALLOW_UNAUTHENTICATED"] == "true"
     (group,) = raycluster(objs)["spec"]["workerGroupSpecs"]
     assert literal_env(container(group["template"]["spec"], "ray-worker"))["KVTIER_ALLOW_UNAUTHENTICATED"] == "true"
+    # No tokens: the pool names workers after their slots.
+    pool = container(raycluster(objs)["spec"]["headGroupSpec"]["template"]["spec"], "worker-pool")
+    assert "--worker-tokens-dir" not in pool["command"]
     assert [s["metadata"]["name"] for s in of_kind(objs, "Secret")] == [f"{RELEASE}-kvtier-valkey"]
 
 

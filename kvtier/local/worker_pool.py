@@ -8,7 +8,9 @@
                                             (NodeAffinitySchedulingStrategy, not soft)
     WorkerPool.run(stop)                 ─► ``kvtier worker-pool``: keeps one detached, named
                                             actor per slot, adopts the ones a previous pool
-                                            left, restarts lost ones, places new nodes' slots
+                                            left, restarts lost ones, places new nodes' slots;
+                                            with a tokens directory, ids come from it
+                                            (``kvtier.local.worker_ids``)
 
 ``kvtier up --ray-address`` uses the plan and the start (its workers die with it); the Helm
 chart's Ray head runs the pool. A slot's worker listens on ``port + index`` and
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.domain.errors import ConfigError, FailedPrecondition
+from kvtier.local.worker_ids import SlotClaims, SlotKey, assign_worker_ids, list_worker_ids, unclaimed
 from kvtier.runtime.config import WorkerConfig, load_config
 from kvtier.runtime.log import get_logger
 
@@ -56,8 +59,13 @@ class WorkerSlot:
 
     @property
     def worker_id(self) -> str:
-        """Stable for the slot: the pool names the actor after it and adopts it by that name."""
+        """Stable for the slot: the id of its worker unless the ids come from a tokens directory
+        (``kvtier.local.worker_ids``); the actor is named after the id and adopted by it."""
         return f"worker-{self.node_id[:12]}-{self.index}" if self.node_id else f"worker-{self.index}"
+
+    @property
+    def key(self) -> SlotKey:
+        return (self.node_id or "", self.index)
 
 
 def ray_nodes(raw: Iterable[dict[str, Any]] | None = None) -> list[RayNode]:
@@ -119,13 +127,16 @@ def start_slot_worker(
     config: WorkerConfig,
     slot: WorkerSlot,
     *,
+    worker_id: str | None = None,
     name: str | None = None,
     detached: bool = False,
+    namespace: str | None = None,
     max_restarts: int = 0,
     heartbeat_interval_s: float = 1.0,
     timeout_s: float = 600.0,
 ) -> tuple[Any, str]:
-    """A ``WorkerActor`` for ``slot`` on its node, through every start-up phase; (actor, address)."""
+    """A ``WorkerActor`` for ``slot`` on its node (its id ``worker_id``, default the slot's),
+    through every start-up phase; (actor, address)."""
     import ray
 
     from kvtier.worker.actor import WorkerActor, actor_options, run_phases
@@ -133,8 +144,10 @@ def start_slot_worker(
     options = actor_options(config, max_restarts=max_restarts, name=name) | _node_affinity(slot)
     if detached:
         options["lifetime"] = "detached"
+    if namespace is not None:
+        options["namespace"] = namespace
     actor = ray.remote(**options)(WorkerActor).remote(
-        config, worker_id=slot.worker_id, heartbeat_interval_s=heartbeat_interval_s)
+        config, worker_id=worker_id or slot.worker_id, heartbeat_interval_s=heartbeat_interval_s)
     return actor, run_phases(actor, timeout_s=timeout_s)
 
 
@@ -155,19 +168,44 @@ def load_slot_config(file: Path | None, base: WorkerConfig, slot: WorkerSlot, ti
     return slot_config(loaded, slot)
 
 
+def _list_worker_ids_here(directory: str) -> list[str]:
+    """Runs on a worker node, where the tokens directory is mounted."""
+    return list_worker_ids(Path(directory))
+
+
+def list_slot_worker_ids(directory: Path, slot: WorkerSlot, timeout_s: float = 120.0) -> list[str]:
+    """The worker ids ``directory`` holds as ``slot``'s node sees it (a task pinned there)."""
+    import ray
+
+    task = ray.remote(num_cpus=0, max_retries=0, **_node_affinity(slot))(_list_worker_ids_here)
+    return ray.get(task.remote(str(directory)), timeout=timeout_s)
+
+
 @dataclass(slots=True)
 class PoolWorker:
+    worker_id: str
     slot: WorkerSlot
     actor: Any
     address: str
 
 
+@dataclass(frozen=True, slots=True)
+class PoolStatus:
+    workers: dict[str, str]  # worker id -> address, the workers running after the last pass
+    slots_without_id: tuple[WorkerSlot, ...]  # planned slots with no free worker id: no worker
+
+
 class WorkerPool:
     """Keeps one detached, named worker actor per planned slot (``kvtier worker-pool``).
 
-    ``reconcile`` is one pass: plan the slots of the live nodes, adopt or start each slot's
-    actor, drive a restarted actor through its phases again, and forget slots whose node left.
-    Not thread-safe; ``run`` calls it every ``interval_s`` until ``stop`` is set.
+    ``reconcile`` is one pass: plan the slots of the live nodes, give each its worker id, adopt
+    or start each slot's actor (named after the id), drive a restarted actor through its phases
+    again, and forget slots whose node left. Without ``worker_tokens_dir`` a slot's id is its own
+    (``WorkerSlot.worker_id``); with it, ids are the file names of that directory on the worker
+    nodes, handed out by ``kvtier.local.worker_ids`` (claims kept in the Ray cluster), and each
+    worker's ``auth_token_file`` is ``worker_tokens_dir/<id>``, read on its node: the pool itself
+    never reads a token. Not thread-safe; ``run`` calls ``reconcile`` every ``interval_s``
+    until ``stop`` is set.
     """
 
     def __init__(
@@ -176,48 +214,105 @@ class WorkerPool:
         *,
         config_file: Path | None = None,
         workers_per_node: int | None = None,
+        worker_tokens_dir: Path | None = None,
+        namespace: str = RAY_NAMESPACE,
         max_restarts: int = 2,
         heartbeat_interval_s: float = 1.0,
     ) -> None:
         self.base_config = base_config
         self.config_file = config_file
         self.workers_per_node = workers_per_node
+        self.worker_tokens_dir = worker_tokens_dir
+        self.namespace = namespace
         self.max_restarts = max_restarts
         self.heartbeat_interval_s = heartbeat_interval_s
         self.workers: dict[str, PoolWorker] = {}
+        self.slots_without_id: tuple[WorkerSlot, ...] = ()
+        self._without_id_reason = ""
+        self._claims = SlotClaims(namespace)
+
+    def status(self) -> PoolStatus:
+        return PoolStatus({w.worker_id: w.address for w in self.workers.values()}, self.slots_without_id)
 
     def reconcile(self) -> list[str]:
         """One pass; returns the worker ids started or adopted in it (started in parallel)."""
         slots = plan_slots(ray_nodes(), workers_per_node=self.workers_per_node)
-        planned = {s.worker_id: s for s in slots}
-        for worker_id in [w for w in self.workers if w not in planned]:
+        planned = self._worker_ids(slots)
+        for worker_id in [w for w, worker in self.workers.items() if planned.get(worker.slot) != w]:
             log.warning("worker's node left the cluster; forgetting it", extra={"worker_id": worker_id})
             del self.workers[worker_id]
-        pending = [slot for worker_id, slot in planned.items()
+        pending = [(slot, worker_id) for slot, worker_id in planned.items()
                    if worker_id not in self.workers or not self._is_healthy(self.workers[worker_id])]
         if not pending:
             return []
         with concurrent.futures.ThreadPoolExecutor(len(pending), thread_name_prefix="kvtier-pool") as threads:
-            brought_up = list(threads.map(self._bring_up, pending))
+            brought_up = list(threads.map(lambda p: self._bring_up(*p), pending))
         for worker in brought_up:
             if worker is not None:
-                self.workers[worker.slot.worker_id] = worker
-        return [w.slot.worker_id for w in brought_up if w is not None]
+                self.workers[worker.worker_id] = worker
+        return [w.worker_id for w in brought_up if w is not None]
 
-    def _bring_up(self, slot: WorkerSlot) -> PoolWorker | None:
+    def _worker_ids(self, slots: list[WorkerSlot]) -> dict[WorkerSlot, str]:
+        """Each planned slot's worker id; slots left without one are in ``slots_without_id``."""
+        if self.worker_tokens_dir is None:
+            return {slot: slot.worker_id for slot in slots}
+        import ray
+
+        claims = self._claims.load()
+        needing = set(unclaimed([s.key for s in slots], claims))
+        available: list[str] = []
+        why = ""
+        if needing:
+            try:
+                available = list_slot_worker_ids(self.worker_tokens_dir, next(s for s in slots if s.key in needing))
+            except Exception as exc:  # the claimed slots are still supervised; listed again next pass
+                why = f"{self.worker_tokens_dir} could not be listed: {str(exc)[-300:]}"
+        why = why or f"every id in {self.worker_tokens_dir} ({len(available)}) is taken"
+        live = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == self.namespace}
+        assignment = assign_worker_ids([s.key for s in slots], claims, available, live)
+        by_key = {s.key: s for s in slots}
+        for worker_id in assignment.released:
+            log.info("worker id released: its slot is gone", extra={"worker_id": worker_id})
+            self._claims.drop(worker_id)
+        for slot_key, worker_id in assignment.worker_ids.items():
+            if worker_id in assignment.new_claims:  # recorded before the worker starts
+                self._claims.put(worker_id, slot_key)
+        self._report_without_id(tuple(by_key[k] for k in assignment.without_id), why)
+        return {by_key[k]: worker_id for k, worker_id in assignment.worker_ids.items()}
+
+    def _report_without_id(self, without_id: tuple[WorkerSlot, ...], why: str) -> None:
+        """Logs when the slots without an id, or the reason, change (not every pass); ``status``
+        has them."""
+        if without_id and (without_id, why) != (self.slots_without_id, self._without_id_reason):
+            log.error(
+                "no worker id for %d slot(s), so no worker starts there: %s. Add a token per worker id "
+                "(the chart: a key of auth.workerTokensSecret, or more maxReplicas x gpusPerWorker for "
+                "the generated Secret)", len(without_id), why,
+                extra={"slots": [f"{s.node_address}/{s.index}" for s in without_id]})
+        elif not without_id and self.slots_without_id:
+            log.info("every planned slot has a worker id again")
+        self.slots_without_id = without_id
+        self._without_id_reason = why
+
+    def _slot_config(self, slot: WorkerSlot, worker_id: str) -> WorkerConfig:
+        config = load_slot_config(self.config_file, self.base_config, slot)
+        if self.worker_tokens_dir is None:
+            return config
+        return dataclasses.replace(config, auth_token_file=self.worker_tokens_dir / worker_id)
+
+    def _bring_up(self, slot: WorkerSlot, worker_id: str) -> PoolWorker | None:
         """Adopt the slot's named actor (a previous pool's, or one Ray restarted) or start it."""
         import ray
 
         from kvtier.worker.actor import run_phases
 
-        worker_id = slot.worker_id
         try:
             try:
-                actor = ray.get_actor(worker_id, namespace=RAY_NAMESPACE)
+                actor = ray.get_actor(worker_id, namespace=self.namespace)
             except ValueError:  # no such actor: start one
-                config = load_slot_config(self.config_file, self.base_config, slot)
                 actor, address = start_slot_worker(
-                    config, slot, name=worker_id, detached=True, max_restarts=self.max_restarts,
+                    self._slot_config(slot, worker_id), slot, worker_id=worker_id, name=worker_id, detached=True,
+                    namespace=self.namespace, max_restarts=self.max_restarts,
                     heartbeat_interval_s=self.heartbeat_interval_s)
                 log.info("worker started", extra={"worker_id": worker_id, "address": address,
                                                   "node": slot.node_address})
@@ -228,7 +323,7 @@ class WorkerPool:
             log.error("worker did not start; retrying on the next pass",
                       extra={"worker_id": worker_id, "error": str(exc)[:300]})
             return None
-        return PoolWorker(slot, actor, address)
+        return PoolWorker(worker_id, slot, actor, address)
 
     def _is_healthy(self, worker: PoolWorker) -> bool:
         import ray
@@ -241,7 +336,7 @@ class WorkerPool:
         except FailedPrecondition:  # Ray restarted the process: it needs its phases again
             return False
         except (ray.exceptions.RayError, TimeoutError) as exc:
-            log.warning("worker unreachable", extra={"worker_id": worker.slot.worker_id, "error": str(exc)[:300]})
+            log.warning("worker unreachable", extra={"worker_id": worker.worker_id, "error": str(exc)[:300]})
             return False
 
     def run(self, stop: threading.Event, *, interval_s: float = 10.0) -> None:

@@ -155,7 +155,8 @@ NetworkPolicy does. Callers include it only when auth is off.
 {{/*
 Worker auth settings: the table it verifies admin calls with. Each worker's own token is
 /etc/kvtier/worker-tokens/<worker id> (auth.workerTokensSecret), the auth_token_file the
-worker pool sets per actor, as it sets its port.
+worker pool sets per actor, as it sets its port; the pool (--worker-tokens-dir) gives each
+actor a free key of that Secret as its worker id.
 */}}
 {{- define "kvtier.workerAuthEnv" -}}
 {{- if .Values.auth.enabled }}
