@@ -51,7 +51,7 @@ test: setup node-setup lint typecheck proto-check proto-lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 demo: setup
-	$(BIN)/kvtier demo --plot out/demo.png $(DEMO_ARGS)
+	$(BIN)/kvtier demo --out out $(DEMO_ARGS)
 
 bench: setup
 	$(BIN)/python -m loadtests.bench_engine

@@ -218,12 +218,22 @@ class ChatCompletion:
         for index, c in enumerate(result.tool_calls):
             yield self._chunk({"tool_calls": [{"index": index, "id": c.id, "type": "function",
                                                "function": {"name": c.name, "arguments": ""}}]})
-            yield self._chunk({"tool_calls": [{"index": index, "function": {"arguments": c.arguments}}]})
+            for piece in argument_pieces(c.arguments):
+                yield self._chunk({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
         await self._after(result)
         yield self._chunk({}, fin.finish_reason)
         if self.req.include_usage:
             yield {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                    "model": self.model.name, "choices": [], "usage": usage_body(fin)}
+
+
+ARGUMENT_PIECE_CHARS = 16
+
+
+def argument_pieces(arguments: str) -> list[str]:
+    """A call's arguments as OpenAI streams them: consecutive fragments that join to the
+    whole JSON text (none when it is empty)."""
+    return [arguments[i:i + ARGUMENT_PIECE_CHARS] for i in range(0, len(arguments), ARGUMENT_PIECE_CHARS)]
 
 
 class CallScan:
