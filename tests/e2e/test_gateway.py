@@ -465,3 +465,17 @@ def test_another_tenants_key_is_not_faster_on_a_prompt_the_first_tenant_cached(s
         cached_by_a.append(b_time)
         fresh_for_b.append(fresh_time)
     assert sorted(cached_by_a)[1] >= 0.5 * sorted(fresh_for_b)[1], (cached_by_a, fresh_for_b)
+
+
+def test_example_agent_loop_runs_against_the_gateway(live):
+    """examples/agent_loop.py as a user runs it: its own process, the OpenAI SDK, our key."""
+    import subprocess
+    import sys
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "agent_loop.py"
+    done = subprocess.run([sys.executable, str(example), "--base-url", live.url + "/v1", "--api-key", KEY_A,
+                           "--max-steps", "2"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "tool call: calculator(" in done.stdout
+    steps = [line for line in done.stdout.splitlines() if line.startswith("[step ")]
+    assert len(steps) == 2 and not steps[1].endswith(" 0 cached")  # the second step reuses the first's pages
