@@ -84,7 +84,7 @@ class DemoOptions:
     fetch_sigma: float = 0.5
     fetch_range_s: tuple[float, float] = (0.5, 6.0)
     stagger_s: float = 0.4  # between session starts
-    hbm_sessions: float = 1.5  # HBM holds this many sessions' final contexts
+    hbm_sessions: float = 2.0  # HBM holds this many sessions' final contexts
     dram_sessions: float = 1.5  # and DRAM this many; NVMe holds the rest
     seed: int = 0
     verbose: bool = False  # a line per turn as it completes
@@ -92,7 +92,7 @@ class DemoOptions:
     @classmethod
     def quick(cls) -> DemoOptions:
         return cls(sessions_per_tenant=2, tool_calls=2, fetch_median_s=1.2, fetch_range_s=(0.4, 3.0),
-                   hbm_sessions=1.2, dram_sessions=1.0)
+                   hbm_sessions=2.0, dram_sessions=1.0)
 
     @property
     def num_sessions(self) -> int:
@@ -182,7 +182,10 @@ class DocSearch:
         if not self.passages:
             return "no documentation found"
         source, para, _ = max(self.passages, key=lambda p: len(words & p[2]))
-        return f"[{source}] {para[:RESULT_CHARS]}"
+        lower = para.lower()
+        hits = [i for i in (lower.find(w) for w in words) if i >= 0]
+        start = max(0, min(hits, default=0) - 40)  # the excerpt around the first word found
+        return f"[{source}] {para[start:start + RESULT_CHARS]}"
 
 
 def _words(text: str) -> set[str]:
