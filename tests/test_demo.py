@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.local.demo import DemoOptions, DocSearch, ModeResult, TurnRecord, calculate, fetch_seconds, make_plans
+from kvtier.local.demo import (
+    DemoOptions,
+    DocSearch,
+    ModeResult,
+    TurnRecord,
+    calculate,
+    fetch_seconds,
+    make_plans,
+)
 from kvtier.local.demo_report import ascii_chart, report, text_report, write_outputs
 
 ROOT = Path(__file__).resolve().parents[1]
