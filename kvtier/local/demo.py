@@ -83,7 +83,7 @@ class DemoOptions:
     fetch_median_s: float = 2.0
     fetch_sigma: float = 0.5
     fetch_range_s: tuple[float, float] = (0.5, 6.0)
-    stagger_s: float = 0.4  # between session starts
+    stagger_s: float = 0.4  # between the starts of a tenant's sessions
     hbm_sessions: float = 2.0  # HBM holds this many sessions' final contexts
     dram_sessions: float = 1.5  # and DRAM this many; NVMe holds the rest
     seed: int = 0
@@ -276,7 +276,7 @@ def make_plans(opts: DemoOptions) -> list[SessionPlan]:
                           for i in range(opts.tool_calls))
             fetches = tuple(fetch_seconds(opts, rng) for t_ in tools if t_ == "web_fetch")
             plans.append(SessionPlan(tenant, s, TASKS[(s * len(TENANTS) + t) % len(TASKS)], tools, fetches,
-                                     n * opts.stagger_s))
+                                     s * opts.stagger_s))
     return plans
 
 
@@ -290,7 +290,12 @@ def _argument_hint(tool: str, n: int) -> str:
 
 
 async def agent_session(client: Any, model: str, plan: SessionPlan, mode: str, opts: DemoOptions,
-                        docs: DocSearch) -> tuple[list[TurnRecord], list[dict[str, Any]]]:
+                        docs: DocSearch, opened: asyncio.Event) -> tuple[list[TurnRecord], list[dict[str, Any]]]:
+    """One agent. A tenant's first session opens the way (``opened``, set after its first turn):
+    the others start after it, as later conversations of a deployed agent find its system
+    prompt and tools already cached."""
+    if plan.index > 0:
+        await opened.wait()
     await asyncio.sleep(plan.start_s)
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPTS[plan.tenant]},
                                       {"role": "user", "content": plan.task}]
@@ -306,6 +311,7 @@ async def agent_session(client: Any, model: str, plan: SessionPlan, mode: str, o
         else:
             reply = await chat_turn(client, model, messages, "none", opts.answer_tokens)
         records.append(_record(mode, plan, turn, tool, after, reply))
+        opened.set()
         if opts.verbose:
             r = records[-1]
             print(f"  {mode} {plan.tenant}/{plan.index} turn {turn} {tool or 'answer'}: ttft {r.ttft_ms:.0f} ms, "
@@ -396,8 +402,9 @@ async def run_mode(mode: str, opts: DemoOptions, checkpoint: Path, state_dir: Pa
                 f"{options.hbm_bytes // size} pages, DRAM {options.dram_bytes // size}, "
                 f"NVMe {options.nvme_bytes // size}")
             started = time.perf_counter()
-            results = await asyncio.gather(*(agent_session(clients[p.tenant], gateway.model.name, p, mode, opts, docs)
-                                             for p in plans))
+            opened = {t: asyncio.Event() for t in TENANTS}
+            results = await asyncio.gather(*(agent_session(clients[p.tenant], gateway.model.name, p, mode, opts, docs,
+                                                           opened[p.tenant]) for p in plans))
             wall_s = time.perf_counter() - started
             for client in clients.values():
                 await client.close()
