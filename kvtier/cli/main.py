@@ -281,13 +281,10 @@ def up_command(
         env={},
         overrides={"eviction_policy": eviction_policy, "session_hold_fraction": session_hold_fraction},
     )
-    from kvtier.local import real_model
-
-    checkpoint = model or real_model.ensure_checkpoint(state_dir / "models" / real_model.MODEL_NAME)
     options = local.StackOptions(
         state_dir=state_dir,
         num_workers=workers,
-        model=checkpoint,
+        model=model,
         redis_url=redis_url,
         ray_address=ray_address,
         controller_port=port,
@@ -298,6 +295,13 @@ def up_command(
         session_hold_fraction=worker.session_hold_fraction,
         auth=True,  # an admin token in STATE_DIR/auth/admin.token; kvtier commands pick it up
     )
+
+    if options.model is None:  # every flag is checked by now: convert (once) only for a stack that starts
+        from kvtier.local import real_model
+
+        options.model = real_model.ensure_checkpoint(state_dir / "models" / real_model.MODEL_NAME,
+                                                     seed_from=real_model.default_cache_dir())
+    checkpoint = options.model
 
     async def run() -> None:
         from kvtier.local.frontend import start_gateway

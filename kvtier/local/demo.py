@@ -266,7 +266,7 @@ class SessionPlan:
 def make_plans(opts: DemoOptions) -> list[SessionPlan]:
     """The workload, deterministic in ``opts.seed``: every mode runs the same plans."""
     rng = random.Random(opts.seed)
-    plans = []
+    plans: list[SessionPlan] = []
     for s in range(opts.sessions_per_tenant):
         for t, tenant in enumerate(TENANTS):
             n = len(plans)
@@ -390,6 +390,7 @@ async def run_mode(mode: str, opts: DemoOptions, checkpoint: Path, state_dir: Pa
 
     options = stack_options(mode, opts, checkpoint, state_dir)
     size = page_bytes(checkpoint)
+    hbm_pages = (options.hbm_bytes or 0) // size
     stack = await start_local_stack(options)
     try:
         gateway = await start_gateway(stack, checkpoint, port=0)
@@ -399,7 +400,7 @@ async def run_mode(mode: str, opts: DemoOptions, checkpoint: Path, state_dir: Pa
                        for t, k in keys.items()}
             plans = make_plans(opts)
             log(f"{mode}: {len(plans)} agent sessions in {len(TENANTS)} tenants via {gateway.base_url}; HBM "
-                f"{options.hbm_bytes // size} pages, DRAM {options.dram_bytes // size}, "
+                f"{hbm_pages} pages, DRAM {options.dram_bytes // size}, "
                 f"NVMe {options.nvme_bytes // size}")
             started = time.perf_counter()
             opened = {t: asyncio.Event() for t in TENANTS}
@@ -418,7 +419,7 @@ async def run_mode(mode: str, opts: DemoOptions, checkpoint: Path, state_dir: Pa
     transcript = next(msgs for (_, msgs), p in zip(results, plans, strict=True)
                       if p.tenant == TENANTS[0] and p.index == 0)
     return ModeResult(mode, records, transcript, prefetch, wall_s,
-                      [f for p in plans for f in p.fetch_s], options.hbm_bytes // size,
+                      [f for p in plans for f in p.fetch_s], hbm_pages,
                       options.dram_bytes // size, options.nvme_bytes // size)
 
 
