@@ -209,9 +209,11 @@ class Reply:
 
 
 async def chat_turn(client: Any, model: str, messages: list[dict[str, Any]], tool_choice: Any,
-                    max_tokens: int) -> Reply:
+                    max_tokens: int, expected_ms: int | None = None) -> Reply:
     """One streamed chat completion: time to first chunk, the text, the tool calls (joined from
-    their deltas) and the usage chunk."""
+    their deltas) and the usage chunk. ``expected_ms``: how long the tool this turn calls
+    usually takes, sent as ``X-Tool-Expected-Ms``, as an agent that knows its tools may."""
+    headers = {"X-Tool-Expected-Ms": str(expected_ms)} if expected_ms is not None else None
     started = time.perf_counter()
     ttft: float | None = None
     content: list[str] = []
@@ -219,7 +221,7 @@ async def chat_turn(client: Any, model: str, messages: list[dict[str, Any]], too
     usage = None
     stream = await client.chat.completions.create(
         model=model, messages=messages, tools=TOOLS, tool_choice=tool_choice, max_tokens=max_tokens,
-        temperature=0, stream=True, stream_options={"include_usage": True})
+        temperature=0, stream=True, stream_options={"include_usage": True}, extra_headers=headers)
     async for chunk in stream:
         if ttft is None:
             ttft = time.perf_counter() - started
@@ -307,8 +309,10 @@ async def agent_session(client: Any, model: str, plan: SessionPlan, mode: str, o
         if tool is not None:
             messages.append({"role": "user", "content": _argument_hint(tool, plan.index + turn)})
             choice: Any = {"type": "function", "function": {"name": tool}}
-            reply = await chat_turn(client, model, messages, choice, 32)
+            expected = round(opts.fetch_median_s * 1000) if tool == "web_fetch" else None
+            reply = await chat_turn(client, model, messages, choice, 32, expected)
         else:
+            messages.append({"role": "user", "content": "Now answer my question in one sentence, in plain words."})
             reply = await chat_turn(client, model, messages, "none", opts.answer_tokens)
         records.append(_record(mode, plan, turn, tool, after, reply))
         opened.set()
