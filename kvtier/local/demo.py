@@ -13,7 +13,9 @@ tools:
 
 Each session calls ``tool_calls`` tools, forced with a named ``tool_choice`` (a 135M model
 cannot be trusted to call them by itself), then answers in text (``tool_choice: none``).
-Nothing tells kvtier about sessions or tools: the gateway infers both from the conversation.
+Nothing tells kvtier about sessions: the gateway infers them, and each tool call's pause, from
+the conversation; a web_fetch turn adds ``X-Tool-Expected-Ms`` (the stated median), as an
+agent that knows its tools may.
 
 HBM holds about ``hbm_sessions`` sessions' final contexts, fewer than the sessions that run,
 so paused sessions' pages leave HBM while others run: to DRAM, and from there to NVMe,
