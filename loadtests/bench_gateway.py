@@ -9,7 +9,7 @@ loopback. Same model, same prompts, the two sides interleaved:
   gateway side and the gRPC side (``AsyncClient.generate`` with the token ids the gateway
   would send, the same sampling and stop ids), the order alternating between rounds. Every
   request carries a fresh nonce, so both sides compute the same uncached suffix. The gateway
-  side is raw HTTP streaming (httpx), so the numbers are the gateway's, not an SDK's.
+  side is raw HTTP streaming (aiohttp), so the numbers are the gateway's, not an SDK's.
   ``gateway_ttft_overhead_ms``: per round, the p50 TTFT through the gateway minus the p50
   through gRPC; ``gateway_over_grpc_tokens_per_s``: per round, the gateway side's aggregate
   tokens/s over the gRPC side's. Each is printed as the median over rounds with its range.
@@ -62,10 +62,11 @@ async def gateway_stream(http: Any, url: str, key: str, model: str, max_tokens: 
     started = time.perf_counter()
     ttft: float | None = None
     tokens = 0
-    async with http.stream("POST", url + "/v1/chat/completions", json=body,
-                           headers={"Authorization": f"Bearer {key}"}) as response:
+    async with http.post(url + "/v1/chat/completions", json=body,
+                         headers={"Authorization": f"Bearer {key}"}) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
+        async for raw in response.content:
+            line = raw.decode("utf-8").strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             if ttft is None:
@@ -107,7 +108,7 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 async def overhead(rounds: int, max_tokens: int, log: Any) -> dict[str, Any]:
-    import httpx
+    import aiohttp
 
     from kvtier.local.frontend import start_gateway
 
@@ -122,7 +123,8 @@ async def overhead(rounds: int, max_tokens: int, log: Any) -> dict[str, Any]:
             out: dict[str, Any] = {}
             try:
                 async with AsyncClient(stack.controller_address, token=key, timeout_s=600) as client, \
-                        httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as http:
+                        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                              connector=aiohttp.TCPConnector(limit=64)) as http:
                     await gateway_stream(http, gateway.url, key, gateway.model.name, 2)  # warm both paths
                     await grpc_stream(client, gateway.model, 2)
                     for streams in CONCURRENCY:
