@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.client import AsyncClient
-from kvtier.domain.errors import FailedPrecondition
+from kvtier.domain.errors import ConfigError, FailedPrecondition
 from kvtier.gateway.app import GatewayOptions, create_app
 from kvtier.gateway.model import ServedModel, describe_served_model
 from kvtier.local.stack import STATE_FILE, LocalStack
@@ -58,7 +58,12 @@ async def start_gateway(
     import uvicorn
 
     async with AsyncClient(stack.controller_address, token=stack.admin_token) as client:
-        model = await describe_served_model(client, checkpoint.expanduser().resolve())
+        try:
+            model = await describe_served_model(client, checkpoint.expanduser().resolve())
+        except ConfigError as exc:  # no tokenizer or chat template: a weights-only checkpoint
+            raise ConfigError(f"{exc.message}; the gateway needs the checkpoint's tokenizer and chat "
+                              "template (`kvtier up --no-gateway` serves without the gateway)",
+                              field=exc.field) from None
     app = create_app(model, GatewayOptions(stack.controller_address, require_key=require_key))
     # The socket is bound here, not by uvicorn, so a taken port is an error to the caller
     # rather than uvicorn's exit of the whole process.
