@@ -402,7 +402,8 @@ async def run_mode(mode: str, opts: DemoOptions, checkpoint: Path, state_dir: Pa
         gateway = await start_gateway(stack, checkpoint, port=0)
         try:
             keys = await add_tenant_keys(stack)
-            clients = {t: openai.AsyncOpenAI(base_url=gateway.base_url, api_key=k, max_retries=0, timeout=300)
+            # The SDK's own retries (2), as any OpenAI client has them: a 503 or 429 is retried.
+            clients = {t: openai.AsyncOpenAI(base_url=gateway.base_url, api_key=k, max_retries=2, timeout=600)
                        for t, k in keys.items()}
             plans = make_plans(opts)
             log(f"{mode}: {len(plans)} agent sessions in {len(TENANTS)} tenants via {gateway.base_url}; HBM "
