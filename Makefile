@@ -59,7 +59,7 @@ test-redis-cluster: setup
 	KVTIER_TEST_REDIS_URL=cluster $(BIN)/python -m pytest -q $(REDIS_CLUSTER_SUITES) $(PYTEST_ARGS)
 
 demo: setup
-	$(BIN)/kvtier demo --plot out/demo.png $(DEMO_ARGS)
+	$(BIN)/kvtier demo --out out $(DEMO_ARGS)
 
 bench: setup
 	$(BIN)/python -m loadtests.bench_engine

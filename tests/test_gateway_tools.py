@@ -106,3 +106,12 @@ def test_auto_mode_streams_text_up_to_the_first_call_tag():
     assert scan.rest() == '<tool_call>\n{"name": "w"}</tool_call>'
     plain = CallScan()
     assert "".join(plain.feed(d) for d in ["a < b", " and c"]) + plain.rest() == "a < b and c"
+
+
+@pytest.mark.parametrize("arguments", ["", "{}", '{"city": "Oslo"}', '{"q": "' + "x" * 40 + '"}'])
+def test_streamed_argument_fragments_join_to_the_arguments(arguments):
+    from kvtier.gateway.chat import ARGUMENT_PIECE_CHARS, argument_pieces
+
+    pieces = argument_pieces(arguments)
+    assert "".join(pieces) == arguments
+    assert all(0 < len(p) <= ARGUMENT_PIECE_CHARS for p in pieces)

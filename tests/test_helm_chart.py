@@ -815,3 +815,79 @@ def test_worker_groups_need_distinct_names(chart: Any) -> None:
                      name=RELEASE, namespace=NAMESPACE)
     with pytest.raises(helm.HelmValuesError, match="workerGroups.*port"):  # one worker.toml: no per-group ports
         chart.render({"ray": {"workerGroups": [{"groupName": "a", "port": 1}]}}, name=RELEASE, namespace=NAMESPACE)
+
+
+# --- the OpenAI-compatible gateway ------------------------------------------------------
+
+
+def gateway_objects(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [o for o in objs if o["metadata"]["labels"].get("app.kubernetes.io/component") == "gateway"]
+
+
+def test_gateway_is_a_stateless_deployment_of_two_or_more_behind_a_service(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    objs = rendered["gpu16"]  # the set with a model.path: the gateway reads its tokenizer
+    deployment = named(objs, "Deployment", f"{RELEASE}-kvtier-gateway")
+    assert deployment["spec"]["replicas"] >= 2
+    pod = deployment["spec"]["template"]["spec"]
+    # Stateless: nothing but scratch space and the read-only checkpoint.
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert set(volumes) == {"tmp", "model"} and "emptyDir" in volumes["tmp"]
+    assert volumes["model"]["persistentVolumeClaim"]["claimName"] == "llama-3-1-8b-instruct"
+    assert not of_kind(gateway_objects(objs), "StatefulSet")
+    ctr = container(pod, "gateway")
+    command = ctr["command"]
+    assert command[:2] == ["kvtier", "gateway"]
+    assert command[command.index("--model") + 1] == "/models/Llama-3.1-8B-Instruct"
+    assert command[command.index("--controller") + 1] == f"{RELEASE}-kvtier-controller.{NAMESPACE}.svc:50051"
+    assert command[command.index("--host") + 1] == "0.0.0.0"
+    assert ctr["readinessProbe"]["httpGet"]["path"] == "/health"
+    service = named(objs, "Service", f"{RELEASE}-kvtier-gateway")
+    selector = {"matchLabels": service["spec"]["selector"]}
+    assert selects(selector, deployment["spec"]["template"]["metadata"]["labels"])
+    assert not selects(selector, controller_deployment(objs)["spec"]["template"]["metadata"]["labels"])
+    (port,) = service["spec"]["ports"]
+    assert port["targetPort"] == "http" and ctr["ports"][0]["name"] == "http"
+
+
+def test_gateway_renders_only_with_a_model_path(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    assert not gateway_objects(rendered["default"])
+    assert gateway_objects(rendered["gpu16"])
+
+
+def test_gateway_pods_reach_the_controller_and_workers_through_the_network_policies(
+    rendered: dict[str, list[dict[str, Any]]], merged: dict[str, dict[str, Any]],
+) -> None:
+    objs = rendered["gpu16"]
+    labels = named(objs, "Deployment", f"{RELEASE}-kvtier-gateway")["spec"]["template"]["metadata"]["labels"]
+    assert admitted(named(objs, "NetworkPolicy", f"{RELEASE}-kvtier-controller"), labels, "grpc")
+    ray = named(objs, "NetworkPolicy", f"{RELEASE}-kvtier-ray")
+    assert admitted(ray, labels, merged["gpu16"]["ray"]["worker"]["port"])  # Generate on the workers
+    gateway_policy = named(objs, "NetworkPolicy", f"{RELEASE}-kvtier-gateway")
+    assert admitted(gateway_policy, {"kvtier.io/client": "frontend"}, "http")  # networkPolicy.frontends
+    assert not admitted(gateway_policy, {"app": "other"}, "http")
+
+
+def test_gateway_with_auth_needs_its_token_secret(chart: Any) -> None:
+    values = {**ci_values("gpu16"), "auth": {"enabled": True, "existingSecret": "kvtier-auth",
+                                             "workerTokensSecret": "kvtier-worker-tokens"}}
+    with pytest.raises(helm.HelmRenderError, match="gateway.existingSecret is required"):
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    values["gateway"] = {"existingSecret": "kvtier-gateway"}
+    objs = render(chart, values)
+    ctr = container(named(objs, "Deployment", f"{RELEASE}-kvtier-gateway")["spec"]["template"]["spec"], "gateway")
+    assert env_of(ctr)["KVTIER_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "kvtier-gateway",
+                                                                        "key": "gateway-token"}
+    assert "--require-key" in ctr["command"]
+
+
+def test_the_generated_auth_secret_holds_the_gateways_frontend_token(chart: Any) -> None:
+    objs = render(chart, {**ci_values("gpu16"), "auth": {"enabled": True}})
+    ctr = container(named(objs, "Deployment", f"{RELEASE}-kvtier-gateway")["spec"]["template"]["spec"], "gateway")
+    assert env_of(ctr)["KVTIER_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": f"{RELEASE}-kvtier-auth",
+                                                                        "key": "gateway-token"}
+    auth = secret_data(named(objs, "Secret", f"{RELEASE}-kvtier-auth"))
+    table = auth_lib.parse_token_table(yaml.safe_load(auth["tokens"]), source="chart")
+    principal = table.authenticate(auth["gateway-token"])
+    assert principal.role is auth_lib.Role.FRONTEND and principal.tenants == frozenset({"default"})

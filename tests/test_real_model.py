@@ -50,6 +50,20 @@ def test_conversion_is_idempotent(checkpoint) -> None:
     assert "quantization_config" not in config and "LlamaForCausalLM" in config
 
 
+def test_a_state_dir_copy_is_linked_from_a_finished_conversion(checkpoint, tmp_path) -> None:
+    """`kvtier up` seeds STATE_DIR/models from the shared cache: the same files (hard links on
+    one file system), ready at once, and not converted again."""
+    target = real_model.ensure_checkpoint(tmp_path / "models" / real_model.MODEL_NAME, seed_from=checkpoint)
+    source = real_model.find_gguf()
+    assert real_model.is_ready(target, source)
+    assert sorted(p.name for p in target.iterdir()) == sorted(p.name for p in checkpoint.iterdir())
+    weights, seeded = checkpoint / "model.safetensors", target / "model.safetensors"
+    assert seeded.stat().st_size == weights.stat().st_size
+    if seeded.stat().st_dev == weights.stat().st_dev:
+        assert seeded.stat().st_ino == weights.stat().st_ino
+    assert not list(tmp_path.joinpath("models").glob(".*"))  # no staging directory left behind
+
+
 def test_engine_matches_transformers_greedy_tokens_and_logits(checkpoint, tokenizer) -> None:
     prompt = chat_prompt(tokenizer, "What is the capital of France? Answer in one sentence.")
     engine = Engine.from_pretrained(checkpoint, page_size=16, num_pages=64, record_logits=True)

@@ -639,6 +639,33 @@ def test_a_clean_page_above_a_held_or_uncopied_page_is_not_free_to_take(ckpt, tm
     engine.close()
 
 
+def test_a_clean_page_with_a_child_in_dram_never_goes_onto_its_nvme_copy(ckpt, tmp_path):
+    """An HBM leaf may have a child in DRAM. Taking it as a clean page onto its NVMe copy would
+    put it below that child (an IntegrityError that stopped a worker's engine): it is not
+    taken, and the index stays consistent."""
+    engine = tiered(ckpt, tmp_path)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    base = prompt(2 * PS, seed=61)
+    engine.generate([base], params)
+    engine.tiers.demote_all(Tier.NVME)
+    engine.generate([base[:PS] + [3]], params)  # the first page back up, its NVMe slot kept
+    digest = engine.digest_for(None)
+    parent = engine.index.get(page_keys(digest, base, PS)[0])
+    assert parent.tier is Tier.HBM and engine.tiers.num_shadows(Tier.NVME) >= 1
+    branch = base[:PS] + prompt(PS, seed=62)
+    engine.generate([branch + [1]], params)
+    child = engine.index.get(page_keys(digest, branch, PS)[1])
+    assert child.tier is Tier.HBM
+    engine.tiers.demote_pages([child], Tier.DRAM)
+    engine.tiers.wait_idle()
+    assert child.tier is Tier.DRAM and parent.tier is Tier.HBM
+    while engine.tiers.reclaim_clean():
+        pass
+    assert parent.tier in (Tier.HBM, Tier.DRAM)
+    engine.check_integrity()
+    engine.close()
+
+
 def test_the_kept_count_of_clean_pages_equals_a_walk_from_the_leaves_through_random_traffic(ckpt, tmp_path):
     """The clean HBM pages are kept as pins, holds, moves and copies change (``CleanPages``),
     not counted by a walk each time. Through random traffic (shared prefixes, commanded

@@ -176,22 +176,28 @@ def demo_command(
     quick: Annotated[
         bool, typer.Option(help="A smaller workload (CI runs this, through the same code).")
     ] = False,
-    workers: Annotated[int, typer.Option(help="Worker actors to start.", min=1, max=8)] = 1,
+    out: Annotated[Path, typer.Option(help="Where the report (demo.json, demo.txt, demo.png) goes.")] = Path("out"),
     state_dir: Annotated[
         Path | None,
-        typer.Option(help="Where the embedded Valkey and model live; default: a temporary directory."),
+        typer.Option(help="Where the embedded Valkey and NVMe files live; default: a temporary directory."),
     ] = None,
-    plot: Annotated[Path | None, typer.Option(help="PNG to write; default: STATE_DIR/demo.png.")] = None,
+    model: Annotated[
+        Path | None,
+        typer.Option(help="Checkpoint directory with a tokenizer and chat template; default: the bundled "
+                          "SmolLM2-135M-Instruct, converted once into ~/.cache/kvtier/models."),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
     planner: Annotated[
         bool, typer.Option(help="Run the capacity-planner demo instead (no services).")
     ] = False,
 ) -> None:
-    """Bring up a local stack, run a multi-tenant agent workload through the client, report, shut down.
+    """Real agents through the OpenAI-compatible gateway: tiered, then HBM only; report, shut down.
 
-    Two tenants share a system prompt each; sessions run several turns with tool pauses
-    between them. The report compares first turns with resumed turns: cached tokens and
-    time to first token.
+    Two tenants run OpenAI-SDK agent sessions with tools (calculator, docs search, a simulated
+    web fetch) on SmolLM2-135M-Instruct. HBM holds fewer sessions than run, so paused sessions'
+    pages go down to DRAM and NVMe and come back by prefetch. The report prints one
+    conversation, TTFT of first and resumed turns, cached tokens by tier and prefetch outcomes,
+    against the same workload with tiering off.
 
     [bold]Examples[/bold]
 
@@ -202,45 +208,10 @@ def demo_command(
     if planner:
         run_planner_demo(_console(), quick=quick)
         return
-    import tempfile
-
-    from kvtier.local.demo import DemoOptions, run_workload, summarize, write_plot
-    from kvtier.local.stack import StackOptions, start_local_stack
+    from kvtier.cli.demo import run_agent_demo
 
     console = _console() if not as_json else Console(stderr=True)
-    options = DemoOptions.quick() if quick else DemoOptions()
-    with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
-        root = state_dir or Path(tmp)
-        plot_path = plot or root / "demo.png"
-
-        async def run() -> tuple[dict, Path | None]:
-            console.print(f"starting Valkey, Ray, the controller and {workers} worker(s) in {root} ...")
-            stack = await start_local_stack(StackOptions(state_dir=root, num_workers=workers, auth=True))
-            try:
-                console.print(
-                    f"controller {stack.controller_address}; workers {[w.address for w in stack.workers]}"
-                )
-                records = await run_workload(
-                    stack.controller_address,
-                    stack.namespace,
-                    stack.vocab_size,
-                    options,
-                    token=stack.admin_token,
-                )
-            finally:
-                await stack.stop()
-            return summarize(records), write_plot(records, plot_path)
-
-        summary, written = asyncio.run(run())
-        summary["plot"] = str(written) if written else None
-        if plot is None and written is not None and state_dir is None:
-            summary["plot"] = None  # it lived in the temporary directory
-        if as_json:
-            print(json.dumps(summary, indent=2))
-        else:
-            print_demo_summary(console, summary)
-            if written is not None and summary["plot"]:
-                console.print(f"plot: {written}")
+    run_agent_demo(console, quick=quick, out_dir=out, state_dir=state_dir, model=model, as_json=as_json)
 
 
 @app.command("up")
@@ -251,7 +222,8 @@ def up_command(
         min=1)] = None,
     model: Annotated[
         Path | None,
-        typer.Option(help="Checkpoint directory; default: a small random-weight model made locally."),
+        typer.Option(help="Checkpoint directory; default: the bundled SmolLM2-135M-Instruct, converted once "
+                          "into STATE_DIR/models."),
     ] = None,
     redis_url: Annotated[
         str | None,
@@ -276,8 +248,14 @@ def up_command(
     session_hold_fraction: Annotated[float | None, _worker_option("session_hold_fraction")] = None,
     kv_cache_dtype: Annotated[str | None, _worker_option("kv_cache_dtype")] = None,
     lower_tier_dtype: Annotated[str | None, _worker_option("lower_tier_dtype")] = None,
+    gateway_port: Annotated[
+        int, typer.Option(help="Port of the OpenAI-compatible gateway on 127.0.0.1; 0 picks a free one.",
+                          min=0, max=65535)
+    ] = 8000,
+    gateway: Annotated[bool, typer.Option(help="Serve the OpenAI-compatible gateway.")] = True,
 ) -> None:
-    """Start a local kvtier: Valkey, Ray, the controller and workers; Ctrl-C (or `kvtier down`) stops it.
+    """Start a local kvtier: Valkey, Ray, the controller, workers and the OpenAI-compatible gateway;
+    Ctrl-C (or `kvtier down`) stops it.
 
     [bold]Examples[/bold]
 
@@ -316,7 +294,14 @@ def up_command(
         auth=True,  # an admin token in STATE_DIR/auth/admin.token; kvtier commands pick it up
     )
 
-    asyncio.run(run_until_stopped(options, console))
+    if options.model is None:  # every flag is checked by now: convert (once) only for a stack that starts
+        from kvtier.local import real_model
+        from kvtier.runtime.private_files import ensure_private_dir
+
+        # Refused before any work when other users can open it; created 0700 when missing.
+        options.model = real_model.ensure_checkpoint(ensure_private_dir(state_dir) / "models" / real_model.MODEL_NAME,
+                                                     seed_from=real_model.default_cache_dir())
+    asyncio.run(run_until_stopped(options, console, gateway_port=gateway_port if gateway else None))
 
 
 @app.command("down")
@@ -393,29 +378,6 @@ def status_command(
             f"{_TIER_LABELS[occ.tier.label]} pages free / total", f"{occ.free_pages:,} / {occ.total_pages:,}"
         )
     _console().print(table)
-
-
-def print_demo_summary(console: Console, s: dict[str, Any]) -> None:
-    table = Table(title="kvtier demo: multi-tenant agent sessions")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    table.add_row("requests", str(s["requests"]))
-    table.add_row("prompt tokens", f"{s['prompt_tokens']:,}")
-    table.add_row("served from cache", f"{s['cached_tokens']:,} ({100 * s['cached_fraction']:.0f} %)")
-    table.add_row("computed", f"{s['computed_prompt_tokens']:,}")
-    table.add_row("recomputed (after preemption/corruption)", f"{s['recomputed_tokens']:,}")
-    tiers = s["cached_by_tier"]
-    table.add_row(
-        "cache hits by tier (HBM/DRAM/NVMe)", f"{tiers['hbm']:,} / {tiers['dram']:,} / {tiers['nvme']:,}"
-    )
-    table.add_row("first-turn cached share", f"{100 * s['first_turn_cached_fraction']:.0f} %")
-    table.add_row("resumed-turn cached share", f"{100 * s['resume_cached_fraction']:.0f} %")
-    table.add_row("TTFT p50 / p99, first turns", f"{s['ttft_ms']['p50']:.1f} / {s['ttft_ms']['p99']:.1f} ms")
-    table.add_row(
-        "TTFT p50 / p99, resumed turns",
-        f"{s['resume_ttft_ms']['p50']:.1f} / {s['resume_ttft_ms']['p99']:.1f} ms",
-    )
-    console.print(table)
 
 
 def run_planner_demo(console: Console, *, quick: bool = False) -> None:

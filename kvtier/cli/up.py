@@ -18,8 +18,19 @@ from kvtier.local import stack as local
 from kvtier.local.supervisor import Finding, StackSupervisor
 
 
-async def run_until_stopped(options: local.StackOptions, console: Console) -> None:
+async def run_until_stopped(options: local.StackOptions, console: Console, *,
+                            gateway_port: int | None = None) -> None:
+    """``gateway_port``: serve the OpenAI-compatible gateway there (0: a free port) for the
+    stack's model, ``options.model``; None: no gateway."""
+    from kvtier.local.frontend import start_gateway
+
     stack = await local.start_local_stack(options)
+    try:
+        served = (await start_gateway(stack, options.model, port=gateway_port)
+                  if gateway_port is not None and options.model is not None else None)
+    except BaseException:
+        await stack.stop()
+        raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -35,6 +46,9 @@ async def run_until_stopped(options: local.StackOptions, console: Console) -> No
     console.print(f"frontend    {auth_dir / local.FRONTEND_TOKEN_FILE}   (tenant {local.DEFAULT_TENANT!r}: "
                   "send `authorization: Bearer <token>`; `kvtier models --token <token>` lists what to send)")
     console.print(f"model       {endpoints['model_id']}   (Ctrl-C or `kvtier down` stops everything)")
+    if served is not None:
+        console.print(f"gateway     {served.base_url}   (OpenAI API; model {served.model.name!r})")
+        console.print(f"api key     {stack.frontend_token}   (tenant {local.DEFAULT_TENANT!r})")
     supervision = asyncio.create_task(StackSupervisor(stack).run(lambda finding: _print(console, finding)))
     try:
         await stop.wait()
@@ -43,6 +57,8 @@ async def run_until_stopped(options: local.StackOptions, console: Console) -> No
         with contextlib.suppress(asyncio.CancelledError):
             await supervision
         console.print("stopping ...")
+        if served is not None:
+            await served.stop()
         await stack.stop()
 
 

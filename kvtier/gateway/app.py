@@ -39,6 +39,7 @@ log = get_logger("kvtier.gateway.app")
 MAX_BODY_BYTES = 4 << 20
 MAX_CLIENTS = 256
 DRAIN_LIMIT_BYTES = 64 << 20
+REQUEST_TIMEOUT_S = 600.0
 
 
 @dataclass(slots=True)
@@ -46,17 +47,21 @@ class GatewayOptions:
     controller: str
     require_key: bool = False
     max_body_bytes: int = MAX_BODY_BYTES
+    # Deadline of one request's calls to the stack, the whole Generate stream included: long
+    # enough for max_tokens of decode on a slow or busy machine.
+    timeout_s: float = REQUEST_TIMEOUT_S
 
 
 class Clients:
     """One ``AsyncClient`` per bearer key (None: no key), least recently used closed first."""
 
-    def __init__(self, controller: str) -> None:
+    def __init__(self, controller: str, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         self.controller = controller
+        self.timeout_s = timeout_s
         self._clients: OrderedDict[str | None, AsyncClient] = OrderedDict()
 
     async def get(self, key: str | None) -> AsyncClient:
-        client = self._clients.pop(key, None) or AsyncClient(self.controller, token=key)
+        client = self._clients.pop(key, None) or AsyncClient(self.controller, token=key, timeout_s=self.timeout_s)
         self._clients[key] = client
         while len(self._clients) > MAX_CLIENTS:
             _, old = self._clients.popitem(last=False)
@@ -76,7 +81,7 @@ def session_scope(key: str | None) -> str:
 
 def create_app(model: ServedModel, options: GatewayOptions) -> FastAPI:
     metrics = GatewayMetrics()
-    clients = Clients(options.controller)
+    clients = Clients(options.controller, options.timeout_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -2,7 +2,9 @@
 OpenAI response or chunk stream built from it, with the session hints it implies.
 
 Tool modes (``tool_choice``):
-  ``none``      tools are left out of the prompt; the output is text.
+  ``none``      tools stay in the prompt, so a turn that must answer in text (an agent's
+                last) keeps the prefix, and the cached pages, of the turns that called
+                tools; the output is text, never parsed for calls.
   ``auto``      tools are in the prompt; text streams live up to the first ``<tool_call>``,
                 and from there the output is parsed (``hermes`` parser) when the generation
                 ends, so tool calls reach a streaming client after it.
@@ -31,6 +33,7 @@ from kvtier.gateway.metrics import GatewayMetrics
 from kvtier.gateway.model import ServedModel
 from kvtier.gateway.protocol import DEFAULT_MAX_TOKENS, ChatRequest, Sampling
 from kvtier.gateway.tool_parsers import (
+    HERMES_CLOSE,
     HERMES_OPEN,
     ToolCall,
     forced_arguments,
@@ -43,6 +46,9 @@ from kvtier.runtime.log import get_logger
 
 log = get_logger("kvtier.gateway.chat")
 EXTENSION_KEY = "kvtier"
+# Tokens a forced call may run on after its arguments close (typically `}`, a newline and
+# `</tool_call>`) for the worker to end it and report its cache accounting.
+FORCED_GRACE_TOKENS = 8
 
 
 @dataclass(slots=True)
@@ -78,7 +84,7 @@ def forced_opening(req: ChatRequest) -> str:
 
 
 def chat_prompt(model: ServedModel, req: ChatRequest) -> str:
-    tools = req.tools if req.tool_choice != "none" else []
+    tools = req.tools  # with "none" too: the conversation's prefix, and so its cached pages, stay the same
     messages = template_messages(req.messages, tools, template_has_tools=model.text.supports_tools)
     prompt = model.text.render(messages, tools if model.text.supports_tools else None)
     if req.is_forced:
@@ -125,6 +131,8 @@ class ChatCompletion:
         self.session_id = sessions.session_id_for(call.session_scope, req.messages, call.session_header)
         self.prompt_ids = model.text.encode(chat_prompt(model, req))
         self.sampling = sampling_params(model, req.sampling, len(self.prompt_ids))
+        if req.is_forced:  # the worker ends a forced call at its closing tag, with its usage
+            self.sampling.stop_sequences = [model.text.encode(HERMES_CLOSE)]
         self.is_buffered = req.tool_choice != "none" and bool(req.tools)
 
     async def _events(self) -> AsyncIterator[str | Finished]:
@@ -134,8 +142,9 @@ class ChatCompletion:
         until = (lambda text: json_object_end((opening + text).lstrip()) is not None) if self.req.is_forced \
             else None
         stops = () if self.is_buffered else self.req.sampling.stop
-        async for event in generation.run(self.call.client, self.model, self.prompt_ids,
-                                          self.sampling, stops=stops, session_id=self.session_id, until=until):
+        async for event in generation.run(self.call.client, self.model, self.prompt_ids, self.sampling,
+                                          stops=stops, session_id=self.session_id, until=until,
+                                          grace_tokens=FORCED_GRACE_TOKENS if self.req.is_forced else 0):
             yield event
 
     async def _hint(self, hint: Any) -> None:
@@ -218,12 +227,22 @@ class ChatCompletion:
         for index, c in enumerate(result.tool_calls):
             yield self._chunk({"tool_calls": [{"index": index, "id": c.id, "type": "function",
                                                "function": {"name": c.name, "arguments": ""}}]})
-            yield self._chunk({"tool_calls": [{"index": index, "function": {"arguments": c.arguments}}]})
+            for piece in argument_pieces(c.arguments):
+                yield self._chunk({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
         await self._after(result)
         yield self._chunk({}, fin.finish_reason)
         if self.req.include_usage:
             yield {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                    "model": self.model.name, "choices": [], "usage": usage_body(fin)}
+
+
+ARGUMENT_PIECE_CHARS = 16
+
+
+def argument_pieces(arguments: str) -> list[str]:
+    """A call's arguments as OpenAI streams them: consecutive fragments that join to the
+    whole JSON text (none when it is empty)."""
+    return [arguments[i:i + ARGUMENT_PIECE_CHARS] for i in range(0, len(arguments), ARGUMENT_PIECE_CHARS)]
 
 
 class CallScan:

@@ -6,9 +6,10 @@ cancelled and the worker frees the request's pages, which is how a client that h
 mid-stream stops its generation.
 
 Usage: the worker's own accounting (cached tokens by tier, promoted, recomputed) when the
-worker ended the stream; when the gateway ended it first (a stop string, a forced call's
-arguments closed) the worker's final event never comes, and usage holds the prompt and
-generated counts the gateway saw, with no cache fields (``is_worker_usage`` false).
+worker ended the stream, which it does for a forced call that closes within its grace tokens
+(the call's closing tag is a stop sequence); when the gateway ended it first (a stop string, a
+forced call running on past its grace) the worker's final event never comes, and usage holds
+the prompt and generated counts the gateway saw, with no cache fields (``is_worker_usage`` false).
 """
 
 from __future__ import annotations
@@ -49,8 +50,12 @@ async def run(
     stops: Sequence[str] = (),
     session_id: str | None = None,
     until: Callable[[str], bool] | None = None,
+    grace_tokens: int = 0,
 ) -> AsyncIterator[str | Finished]:
-    """Stream one generation. ``until(text_so_far)`` true ends it early with ``tool_calls``.
+    """Stream one generation. ``until(text_so_far)`` true ends its text with ``tool_calls``;
+    up to ``grace_tokens`` more tokens are then read (not yielded) for the worker's own end
+    (a stop sequence, EOS), whose final event carries the cache accounting; past them the
+    stream is cancelled.
 
     The namespace goes out with no tenant: the stack binds the tenant of the client's token."""
     namespace = model.namespace
@@ -63,6 +68,7 @@ async def run(
     matcher = StopMatcher(tuple(stops))
     text_so_far: list[str] = []
     num_generated = 0
+    ended_at: int | None = None  # num_generated when ``until`` ended the text
     for i, (address, ticket) in enumerate(candidates):
         events = client.generate(namespace, prompt_ids, sampling, session_id=session_id, worker=address,
                                  ticket=ticket)
@@ -70,6 +76,9 @@ async def run(
             try:
                 async for event in stream:
                     if isinstance(event, GenerateFinal):
+                        if ended_at is not None:
+                            yield Finished("tool_calls", event.usage, address, ended_at, True)
+                            return
                         tail = matcher.feed(detok.flush()).text + matcher.flush()
                         if tail:
                             yield tail
@@ -78,12 +87,21 @@ async def run(
                         return
                     assert isinstance(event, TokenChunk)
                     num_generated += len(event.token_ids)
+                    if ended_at is not None:
+                        if num_generated - ended_at > grace_tokens:
+                            usage = Usage(prompt_tokens=len(prompt_ids), generated_tokens=ended_at)
+                            yield Finished("tool_calls", usage, address, ended_at, False)
+                            return
+                        continue
                     match = matcher.feed(detok.add([t for t in event.token_ids if t not in eos]))
                     if match.text:
                         text_so_far.append(match.text)
                         yield match.text
                     reason = "stop" if match.is_stopped else None
                     if reason is None and until is not None and until("".join(text_so_far)):
+                        if grace_tokens > 0:
+                            ended_at = num_generated
+                            continue
                         reason = "tool_calls"
                     if reason is not None:
                         usage = Usage(prompt_tokens=len(prompt_ids), generated_tokens=num_generated)

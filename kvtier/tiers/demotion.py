@@ -76,7 +76,8 @@ class Demotions:
             assert self.dram is not None
             self.dram.set_checksums([PageId(n.page) for n in nodes], [n.checksum or 0 for n in nodes])
         transfer = self.transfers.submit(src, dst, list(zip([n.page for n in nodes], dsts, strict=True)), reason, **kwargs)
-        self._pending[transfer.transfer_id] = PendingMove(nodes, dsts, src, dst, ticket, shadowed=shadowed or [])
+        self._pending[transfer.transfer_id] = PendingMove(nodes, dsts, src, dst, ticket, shadowed=shadowed or [],
+                                                          srcs=[n.page for n in nodes])
         if ticket is not None:
             ticket.transfer_ids.append(transfer.transfer_id)
             ticket.num_open += 1
@@ -140,8 +141,9 @@ class Demotions:
             still_here = self.index.get(node.key) is node and node.tier is pending.src
             # Our own hold is the only reference: no sequence picked the page up meanwhile, and
             # nobody pinned it to its tier meanwhile (a session's hold or a prefetch recalled it).
-            idle = still_here and src_pool.ref_count(PageId(node.page)) == 1 and not node.pins
-            src_pool.release(PageId(node.page))
+            held = PageId(pending.srcs[i]) if pending.srcs else PageId(node.page)
+            idle = still_here and src_pool.ref_count(held) == 1 and not node.pins
+            src_pool.release(held)
             # A child that stayed behind (reused meanwhile) keeps its parent in this tier.
             children_below = all(c.tier >= pending.dst for c in node.children.values())
             checksum = done.checksums[i] if i < len(done.checksums) else node.checksum

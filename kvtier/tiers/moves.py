@@ -58,3 +58,6 @@ class PendingMove:
     # HBM pages that go back onto their copy below, no bytes copied; applied with the copied
     # ones, deepest first (their HBM pages held meanwhile).
     shadowed: list[Shadowed] = field(default_factory=list)
+    # The source pages the move holds, by node: a node may move or go meanwhile, and the hold
+    # is released on the page it was taken on, never on wherever the node points now.
+    srcs: list[int] = field(default_factory=list)

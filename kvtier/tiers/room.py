@@ -40,7 +40,11 @@ class RoomMaking:
             self.index.requeue(node)
         if chosen is None:
             return False
-        shadow = self._take_shadow(chosen, Tier.DRAM) or self._take_shadow(chosen, Tier.NVME)
+        # Onto a copy no slower than its children: an HBM leaf may still have a child in DRAM,
+        # and a page never sits below a child's tier.
+        shadow = self._take_shadow(chosen, Tier.DRAM)
+        if shadow is None and all(c.tier >= Tier.NVME for c in chosen.children.values()):
+            shadow = self._take_shadow(chosen, Tier.NVME)
         if shadow is None:
             self.index.requeue(chosen)
             return False

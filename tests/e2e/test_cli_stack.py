@@ -1,4 +1,5 @@
-"""`kvtier up` and `kvtier down` as a user runs them: real processes, real endpoints."""
+"""`kvtier up` and `kvtier down` as a user runs them: real processes, real endpoints (the
+controller, Valkey and the OpenAI-compatible gateway on the bundled model)."""
 
 from __future__ import annotations
 
@@ -23,13 +24,16 @@ def test_up_serves_and_down_stops_everything_it_started(tmp_path: Path):
     log = (tmp_path / "up.log").open("w")  # a file, not a pipe nobody drains
     up = subprocess.Popen(
         [sys.executable, "-m", "kvtier.cli.main", "up", "--state-dir", str(state), "--port", "0",
+         "--gateway-port", "0",
          "--hbm-gib", str(HBM_GIB), "--eviction-policy", "lru", "--session-hold-fraction", "1.0"],
         stdout=log, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
     )
     try:
         record = state / "stack.json"
-        deadline = time.monotonic() + 120
-        while not record.exists() and time.monotonic() < deadline and up.poll() is None:
+        deadline = time.monotonic() + 240
+        # The gateway's URL lands in the record once the gateway serves, after the stack.
+        while ("gateway" not in (record.read_text() if record.exists() else "") and time.monotonic() < deadline
+               and up.poll() is None):
             time.sleep(0.2)
         assert record.exists(), (tmp_path / "up.log").read_text()[-3000:]
         endpoints = json.loads(record.read_text())
@@ -66,9 +70,18 @@ def test_up_serves_and_down_stops_everything_it_started(tmp_path: Path):
         (model,) = json.loads(models.stdout)["models"]
         assert model["namespace"]["tenant"] == "default" and model["num_workers"] == 1
         deadline = time.monotonic() + 30
-        while "frontend.token" not in (tmp_path / "up.log").read_text() and time.monotonic() < deadline:
+        while "api key" not in (tmp_path / "up.log").read_text() and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert str(state / "auth" / "frontend.token") in (tmp_path / "up.log").read_text()
+        printed = (tmp_path / "up.log").read_text()
+        assert str(state / "auth" / "frontend.token") in printed
+        # The gateway (OpenAI API) serves the bundled model; up printed its URL and the key.
+        gateway = endpoints["gateway"]
+        assert f"{gateway}/v1" in printed and frontend_token in printed
+        import urllib.request
+
+        request = urllib.request.Request(gateway + "/v1/models", headers={"Authorization": f"Bearer {frontend_token}"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert [m["id"] for m in json.loads(response.read())["data"]] == ["SmolLM2-135M-Instruct"]
 
         down = subprocess.run(
             [sys.executable, "-m", "kvtier.cli.main", "down", "--state-dir", str(state)],
@@ -85,6 +98,10 @@ def test_up_serves_and_down_stops_everything_it_started(tmp_path: Path):
         with socket.socket() as sock:
             sock.settimeout(1)
             assert sock.connect_ex((host, int(port))) != 0, f"valkey still serving ({valkey})"
+        gateway_host, gateway_port = gateway.removeprefix("http://").split(":")
+        with socket.socket() as sock:
+            sock.settimeout(1)
+            assert sock.connect_ex((gateway_host, int(gateway_port))) != 0, "the gateway still serving"
         again = subprocess.run(
             [sys.executable, "-m", "kvtier.cli.main", "down", "--state-dir", str(state)],
             capture_output=True, text=True, timeout=60,

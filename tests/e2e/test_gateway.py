@@ -206,8 +206,14 @@ def test_streamed_forced_call_arrives_as_tool_call_deltas(sdk):
         model=MODEL, messages=[{"role": "user", "content": "Weather in Rome?"}], tools=TOOLS, max_tokens=16,
         temperature=0, stream=True, tool_choice={"type": "function", "function": {"name": "weather"}}))
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert deltas[0].function.name == "weather" and deltas[0].id
-    assert isinstance(json.loads("".join(d.function.arguments or "" for d in deltas)), dict)
+    # OpenAI's shape: the first delta names the call (id, type, function name, empty arguments),
+    # the following ones carry argument fragments only, all with the call's index.
+    head, *fragments = deltas
+    assert head.function.name == "weather" and head.id and head.type == "function" and not head.function.arguments
+    assert fragments and all(d.index == 0 and d.id is None and d.function.name is None for d in fragments)
+    arguments = "".join(d.function.arguments for d in fragments)
+    assert isinstance(json.loads(arguments), dict)
+    assert len(fragments) == -(-len(arguments) // 16)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
@@ -339,3 +345,135 @@ def test_client_disconnects_mid_stream_cancel_their_generations(live, sdk):
         return False
 
     assert live.run(settled())
+
+
+def test_two_hundred_disconnects_mid_stream_leak_no_pages(live):
+    """200 streams, 32 at a time, each dropped after its first chunk (the worker has produced a
+    token and is decoding the next): every generation is cancelled and its pages freed, so the
+    worker settles with nothing running, no page in use and its pools consistent
+    (CheckIntegrity)."""
+    async def one(client: openai.AsyncOpenAI, i: int, gate: asyncio.Semaphore) -> None:
+        async with gate:
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"Count slowly to a hundred, run {i}."}],
+                max_tokens=8, temperature=0, stream=True)
+            async for _ in stream:
+                break
+            await stream.close()
+
+    async def all_of_them() -> None:
+        async with openai.AsyncOpenAI(base_url=live.url + "/v1", api_key=KEY_A, max_retries=0, timeout=120) as client:
+            gate = asyncio.Semaphore(32)
+            await asyncio.gather(*(one(client, i, gate) for i in range(200)))
+
+    asyncio.run(all_of_them())
+    worker = live.stack.workers[0].address
+
+    async def settled():
+        for _ in range(300):
+            (info,) = await live.admin.list_workers()
+            if info.num_running_seqs == 0 and info.queue_depth == 0:
+                hbm = next(t for t in info.tiers if t.tier.label == "hbm")
+                if hbm.in_use_pages == 0:
+                    return await live.admin.check_integrity(worker), hbm
+            await asyncio.sleep(0.1)
+        return None, None
+
+    integrity, hbm = live.run(settled())
+    assert hbm is not None, "the worker still runs sequences or holds pages in use 30 s after the disconnects"
+    assert integrity.is_ok, integrity.problems
+
+
+def test_a_prompt_over_the_worker_capacity_is_a_429_error_object(live, sdk):
+    """The worker's RESOURCE_EXHAUSTED (here: a prompt longer than its whole HBM pool, which
+    the model's context would allow) is OpenAI's 429 with an error object."""
+    (info,) = live.run(live.admin.list_workers())
+    hbm = next(t for t in info.tiers if t.tier.label == "hbm")
+    words = hbm.total_pages * PAGE + 200
+    assert words < live.model.context_tokens
+    body = chat(messages=[{"role": "user", "content": "word " * words}])
+    for stream in (False, True):
+        status, payload = post(live, body if not stream else chat(messages=[{"role": "user", "content": "word " * words}],
+                                                                   stream=True))
+        assert status == 429, payload
+        assert payload["error"]["type"] == "rate_limit_error" and payload["error"]["code"] == "overloaded"
+    with pytest.raises(openai.RateLimitError):
+        sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * words}], max_tokens=2)
+    assert sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_no_live_worker_is_a_503_error_object(live, tmp_path):
+    """A gateway whose controller has no worker answers 503 ``no_worker``, streaming or not."""
+    import uvicorn
+
+    from kvtier.controller.server import serve_controller
+    from kvtier.runtime.config import ControllerConfig
+
+    async def start():
+        controller = await serve_controller(ControllerConfig(port=0, state_dir=tmp_path))
+        app = create_app(live.model, GatewayOptions(controller.address))
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        serving = asyncio.ensure_future(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.05)
+        return controller, server, serving
+
+    controller, server, serving = live.run(start())
+    try:
+        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
+        empty = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+        for stream in (False, True):
+            with pytest.raises(openai.InternalServerError) as err:
+                empty.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, stream=stream)
+            assert err.value.status_code == 503
+            assert err.value.body["code"] == "no_worker" and err.value.body["type"] == "service_unavailable"
+    finally:
+        async def stop():
+            server.should_exit = True
+            await serving
+            await controller.stop()
+
+        live.run(stop())
+
+
+def test_another_tenants_key_is_not_faster_on_a_prompt_the_first_tenant_cached(sdk, sdk_b):
+    """Coarse timing check (precise numbers belong in a benchmark): tenant b's requests for a
+    long prompt that tenant a has cached take about as long as b's requests for an uncached
+    prompt of the same length, while a's own repeat is served from cache."""
+    import time
+
+    def long_prompt(tag: str) -> list[dict]:
+        return [{"role": "system", "content": f"{tag}: " + "The tiered cache keeps agent contexts close. " * 24},
+                {"role": "user", "content": "Summarise."}]
+
+    def seconds(client, messages) -> tuple[float, int]:
+        started = time.perf_counter()
+        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
+        return time.perf_counter() - started, reply.usage.prompt_tokens_details.cached_tokens
+
+    cached_by_a, fresh_for_b = [], []
+    for i in range(3):
+        shared = long_prompt(f"timing {i}")
+        seconds(sdk, shared)
+        _, cached = seconds(sdk, shared)
+        assert cached > 0
+        b_time, b_cached = seconds(sdk_b, shared)
+        fresh_time, _ = seconds(sdk_b, long_prompt(f"fresh {i}"))
+        assert b_cached == 0
+        cached_by_a.append(b_time)
+        fresh_for_b.append(fresh_time)
+    assert sorted(cached_by_a)[1] >= 0.5 * sorted(fresh_for_b)[1], (cached_by_a, fresh_for_b)
+
+
+def test_example_agent_loop_runs_against_the_gateway(live):
+    """examples/agent_loop.py as a user runs it: its own process, the OpenAI SDK, our key."""
+    import subprocess
+    import sys
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "agent_loop.py"
+    done = subprocess.run([sys.executable, str(example), "--base-url", live.url + "/v1", "--api-key", KEY_A,
+                           "--max-steps", "2"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "tool call: calculator(" in done.stdout
+    steps = [line for line in done.stdout.splitlines() if line.startswith("[step ")]
+    assert len(steps) == 2 and not steps[1].endswith(" 0 cached")  # the second step reuses the first's pages
