@@ -64,6 +64,9 @@ class PageGroup:
     tokens: np.ndarray  # int32 [n, page_size]
     checksums: np.ndarray  # uint64 [n]
     data: np.ndarray  # uint8 [n, page_bytes]
+    # The namespace's identity fields, for a receiver that has not served it yet (a migration or
+    # a replica); the receiver installs only when they derive ``digest`` there too.
+    identity: NamespaceIdentity | None = None
 
     @property
     def num_pages(self) -> int:
@@ -128,7 +131,8 @@ def export_pages(engine: Engine, page_events: PageEvents, request: ExportRequest
     for i, checksum in enumerate(stored):
         if checksum is not None:  # the checksum taken when the page left HBM: vouches end to end
             sums[i] = np.uint64(checksum)
-    return PageGroup(request.digest, tuple(n.key for n in nodes), tokens, sums, data)
+    return PageGroup(request.digest, tuple(n.key for n in nodes), tokens, sums, data,
+                     page_events.identities().get(request.digest))
 
 
 def _page_bytes(page: torch.Tensor) -> np.ndarray:

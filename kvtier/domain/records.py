@@ -592,6 +592,15 @@ class TicketKeyCommand:
     key: bytes = field(repr=False)
 
 
+@dataclass(frozen=True, slots=True)
+class FetchCommand:
+    """Bring ``page_keys`` (a chain, root first) from worker ``peer_worker_id`` into this worker."""
+
+    peer_worker_id: WorkerId
+    namespace_digest: NamespaceDigest
+    page_keys: tuple[PageKey, ...]
+
+
 Command = (
     DemoteCommand
     | PrefetchCommand
@@ -602,6 +611,7 @@ Command = (
     | PinCommand
     | UnpinCommand
     | TicketKeyCommand
+    | FetchCommand
 )
 
 
@@ -709,6 +719,7 @@ class PinRequest:
     prefix: Prefix
     tier: Tier  # slowest tier the pinned pages may sink to
     ttl_s: int | None = None
+    replicas: int = 0  # workers that keep a copy (controller/replicas.py); 0: no copies made
 
 
 @dataclass(frozen=True, slots=True)
