@@ -8,8 +8,9 @@ Drain — take a worker out of service and empty it::
               the moment the registry marks it) ─► answer DRAINING
     background: wait for a heartbeat, newer than the ack, with nothing running or queued
               ─► RequestSnapshot (applied to the directory before its ack resolves)
-              ─► once: its pinned prefixes move to peers (``controller/migration.py``: a
-                 receiver pulls them, pins them; the pin is released here)
+              ─► once: its pinned prefixes, then its most valuable pages, move to peers
+                 within a byte budget (``controller/migration.py``: a receiver pulls them;
+                 pins move with their pages and are released here)
               ─► Drop the snapshot's depth-1 pages of every namespace: their descendants go
                  too, in every tier, so the worker's cache is empty and its page events
                  clear its directory entries
@@ -17,8 +18,8 @@ Drain — take a worker out of service and empty it::
     Drain(w, resume=True) ─► stop the background work ─► DrainCommand(draining=False),
               acknowledged ─► registry: live (Route uses it again)
 
-Pinned prefixes move to peers within ``ControllerConfig.drain_migrate_bytes`` (pins move with
-their pages); other cached pages are dropped: a drained worker is leaving (maintenance,
+Pinned prefixes and then the most valuable pages (by the eviction value) move to peers within
+``ControllerConfig.drain_migrate_bytes`` (pins move with their pages); the rest is dropped: a drained worker is leaving (maintenance,
 scale-down), and whoever gets its next requests reuses a peer's copy through Route's fetch
 plans, its own cached prefix, or recomputes.
 Running requests finish where they are. A drop keeps (and counts) pages a sequence still
@@ -159,7 +160,7 @@ class WorkerAdmin:
                     return
                 if not migrated:
                     assert self.migration is not None
-                    await self.migration.migrate(worker)
+                    await self.migration.migrate(worker, summary.roots)
                     migrated = True
                 num_dropped = num_kept = 0
                 for namespace, roots in summary.roots.items():

@@ -37,8 +37,10 @@ from kvtier.worker.peer_pages import (
     ExportRequest,
     Installed,
     PageGroup,
+    RankRequest,
     export_pages,
     install_pages,
+    rank_chains,
     verify_group,
 )
 
@@ -69,7 +71,7 @@ class PeerExporter:
         self._link_bytes_per_s = link_bytes_per_s
         self.num_exported_pages = 0
 
-    def authorize(self, request: ExportRequest) -> None:
+    def authorize(self, request: ExportRequest | RankRequest) -> None:
         if self._tokens is None:
             return
         principal = self._tokens.authenticate(request.credential or "") if request.credential else None
@@ -87,6 +89,11 @@ class PeerExporter:
         self.num_exported_pages += group.num_pages
         return group
 
+    async def rank(self, request: RankRequest) -> list[tuple[PageKey, ...]]:
+        """The chains of the namespace's most valuable pages (``rank_chains``): keys only."""
+        self.authorize(request)
+        return await self._loop.call(lambda: rank_chains(self._loop.engine, self._loop.page_events, request))
+
 
 @dataclass(frozen=True, slots=True)
 class PeerOptions:
@@ -100,6 +107,8 @@ class PeerOptions:
 class PeerTransport(Protocol):
     async def pull(self, peer: str, request: ExportRequest) -> PageGroup: ...
 
+    async def rank(self, peer: str, request: RankRequest) -> list[tuple[PageKey, ...]]: ...
+
 
 class LocalTransport:
     """Exporters of the same process, by worker id (in-process deployments and tests)."""
@@ -112,6 +121,12 @@ class LocalTransport:
         if exporter is None:
             raise ConnectionError(f"no worker {peer!r} in this process")
         return await exporter.export(request)
+
+    async def rank(self, peer: str, request: RankRequest) -> list[tuple[PageKey, ...]]:
+        exporter = self.exporters.get(peer)
+        if exporter is None:
+            raise ConnectionError(f"no worker {peer!r} in this process")
+        return await exporter.rank(request)
 
 
 class RayTransport:
@@ -127,6 +142,13 @@ class RayTransport:
         actor = ray.get_actor(peer, namespace=self._namespace)
         group: PageGroup = await actor.export_pages.remote(request)
         return group
+
+    async def rank(self, peer: str, request: RankRequest) -> list[tuple[PageKey, ...]]:
+        import ray
+
+        actor = ray.get_actor(peer, namespace=self._namespace)
+        chains: list[tuple[PageKey, ...]] = await actor.rank_pages.remote(request)
+        return chains
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +216,12 @@ class PeerFetcher:
         num_local = await self._loop.call(lambda: len(engine.cached_chain(list(keys))))
         return await self._pull(identity, digest, list(keys), num_local, peer, timeout_s, started)
 
+    async def ranked_chains(self, digest: NamespaceDigest, peer: str, max_pages: int, *,
+                            timeout_s: float) -> list[tuple[PageKey, ...]]:
+        """The chains of ``peer``'s most valuable pages of ``digest`` (at most ``max_pages``)."""
+        async with asyncio.timeout(timeout_s):
+            return await self._transport.rank(peer, RankRequest(digest, max_pages, self._credential))
+
     async def _pull(self, identity: NamespaceIdentity | None, digest: NamespaceDigest, keys: list[PageKey],
                     num_local: int, peer: str, timeout_s: float, started: float) -> FetchOutcome:
         """Pull ``keys[num_local:]`` (at most ``MAX_EXPORT_PAGES``) from ``peer``, verify and install."""
@@ -259,8 +287,9 @@ async def fetch_before_generate(fetcher: PeerFetcher, request: GenerateRequest,
 
 
 async def fetch_command_ack(fetcher: PeerFetcher | None, command_id: CommandId, command: FetchCommand) -> CommandAck:
-    """Carry out a controller's ``FetchCommand``: the chain's pages from the peer, a group of at
-    most ``MAX_EXPORT_PAGES`` at a time. The ack counts the pages installed and those asked of
+    """Carry out a controller's ``FetchCommand``: the chain's pages from the peer (without keys:
+    the chains of the peer's most valuable pages, ``max_pages`` in all), a group of at most
+    ``MAX_EXPORT_PAGES`` at a time. The ack counts the pages installed and those asked of
     the peer and not installed; a fetch that stopped short answers UNAVAILABLE with the reason."""
     if fetcher is None:
         return CommandAck(command_id, error_code="FAILED_PRECONDITION",
@@ -270,13 +299,23 @@ async def fetch_command_ack(fetcher: PeerFetcher | None, command_id: CommandId, 
                           error_message="this worker is draining and takes no pages")
     num_installed = num_missed = 0
     problem: str | None = None
-    while True:
-        outcome = await fetcher.fetch_chain(command.namespace_digest, command.page_keys, command.peer_worker_id,
-                                            timeout_s=COMMAND_FETCH_TIMEOUT_S)
-        num_installed += outcome.num_installed
-        num_missed = outcome.num_requested - outcome.num_installed
-        problem = outcome.problem
-        if problem is not None or outcome.num_requested < MAX_EXPORT_PAGES:
+    chains: list[tuple[PageKey, ...]] = [command.page_keys] if command.page_keys else []
+    if not command.page_keys:
+        try:
+            chains = await fetcher.ranked_chains(command.namespace_digest, command.peer_worker_id,
+                                                 command.max_pages, timeout_s=COMMAND_FETCH_TIMEOUT_S)
+        except Exception as exc:  # the peer's trouble: the ack says so
+            problem = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {_first_line(exc)}"
+    for chain in chains:
+        while True:
+            outcome = await fetcher.fetch_chain(command.namespace_digest, chain, command.peer_worker_id,
+                                                timeout_s=COMMAND_FETCH_TIMEOUT_S)
+            num_installed += outcome.num_installed
+            num_missed += outcome.num_requested - outcome.num_installed
+            problem = outcome.problem
+            if problem is not None or outcome.num_requested < MAX_EXPORT_PAGES:
+                break
+        if problem is not None:
             break
     log.info("fetch command carried out", extra={
         "command_id": command_id, "peer": command.peer_worker_id, "namespace": short(command.namespace_digest),

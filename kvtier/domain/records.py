@@ -594,11 +594,13 @@ class TicketKeyCommand:
 
 @dataclass(frozen=True, slots=True)
 class FetchCommand:
-    """Bring ``page_keys`` (a chain, root first) from worker ``peer_worker_id`` into this worker."""
+    """Bring ``page_keys`` (a chain, root first) from worker ``peer_worker_id`` into this worker;
+    with no keys, the peer's ``max_pages`` most valuable pages of the namespace (by eviction value)."""
 
     peer_worker_id: WorkerId
     namespace_digest: NamespaceDigest
     page_keys: tuple[PageKey, ...]
+    max_pages: int = 0
 
 
 Command = (

@@ -1,5 +1,6 @@
 """Pages move between workers on the controller's command: a drained worker's pinned prefix
-moves to a peer (still a hit there, still pinned), and a pin with ``replicas=2`` gets a new
+moves to a peer (still a hit there, still pinned), so do its most valuable other pages within
+the drain's byte budget, and a pin with ``replicas=2`` gets a new
 copy from a survivor when one of its two holders is lost. A real controller and Valkey,
 in-process workers on loopback gRPC, linked to it; pages travel through each worker's exporter
 (``LocalTransport``), the path a Ray deployment takes through the object store."""
@@ -43,9 +44,9 @@ async def start_workers(checkpoint, *names):
     return servers
 
 
-async def complete(client, namespace, worker):
+async def complete(client, namespace, worker, prompt=PROMPT):
     tokens, final = [], None
-    async for event in client.generate(namespace, PROMPT, SamplingParams(max_tokens=6, ignore_eos=True),
+    async for event in client.generate(namespace, prompt, SamplingParams(max_tokens=6, ignore_eos=True),
                                        worker=worker.address):
         if isinstance(event, TokenChunk):
             tokens.extend(event.token_ids)
@@ -83,7 +84,7 @@ async def test_a_drained_workers_pinned_prefix_moves_to_a_peer_and_stays_a_pinne
             await eventually(lambda: _only(client, namespace, "peer"), timeout_s=60, what="the prefix only on the peer")
             await eventually(lambda: pinned_pages(controller, "peer") >= 10 and pinned_pages(controller, "holder") == 0,
                              timeout_s=30, what="the pin moved with the pages")
-            assert holder.exporter.num_exported_pages == 10
+            assert holder.exporter.num_exported_pages >= 10  # the pin's, then the rest by value
 
             tokens, usage = await complete(client, namespace, peer)
             assert tokens == expected
@@ -137,3 +138,44 @@ async def test_a_pin_with_two_replicas_is_copied_again_when_a_holder_is_lost(che
 async def _count(client, namespace, n, without=None):
     found = await holders(client, namespace)
     return found if len(found) == n and without not in found else None
+
+
+async def test_a_drain_moves_the_most_valuable_pages_within_its_budget(checkpoint, flushed_redis_url, tmp_path):
+    holder, peer = await start_workers(checkpoint, "holder", "peer")
+    namespace = holder.engine.namespace
+    hot = [random.Random(1).randrange(256) for _ in range(41)]
+    cold = [random.Random(2).randrange(256) for _ in range(41)]
+    budget = 12 * holder.engine.geometry.page_bytes  # the hot prompt's pages, not both prompts'
+    try:
+        async with controller_at(flushed_redis_url, tmp_path, drain_migrate_bytes=budget, **FAST) as controller, \
+                linked(controller, holder, peer), AsyncClient(controller.address, timeout_s=120) as client:
+            await complete(client, namespace, holder, cold)
+            for _ in range(3):  # hits make its pages worth more
+                expected, _ = await complete(client, namespace, holder, hot)
+
+            async def held(prompt, worker):
+                result = await client.lookup(namespace, TokenPrefix(tuple(prompt[:40])))
+                return max((m.matched_tokens.total_tokens for m in result.matches if m.worker_id == worker), default=0)
+
+            await eventually(lambda: _both(held, hot, cold), timeout_s=30, what="both prompts on the holder")
+            await client.drain("holder")
+            await eventually(lambda: _held_is(held, hot, "peer", 40), timeout_s=60, what="the hot prompt on the peer")
+            await eventually(lambda: _held_is(held, hot, "holder", 0), timeout_s=60, what="the holder emptied")
+            assert await held(cold, "peer") < 40
+
+            tokens, usage = await complete(client, namespace, peer, hot)
+            assert tokens == expected
+            assert usage.cached_tokens == 40 and usage.recomputed_tokens == 0
+            result = await peer.loop.check_integrity()
+            assert result.is_ok, result.problems
+    finally:
+        await holder.stop(0)
+        await peer.stop(0)
+
+
+async def _both(held, hot, cold):
+    return await held(hot, "holder") == 40 and await held(cold, "holder") == 40
+
+
+async def _held_is(held, prompt, worker, num_tokens):
+    return await held(prompt, worker) == num_tokens

@@ -243,14 +243,16 @@ class PinCommand(_message.Message):
     def __init__(self, pin_id: _Optional[str] = ..., namespace_digest: _Optional[bytes] = ..., page_keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
 
 class FetchCommand(_message.Message):
-    __slots__ = ("peer_worker_id", "namespace_digest", "page_keys")
+    __slots__ = ("peer_worker_id", "namespace_digest", "page_keys", "max_pages")
     PEER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PAGE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PAGES_FIELD_NUMBER: _ClassVar[int]
     peer_worker_id: str
     namespace_digest: bytes
     page_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, peer_worker_id: _Optional[str] = ..., namespace_digest: _Optional[bytes] = ..., page_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    max_pages: int
+    def __init__(self, peer_worker_id: _Optional[str] = ..., namespace_digest: _Optional[bytes] = ..., page_keys: _Optional[_Iterable[bytes]] = ..., max_pages: _Optional[int] = ...) -> None: ...
 
 class UnpinCommand(_message.Message):
     __slots__ = ("pin_id",)

@@ -238,14 +238,18 @@ def from_proto_ticket_key_command(msg: worker_link_pb2.TicketKeyCommand, path: s
 
 def to_proto_fetch_command(command: FetchCommand) -> worker_link_pb2.FetchCommand:
     return worker_link_pb2.FetchCommand(peer_worker_id=command.peer_worker_id,
-                                        namespace_digest=command.namespace_digest, page_keys=command.page_keys)
+                                        namespace_digest=command.namespace_digest, page_keys=command.page_keys,
+                                        max_pages=command.max_pages)
 
 
 def from_proto_fetch_command(msg: worker_link_pb2.FetchCommand, path: str = "fetch") -> FetchCommand:
+    if bool(msg.page_keys) == bool(msg.max_pages):
+        raise invalid(join_path(path, "page_keys"), "exactly one of page_keys and max_pages must be set")
     return FetchCommand(
         peer_worker_id=WorkerId(read_string(msg.peer_worker_id, join_path(path, "peer_worker_id"), required=True)),
         namespace_digest=read_digest(msg.namespace_digest, join_path(path, "namespace_digest")),
-        page_keys=_command_keys(msg, path),
+        page_keys=_command_keys(msg, path) if msg.page_keys else (),
+        max_pages=msg.max_pages,
     )
 
 
