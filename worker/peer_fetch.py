@@ -299,24 +299,22 @@ async def fetch_command_ack(fetcher: PeerFetcher | None, command_id: CommandId, 
                           error_message="this worker is draining and takes no pages")
     num_installed = num_missed = 0
     problem: str | None = None
-    chains: list[tuple[PageKey, ...]] = [command.page_keys] if command.page_keys else []
-    if not command.page_keys:
-        try:
-            chains = await fetcher.ranked_chains(command.namespace_digest, command.peer_worker_id,
-                                                 command.max_pages, timeout_s=COMMAND_FETCH_TIMEOUT_S)
-        except Exception as exc:  # the peer's trouble: the ack says so
-            problem = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {_first_line(exc)}"
-    for chain in chains:
-        while True:
-            outcome = await fetcher.fetch_chain(command.namespace_digest, chain, command.peer_worker_id,
-                                                timeout_s=COMMAND_FETCH_TIMEOUT_S)
-            num_installed += outcome.num_installed
-            num_missed += outcome.num_requested - outcome.num_installed
-            problem = outcome.problem
-            if problem is not None or outcome.num_requested < MAX_EXPORT_PAGES:
+    try:
+        chains = [command.page_keys] if command.page_keys else await fetcher.ranked_chains(
+            command.namespace_digest, command.peer_worker_id, command.max_pages, timeout_s=COMMAND_FETCH_TIMEOUT_S)
+        for chain in chains:
+            while True:
+                outcome = await fetcher.fetch_chain(command.namespace_digest, chain, command.peer_worker_id,
+                                                    timeout_s=COMMAND_FETCH_TIMEOUT_S)
+                num_installed += outcome.num_installed
+                num_missed += outcome.num_requested - outcome.num_installed
+                problem = outcome.problem
+                if problem is not None or outcome.num_requested < MAX_EXPORT_PAGES:
+                    break
+            if problem is not None:
                 break
-        if problem is not None:
-            break
+    except Exception as exc:  # the peer's or this engine's trouble: the ack says so, the link goes on
+        problem = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {_first_line(exc)}"
     log.info("fetch command carried out", extra={
         "command_id": command_id, "peer": command.peer_worker_id, "namespace": short(command.namespace_digest),
         "num_installed": num_installed, "num_missed": num_missed, "problem": problem})
