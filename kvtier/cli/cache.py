@@ -18,6 +18,7 @@ from kvtier.cli.common import (
     TokenOption,
     _console,
     app,
+    fail,
     print_json,
 )
 from kvtier.cli.flags import (
@@ -40,6 +41,7 @@ from kvtier.client import AsyncClient
 from kvtier.domain.errors import InvalidArgument
 from kvtier.domain.hashing import NamespaceIdentity
 from kvtier.domain.records import InvalidationScope, TokenPrefix
+from kvtier.rpc.convert.limits import MAX_PIN_REPLICAS
 
 
 @app.command("lookup")
@@ -187,7 +189,7 @@ def pin_command(
     tokens_file: TokensFileOption = None,
     ttl_s: Annotated[int | None, typer.Option(min=1, show_default=False, help="Seconds until the pin expires; default: never.")] = None,
     replicas: Annotated[int, typer.Option(
-        min=0, max=16, help="Keep this many workers holding the prefix: a copy is made from a survivor when "
+        help="Keep this many workers holding the prefix: a copy is made from a survivor when "
         "one is lost or drained; 0: no copies.")] = 0,
     model: ModelOption = None,
     tenant: TenantOption = None,
@@ -211,6 +213,8 @@ def pin_command(
       kvtier pin --tokens-file system_prompt.json --tier hbm --replicas 2
     """
     pinned_tier = tier_flag(tier, "--tier")
+    if not 0 <= replicas <= MAX_PIN_REPLICAS:
+        fail(f"--replicas must be 0..{MAX_PIN_REPLICAS}, got {replicas}")
     ns_flags = NamespaceFlags(model, tenant, adapter, weights_digest, tokenizer_digest, rope_config, kv_dtype, page_size)
     ns_flags.check()
     prefix = tokens_from_flags(tokens, tokens_file, required=True)
