@@ -127,6 +127,8 @@ class ReplicaKeeper:
                 await self.check()
             except REDIS_ERRORS as exc:
                 self.copier.cache.router.access.report_failure(exc)
+            except Exception as exc:  # the next pass tries again
+                log.warning("replica check failed", extra={"reason": f"{type(exc).__name__}: {exc}"})
 
     async def check(self) -> int:
         """One pass over the replicated pins; the copies made."""

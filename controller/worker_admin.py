@@ -160,8 +160,12 @@ class WorkerAdmin:
                     return
                 if not migrated:
                     assert self.migration is not None
-                    await self.migration.migrate(worker, summary.roots)
                     migrated = True
+                    try:
+                        await self.migration.migrate(worker, summary.roots)
+                    except Exception as exc:  # a failed move never stops the drain: the pages are dropped
+                        log.warning("drain migration failed; the worker's pages are dropped",
+                                    extra={"worker_id": worker, "reason": f"{type(exc).__name__}: {exc}"})
                 num_dropped = num_kept = 0
                 for namespace, roots in summary.roots.items():
                     for start in range(0, len(roots), MAX_COMMAND_PAGES):
