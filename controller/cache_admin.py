@@ -23,6 +23,7 @@ missed an invalidation while disconnected reclaims what it missed.
 Pin — keep a prefix's pages in their tier under pressure: the prefix's page keys under
 the current digest are stored as a pin (Redis, expiring with its TTL) and sent as a
 PinCommand to every connected worker; each pins the pages it holds in ``tier`` or faster.
+With ``replicas`` N the pin also keeps N workers holding the prefix (``controller/replicas.py``).
 Unpin removes the stored pin (NOT_FOUND for an unknown or lapsed id) and sends UnpinCommand.
 
 Evict — Drop (or Demote to ``demote_to_tier``) the prefix's pages and everything below
@@ -140,6 +141,7 @@ class CacheAdmin:
         # commands reach each stream in the order of the store's changes (a pin re-sent on a
         # reconnect can never land after the Unpin that removed it).
         self._pins_lock = asyncio.Lock()
+        self.on_replicated_pin: Callable[[], None] | None = None  # wakes the replica keeper
 
     @property
     def epochs(self) -> EpochTable:
@@ -194,7 +196,7 @@ class CacheAdmin:
                 return
             for pin in pins:
                 try:
-                    self.links.send_command(worker, _pin_command(pin)).add_done_callback(_quiet)
+                    self.links.send_command(worker, pin_command(pin)).add_done_callback(_quiet)
                 except KvtierError:
                     return  # the stream closed again: the next one sends them
         if pins:
@@ -243,18 +245,21 @@ class CacheAdmin:
         identity, digest, keys = self._resolve(request.namespace, request.prefix, caller)
         expires_at_ms = None if request.ttl_s is None else int(time.time() * 1000) + request.ttl_s * 1000
         pin = PinSpec(PinId(f"pin-{uuid.uuid4().hex[:16]}"), identity, digest, tuple(keys), request.tier,
-                      expires_at_ms)
+                      expires_at_ms, request.replicas)
         async with self._pins_lock:
             try:
                 await self.store.put_pin(pin)
             except REDIS_ERRORS as exc:
                 self.router.access.report_failure(exc)
                 raise Unavailable(f"the pin store (Redis) is unreachable: {describe(exc)}; retry") from None
-            sent = self._send_all(self._live_workers(), _pin_command(pin))
+            sent = self._send_all(self._live_workers(), pin_command(pin))
         replies = await self._acks(sent)
         num_pinned = sum(r.ack.num_pages for r in replies if r.ack is not None and r.ack.ok)
         log.info("prefix pinned", extra={"pin_id": pin.pin_id, "tier": pin.tier.label, "num_pages": len(keys),
-                                         "num_pinned": num_pinned, "ttl_s": request.ttl_s})
+                                         "num_pinned": num_pinned, "ttl_s": request.ttl_s,
+                                         "replicas": request.replicas})
+        if request.replicas and self.on_replicated_pin is not None:
+            self.on_replicated_pin()
         return PinResult(pin_id=pin.pin_id, num_pinned_pages=num_pinned, expires_at_ms=expires_at_ms)
 
     async def unpin(self, request: UnpinRequest) -> UnpinResult:
@@ -361,7 +366,7 @@ class CacheAdmin:
         return await self._acks(self._send_all(workers, command))
 
 
-def _pin_command(pin: PinSpec) -> PinCommand:
+def pin_command(pin: PinSpec) -> PinCommand:
     return PinCommand(pin.pin_id, pin.namespace_digest, pin.page_keys, pin.tier, pin.expires_at_ms)
 
 

@@ -92,6 +92,7 @@ class PinSpec:
     page_keys: tuple[PageKey, ...]
     tier: Tier
     expires_at_ms: int | None = None
+    replicas: int = 0  # workers that keep a copy (``controller/replicas.py``); 0: no copies made
 
     def to_json(self) -> str:
         return json.dumps({
@@ -101,6 +102,7 @@ class PinSpec:
             "page_keys": [k.hex() for k in self.page_keys],
             "tier": int(self.tier),
             "expires_at_ms": self.expires_at_ms,
+            "replicas": self.replicas,
         })
 
     @classmethod
@@ -113,6 +115,7 @@ class PinSpec:
             page_keys=tuple(PageKey(bytes.fromhex(k)) for k in data["page_keys"]),
             tier=Tier(data["tier"]),
             expires_at_ms=data["expires_at_ms"],
+            replicas=int(data.get("replicas", 0)),
         )
 
 

@@ -35,12 +35,14 @@ from kvtier.controller.directory import Directory
 from kvtier.controller.directory_records import Outcome
 from kvtier.controller.link_servicer import WorkerLinks, WorkerLinkServicer
 from kvtier.controller.metrics import ControllerMetrics
+from kvtier.controller.migration import DrainMigration
 from kvtier.controller.orchestrator import Orchestrator
 from kvtier.controller.orchestrator_params import OrchestratorParams
 from kvtier.controller.policy_store import PolicyInForce, PolicyStore, seed_policy
 from kvtier.controller.predictor import ToolReturnPredictor
 from kvtier.controller.redis_connect import RedisClient, connect
 from kvtier.controller.registry import Registry
+from kvtier.controller.replicas import PrefixCopier, ReplicaKeeper
 from kvtier.controller.resync import REDIS_ERRORS, DirectoryAccess
 from kvtier.controller.route_hashing import RouteHashing
 from kvtier.controller.router import Router, RouterServicer, add_router_servicer
@@ -141,6 +143,7 @@ class ControllerServer:
     worker_admin: WorkerAdmin | None = None  # drain, snapshot
     cache_admin: CacheAdmin | None = None  # invalidate (policy epochs), pin, evict
     route_hashing: RouteHashing | None = None  # large Routes decoded and hashed off the event loop
+    replicas: ReplicaKeeper | None = None  # pins with --replicas keep that many holders
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _stopped: bool = False
 
@@ -200,8 +203,8 @@ class ControllerServer:
 
         steps: list[Step] = [("health", self.health.enter_graceful_shutdown)]
         steps += [(name, part.stop) for name, part in (
-            ("orchestrator", self.orchestrator), ("worker admin", self.worker_admin),
-            ("cache admin", self.cache_admin)) if part is not None]
+            ("orchestrator", self.orchestrator), ("replica keeper", self.replicas),
+            ("worker admin", self.worker_admin), ("cache admin", self.cache_admin)) if part is not None]
         steps += [
             ("background tasks", end_tasks),
             ("worker links", lambda: self.links.close_all(
@@ -365,8 +368,13 @@ async def serve_controller(
                                    on_error=access.report_failure)
         controller.policy = policy = PolicyInForce(
             policy_store, apply=(router.apply_policy, orchestrator.apply_policy))
-        controller.worker_admin = worker_admin = WorkerAdmin(registry, links)
-        controller.cache_admin = cache_admin = CacheAdmin(router, links, CacheStore(client))
+        cache_admin = CacheAdmin(router, links, CacheStore(client))
+        copier = PrefixCopier(cache_admin, registry)
+        controller.replicas = ReplicaKeeper(copier, config.replica_check_interval_s)
+        cache_admin.on_replicated_pin = controller.replicas.wake
+        controller.cache_admin = cache_admin
+        controller.worker_admin = worker_admin = WorkerAdmin(
+            registry, links, DrainMigration(copier, config.drain_migrate_bytes))
         links.on_open = cache_admin.on_open  # a (re)connected worker hears the epochs and pins first
 
         def on_resync(everything: bool) -> None:
@@ -418,6 +426,8 @@ async def serve_controller(
             await run_steps(steps, log=log, what="controller start clean-up")
         raise
     orchestrator.start()
+    assert controller.replicas is not None
+    controller.replicas.start()
     controller._tasks = [
         asyncio.create_task(links.run_resync_loop(), name="kvtier-controller-resync"),
         asyncio.create_task(controller._sweep_loop(), name="kvtier-controller-sweep"),

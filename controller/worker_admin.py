@@ -8,6 +8,9 @@ Drain — take a worker out of service and empty it::
               the moment the registry marks it) ─► answer DRAINING
     background: wait for a heartbeat, newer than the ack, with nothing running or queued
               ─► RequestSnapshot (applied to the directory before its ack resolves)
+              ─► once: its pinned prefixes, then its most valuable pages, move to peers
+                 within a byte budget (``controller/migration.py``: a receiver pulls them;
+                 pins move with their pages and are released here)
               ─► Drop the snapshot's depth-1 pages of every namespace: their descendants go
                  too, in every tier, so the worker's cache is empty and its page events
                  clear its directory entries
@@ -15,9 +18,10 @@ Drain — take a worker out of service and empty it::
     Drain(w, resume=True) ─► stop the background work ─► DrainCommand(draining=False),
               acknowledged ─► registry: live (Route uses it again)
 
-Pages are dropped rather than moved to another worker: a drained worker is leaving
-(maintenance, scale-down), tiers are per worker (there is no worker-to-worker transfer),
-and whoever gets the worker's next requests recomputes or reuses its own cached prefix.
+Pinned prefixes and then the most valuable pages (by the eviction value) move to peers within
+``ControllerConfig.drain_migrate_bytes`` (pins move with their pages); the rest is dropped: a drained worker is leaving (maintenance,
+scale-down), and whoever gets its next requests reuses a peer's copy through Route's fetch
+plans, its own cached prefix, or recomputes.
 Running requests finish where they are. A drop keeps (and counts) pages a sequence still
 holds; those get another pass after the next idle heartbeat, up to ``MAX_EMPTY_PASSES``, so
 only pinned pages stay, and only while pinned. Session holds are not pins that stay: they keep
@@ -41,6 +45,7 @@ from collections.abc import Callable, Sequence
 
 from kvtier.controller.link_servicer import SNAPSHOT_ACK_TIMEOUT_S, WorkerLinks
 from kvtier.controller.link_session import SnapshotSummary
+from kvtier.controller.migration import DrainMigration
 from kvtier.controller.registry import Registry, WorkerEntry
 from kvtier.domain.errors import KvtierError, NotFound, Unavailable
 from kvtier.domain.records import (
@@ -68,9 +73,10 @@ MAX_WATCH_BACKOFF_S = 30.0
 class WorkerAdmin:
     """Admin.ListWorkers, Admin.Drain and Admin.Snapshot over the registry and the worker links."""
 
-    def __init__(self, registry: Registry, links: WorkerLinks) -> None:
+    def __init__(self, registry: Registry, links: WorkerLinks, migration: DrainMigration | None = None) -> None:
         self.registry = registry
         self.links = links
+        self.migration = migration  # moves a draining worker's pinned prefixes to peers first
         self._emptying: dict[WorkerId, asyncio.Task[None]] = {}
 
     def list_workers(self) -> list[WorkerInfo]:
@@ -147,10 +153,19 @@ class WorkerAdmin:
         cost a drop now and then, not a stream of them."""
         try:
             passes, backoff_s = 0, EMPTY_RETRY_S
+            migrated = self.migration is None
             while True:
                 summary = await self._idle_snapshot(worker, ack_seen_s)
                 if summary is None:
                     return
+                if not migrated:
+                    assert self.migration is not None
+                    migrated = True
+                    try:
+                        await self.migration.migrate(worker, summary.roots)
+                    except Exception as exc:  # a failed move never stops the drain: the pages are dropped
+                        log.warning("drain migration failed; the worker's pages are dropped",
+                                    extra={"worker_id": worker, "reason": f"{type(exc).__name__}: {exc}"})
                 num_dropped = num_kept = 0
                 for namespace, roots in summary.roots.items():
                     for start in range(0, len(roots), MAX_COMMAND_PAGES):

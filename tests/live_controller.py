@@ -29,7 +29,8 @@ async def controller_at(redis_url, tmp_path, orchestrator_params=None, **config)
 async def linked(controller, *servers):
     links = [
         WorkerLink(s.loop, controller_address=controller.address, worker_id=s.worker_id, address=s.address,
-                   boot_id=s.boot_id, heartbeat_interval_s=0.1, batch_interval_s=0.02, max_backoff_s=0.2)
+                   boot_id=s.boot_id, heartbeat_interval_s=0.1, batch_interval_s=0.02, max_backoff_s=0.2,
+                   peers=s.servicer.peers)
         for s in servers
     ]
     for link in links:

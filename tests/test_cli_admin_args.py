@@ -191,6 +191,7 @@ def test_policy_file_with_an_unknown_key_or_bad_syntax(tmp_path: Path, capsys) -
         (["policy", "set"], ["nothing to set"]),
         (["pin", "--tier", "tape", "--tokens", "1,2"], ["--tier", "unknown tier 'tape'"]),
         (["pin", "--tier", "hbm"], ["--tokens"]),
+        (["pin", "--tier", "hbm", "--tokens", "1,2,3,4", "--replicas", "17"], ["--replicas"]),
         (["evict", "--demote-to", "ssd", "--whole-namespace"], ["--demote-to", "unknown tier 'ssd'"]),
         (["evict", "--tenant", "a"], ["--whole-namespace"]),
         (["evict", "--tokens", "1", "--whole-namespace"], ["--whole-namespace"]),

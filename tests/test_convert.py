@@ -40,7 +40,7 @@ from kvtier.rpc.convert.limits import (
     MAX_SNAPSHOT_CHUNK_PAGES,
     MAX_STOP_TOKEN_IDS,
 )
-from kvtier.rpc.convert.link_commands import from_proto_controller_command
+from kvtier.rpc.convert.link_commands import from_proto_controller_command, from_proto_fetch_command
 from kvtier.rpc.convert.link_events import from_proto_worker_event
 from kvtier.rpc.convert.policy import (
     from_proto_get_policy_response,
@@ -253,6 +253,11 @@ command_acks = st.one_of(
     st.builds(r.CommandAck, command_id=U64, error_code=NAME, error_message=TEXT, num_skipped_pages=U32),
 )
 NONEMPTY_KEYS = st.lists(KEY, min_size=1, max_size=6).map(tuple)
+fetch_commands = st.one_of(
+    st.builds(r.FetchCommand, peer_worker_id=NAME, namespace_digest=KEY, page_keys=NONEMPTY_KEYS),
+    st.builds(r.FetchCommand, peer_worker_id=NAME, namespace_digest=KEY, page_keys=st.just(()),
+              max_pages=st.integers(1, 2**32 - 1)),
+)
 commands = st.one_of(
     st.builds(r.TicketKeyCommand, key=st.binary(min_size=32, max_size=32)),
     st.builds(r.DemoteCommand, namespace_digest=KEY, page_keys=NONEMPTY_KEYS, target_tier=TIER),
@@ -274,6 +279,7 @@ commands = st.one_of(
     st.builds(r.PinCommand, pin_id=NAME, namespace_digest=KEY, page_keys=NONEMPTY_KEYS, tier=TIER,
               expires_at_ms=OPT_U64),
     st.builds(r.UnpinCommand, pin_id=NAME),
+    fetch_commands,
 )
 worker_infos = st.builds(
     r.WorkerInfo,
@@ -423,6 +429,7 @@ ROUND_TRIPS: dict[str, st.SearchStrategy[Any]] = {
     ),
     "unpin_command": st.builds(r.UnpinCommand, pin_id=NAME),
     "ticket_key_command": st.builds(r.TicketKeyCommand, key=st.binary(min_size=32, max_size=32)),
+    "fetch_command": fetch_commands,
     "controller_command": st.builds(r.ControllerCommand, command_id=U64, command=commands),
     # admin
     "controller_status": st.builds(
@@ -466,7 +473,8 @@ ROUND_TRIPS: dict[str, st.SearchStrategy[Any]] = {
     "invalidate_result": st.builds(r.InvalidateResult, policy_epoch=U64, num_workers_notified=U32),
     "drain_request": st.builds(r.DrainRequest, worker_id=NAME, resume=st.booleans()),
     "drain_response": worker_infos,
-    "pin_request": st.builds(r.PinRequest, namespace=namespaces, prefix=prefixes, tier=TIER, ttl_s=OPT_DURATION_S),
+    "pin_request": st.builds(r.PinRequest, namespace=namespaces, prefix=prefixes, tier=TIER, ttl_s=OPT_DURATION_S,
+                             replicas=st.integers(0, 16)),
     "pin_result": st.builds(r.PinResult, pin_id=NAME, num_pinned_pages=U64, expires_at_ms=OPT_U64),
     "unpin_request": st.builds(r.UnpinRequest, pin_id=NAME),
     "unpin_result": st.builds(r.UnpinResult, num_unpinned_pages=U64),
@@ -1271,6 +1279,31 @@ INVALID: list[tuple[str, Callable[[Any], Any], Any, type[KvtierError], str]] = [
         ),
         InvalidArgument,
         "ttl_s",
+    ),
+    (
+        "pin-replicas-beyond-the-limit",
+        from_proto_pin_request,
+        admin_pb2.PinRequest(
+            namespace=common_pb2.NamespaceIdentity(model_id="m", kv_dtype="fp32", page_size=4),
+            token_ids=common_pb2.TokenIds(ids=[1]), tier=common_pb2.TIER_HBM, replicas=17,
+        ),
+        InvalidArgument,
+        "replicas",
+    ),
+    (
+        "fetch-command-with-keys-and-max-pages",
+        from_proto_fetch_command,
+        worker_link_pb2.FetchCommand(peer_worker_id="w", namespace_digest=bytes(16), page_keys=[bytes(16)],
+                                     max_pages=3),
+        InvalidArgument,
+        "fetch.page_keys",
+    ),
+    (
+        "fetch-command-without-a-peer",
+        from_proto_fetch_command,
+        worker_link_pb2.FetchCommand(namespace_digest=bytes(16), max_pages=3),
+        InvalidArgument,
+        "fetch.peer_worker_id",
     ),
     (
         "versioned-policy-version-zero",

@@ -17,7 +17,15 @@ import torch
 
 from kvtier.domain.errors import PermissionDenied, Unauthenticated
 from kvtier.domain.hashing import page_keys, root_key
-from kvtier.domain.records import GenerateFinal, GenerateRequest, PeerFetch, TokenChunk, WorkerId
+from kvtier.domain.records import (
+    CommandId,
+    FetchCommand,
+    GenerateFinal,
+    GenerateRequest,
+    PeerFetch,
+    TokenChunk,
+    WorkerId,
+)
 from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
 from kvtier.rpc._gen import worker_pb2_grpc
@@ -26,8 +34,15 @@ from kvtier.rpc.convert.worker import from_proto_generate_event, to_proto_genera
 from kvtier.tiers.manager import TierConfig
 from kvtier.worker.costs import PeerRates
 from kvtier.worker.page_events import PageEvents
-from kvtier.worker.peer_fetch import ExportRequest, LocalTransport, PeerExporter, PeerFetcher, PeerOptions
-from kvtier.worker.peer_pages import export_pages, install_pages, verify_group
+from kvtier.worker.peer_fetch import (
+    ExportRequest,
+    LocalTransport,
+    PeerExporter,
+    PeerFetcher,
+    PeerOptions,
+    fetch_command_ack,
+)
+from kvtier.worker.peer_pages import RankRequest, export_pages, install_pages, rank_chains, verify_group
 from kvtier.worker.servicer import serve_worker
 
 from hf_checkpoints import build_checkpoint, load_hf
@@ -300,3 +315,47 @@ def test_pages_on_nvme_export_with_their_checksum(checkpoint, tmp_path):
     assert group.num_pages == 10
     assert verify_group(group, keys, root_key(digest)).problem is None
     holder.close()
+
+
+@ASYNC
+async def test_a_fetch_command_pulls_a_chain_of_a_namespace_the_receiver_never_served(pair, oracle):
+    """No prompt and no identity at hand: the group carries the holder's identity fields, which
+    derive the same digest on the receiver."""
+    holder, receiver = pair
+    assert (await generate(holder, tenant="acme"))[0] == oracle
+    namespace = dataclasses.replace(holder.engine.namespace, tenant="acme")
+    digest = holder.engine.digest_for(namespace)
+    keys = tuple(page_keys(digest, PROMPT, PAGE)[:10])
+    ack = await fetch_command_ack(fetcher(receiver, holder), CommandId(1), FetchCommand(WorkerId("holder"), digest, keys))
+    assert ack.ok and ack.num_pages == 10, ack
+    tokens, usage = await generate(receiver, tenant="acme")
+    assert tokens == oracle
+    assert usage.cached_tokens >= 40 and usage.recomputed_tokens == 0
+    await assert_clean(receiver)
+
+    gone = await fetch_command_ack(fetcher(receiver, holder), CommandId(2), FetchCommand(WorkerId("nobody"), digest, keys))
+    assert gone.ok and gone.num_pages == 0  # everything is cached here already: nothing asked of anyone
+    missing = tuple(page_keys(digest, [*PROMPT[:8], 999, 998, 997, 996], PAGE))
+    failed = await fetch_command_ack(fetcher(receiver, holder), CommandId(3),
+                                     FetchCommand(WorkerId("nobody"), digest, missing))
+    assert failed.error_code == "UNAVAILABLE" and failed.num_pages == 0 and "nobody" in failed.error_message
+
+
+@ASYNC
+async def test_ranked_chains_hold_the_most_valuable_pages_with_their_ancestors(pair):
+    holder, _ = pair
+    hot, cold = PROMPT, [random.Random(8).randrange(256) for _ in range(41)]
+    await generate(holder, cold)
+    for _ in range(3):
+        await generate(holder, hot)
+    digest = holder.engine.digest_for(holder.engine.namespace)
+    chains = await holder.loop.call(
+        lambda: rank_chains(holder.engine, holder.loop.page_events, RankRequest(digest, max_pages=14)))
+    chosen = {key for chain in chains for key in chain}
+    assert len(chosen) <= 14
+    assert set(page_keys(digest, hot, PAGE)[:10]) <= chosen
+    assert not set(page_keys(digest, cold, PAGE)[:10]) <= chosen
+    for chain in chains:  # root first, each page under the one before it
+        assert holder.engine.index.get(chain[0]).parent is None
+        for parent, child in zip(chain, chain[1:], strict=False):
+            assert holder.engine.index.get(child).parent.key == parent

@@ -412,7 +412,7 @@ class WorkerActor(PeerExportMixin):
                 token=link_token,
                 tls=link_tls,
                 has_chat_template=self._model_path is not None and has_chat_template(self._model_path),
-                tickets=self._server.tickets,
+                tickets=self._server.tickets, peers=self._server.servicer.peers,
             )
             self._runtime.run(_start(self._link))
         return self._server.address

@@ -284,23 +284,25 @@ class Holds:
     # ---- admin pins ------------------------------------------------------------------
     def pin(self, command: PinCommand, digest_of: Mapping[PageKey, NamespaceDigest], *, is_stale: bool) -> PageCounts:
         """Pin ``command``'s pages that are cached in its namespace (``digest_of``) in its tier or
-        faster; none when the namespace is stale (invalidated: nothing may keep its pages)."""
-        existing = self._pins.get(command.pin_id)
-        if existing is not None:
-            return PageCounts(num_done=len(existing.nodes), num_kept=len(command.page_keys) - len(existing.nodes))
+        faster; none when the namespace is stale (invalidated: nothing may keep its pages). A pin
+        sent again (a fetch brought its pages here) also pins the pages cached since."""
         if is_stale:
             return PageCounts(num_done=0, num_kept=len(command.page_keys))
+        existing = self._pins.get(command.pin_id)
         index = self._engine.index
-        nodes: list[RadixNode] = []
+        nodes: list[RadixNode] = existing.nodes if existing is not None else []
+        pinned = {n.key for n in nodes}
         for key in command.page_keys:
             node = index.get(key)
-            if node is None or digest_of.get(key) != command.namespace_digest or node.tier > command.tier:
+            if (node is None or key in pinned or digest_of.get(key) != command.namespace_digest
+                    or node.tier > command.tier):
                 continue
             # A page on its way to a slower tier is pinned too: its demotion, once it lands,
             # leaves a pinned page where it was (``TierManager._apply_demotion``).
             index.pin(key)
             nodes.append(node)
-        self._pins[command.pin_id] = _Pin(command.namespace_digest, nodes, command.expires_at_ms)
+        if existing is None:
+            self._pins[command.pin_id] = _Pin(command.namespace_digest, nodes, command.expires_at_ms)
         return PageCounts(num_done=len(nodes), num_kept=len(command.page_keys) - len(nodes))
 
     def release(self, pin_id: PinId) -> int:

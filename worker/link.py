@@ -47,7 +47,8 @@ import contextlib
 import logging
 import random
 import uuid
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -61,6 +62,7 @@ from kvtier.domain.records import (
     DemoteCommand,
     DrainCommand,
     DropCommand,
+    FetchCommand,
     Heartbeat,
     InvalidateCommand,
     InventorySnapshotChunk,
@@ -89,6 +91,7 @@ from kvtier.rpc.tls import ClientTls, secure_or_insecure_channel
 from kvtier.runtime.log import get_logger
 from kvtier.tiers.moves import MoveOutcome
 from kvtier.worker.engine_loop import EngineLoop
+from kvtier.worker.peer_fetch import PeerFetcher, fetch_command_ack
 
 log = get_logger("kvtier.worker.link")
 
@@ -187,6 +190,7 @@ class WorkerLink:
         tls: ClientTls | None = None,
         has_chat_template: bool = False,
         tickets: TicketVerifier | None = None,
+        peers: PeerFetcher | None = None,
     ) -> None:
         if not 1 <= max_batch_events <= MAX_BATCH_EVENTS:
             raise ValueError(
@@ -205,12 +209,13 @@ class WorkerLink:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._tls = tls  # TLS to the controller (with a client certificate for mTLS), or plaintext
         self._tickets = tickets  # receives the Route-ticket key the controller sends (TicketKeyCommand)
+        self._peers = peers  # carries out FetchCommands (None: this worker fetches from no peer)
         self._heartbeat_seq = 0
         self._batch_seq = 0
         self._send_lock = asyncio.Lock()
         self._outbox: asyncio.Queue[WorkerEvent] | None = None
         self._task: asyncio.Task[None] | None = None
-        self._move_acks: set[asyncio.Task[None]] = set()  # Demote / Prefetch acks still to come
+        self._move_acks: set[asyncio.Task[None]] = set()  # Demote / Prefetch / Fetch acks still to come
         self.connected = asyncio.Event()
         self.num_connections = 0  # successful registrations so far
 
@@ -365,6 +370,9 @@ class WorkerLink:
             if isinstance(command.command, DemoteCommand | PrefetchCommand):
                 self._ack_when_applied(command, await self._start_move(command))
                 return
+            if isinstance(command.command, FetchCommand):
+                self._spawn_ack(fetch_command_ack(self._peers, command.command_id, command.command))
+                return
             ack = await self._carry_out(command)
         except KvtierError as err:
             ack = CommandAck(command_id, error_code=err.code, error_message=err.message)
@@ -414,7 +422,19 @@ class WorkerLink:
             ack = CommandAck(command.command_id, num_pages=moved.num_moved, num_skipped_pages=moved.num_skipped)
             self._send(ack, outbox)
 
-        task = asyncio.create_task(ack_when_applied(), name=f"kvtier-ack-{command.command_id}")
+        self._spawn_ack(ack_when_applied(), send=False)
+
+    def _spawn_ack(self, ack: Coroutine[Any, Any, Any], *, send: bool = True) -> None:
+        """Run ``ack`` without holding up the commands behind it; with ``send`` its result (a
+        ``CommandAck``) goes on this stream."""
+        outbox = self._outbox
+
+        async def run() -> None:
+            result = await ack
+            if send:
+                self._send(result, outbox)
+
+        task = asyncio.create_task(run(), name="kvtier-command-ack")
         self._move_acks.add(task)
         task.add_done_callback(self._move_acks.discard)
 

@@ -1,4 +1,4 @@
-"""The worker actor's side of peer fetch: ``export_pages`` for a peer's ``RayTransport``,
+"""The worker actor's side of peer fetch: ``export_pages`` and ``rank_pages`` for a peer's ``RayTransport``,
 ``fetch_from_peer`` and ``peer_stats``.
 
 The holder's page group is this method's return value, so Ray puts it in the holder node's
@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier.domain.errors import FailedPrecondition
-from kvtier.domain.hashing import NamespaceIdentity
+from kvtier.domain.hashing import NamespaceIdentity, PageKey
 from kvtier.runtime.config import WorkerConfig
 from kvtier.worker.peer_fetch import FetchOutcome, PeerOptions, RayTransport
-from kvtier.worker.peer_pages import ExportRequest, PageGroup
+from kvtier.worker.peer_pages import ExportRequest, PageGroup, RankRequest
 
 EXPORT_TIMEOUT_S = 60.0
 
@@ -33,6 +33,14 @@ class PeerExportMixin:
             raise FailedPrecondition("the worker is not serving; it exports no pages")
         group: PageGroup = self._runtime.run(self._server.exporter.export(request), timeout_s=EXPORT_TIMEOUT_S)
         return group
+
+    def rank_pages(self, request: RankRequest) -> list[tuple[PageKey, ...]]:
+        """Chains of this worker's most valuable pages of ``request.digest`` (a drain migration)."""
+        if self._server is None or self._runtime is None or self._server.exporter is None:
+            raise FailedPrecondition("the worker is not serving; it ranks no pages")
+        chains: list[tuple[PageKey, ...]] = self._runtime.run(self._server.exporter.rank(request),
+                                                              timeout_s=EXPORT_TIMEOUT_S)
+        return chains
 
     def fetch_from_peer(self, namespace: NamespaceIdentity, prompt: list[int], peer: str,
                         timeout_s: float = EXPORT_TIMEOUT_S) -> FetchOutcome:

@@ -28,7 +28,7 @@ from typing import Protocol
 
 from kvtier.domain.errors import KvtierError, PermissionDenied, Unauthenticated
 from kvtier.domain.hashing import NamespaceDigest, NamespaceIdentity, PageKey, page_keys, root_key, short
-from kvtier.domain.records import GenerateRequest
+from kvtier.domain.records import CommandAck, CommandId, FetchCommand, GenerateRequest
 from kvtier.rpc.auth import Role, TokenTable, TokenTableFile
 from kvtier.runtime.log import get_logger
 from kvtier.worker.engine_loop import EngineLoop
@@ -37,8 +37,10 @@ from kvtier.worker.peer_pages import (
     ExportRequest,
     Installed,
     PageGroup,
+    RankRequest,
     export_pages,
     install_pages,
+    rank_chains,
     verify_group,
 )
 
@@ -48,6 +50,9 @@ log = get_logger("kvtier.worker.peer_fetch")
 # recomputing, should the fetch fail), and at most MAX_FETCH_S without a deadline.
 FETCH_DEADLINE_SHARE = 0.5
 MAX_FETCH_S = 10.0
+# A controller's FetchCommand (drain migration, pin replicas) has no request deadline: each
+# group of at most MAX_EXPORT_PAGES pages gets this long.
+COMMAND_FETCH_TIMEOUT_S = 60.0
 
 
 class PeerExporter:
@@ -66,7 +71,7 @@ class PeerExporter:
         self._link_bytes_per_s = link_bytes_per_s
         self.num_exported_pages = 0
 
-    def authorize(self, request: ExportRequest) -> None:
+    def authorize(self, request: ExportRequest | RankRequest) -> None:
         if self._tokens is None:
             return
         principal = self._tokens.authenticate(request.credential or "") if request.credential else None
@@ -84,6 +89,11 @@ class PeerExporter:
         self.num_exported_pages += group.num_pages
         return group
 
+    async def rank(self, request: RankRequest) -> list[tuple[PageKey, ...]]:
+        """The chains of the namespace's most valuable pages (``rank_chains``): keys only."""
+        self.authorize(request)
+        return await self._loop.call(lambda: rank_chains(self._loop.engine, self._loop.page_events, request))
+
 
 @dataclass(frozen=True, slots=True)
 class PeerOptions:
@@ -97,6 +107,8 @@ class PeerOptions:
 class PeerTransport(Protocol):
     async def pull(self, peer: str, request: ExportRequest) -> PageGroup: ...
 
+    async def rank(self, peer: str, request: RankRequest) -> list[tuple[PageKey, ...]]: ...
+
 
 class LocalTransport:
     """Exporters of the same process, by worker id (in-process deployments and tests)."""
@@ -109,6 +121,12 @@ class LocalTransport:
         if exporter is None:
             raise ConnectionError(f"no worker {peer!r} in this process")
         return await exporter.export(request)
+
+    async def rank(self, peer: str, request: RankRequest) -> list[tuple[PageKey, ...]]:
+        exporter = self.exporters.get(peer)
+        if exporter is None:
+            raise ConnectionError(f"no worker {peer!r} in this process")
+        return await exporter.rank(request)
 
 
 class RayTransport:
@@ -124,6 +142,13 @@ class RayTransport:
         actor = ray.get_actor(peer, namespace=self._namespace)
         group: PageGroup = await actor.export_pages.remote(request)
         return group
+
+    async def rank(self, peer: str, request: RankRequest) -> list[tuple[PageKey, ...]]:
+        import ray
+
+        actor = ray.get_actor(peer, namespace=self._namespace)
+        chains: list[tuple[PageKey, ...]] = await actor.rank_pages.remote(request)
+        return chains
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,10 +200,36 @@ class PeerFetcher:
         except KvtierError as exc:  # e.g. too many namespaces: the request itself will say so
             return FetchOutcome(0, 0, 0, time.perf_counter() - started, f"{type(exc).__name__}: {_first_line(exc)}")
         end = len(keys) if num_pages is None else min(len(keys), num_pages)
+        return await self._pull(identity, digest, keys[:end], num_local, peer, timeout_s, started)
+
+    async def fetch_chain(self, digest: NamespaceDigest, keys: Sequence[PageKey], peer: str, *,
+                          timeout_s: float) -> FetchOutcome:
+        """Fetch from ``peer`` the pages of the chain ``keys`` (root first) that are not cached
+        here: a controller's ``FetchCommand`` (drain migration, pin replicas), where no prompt is
+        at hand. The namespace's identity is this worker's own when it has served the namespace,
+        else the one the group carries (installed only if it derives ``digest`` here too)."""
+        started = time.perf_counter()
+        if peer == self._worker_id:
+            return FetchOutcome(0, 0, 0, 0.0, "the peer is this worker")
+        engine = self._loop.engine
+        identity = self._loop.page_events.identities().get(digest)
+        num_local = await self._loop.call(lambda: len(engine.cached_chain(list(keys))))
+        return await self._pull(identity, digest, list(keys), num_local, peer, timeout_s, started)
+
+    async def ranked_chains(self, digest: NamespaceDigest, peer: str, max_pages: int, *,
+                            timeout_s: float) -> list[tuple[PageKey, ...]]:
+        """The chains of ``peer``'s most valuable pages of ``digest`` (at most ``max_pages``)."""
+        async with asyncio.timeout(timeout_s):
+            return await self._transport.rank(peer, RankRequest(digest, max_pages, self._credential))
+
+    async def _pull(self, identity: NamespaceIdentity | None, digest: NamespaceDigest, keys: list[PageKey],
+                    num_local: int, peer: str, timeout_s: float, started: float) -> FetchOutcome:
+        """Pull ``keys[num_local:]`` (at most ``MAX_EXPORT_PAGES``) from ``peer``, verify and install."""
+        engine = self._loop.engine
         # Pages before the first one missing here are not asked for; pages after a gap could not
         # be inserted (the index is prefix-closed), so the fetch starts at the first missing page.
         start = num_local
-        wanted = tuple(keys[start:min(end, start + MAX_EXPORT_PAGES)])
+        wanted = tuple(keys[start:start + MAX_EXPORT_PAGES])
         if not wanted:
             return FetchOutcome(0, 0, 0, time.perf_counter() - started)
         parent = keys[start - 1] if start else root_key(digest)
@@ -189,8 +240,11 @@ class PeerFetcher:
                 group = await self._transport.pull(peer, request)
                 pulled_at = time.perf_counter()
                 verified = await asyncio.to_thread(verify_group, group, wanted, parent)
+                named = identity or group.identity
+                if named is None:
+                    raise PermissionDenied("the page group names no namespace identity", field="identity")
                 installed: Installed = await self._loop.call(
-                    lambda: install_pages(engine, self._loop.page_events, identity, group, verified.num_pages, parent))
+                    lambda: install_pages(engine, self._loop.page_events, named, group, verified.num_pages, parent))
         except Exception as exc:  # the peer's trouble never fails the request
             self.num_failed += 1
             reason = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {_first_line(exc)}"
@@ -230,3 +284,41 @@ async def fetch_before_generate(fetcher: PeerFetcher, request: GenerateRequest,
         "num_installed": outcome.num_installed, "num_bytes": outcome.num_bytes,
         "elapsed_ms": round(outcome.elapsed_s * 1000.0, 3), "problem": outcome.problem})
     return outcome
+
+
+async def fetch_command_ack(fetcher: PeerFetcher | None, command_id: CommandId, command: FetchCommand) -> CommandAck:
+    """Carry out a controller's ``FetchCommand``: the chain's pages from the peer (without keys:
+    the chains of the peer's most valuable pages, ``max_pages`` in all), a group of at most
+    ``MAX_EXPORT_PAGES`` at a time. The ack counts the pages installed and those asked of
+    the peer and not installed; a fetch that stopped short answers UNAVAILABLE with the reason."""
+    if fetcher is None:
+        return CommandAck(command_id, error_code="FAILED_PRECONDITION",
+                          error_message="this worker fetches from no peer (no peer transport)")
+    if fetcher.is_draining:
+        return CommandAck(command_id, error_code="FAILED_PRECONDITION",
+                          error_message="this worker is draining and takes no pages")
+    num_installed = num_missed = 0
+    problem: str | None = None
+    try:
+        chains = [command.page_keys] if command.page_keys else await fetcher.ranked_chains(
+            command.namespace_digest, command.peer_worker_id, command.max_pages, timeout_s=COMMAND_FETCH_TIMEOUT_S)
+        for chain in chains:
+            while True:
+                outcome = await fetcher.fetch_chain(command.namespace_digest, chain, command.peer_worker_id,
+                                                    timeout_s=COMMAND_FETCH_TIMEOUT_S)
+                num_installed += outcome.num_installed
+                num_missed += outcome.num_requested - outcome.num_installed
+                problem = outcome.problem
+                if problem is not None or outcome.num_requested < MAX_EXPORT_PAGES:
+                    break
+            if problem is not None:
+                break
+    except Exception as exc:  # the peer's or this engine's trouble: the ack says so, the link goes on
+        problem = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {_first_line(exc)}"
+    log.info("fetch command carried out", extra={
+        "command_id": command_id, "peer": command.peer_worker_id, "namespace": short(command.namespace_digest),
+        "num_installed": num_installed, "num_missed": num_missed, "problem": problem})
+    if problem is not None:
+        return CommandAck(command_id, num_pages=num_installed, num_skipped_pages=num_missed,
+                          error_code="UNAVAILABLE", error_message=f"fetch from {command.peer_worker_id}: {problem}")
+    return CommandAck(command_id, num_pages=num_installed)

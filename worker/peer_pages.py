@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from kvtier.cache.page_pool import PageId
+from kvtier.cache.radix import RadixNode
 from kvtier.domain.errors import InvalidArgument, PermissionDenied
 from kvtier.domain.hashing import NamespaceDigest, NamespaceIdentity, PageKey, next_key, root_key, short
 from kvtier.domain.tiers import Tier
@@ -55,6 +56,23 @@ class ExportRequest:
             raise InvalidArgument(f"keys must name 1..{MAX_EXPORT_PAGES} pages, got {len(self.keys)}", field="keys")
 
 
+@dataclass(frozen=True, slots=True)
+class RankRequest:
+    """The holder's most valuable pages of namespace ``digest``, at most ``max_pages``, as
+    chains: a drain migration asks this of the draining worker."""
+
+    digest: NamespaceDigest
+    max_pages: int
+    credential: str | None = None
+
+    def validate(self) -> None:
+        if len(self.digest) != 16:
+            raise InvalidArgument(f"namespace_digest must be 16 bytes, got {len(self.digest)}",
+                                  field="namespace_digest")
+        if self.max_pages < 1:
+            raise InvalidArgument(f"max_pages must be >= 1, got {self.max_pages}", field="max_pages")
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class PageGroup:
     """The first ``num_pages`` of an export request's keys, as the holder had them."""
@@ -64,6 +82,9 @@ class PageGroup:
     tokens: np.ndarray  # int32 [n, page_size]
     checksums: np.ndarray  # uint64 [n]
     data: np.ndarray  # uint8 [n, page_bytes]
+    # The namespace's identity fields, for a receiver that has not served it yet (a migration or
+    # a replica); the receiver installs only when they derive ``digest`` there too.
+    identity: NamespaceIdentity | None = None
 
     @property
     def num_pages(self) -> int:
@@ -128,7 +149,43 @@ def export_pages(engine: Engine, page_events: PageEvents, request: ExportRequest
     for i, checksum in enumerate(stored):
         if checksum is not None:  # the checksum taken when the page left HBM: vouches end to end
             sums[i] = np.uint64(checksum)
-    return PageGroup(request.digest, tuple(n.key for n in nodes), tokens, sums, data)
+    return PageGroup(request.digest, tuple(n.key for n in nodes), tokens, sums, data,
+                     page_events.identities().get(request.digest))
+
+
+def rank_chains(engine: Engine, page_events: PageEvents, request: RankRequest) -> list[tuple[PageKey, ...]]:
+    """The namespace's cached pages worth the most by the eviction policy's value (the order
+    eviction keeps them in: higher priority stays longer), each with its ancestors (a page is
+    useless without them), up to ``request.max_pages`` pages in all; as root-first chains, one
+    per chosen page that no other chosen page descends from, most valuable first (engine thread)."""
+    request.validate()
+    policy = engine.index.policy
+    nodes = sorted(page_events.nodes_of({request.digest}), key=policy.priority, reverse=True)
+    chosen: dict[PageKey, RadixNode] = {}
+    ends: list[RadixNode] = []
+    for node in nodes:
+        if node.key in chosen:
+            continue
+        path = []
+        walk: RadixNode | None = node
+        while walk is not None and walk.key not in chosen:
+            path.append(walk)
+            walk = walk.parent
+        if len(chosen) + len(path) > request.max_pages:
+            continue
+        chosen.update((n.key, n) for n in path)
+        ends.append(node)
+    chains = []
+    for end in ends:
+        if any(child.key in chosen for child in end.children.values()):
+            continue  # a chosen descendant's chain covers it
+        chain: list[PageKey] = []
+        walk = end
+        while walk is not None:
+            chain.append(walk.key)
+            walk = walk.parent
+        chains.append(tuple(reversed(chain)))
+    return chains
 
 
 def _page_bytes(page: torch.Tensor) -> np.ndarray:

@@ -18,6 +18,7 @@ from kvtier.cli.common import (
     TokenOption,
     _console,
     app,
+    fail,
     print_json,
 )
 from kvtier.cli.flags import (
@@ -40,6 +41,7 @@ from kvtier.client import AsyncClient
 from kvtier.domain.errors import InvalidArgument
 from kvtier.domain.hashing import NamespaceIdentity
 from kvtier.domain.records import InvalidationScope, TokenPrefix
+from kvtier.rpc.convert.limits import MAX_PIN_REPLICAS
 
 
 @app.command("lookup")
@@ -186,6 +188,9 @@ def pin_command(
     tokens: TokensOption = None,
     tokens_file: TokensFileOption = None,
     ttl_s: Annotated[int | None, typer.Option(min=1, show_default=False, help="Seconds until the pin expires; default: never.")] = None,
+    replicas: Annotated[int, typer.Option(
+        help="Keep this many workers holding the prefix: a copy is made from a survivor when "
+        "one is lost or drained; 0: no copies.")] = 0,
     model: ModelOption = None,
     tenant: TenantOption = None,
     adapter: AdapterOption = "",
@@ -205,8 +210,11 @@ def pin_command(
 
       kvtier pin --tenant acme --tokens-file system_prompt.json --tier hbm
       kvtier pin --tokens 1,2,3,4 --tier dram --ttl-s 3600 --json
+      kvtier pin --tokens-file system_prompt.json --tier hbm --replicas 2
     """
     pinned_tier = tier_flag(tier, "--tier")
+    if not 0 <= replicas <= MAX_PIN_REPLICAS:
+        fail(f"--replicas must be 0..{MAX_PIN_REPLICAS}, got {replicas}")
     ns_flags = NamespaceFlags(model, tenant, adapter, weights_digest, tokenizer_digest, rope_config, kv_dtype, page_size)
     ns_flags.check()
     prefix = tokens_from_flags(tokens, tokens_file, required=True)
@@ -214,15 +222,17 @@ def pin_command(
 
     async def pin(client: AsyncClient) -> Any:
         namespace = ns_flags.resolve(await client.list_workers())
-        return await client.pin(namespace, TokenPrefix(prefix), pinned_tier, ttl_s=ttl_s)
+        return await client.pin(namespace, TokenPrefix(prefix), pinned_tier, ttl_s=ttl_s, replicas=replicas)
 
     result = Remote.of(controller, token, timeout_s).run(pin)
     if as_json:
         print_json(result)
         return
     expiry = "never expires" if result.expires_at_ms is None else f"expires {format_at(result.expires_at_ms)}"
+    copies = f"; kept on {replicas} worker(s)" if replicas else ""
     _console().print(
         f"pin {result.pin_id}: {result.num_pinned_pages:,} page(s) kept in {pinned_tier.label} or faster; {expiry}"
+        f"{copies}"
     )
 
 

@@ -50,8 +50,9 @@ async def drain_worker(
 ) -> WorkerInfo:
     """Drain (or resume) ``worker_id``. With ``wait_s``, wait until the worker is empty: a
     heartbeat sent after the drain shows nothing running or queued and no page held but
-    pinned ones. (The controller lets running requests finish, then drops the worker's
-    cached pages in every tier; see kvtier.controller.worker_admin.)"""
+    pinned ones. (The controller lets running requests finish, moves pinned prefixes and the
+    most valuable pages to peers, then drops the worker's cached pages in every tier; see
+    kvtier.controller.worker_admin.)"""
     worker = await client.drain(worker_id, resume=resume)
     if resume or wait_s is None:
         return worker
@@ -98,8 +99,9 @@ def drain_command(
     timeout_s: TimeoutOption = 10.0,
     as_json: JsonOption = False,
 ) -> None:
-    """Take a worker out of service: no new requests; running ones finish, then its cached pages
-    are dropped (pinned ones stay). --resume puts it back.
+    """Take a worker out of service: no new requests; running ones finish, then its pinned prefixes
+    and most valuable pages move to peers with room (up to the controller's drain_migrate_bytes)
+    and the rest is dropped (pins that found no peer stay). --resume puts it back.
 
     [bold]Examples[/bold]
 

@@ -186,11 +186,14 @@ class AdminClient(Connection):
         tier: Tier,
         *,
         ttl_s: int | None = None,
+        replicas: int = 0,
         timeout_s: float | None = None,
     ) -> PinResult:
-        """Keep ``prefix``'s pages in ``tier`` or faster until ``unpin`` (or ``ttl_s``). Not retried:
-        a repeat would add a second pin."""
-        request = PinRequest(namespace=namespace, prefix=_as_prefix(prefix), tier=tier, ttl_s=ttl_s)
+        """Keep ``prefix``'s pages in ``tier`` or faster until ``unpin`` (or ``ttl_s``); with
+        ``replicas`` N, on N workers (copies made from a survivor when a holder is lost or
+        drained). Not retried: a repeat would add a second pin."""
+        request = PinRequest(namespace=namespace, prefix=_as_prefix(prefix), tier=tier, ttl_s=ttl_s,
+                             replicas=replicas)
         stub = admin_pb2_grpc.AdminStub(self._controller_channel())
         response = await self._unary(
             "Admin.Pin", stub.Pin, to_proto_pin_request(request), timeout_s, idempotent=False

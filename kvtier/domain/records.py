@@ -593,6 +593,17 @@ class TicketKeyCommand:
     key: bytes = field(repr=False)
 
 
+@dataclass(frozen=True, slots=True)
+class FetchCommand:
+    """Bring ``page_keys`` (a chain, root first) from worker ``peer_worker_id`` into this worker;
+    with no keys, the peer's ``max_pages`` most valuable pages of the namespace (by eviction value)."""
+
+    peer_worker_id: WorkerId
+    namespace_digest: NamespaceDigest
+    page_keys: tuple[PageKey, ...]
+    max_pages: int = 0
+
+
 Command = (
     DemoteCommand
     | PrefetchCommand
@@ -603,6 +614,7 @@ Command = (
     | PinCommand
     | UnpinCommand
     | TicketKeyCommand
+    | FetchCommand
 )
 
 
@@ -710,6 +722,7 @@ class PinRequest:
     prefix: Prefix
     tier: Tier  # slowest tier the pinned pages may sink to
     ttl_s: int | None = None
+    replicas: int = 0  # workers that keep a copy (controller/replicas.py); 0: no copies made
 
 
 @dataclass(frozen=True, slots=True)

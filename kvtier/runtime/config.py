@@ -191,6 +191,13 @@ class ControllerConfig:
         False, "rank workers by estimated time to first token (queue, promotion, peer fetch, prefill, from the "
         "rates workers measure) and send a peer-fetch plan with the pick that needs a peer's pages"
     )
+    drain_migrate_bytes: int = setting(
+        4 << 30, "most bytes a drain copies to peers (pinned prefixes first) before it drops the worker's cache; "
+        "0: a drain drops everything", min=0,
+    )
+    replica_check_interval_s: float = setting(
+        2.0, "how often pins with --replicas are checked for lost or drained holders", min=0.05, max=3600,
+    )
     session_hold_max_s: float = setting(
         DEFAULT_SESSION_HOLD_MAX_S, "longest a worker holds a paused session's prefetched pages in HBM for its return (the hold "
         "ends at the predicted return's 99 % point, at most this); raise it for tools that run minutes; 0: no hold",

@@ -170,18 +170,20 @@ class DrainResponse(_message.Message):
     def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class PinRequest(_message.Message):
-    __slots__ = ("namespace", "token_ids", "page_keys", "tier", "ttl_s")
+    __slots__ = ("namespace", "token_ids", "page_keys", "tier", "ttl_s", "replicas")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PAGE_KEYS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     namespace: _common_pb2.NamespaceIdentity
     token_ids: _common_pb2.TokenIds
     page_keys: _common_pb2.PageKeys
     tier: _common_pb2.Tier
     ttl_s: int
-    def __init__(self, namespace: _Optional[_Union[_common_pb2.NamespaceIdentity, _Mapping]] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., page_keys: _Optional[_Union[_common_pb2.PageKeys, _Mapping]] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., ttl_s: _Optional[int] = ...) -> None: ...
+    replicas: int
+    def __init__(self, namespace: _Optional[_Union[_common_pb2.NamespaceIdentity, _Mapping]] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., page_keys: _Optional[_Union[_common_pb2.PageKeys, _Mapping]] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., ttl_s: _Optional[int] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class PinResponse(_message.Message):
     __slots__ = ("pin_id", "num_pinned_pages", "expires_at_ms")

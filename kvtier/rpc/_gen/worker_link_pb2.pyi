@@ -242,6 +242,18 @@ class PinCommand(_message.Message):
     expires_at_ms: int
     def __init__(self, pin_id: _Optional[str] = ..., namespace_digest: _Optional[bytes] = ..., page_keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
 
+class FetchCommand(_message.Message):
+    __slots__ = ("peer_worker_id", "namespace_digest", "page_keys", "max_pages")
+    PEER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PAGE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PAGES_FIELD_NUMBER: _ClassVar[int]
+    peer_worker_id: str
+    namespace_digest: bytes
+    page_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    max_pages: int
+    def __init__(self, peer_worker_id: _Optional[str] = ..., namespace_digest: _Optional[bytes] = ..., page_keys: _Optional[_Iterable[bytes]] = ..., max_pages: _Optional[int] = ...) -> None: ...
+
 class UnpinCommand(_message.Message):
     __slots__ = ("pin_id",)
     PIN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -255,7 +267,7 @@ class TicketKeyCommand(_message.Message):
     def __init__(self, key: _Optional[bytes] = ...) -> None: ...
 
 class ControllerCommand(_message.Message):
-    __slots__ = ("command_id", "demote", "prefetch", "drop", "invalidate", "request_snapshot", "drain", "pin", "unpin", "ticket_key")
+    __slots__ = ("command_id", "demote", "prefetch", "drop", "invalidate", "request_snapshot", "drain", "pin", "unpin", "ticket_key", "fetch")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     DEMOTE_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +278,7 @@ class ControllerCommand(_message.Message):
     PIN_FIELD_NUMBER: _ClassVar[int]
     UNPIN_FIELD_NUMBER: _ClassVar[int]
     TICKET_KEY_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     demote: DemoteCommand
     prefetch: PrefetchCommand
@@ -276,4 +289,5 @@ class ControllerCommand(_message.Message):
     pin: PinCommand
     unpin: UnpinCommand
     ticket_key: TicketKeyCommand
-    def __init__(self, command_id: _Optional[int] = ..., demote: _Optional[_Union[DemoteCommand, _Mapping]] = ..., prefetch: _Optional[_Union[PrefetchCommand, _Mapping]] = ..., drop: _Optional[_Union[DropCommand, _Mapping]] = ..., invalidate: _Optional[_Union[InvalidateCommand, _Mapping]] = ..., request_snapshot: _Optional[_Union[RequestSnapshotCommand, _Mapping]] = ..., drain: _Optional[_Union[DrainCommand, _Mapping]] = ..., pin: _Optional[_Union[PinCommand, _Mapping]] = ..., unpin: _Optional[_Union[UnpinCommand, _Mapping]] = ..., ticket_key: _Optional[_Union[TicketKeyCommand, _Mapping]] = ...) -> None: ...
+    fetch: FetchCommand
+    def __init__(self, command_id: _Optional[int] = ..., demote: _Optional[_Union[DemoteCommand, _Mapping]] = ..., prefetch: _Optional[_Union[PrefetchCommand, _Mapping]] = ..., drop: _Optional[_Union[DropCommand, _Mapping]] = ..., invalidate: _Optional[_Union[InvalidateCommand, _Mapping]] = ..., request_snapshot: _Optional[_Union[RequestSnapshotCommand, _Mapping]] = ..., drain: _Optional[_Union[DrainCommand, _Mapping]] = ..., pin: _Optional[_Union[PinCommand, _Mapping]] = ..., unpin: _Optional[_Union[UnpinCommand, _Mapping]] = ..., ticket_key: _Optional[_Union[TicketKeyCommand, _Mapping]] = ..., fetch: _Optional[_Union[FetchCommand, _Mapping]] = ...) -> None: ...

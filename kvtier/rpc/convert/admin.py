@@ -47,6 +47,7 @@ from kvtier.rpc.convert.common import (
 )
 from kvtier.rpc.convert.fields import (
     EnumMap,
+    invalid,
     join_path,
     optional_field,
     prefix_fields,
@@ -63,7 +64,12 @@ from kvtier.rpc.convert.fields import (
     wire_optional_tier,
     wire_tier,
 )
-from kvtier.rpc.convert.limits import DEFAULT_LIST_SESSIONS_LIMIT, MAX_IDENTITY_FIELD_CHARS, MAX_TEXT_CHARS
+from kvtier.rpc.convert.limits import (
+    DEFAULT_LIST_SESSIONS_LIMIT,
+    MAX_IDENTITY_FIELD_CHARS,
+    MAX_PIN_REPLICAS,
+    MAX_TEXT_CHARS,
+)
 from kvtier.rpc.convert.sessions import SESSION_STATES, from_proto_session_info, to_proto_session_info
 
 _WORKER_STATES = EnumMap(WorkerState, admin_pb2.WorkerState, "WORKER_STATE_")
@@ -275,6 +281,7 @@ def to_proto_pin_request(request: PinRequest) -> admin_pb2.PinRequest:
         namespace=to_proto_namespace_identity(request.namespace),
         tier=wire_tier(request.tier),
         ttl_s=request.ttl_s,
+        replicas=request.replicas,
         **prefix_fields(request.prefix),
     )
 
@@ -290,7 +297,14 @@ def from_proto_pin_request(msg: admin_pb2.PinRequest, path: str = "") -> PinRequ
         prefix=prefix,
         tier=read_tier(msg.tier, join_path(path, "tier")),
         ttl_s=read_optional_duration(msg, "ttl_s", path, unit_ms=1000),
+        replicas=_replicas(msg.replicas, join_path(path, "replicas")),
     )
+
+
+def _replicas(value: int, path: str) -> int:
+    if value > MAX_PIN_REPLICAS:
+        raise invalid(path, f"must be at most {MAX_PIN_REPLICAS} workers, got {value}")
+    return value
 
 
 def to_proto_pin_result(result: PinResult) -> admin_pb2.PinResponse:

@@ -9,6 +9,7 @@ MAX_BATCH_EVENTS = 4096  # page events per PageEventBatch
 MAX_COMMAND_PAGES = 65536  # page keys per Demote / Prefetch / Drop command
 MAX_SNAPSHOT_CHUNK_PAGES = 16384  # pages per InventorySnapshotChunk
 # Shape limits (InvalidArgument when exceeded).
+MAX_PIN_REPLICAS = 16  # workers that keep a copy of a pinned prefix
 MAX_ID_CHARS = 256  # worker, session, request, run, snapshot and pin ids; addresses
 MAX_IDENTITY_FIELD_CHARS = 512  # each string field of a namespace / model identity
 MAX_TEXT_CHARS = 4096  # reasons, error messages, tool names, problems

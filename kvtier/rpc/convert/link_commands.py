@@ -1,5 +1,5 @@
 """WorkerLink messages from the controller: demote, prefetch, drop, invalidate, snapshot, drain,
-pin and unpin commands, and the command envelope."""
+pin, unpin and fetch commands, and the command envelope."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from kvtier.domain.records import (
     DemoteCommand,
     DrainCommand,
     DropCommand,
+    FetchCommand,
     InvalidateCommand,
     PinCommand,
     PinId,
@@ -24,6 +25,7 @@ from kvtier.domain.records import (
     SnapshotId,
     TicketKeyCommand,
     UnpinCommand,
+    WorkerId,
 )
 from kvtier.rpc._gen import worker_link_pb2
 from kvtier.rpc.convert.common import from_proto_invalidation_scope, to_proto_invalidation_scope
@@ -234,6 +236,23 @@ def from_proto_ticket_key_command(msg: worker_link_pb2.TicketKeyCommand, path: s
     return TicketKeyCommand(key=bytes(msg.key))
 
 
+def to_proto_fetch_command(command: FetchCommand) -> worker_link_pb2.FetchCommand:
+    return worker_link_pb2.FetchCommand(peer_worker_id=command.peer_worker_id,
+                                        namespace_digest=command.namespace_digest, page_keys=command.page_keys,
+                                        max_pages=command.max_pages)
+
+
+def from_proto_fetch_command(msg: worker_link_pb2.FetchCommand, path: str = "fetch") -> FetchCommand:
+    if bool(msg.page_keys) == bool(msg.max_pages):
+        raise invalid(join_path(path, "page_keys"), "exactly one of page_keys and max_pages must be set")
+    return FetchCommand(
+        peer_worker_id=WorkerId(read_string(msg.peer_worker_id, join_path(path, "peer_worker_id"), required=True)),
+        namespace_digest=read_digest(msg.namespace_digest, join_path(path, "namespace_digest")),
+        page_keys=_command_keys(msg, path) if msg.page_keys else (),
+        max_pages=msg.max_pages,
+    )
+
+
 # Command type -> (oneof member, to_proto); oneof member -> from_proto.
 _COMMAND_WRITERS: dict[type, tuple[str, Callable[[Any], Any]]] = {
     DemoteCommand: ("demote", to_proto_demote_command),
@@ -245,6 +264,7 @@ _COMMAND_WRITERS: dict[type, tuple[str, Callable[[Any], Any]]] = {
     PinCommand: ("pin", to_proto_pin_command),
     UnpinCommand: ("unpin", to_proto_unpin_command),
     TicketKeyCommand: ("ticket_key", to_proto_ticket_key_command),
+    FetchCommand: ("fetch", to_proto_fetch_command),
 }
 _COMMAND_PARSERS: dict[str, Callable[[Any, str], Command]] = {
     "demote": from_proto_demote_command,
@@ -256,6 +276,7 @@ _COMMAND_PARSERS: dict[str, Callable[[Any, str], Command]] = {
     "pin": from_proto_pin_command,
     "unpin": from_proto_unpin_command,
     "ticket_key": from_proto_ticket_key_command,
+    "fetch": from_proto_fetch_command,
 }
 
 

@@ -32,6 +32,7 @@ from kvtier.domain.records import (
     TokenPrefix,
     WorkerId,
 )
+from kvtier.domain.tiers import Tier
 from kvtier.engine import SamplingParams
 from kvtier.rpc._gen import worker_pb2, worker_pb2_grpc
 from kvtier.rpc.convert.worker import (
@@ -255,3 +256,38 @@ async def test_route_in_the_cluster_ranks_by_estimated_ttft(workers, controller,
         decision = await client.route(namespace, tokens)
     assert all(w.estimated_ttft_ms > 0 for w in decision.workers)
     assert [w.estimated_ttft_ms for w in decision.workers] == sorted(w.estimated_ttft_ms for w in decision.workers)
+
+
+async def test_a_drained_workers_pinned_prefix_is_a_hit_on_a_peer_on_another_node(
+        workers, controller, served, hf_model):
+    """The controller moves the pin's pages from the draining worker to a peer on another node
+    (the receiver pulls them through the object store), then the drain empties the worker."""
+    b = workers["b"]
+    namespace, tokens = served, prompt(3)
+    expected = oracle(hf_model, tokens)
+    assert (await generate(b, namespace, tokens))[0] == expected
+    await eventually(lambda: _held_by(controller, namespace, tokens, {b.worker_id}), timeout_s=30,
+                     what="the prefix listed on b")
+    async with AsyncClient(controller.address) as client:
+        pin = await client.pin(namespace, TokenPrefix(tuple(tokens[:40])), Tier.HBM)
+        assert pin.num_pinned_pages == 10
+        await client.drain(b.worker_id)
+    found = await eventually(lambda: _moved(controller, namespace, tokens, b), timeout_s=120,
+                             what="the pinned prefix on a peer and gone from b")
+    receiver = next(w for w in workers.values() if w.worker_id in found)
+    assert node_of(receiver.actor) != node_of(b.actor)
+    out, usage = await generate(receiver, namespace, tokens)
+    assert out == expected
+    assert usage.cached_tokens >= 40 and usage.recomputed_tokens == 0
+    await assert_clean(receiver)
+    await assert_clean(b)
+
+
+async def _held_by(controller, namespace, tokens, workers):
+    found = await holders(controller, namespace, tokens)
+    return {w for w, n in found.items() if n == 40} == workers
+
+
+async def _moved(controller, namespace, tokens, drained):
+    found = {w for w, n in (await holders(controller, namespace, tokens)).items() if n == 40}
+    return found if found and drained.worker_id not in found else None
