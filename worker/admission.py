@@ -143,6 +143,18 @@ class Admission(Generic[R]):
         if node is not None and self._engine.index.get(node.key) is node:
             self._engine.index.unpin(node.key)
 
+    def release_queued(self) -> int:
+        """Release the pins of requests handed to the engine and not yet stepped; how many.
+
+        Those pins keep a queued request's pages in HBM until its first step. When nothing runs
+        and the engine still cannot admit the queue's head, the other queued requests' pins are
+        what hold the room it needs: their pages stay cached but may leave HBM, and a request
+        whose pages left promotes or recomputes them on admission."""
+        queued = [run_id for run_id in self._pinned if run_id not in self._waiting]
+        for run_id in queued:
+            self.release(run_id)
+        return len(queued)
+
     def ready(self) -> Iterator[Admitted[R]]:
         """Each waiting request that has its room and its pages in HBM, in arrival order; for the
         first that lacks either, start a background demotion or bring its pages up (once). The

@@ -349,6 +349,8 @@ class EngineLoop:
                     if outputs:
                         self.runs.dispatch(outputs)
                     else:
+                        if not self.engine.num_running:  # nothing runs: queued pins hold the room
+                            self.admission.release_queued()
                         self._stall()
                 self.upkeep.after_step()
         except BaseException as exc:  # a bug in the engine: stop serving rather than guess

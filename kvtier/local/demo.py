@@ -86,9 +86,8 @@ class DemoOptions:
     fetch_sigma: float = 0.5
     fetch_range_s: tuple[float, float] = (0.5, 6.0)
     stagger_s: float = 0.4  # between the starts of a tenant's sessions
-    # HBM holds this many sessions' final contexts: 2.5 of 6 (2 of 4 in --quick). With about 17
-    # HBM pages per concurrent session the worker stalled with requests queued and nothing
-    # running (an open worker issue); 21 and more ran through.
+    # HBM holds this many sessions' final contexts: 2.5 of 6 (2 of 4 in --quick), fewer than
+    # run, so paused sessions' pages go down to DRAM and NVMe.
     hbm_sessions: float = 2.5
     dram_sessions: float = 1.5  # and DRAM this many; NVMe holds the rest
     seed: int = 0
