@@ -11,7 +11,7 @@ STAMP := $(VENV)/.kvtier-installed
 NODE_DIR := tests/contract_node
 NODE_STAMP := $(NODE_DIR)/node_modules/.kvtier-installed
 
-.PHONY: setup node-setup test test-redis-cluster demo bench proto proto-check proto-lint lint typecheck clean
+.PHONY: setup node-setup test test-slow test-redis-cluster demo bench proto proto-check proto-lint lint typecheck clean
 
 setup: $(STAMP)
 
@@ -47,8 +47,13 @@ lint: setup
 typecheck: setup
 	$(BIN)/python scripts/typecheck.py
 
+# The multi-node Ray tests (each starts a Ray cluster of several nodes in a subprocess,
+# about a minute each) are marked slow: `make test-slow` runs them, and CI runs both.
 test: setup node-setup lint typecheck proto-check proto-lint
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
 
 # The Redis-backed stores' whole suites on a Redis Cluster that the tests start on loopback
 # (three masters with a replica each; needs redis-server and redis-cli), plus the cluster's own

@@ -9,10 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 CASES = Path(__file__).parent / "multinode" / "peer_cluster_cases.py"
 TIMEOUT_S = 600
 
 
+@pytest.mark.slow
 def test_peer_fetch_on_a_three_node_ray_cluster(tmp_path):
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     result = subprocess.run(
