@@ -128,7 +128,7 @@ class TurnRecord:
 class ModeResult:
     mode: str
     records: list[TurnRecord]
-    transcript: list[dict[str, Any]]  # tenant-a session 0's messages, as sent
+    transcript: list[dict[str, Any]]  # the messages of tenant-a's first session, as sent
     prefetch: dict[str, Any]
     wall_s: float
     fetch_s: list[float] = field(default_factory=list)

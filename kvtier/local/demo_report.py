@@ -113,7 +113,7 @@ def text_report(out: dict[str, Any], transcript: list[dict[str, Any]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     table = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
              for r in rows]
-    lines = ["kvtier demo: " + out["workload"], "", "One conversation (tenant-a, session 0), as the agent sent it:"]
+    lines = ["kvtier demo: " + out["workload"], "", "One conversation (tenant-a's first session), as the agent sent it:"]
     lines += ["  " + line for line in transcript_lines(transcript)]
     lines += ["", *table]
     ratio = out.get("resume_ttft_tiered_over_hbm_only")

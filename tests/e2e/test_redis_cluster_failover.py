@@ -22,6 +22,7 @@ import grpc
 import grpc.aio
 import pytest
 import pytest_asyncio
+from directory_checks import directory_matches_inventory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtier.client import AsyncClient
@@ -31,7 +32,6 @@ from kvtier.controller.redis_connect import connect
 from kvtier.controller.server import serve_controller
 from kvtier.domain.hashing import namespace_digest
 from kvtier.domain.records import RouteRequest, TokenPrefix
-from kvtier.domain.tiers import Tier
 from kvtier.engine import Engine, SamplingParams
 from kvtier.engine.model.loader import TINY_LLAMA_CONFIG, write_random_checkpoint
 from kvtier.rpc._gen import router_pb2_grpc
@@ -62,25 +62,6 @@ async def worker(checkpoint):
     )
     yield server
     await server.stop(0)
-
-
-async def directory_matches_inventory(reader: Directory, worker) -> bool:
-    """Every page the worker caches is routable to it at its depth and tier; nothing else is."""
-    await reader.refresh_workers(revive=True)
-    (inventory, *others) = await worker.loop.inventory()
-    assert not others, "one namespace"
-    pages = {p.page_key: (p.parent_key, p.depth) for p in inventory.pages}
-    stats = await reader.stats(inventory.namespace_digest)
-    if stats.num_entries != len(pages) or stats.entries_by_worker != {worker.worker_id: len(pages)}:
-        return False
-    for key, (_, depth) in pages.items():
-        chain = [key]
-        while len(chain) < depth:
-            chain.append(pages[chain[-1]][0])
-        result = await reader.lookup(inventory.namespace_digest, chain[::-1])
-        if [(m.worker, bytes(m.tiers)) for m in result.matches] != [(worker.worker_id, bytes([Tier.HBM] * depth))]:
-            return False
-    return bool(pages)
 
 
 async def test_a_killed_primary_degrades_routing_then_the_directory_is_rebuilt_with_nothing_wrong_served(
@@ -156,6 +137,7 @@ async def test_a_killed_primary_degrades_routing_then_the_directory_is_rebuilt_w
                     f"counters {dict(controller.links.counters)}")
                 await asyncio.sleep(0.1)
             converged_at = loop.time()
+            assert len(await worker.loop.inventory()) == 1, "one namespace"
             num_answered = len(answers)
             await wait_for(lambda: len(answers) > num_answered and not answers[-1][1], timeout_s=15,
                            what="a Route no longer degraded")
