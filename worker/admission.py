@@ -236,10 +236,9 @@ class Admission(Generic[R]):
                            wait.hold_wait_s)
 
     def _short(self, request: GenerateRequest, chain: list[RadixNode]) -> int:
-        """HBM pages the request's admission would free by spilling: the pages it allocates
-        (promoted, new, its first output's)."""
-        ps = self._engine.pool.page_size
-        return self._room.short_for(len(request.prompt_token_ids) + min(request.sampling.max_tokens, ps), chain)
+        """HBM pages the request's admission would free by spilling: the pages it takes
+        (promoted, new, copy-on-write, its output's reservation; ``Room.short_for``)."""
+        return self._room.short_for(len(request.prompt_token_ids), request.sampling.max_tokens, chain)
 
     def _waiting_sessions(self) -> set[SessionRef]:
         return {ref for w in self._waiting.values() if (ref := self._session_of(w)) is not None}

@@ -9,19 +9,15 @@ yield, the weakest first (``Holds.yield_weakest``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from kvtier.cache.radix import RadixNode
 from kvtier.domain.tiers import Tier
 from kvtier.engine.engine import Engine
+from kvtier.policy.admission import shortfall
 from kvtier.tiers.transfer import TransferReason
 from kvtier.worker.holds import Holds, require_tiers
 from kvtier.worker.session_ref import SessionRef
-
-
-def num_in_hbm(chain: Sequence[RadixNode]) -> int:
-    """How many of ``chain``'s pages, from the root, are in HBM before the first one that is not."""
-    return next((i for i, n in enumerate(chain) if n.tier is not Tier.HBM), len(chain))
 
 
 class Room:
@@ -50,21 +46,24 @@ class Room:
         return next((t for t in (Tier.DRAM, Tier.NVME) if tiers.is_usable(t)), None)
 
     def backlog_pages(self) -> int:
-        """HBM pages the requests added to the engine and not yet admitted will allocate.
+        """HBM pages the requests added to the engine and not yet admitted will take
+        (``Engine.queued_demand``).
 
         Each was added because the free pages covered it, but a burst of them was measured
         against the same free pages; the ones the free pages no longer cover would take their
         room from session holds on the engine thread, whatever the hold's rank. Counted, such a
         request waits outside and its room is made here, holds yielding in rank order."""
-        return sum(max(num_pages - num_in_hbm(self._engine.cached_chain(keys)), 0)
-                   for keys, num_pages in self._engine.queued_demand())
+        return sum(pages.num_pages for pages in self._engine.queued_demand())
 
-    def short_for(self, num_tokens: int, chain: list[RadixNode]) -> int:
-        """HBM pages admitting a request that allocates ``num_tokens`` tokens' pages, of which
-        ``chain`` is cached, would have to free by spilling on the engine thread: beyond those
-        free to take and not promised to the requests the engine has yet to admit."""
-        ps = self._engine.pool.page_size
-        return -(-num_tokens // ps) - num_in_hbm(chain) - self.free_hbm() + self.backlog_pages()
+    def short_for(self, num_tokens: int, num_output_left: int, chain: list[RadixNode]) -> int:
+        """HBM pages admitting a request of ``num_tokens`` prompt tokens (``num_output_left`` to
+        generate), of which ``chain`` is cached, would have to free by spilling on the engine
+        thread. The pages it takes, its output's reservation included, are the engine's count
+        (``kvtier.policy.admission``); the room is the worker's: the pages free to take at no
+        copy, less those promised to the requests the engine has yet to admit (the scheduler's
+        is every page it may take at all, evicting or spilling)."""
+        pages = self._engine.admission_pages(num_tokens, num_output_left, chain)
+        return shortfall(pages, self.free_hbm() - self.backlog_pages())
 
     def needs(self, num_pages: int, *, rank: float | None = None, session: SessionRef | None = None) -> bool:
         """Fewer than ``num_pages`` HBM pages free to take, and room for them on its way

@@ -41,6 +41,7 @@ from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampler import make_generator, sample
 from kvtier.engine.scheduler import ReleasePin, Scheduler, SchedulerConfig
 from kvtier.engine.sequence import Sequence, SequenceStatus
+from kvtier.policy.admission import AdmissionPages
 from kvtier.tiers.manager import TierConfig, TierManager
 
 log = logging.getLogger("kvtier.engine")
@@ -388,10 +389,19 @@ class Engine:
         """Namespaces of the requests the scheduler holds, queued or running."""
         return {seq.namespace for seq in (*self.scheduler.waiting, *self.scheduler.running)}
 
-    def queued_demand(self) -> list[tuple[list[PageKey], int]]:
-        """For each queued request: its full pages' keys, and the pages its admission
-        allocates (its tokens and the first one it generates)."""
-        return [(seq.full_page_keys(), seq.pages_for(seq.num_tokens + 1)) for seq in self.scheduler.waiting]
+    def queued_demand(self) -> list[AdmissionPages]:
+        """The pages each queued request's admission takes, in queue order, its cached prefix
+        as the index holds it now (``admission_pages``)."""
+        return [self.admission_pages(seq.num_tokens, seq.params.max_tokens - seq.num_output,
+                                     self.cached_chain(seq.full_page_keys()))
+                for seq in self.scheduler.waiting]
+
+    def admission_pages(self, num_tokens: int, num_output_left: int, chain: Iterable[RadixNode]) -> AdmissionPages:
+        """The pages admitting a request of ``num_tokens`` tokens (``num_output_left`` still to
+        generate) takes, ``chain`` its cached prefix, root first (``Scheduler.admission_pages``)."""
+        tiers = [n.tier for n in chain]
+        num_hbm = next((i for i, t in enumerate(tiers) if t is not Tier.HBM), len(tiers))
+        return self.scheduler.admission_pages(num_tokens, num_output_left, num_hbm, len(tiers) - num_hbm)
 
     def cached_chain(self, keys: Iterable[PageKey]) -> list[RadixNode]:
         """Cached nodes of the longest cached prefix of ``keys`` (root first)."""

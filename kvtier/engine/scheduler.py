@@ -12,6 +12,10 @@ resume by recompute — mostly prefix-cache hits.
 
     pool pages:  [ free | cached idle (evictable, leaves first) | in use ]
     available for admission = free + evictable idle − Σ reservations of running seqs
+
+The pages an admission takes, and whether they fit, are ``kvtier.policy.admission``'s: the
+scheduler's room is every page it may take at all (free, or idle: evicted or spilled on the
+way), less the reservations of running sequences and less the idle pages the request hits.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from kvtier.cache.radix import RadixIndex
 from kvtier.domain.errors import IntegrityError, ResourceExhausted
 from kvtier.domain.tiers import Tier
 from kvtier.engine.sequence import Sequence, SequenceStatus
+from kvtier.policy.admission import AdmissionPages, admission_pages, reserved_pages, shortfall
 from kvtier.tiers.manager import TierManager
 
 # Releases one pin that may yield under pressure; False when none may.
@@ -91,9 +96,20 @@ class Scheduler:
         self.waiting.append(seq)
 
     def _reservation(self, seq: Sequence) -> int:
-        remaining = seq.params.max_tokens - seq.num_output
-        tokens = min(max(remaining, 1), self.config.output_reservation_tokens)
-        return seq.pages_for(seq.num_tokens + tokens) - seq.pages_for(seq.num_tokens)
+        return reserved_pages(seq.num_tokens, self.page_size, num_output_left=seq.params.max_tokens - seq.num_output,
+                              reservation_tokens=self.config.output_reservation_tokens)
+
+    def admission_pages(
+        self, num_tokens: int, num_output_left: int, num_hbm_hits: int, num_lower_hits: int
+    ) -> AdmissionPages:
+        """The pages admitting a request of ``num_tokens`` tokens (``num_output_left`` still to
+        generate) takes, ``num_hbm_hits`` of its cached prefix in HBM and ``num_lower_hits`` below
+        (``kvtier.policy.admission``)."""
+        return admission_pages(
+            num_tokens=num_tokens, page_size=self.page_size, num_hbm_hits=num_hbm_hits,
+            num_lower_hits=num_lower_hits if self.tiers is not None else 0, num_output_left=num_output_left,
+            reservation_tokens=self.config.output_reservation_tokens,
+        )
 
     def _available(self) -> int:
         reserved = sum(s.reserved_pages for s in self.running)
@@ -149,13 +165,11 @@ class Scheduler:
         hits = hits[:num_hbm]
         total_pages = seq.pages_for(seq.num_tokens)
         # Admission counts every page not already in HBM, promoted ones included.
-        full_hit = (num_hbm + len(lower)) * ps >= seq.num_tokens
-        new_pages = total_pages - num_hbm + (1 if full_hit else 0)
-        reserve = self._reservation(seq)
+        demand = self.admission_pages(seq.num_tokens, seq.params.max_tokens - seq.num_output, num_hbm, len(lower))
         idle_hits = sum(1 for n in hits if self.pool.ref_count(n.page) == 0)
-        available = self._available() - idle_hits
-        if new_pages + (reserve if self.running else 0) > available:
+        if shortfall(demand, self._available() - idle_hits, is_alone=not self.running) > 0:
             return False
+        reserve = self._reservation(seq)
 
         self.index.touch(match.nodes)  # admitted: a real reuse (a waiting request is not one)
         pages: list[PageId] = []
