@@ -41,7 +41,7 @@ def hf(ckpt):
 
 def shadow_keys(engine) -> set:
     """Keys of the pages that have a copy below kept as a shadow (decision 0012), any tier."""
-    return {key for shadows in engine.tiers._shadows.values() for key in shadows}
+    return engine.tiers.shadows.keys()
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -324,10 +324,10 @@ def test_a_page_pinned_while_its_demotion_is_in_flight_stays_where_it_was(ckpt, 
     assert {n.key for n in chain} <= shadow_keys(engine) and engine.tiers.counters.demotions_abandoned == 2
     engine.check_integrity()
     engine.index.unpin(chain[1].key)
-    entry = engine.tiers._defer_shadowed(chain[1], Tier.DRAM)  # going back onto its copy, in a batch
+    entry = engine.tiers.shadows.defer(chain[1], Tier.DRAM)  # going back onto its copy, in a batch
     assert entry is not None and chain[1].moving
     engine.index.pin(chain[1].key)
-    assert not engine.tiers._apply_shadowed(entry)
+    assert not engine.tiers.shadows.apply(entry)
     assert chain[1].tier is Tier.HBM and chain[1].key in shadow_keys(engine)
     engine.index.unpin(chain[1].key)
     engine.check_integrity()
@@ -518,10 +518,10 @@ def test_a_page_picked_up_before_its_demotion_lands_keeps_its_shadow(ckpt, tmp_p
     engine.generate([base[:12] + [8]], params)
     node = engine.index.get(page_keys(engine.digest_for(None), base, PS)[2])
     assert node.tier is Tier.HBM and node.key in shadow_keys(engine)
-    entry = engine.tiers._defer_shadowed(node, Tier.DRAM)
+    entry = engine.tiers.shadows.defer(node, Tier.DRAM)
     assert entry is not None and node.moving and node.key not in shadow_keys(engine)
     engine.index.pool.acquire(node.page)  # a sequence takes the page before the demotion applies
-    assert not engine.tiers._apply_shadowed(entry)
+    assert not engine.tiers.shadows.apply(entry)
     assert node.tier is Tier.HBM and not node.moving and node.key in shadow_keys(engine)
     engine.index.pool.release(node.page)
     engine.tiers.check_integrity()

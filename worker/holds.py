@@ -298,7 +298,7 @@ class Holds:
                     or node.tier > command.tier):
                 continue
             # A page on its way to a slower tier is pinned too: its demotion, once it lands,
-            # leaves a pinned page where it was (``TierManager._apply_demotion``).
+            # leaves a pinned page where it was (``Demotions.apply``).
             index.pin(key)
             nodes.append(node)
         if existing is None:

@@ -50,8 +50,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict
-from collections.abc import Collection
+import time
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,19 +59,22 @@ from kvtier.cache.clean_pages import CleanPages
 from kvtier.cache.page_pool import PageId, PagePool
 from kvtier.cache.radix import RadixIndex, RadixNode
 from kvtier.domain.errors import IntegrityError, InvalidArgument
-from kvtier.domain.hashing import PageKey, short
+from kvtier.domain.hashing import PageKey
 from kvtier.domain.tiers import Tier
+from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.demotion import Demotions
 from kvtier.tiers.dram import DramPool
-from kvtier.tiers.moves import MoveOutcome, MoveTicket, PendingMove
-from kvtier.tiers.nvme.format import SlotId
+from kvtier.tiers.moves import MoveOutcome, MovesInFlight, MoveTicket, finish
 from kvtier.tiers.nvme.pool import NvmePool
 from kvtier.tiers.page_codec import PageCodec
+from kvtier.tiers.pools import SimulatedSlots, TierPools
 from kvtier.tiers.promotion import Promotions
-from kvtier.tiers.room import RoomMaking
-from kvtier.tiers.shadows import Shadow, ShadowCopies
-from kvtier.tiers.transfer import TransferDone, TransferId, TransferReason
+from kvtier.tiers.room import RoomMaker
+from kvtier.tiers.shadows import Shadows
+from kvtier.tiers.transfer import TransferDone, TransferReason
 from kvtier.tiers.transfer_engine import TransferEngine
+
+__all__ = ["TierConfig", "TierCounters", "TierManager", "Watermark"]
 
 log = logging.getLogger("kvtier.domain.tiers")
 # Longest single block on the transfer engine's completion condition while waiting for a ticket.
@@ -114,77 +117,16 @@ class TierConfig:
     lower_codec: PageCodec | None = None
 
 
-@dataclass(slots=True)
-class TierCounters:
-    """Totals for telemetry. Bytes moved per tier pair include synchronous spills."""
-
-    bytes_moved: dict[tuple[Tier, Tier], int] = field(default_factory=dict)
-    pages_moved: dict[tuple[Tier, Tier], int] = field(default_factory=dict)
-    pages_dropped: int = 0
-    checksum_failures: int = 0
-    # Pages copied down for nothing: they stayed where they were once the copy landed, because
-    # a sequence took them up meanwhile (reused) or a pin kept them there, or a page below them
-    # stayed (kept: a session's hold recalled them, an operator pinned them).
-    demotions_abandoned: int = 0
-    demotions_kept: int = 0  # of those, not taken up by a sequence
-    disk_full_events: int = 0
-    promotion_wait_s: float = 0.0
-    promoted_pages: int = 0
-    spill_link_wait_s: float = 0.0  # synchronous moves waiting on an emulated link (engine thread)
-    # HBM pages demoted onto the DRAM copy they were promoted from (no bytes moved; module doc)
-    demotions_without_copy: int = 0
-
-    def moved(self, src: Tier, dst: Tier, num_pages: int, page_bytes: int) -> None:
-        pair = (src, dst)
-        self.pages_moved[pair] = self.pages_moved.get(pair, 0) + num_pages
-        self.bytes_moved[pair] = self.bytes_moved.get(pair, 0) + num_pages * page_bytes
-
-
-class SimulatedSlots:
-    """The NVMe tier of a simulated manager: slot accounting only (no files, no I/O)."""
-
-    recovery = None  # nothing to restore after a restart
-
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._used: set[int] = set()
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self) -> SlotId | None:
-        if not self._free:
-            return None
-        slot = self._free.pop()
-        self._used.add(slot)
-        return SlotId(slot)
-
-    def free(self, slot: SlotId) -> None:
-        if slot not in self._used:
-            raise IntegrityError(f"free of simulated nvme slot {slot} that is already free")
-        self._used.remove(slot)
-        self._free.append(slot)
-
-    def close(self) -> None:
-        pass
-
-    def check_integrity(self) -> None:
-        if len(self._free) + len(self._used) != self.num_slots:
-            raise IntegrityError(
-                f"simulated nvme: free {len(self._free)} + used {len(self._used)} != total {self.num_slots}"
-            )
-
-
-class TierManager(ShadowCopies, RoomMaking, Demotions, Promotions):
+class TierManager:
     """Owns the DRAM and NVMe pools and the transfer engine of one engine.
 
     Runs on the engine thread only (``maintain`` once per step); the transfer engine's
-    worker threads never touch the index. Its parts, one concept each, share this state:
-    shadows (``kvtier.tiers.shadows``), room-making and synchronous moves (``room``),
-    demotions (``demotion``) and promotions (``promotion``); completed transfers are applied
-    here, in ``poll``, and nowhere else.
+    worker threads never touch the index. It composes parts that each own their state and
+    are handed what they need: the pools (``kvtier.tiers.pools``), the shadows and the clean
+    pages they make (``shadows``), destinations and synchronous moves (``room``), demotions
+    (``demotion``) and promotions (``promotion``), the last two sharing the moves in flight
+    (``moves.MovesInFlight``). Completed transfers are applied here, in ``poll``, and nowhere
+    else; the public methods below are the engine's, the worker's and the tools' one surface.
     """
 
     def __init__(self, index: RadixIndex, config: TierConfig) -> None:
@@ -210,28 +152,27 @@ class TierManager(ShadowCopies, RoomMaking, Demotions, Promotions):
             codec=config.lower_codec,
         )
         self.counters = TierCounters()
-        self._pending: dict[TransferId, PendingMove] = {}
-        # A tier whose writes fail (disk full, I/O errors) gets no new pages for a while,
-        # so the engine drops instead of retrying the same failing copy every step.
-        self._failing_until: dict[Tier, float] = {}
-        # Copies below of HBM pages promoted from DRAM or NVMe (module doc), oldest first; the
-        # node one belongs to must still be that key's node, in HBM, for it to be used.
-        # Oldest first per tier (an allocation there takes the oldest); a key has at most one.
-        self._shadows: dict[Tier, OrderedDict[PageKey, Shadow]] = {Tier.DRAM: OrderedDict(), Tier.NVME: OrderedDict()}
-        self._keep_shadow: RadixNode | None = None  # a promotion in progress keeps its page below
-        # HBM pages free to take at no copy, kept as they change (None: simulated, no copies)
-        self.clean = None if config.simulate else CleanPages(index, self._has_copy, self._copied_nodes)
-        index.release_lower = self._release_lower
-        # While a prefetch allocates, the pages it must not take (``start_prefetch(spared=...)``).
-        self._spared: Collection[PageKey] = ()
-        index.on_remove.append(self._free_shadow)
-        index.on_move.append(self._on_moved)
+        self.pools = TierPools(self.hbm, self.dram, self.nvme, failure_backoff_s=config.failure_backoff_s)
+        self.shadows = Shadows(index, self.pools, self.counters, simulate=config.simulate)
+        self.room = RoomMaker(index, self.pools, self.shadows, self.transfers, self.counters,
+                              simulate=config.simulate, page_bytes=self.page_bytes)
+        self.in_flight = MovesInFlight()
+        self.demotions = Demotions(index, self.pools, self.shadows, self.room, self.transfers, self.in_flight,
+                                   self.counters, page_bytes=self.page_bytes)
+        self.promotions = Promotions(index, self.pools, self.shadows, self.room, self.transfers, self.in_flight,
+                                     self.counters, simulate=config.simulate, page_bytes=self.page_bytes,
+                                     wait_for=self.wait_for)
         if self.nvme is not None:
             self._restore_nvme()
 
     @property
     def tiers(self) -> list[Tier]:
-        return [t for t, p in ((Tier.HBM, self.hbm), (Tier.DRAM, self.dram), (Tier.NVME, self.nvme)) if p]
+        return self.pools.tiers
+
+    @property
+    def clean(self) -> CleanPages | None:
+        """HBM pages free to take at no copy, kept as they change (None: simulated, no copies)."""
+        return self.shadows.clean
 
     def close(self) -> None:
         self.transfers.close()
@@ -240,21 +181,6 @@ class TierManager(ShadowCopies, RoomMaking, Demotions, Promotions):
             self.nvme.close()
 
     # ---- locations ------------------------------------------------------------------
-    def _release_lower(self, node: RadixNode) -> None:
-        if node is self._keep_shadow:  # promoted: the copy below stays, identical (module doc)
-            self._keep_shadow = None
-            self._add_shadow(Shadow(node, node.tier, node.page, node.checksum))
-            return
-        self._release_copy(node.tier, node.page)
-
-    def _release_copy(self, tier: Tier, page: int) -> None:
-        if tier is Tier.DRAM:
-            assert self.dram is not None
-            self.dram.unmark_cached(PageId(page))
-        elif tier is Tier.NVME:
-            assert self.nvme is not None
-            self.nvme.free(SlotId(page))
-
     def _num_free(self, tier: Tier) -> int:
         pool = {Tier.HBM: self.hbm, Tier.DRAM: self.dram, Tier.NVME: self.nvme}[tier]
         if pool is None:
@@ -264,31 +190,93 @@ class TierManager(ShadowCopies, RoomMaking, Demotions, Promotions):
         return pool.num_free + self.num_shadows(tier)  # shadows give way
 
     def num_reclaimable(self) -> int:
-        """HBM pages an allocation can have without copying a byte: the free ones, and the idle
-        ones whose copy below is intact (clean) with nothing under them in HBM that must stay
-        (leaves leave first: a clean page above a held or uncopied page is not free to take).
-        Exact at every call, and O(what changed since the last one) (``kvtier.cache.clean_pages``)."""
-        return self.hbm.num_free + (0 if self.clean is None else self.clean.count())
+        """HBM pages an allocation can have without copying a byte (``Shadows.num_reclaimable``)."""
+        return self.shadows.num_reclaimable()
 
     def is_clean(self, node: RadixNode) -> bool:
         """Whether ``node`` is one of the clean HBM pages ``num_reclaimable`` counts."""
-        return self.clean is not None and self.clean.contains(node)
+        return self.shadows.is_clean(node)
 
-    def _set_moving(self, node: RadixNode, moving: bool) -> None:
-        node.moving = moving
-        self._touch(node)
-
-    def _touch(self, node: RadixNode) -> None:
-        """``node``'s copy below or moving flag changed: the clean set looks at it again."""
-        if self.clean is not None:
-            self.clean.touch(node)
+    def num_shadows(self, tier: Tier) -> int:
+        """Pages of ``tier`` that are copies of HBM pages (module doc): cached, and free to take."""
+        return self.shadows.count(tier)
 
     def capacity(self, tier: Tier) -> int:
         """Pages (slots on NVMe) this tier has; 0 when it is not configured."""
-        if tier is Tier.NVME:
-            return 0 if self.nvme is None else self.nvme.num_slots
-        pool = self.hbm if tier is Tier.HBM else self.dram
-        return 0 if pool is None else pool.num_pages
+        return self.pools.capacity(tier)
+
+    def is_usable(self, tier: Tier) -> bool:
+        """Configured, and not backing off after a failed write."""
+        return self.pools.is_usable(tier)
+
+    # ---- room and synchronous moves (``RoomMaker``) ------------------------------------
+    def reclaim_clean(self, *, search: int = 32) -> bool:
+        """Free one HBM page at no copy (``RoomMaker.reclaim_clean``)."""
+        return self.room.reclaim_clean(search=search)
+
+    def free_hbm_page(self) -> bool:
+        """Free one HBM page for an allocation that found none (``RoomMaker.free_hbm_page``)."""
+        return self.room.free_hbm_page()
+
+    def spill(self, node: RadixNode) -> bool:
+        """Free an HBM victim's page now (``RoomMaker.spill``)."""
+        return self.room.spill(node)
+
+    def move_to_free(self, node: RadixNode, dst: Tier) -> bool:
+        """Move an evictable ``node`` down to ``dst`` now, only into a free page there (``RoomMaker.move_to_free``)."""
+        return self.room.move_to_free(node, dst)
+
+    def demote_all(self, dst: Tier) -> int:
+        """Move every idle cached page above ``dst`` down to it, synchronously (drain, tests)."""
+        return self.room.demote_all(dst)
+
+    # ---- demotions (``Demotions``) -----------------------------------------------------
+    def demote(self, src: Tier, dst: Tier, num_pages: int, reason: TransferReason, *, dirty_only: bool = False) -> int:
+        """Start moving up to ``num_pages`` of ``src``'s coldest idle pages to ``dst`` (``Demotions.demote``)."""
+        return self.demotions.demote(src, dst, num_pages, reason, dirty_only=dirty_only)
+
+    def start_demotion(self, nodes: Sequence[RadixNode], dst: Tier) -> MoveTicket:
+        """Start moving the idle ones of ``nodes`` down to ``dst`` (``Demotions.start``)."""
+        return self.demotions.start(nodes, dst)
+
+    def demote_pages(self, nodes: Sequence[RadixNode], dst: Tier) -> MoveOutcome:
+        """``start_demotion`` and wait until it is applied (tests, tools)."""
+        return self.wait_for(self.start_demotion(nodes, dst))
+
+    def num_leaving(self, tier: Tier) -> int:
+        """Pages of ``tier`` in background transfers to a slower tier: freed there once applied."""
+        return self.in_flight.num_leaving(tier)
+
+    def wait_leaving(self, tier: Tier, timeout_s: float = 30.0) -> None:
+        """Block, applying transfers as they complete, until no background transfer out of
+        ``tier`` is left (or ``timeout_s`` passed): the pages they carry are free once applied.
+        For an allocation that found every idle page on its way down (decision 0012)."""
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight.has_from(tier):
+            left_s = deadline - time.monotonic()
+            if left_s <= 0 or not self.poll(timeout_s=left_s):
+                break
+        self.poll()
+
+    # ---- promotions (``Promotions``) ---------------------------------------------------
+    def promote(self, nodes: Sequence[RadixNode]) -> list[RadixNode]:
+        """Bring matched lower-tier pages (a chain, parents first) into HBM, verified
+        (``Promotions.promote``): the leading nodes now in HBM, one reference each for the caller."""
+        return self.promotions.promote(nodes)
+
+    def start_prefetch(
+        self, chain: Sequence[RadixNode], *, for_request: bool = False, spared: Collection[PageKey] = (),
+    ) -> MoveTicket:
+        """Start promoting the lower-tier pages of ``chain`` (root first) into HBM (``Promotions.start_prefetch``)."""
+        return self.promotions.start_prefetch(chain, for_request=for_request, spared=spared)
+
+    def cancel_prefetches(self, nodes: Sequence[RadixNode]) -> int:
+        """Cancel the prefetches in flight for any of ``nodes`` and apply them now (``Promotions.cancel``)."""
+        return self.promotions.cancel(nodes)
+
+    def prefetch(self, chain: Sequence[RadixNode]) -> MoveOutcome:
+        """``start_prefetch`` and wait until it is applied (tests, tools)."""
+        return self.wait_for(self.start_prefetch(chain))
 
     # ---- each step, completions -------------------------------------------------------
     def maintain(self) -> None:
@@ -310,7 +298,7 @@ class TierManager(ShadowCopies, RoomMaking, Demotions, Promotions):
         free = self._num_free(tier)
         if capacity - free <= mark.high * capacity:
             return
-        in_flight = sum(len(p.nodes) for p in self._pending.values() if p.src is tier)
+        in_flight = self.in_flight.num_from(tier)
         want = math.ceil((1.0 - mark.low) * capacity) - free - in_flight
         if want > 0:
             self.demote(tier, dst, min(want, self.config.max_batch_pages), TransferReason.WATERMARK,
@@ -318,12 +306,12 @@ class TierManager(ShadowCopies, RoomMaking, Demotions, Promotions):
 
     def has_pending(self) -> bool:
         """Transfers started and not yet applied (finished ones wait for ``poll``)."""
-        return bool(self._pending)
+        return bool(self.in_flight)
 
     def hbm_holds(self) -> dict[PageId, int]:
         """HBM pages this manager holds a reference on (sources of demotions in flight)."""
         holds: dict[PageId, int] = {}
-        for p in self._pending.values():
+        for p in self.in_flight:
             for entry in p.shadowed:  # going back onto their copy with the others
                 holds[entry.hbm_page] = holds.get(entry.hbm_page, 0) + 1
             if p.src is Tier.HBM:
@@ -345,13 +333,13 @@ class TierManager(ShadowCopies, RoomMaking, Demotions, Promotions):
 
     def _on_done(self, done: TransferDone) -> None:
         transfer_id = done.transfer.transfer_id
-        pending = self._pending.get(transfer_id)
+        pending = self.in_flight.get(transfer_id)
         if pending is None:
             return
         ticket = pending.ticket
         if ticket is None:
-            del self._pending[transfer_id]
-            self._apply_demotion(pending, done)
+            self.in_flight.pop(transfer_id)
+            self.demotions.apply(pending, done)
             return
         pending.done = done
         ticket.num_open -= 1
@@ -359,34 +347,18 @@ class TierManager(ShadowCopies, RoomMaking, Demotions, Promotions):
             self._apply_ticket(ticket)
 
     def _apply_ticket(self, ticket: MoveTicket) -> None:
-        parts = [self._pending.pop(tid) for tid in ticket.transfer_ids]
+        parts = [self.in_flight.pop(tid) for tid in ticket.transfer_ids]
         if ticket.is_promotion:
-            self._apply_prefetch(ticket, parts)
+            self.promotions.apply(ticket, parts)
         else:
             # Slower sources first: a page in DRAM lies below the HBM pages of its chain, and a
             # page may leave its tier only once nothing below it is faster than its target.
             for part in sorted(parts, key=lambda p: -int(p.src)):
                 assert part.done is not None
-                moved = self._apply_demotion(part, part.done)
+                moved = self.demotions.apply(part, part.done)
                 ticket.num_moved += moved
                 ticket.num_skipped += len(part.nodes) + len(part.shadowed) - moved
-        self._finish(ticket)
-
-    @staticmethod
-    def _finish(ticket: MoveTicket) -> None:
-        ticket.is_done = True
-        if ticket.on_done is not None:
-            ticket.on_done(ticket.outcome)
-
-    def _free_target(self, tier: Tier, target: int) -> None:
-        if tier is Tier.DRAM:
-            assert self.dram is not None
-            self.dram.release(PageId(target))
-        elif tier is Tier.NVME:
-            assert self.nvme is not None
-            self.nvme.free(SlotId(target))
-        else:
-            self.hbm.release(PageId(target))
+        finish(ticket)
 
     def wait_idle(self, timeout_s: float = 30.0) -> None:
         """Block until every started transfer is applied (tests, drain, shutdown)."""
@@ -434,30 +406,9 @@ class TierManager(ShadowCopies, RoomMaking, Demotions, Promotions):
 
     def check_integrity(self) -> None:
         self.index.check_integrity()
-        if self.clean is not None:
-            self.clean.check()
         if self.dram is not None:
             self.dram.check_integrity()
-            held = sum(1 for n in self.index.nodes() if n.tier is Tier.DRAM)
-            all_shadows = [*self._shadows[Tier.DRAM].values(),
-                           *(e.shadow for p in self._pending.values() for e in p.shadowed)]
-            shadows = [PageId(sh.page) for sh in all_shadows if sh.tier is Tier.DRAM]
-            cached = sum(1 for p in range(self.dram.num_pages) if self.dram.is_cached(PageId(p)))
-            if held + len(shadows) != cached:
-                raise IntegrityError(
-                    f"DRAM caches {cached} pages but the index places {held} there and {len(shadows)} are shadows")
-            if len(set(shadows)) != len(shadows) or not all(self.dram.is_cached(p) for p in shadows):
-                raise IntegrityError("a DRAM shadow page is shared or not cached")
-        for key, shadow in [*self._shadows[Tier.DRAM].items(), *self._shadows[Tier.NVME].items()]:
-            if shadow.node.key != key or self.index.get(key) is not shadow.node or shadow.node.tier is not Tier.HBM:
-                raise IntegrityError(f"shadow of page {short(key)} outlived its HBM page")
-            if shadow.tier is Tier.NVME:
-                assert self.nvme is not None
-                stored = self.nvme.entry(SlotId(shadow.page))
-                if stored is None or stored[0] != key:
-                    raise IntegrityError(f"nvme shadow slot {shadow.page} does not hold page {short(key)}")
-        if self._shadows[Tier.DRAM].keys() & self._shadows[Tier.NVME].keys():
-            raise IntegrityError("a page has shadows in two tiers")
+        self.shadows.check_integrity(self.in_flight.shadowed())
         if self.nvme is not None:
             self.nvme.check_integrity()
         self.transfers.check_integrity()

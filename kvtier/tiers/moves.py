@@ -1,9 +1,9 @@
-"""Records of the tier manager's moves in flight: a commanded move's ticket and outcome (the
-controller's Demote and Prefetch), and the part of a move one transfer carries."""
+"""Records of the tier manager's moves: a commanded move's ticket and outcome (the controller's
+Demote and Prefetch), the part of a move one transfer carries, and the parts in flight."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvtier.cache.radix import RadixNode
@@ -61,3 +61,53 @@ class PendingMove:
     # The source pages the move holds, by node: a node may move or go meanwhile, and the hold
     # is released on the page it was taken on, never on wherever the node points now.
     srcs: list[int] = field(default_factory=list)
+
+
+def finish(ticket: MoveTicket) -> None:
+    """Mark ``ticket`` done and run its acknowledgement (``on_done``), once."""
+    ticket.is_done = True
+    if ticket.on_done is not None:
+        ticket.on_done(ticket.outcome)
+
+
+class MovesInFlight:
+    """The parts of moves whose transfers were submitted and are not applied yet, by transfer.
+
+    Demotions and promotions add their parts here; the tier manager applies each once its
+    transfer completes (``TierManager.poll``). Every page a part holds carries an extra
+    reference (HBM/DRAM) or a reserved slot (NVMe) until then."""
+
+    def __init__(self) -> None:
+        self._parts: dict[TransferId, PendingMove] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._parts)
+
+    def __iter__(self) -> Iterator[PendingMove]:
+        return iter(self._parts.values())
+
+    def add(self, transfer_id: TransferId, part: PendingMove) -> None:
+        self._parts[transfer_id] = part
+
+    def get(self, transfer_id: TransferId) -> PendingMove | None:
+        return self._parts.get(transfer_id)
+
+    def pop(self, transfer_id: TransferId) -> PendingMove:
+        return self._parts.pop(transfer_id)
+
+    def num_leaving(self, tier: Tier) -> int:
+        """Pages of ``tier`` in transfers to a slower tier: freed there once applied."""
+        return sum(len(p.nodes) + len(p.shadowed) for p in self._parts.values() if p.src is tier and p.dst > tier)
+
+    def num_from(self, tier: Tier) -> int:
+        """Pages in transfers out of ``tier``, either way."""
+        return sum(len(p.nodes) for p in self._parts.values() if p.src is tier)
+
+    def has_from(self, tier: Tier) -> bool:
+        """Whether any transfer out of ``tier`` is in flight."""
+        return any(p.src is tier for p in self._parts.values())
+
+    def shadowed(self) -> list[Shadowed]:
+        """Demotions onto a copy below reserved by the parts in flight."""
+        return [entry for p in self._parts.values() for entry in p.shadowed]
+

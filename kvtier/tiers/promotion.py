@@ -5,20 +5,46 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from kvtier.cache.page_pool import PageId
-from kvtier.cache.radix import RadixNode
+from kvtier.cache.radix import RadixIndex, RadixNode
 from kvtier.domain.hashing import PageKey, short
 from kvtier.domain.tiers import Tier
-from kvtier.tiers.moves import MoveOutcome, MoveTicket, PendingMove
+from kvtier.tiers.counters import TierCounters
+from kvtier.tiers.moves import MoveOutcome, MovesInFlight, MoveTicket, PendingMove, finish
+from kvtier.tiers.pools import TierPools
+from kvtier.tiers.room import RoomMaker
+from kvtier.tiers.shadows import Shadows
 from kvtier.tiers.transfer import TransferReason, TransferStatus
+from kvtier.tiers.transfer_engine import TransferEngine
+
+# Blocks, applying every transfer that completes meanwhile, until a ticket is done.
+WaitFor = Callable[[MoveTicket], MoveOutcome]
 
 log = logging.getLogger("kvtier.domain.tiers")
 
 
 class Promotions:
-    """Promotions of ``TierManager``, which holds the pending transfers (``_pending``)."""
+    """Promotions of one tier manager: allocates HBM pages (``RoomMaker``), copies the pages
+    up (a promotion on hit waits for its copy; a prefetch adds its parts to the moves in flight,
+    and the manager hands its ticket back, ``apply``, once all of them completed). ``wait_for``:
+    the manager's wait for a ticket, for a prefetch a promotion or a cancellation waits on."""
+
+    def __init__(
+        self, index: RadixIndex, pools: TierPools, shadows: Shadows, room: RoomMaker, transfers: TransferEngine,
+        in_flight: MovesInFlight, counters: TierCounters, *, simulate: bool, page_bytes: int, wait_for: WaitFor,
+    ) -> None:
+        self._index = index
+        self._pools = pools
+        self._shadows = shadows
+        self._room = room
+        self._transfers = transfers
+        self._in_flight = in_flight
+        self._counters = counters
+        self._simulate = simulate
+        self._page_bytes = page_bytes
+        self._wait_for = wait_for
 
     def promote(self, nodes: Sequence[RadixNode]) -> list[RadixNode]:
         """Bring matched lower-tier pages (a chain, parents first) into HBM, verified.
@@ -35,20 +61,20 @@ class Promotions:
         arrived: list[RadixNode] = []
         if prefetches := self._prefetches_of(nodes):
             for ticket in prefetches:
-                self.wait_for(ticket)
+                self._wait_for(ticket)
             # What landed now leads the chain in HBM; a page the prefetch left below (or that a
             # failed checksum dropped, with what hangs below it) ends what it brought.
             remaining: list[RadixNode] = []
             for node in nodes:
-                if self.index.get(node.key) is not node:
+                if self._index.get(node.key) is not node:
                     break
                 if node.tier is Tier.HBM and not remaining:
-                    self.hbm.acquire(PageId(node.page))
+                    self._pools.hbm.acquire(PageId(node.page))
                     arrived.append(node)
                 else:
                     remaining.append(node)
-            self.counters.promotion_wait_s += time.perf_counter() - start
-            self.counters.promoted_pages += len(arrived)
+            self._counters.promotion_wait_s += time.perf_counter() - start
+            self._counters.promoted_pages += len(arrived)
             nodes = remaining
         return arrived + self._promote_now(nodes)
 
@@ -59,7 +85,7 @@ class Promotions:
         start = time.perf_counter()
         pages = self._allocate_hbm(list(nodes))
         for node in nodes[: len(pages)]:
-            self._set_moving(node, False)
+            self._shadows.set_moving(node, False)
         nodes = list(nodes[: len(pages)])
         promoted: list[RadixNode] = []
         failed_at: RadixNode | None = None
@@ -68,36 +94,36 @@ class Promotions:
             groups.setdefault(node.tier, []).append(i)
         ok = [False] * len(nodes)
         for tier, idx in groups.items():
-            if self.config.simulate:  # no bytes to copy: every page arrives intact
+            if self._simulate:  # no bytes to copy: every page arrives intact
                 for i in idx:
                     ok[i] = True
             else:
                 if tier is Tier.DRAM:
-                    assert self.dram is not None
-                    self.dram.set_checksums([PageId(nodes[i].page) for i in idx], [nodes[i].checksum or 0 for i in idx])
-                transfer = self.transfers.submit(
+                    assert self._pools.dram is not None
+                    self._pools.dram.set_checksums([PageId(nodes[i].page) for i in idx], [nodes[i].checksum or 0 for i in idx])
+                transfer = self._transfers.submit(
                     tier, Tier.HBM, [(nodes[i].page, pages[i]) for i in idx], TransferReason.PROMOTION_ON_HIT,
                     priority=10, awaited=True,
                 )
-                done = self.transfers.result(transfer.transfer_id)
+                done = self._transfers.result(transfer.transfer_id)
                 verified = done.verified or [done.is_ok] * len(idx)
                 for j, i in enumerate(idx):
                     ok[i] = done.status is TransferStatus.OK and verified[j]
-            self.counters.moved(tier, Tier.HBM, sum(ok[i] for i in idx), self.page_bytes)
+            self._counters.moved(tier, Tier.HBM, sum(ok[i] for i in idx), self._page_bytes)
         for i, node in enumerate(nodes):
             if ok[i] and failed_at is None:
-                self._move_up(node, pages[i])
+                self._shadows.move_up(node, pages[i])
                 promoted.append(node)
             else:
-                self.hbm.release(pages[i])
+                self._pools.hbm.release(pages[i])
                 if failed_at is None:
                     failed_at = node
-        if failed_at is not None and self.index.get(failed_at.key) is failed_at:
-            self.counters.checksum_failures += 1
-            self.counters.pages_dropped += self.index.drop_subtree(failed_at)
+        if failed_at is not None and self._index.get(failed_at.key) is failed_at:
+            self._counters.checksum_failures += 1
+            self._counters.pages_dropped += self._index.drop_subtree(failed_at)
             log.warning("page %s failed its checksum on promotion; dropped and recomputed", short(failed_at.key))
-        self.counters.promotion_wait_s += time.perf_counter() - start
-        self.counters.promoted_pages += len(promoted)
+        self._counters.promotion_wait_s += time.perf_counter() - start
+        self._counters.promoted_pages += len(promoted)
         return promoted
 
     def _allocate_hbm(self, nodes: list[RadixNode]) -> list[PageId]:
@@ -105,16 +131,16 @@ class Promotions:
         ``nodes`` are marked moving (not victims while we make room); those that get a page
         stay so, the rest are victims again."""
         for node in nodes:
-            self._set_moving(node, True)
+            self._shadows.set_moving(node, True)
         pages: list[PageId] = []
         for _ in nodes:
-            page = self._allocate(Tier.HBM)
+            page = self._room.allocate(Tier.HBM)
             if page is None:
                 break
             pages.append(PageId(page))
         for node in nodes[len(pages) :]:  # staying below: a victim again (a pop skipped it)
-            self._set_moving(node, False)
-            self.index.requeue(node)
+            self._shadows.set_moving(node, False)
+            self._index.requeue(node)
         return pages
 
     def start_prefetch(
@@ -150,28 +176,25 @@ class Promotions:
             if node.moving:  # on its way between lower tiers: nothing below it may rise above it
                 break
             lower.append(node)
-        if self.config.simulate:  # completes at once (no bytes to copy)
+        if self._simulate:  # completes at once (no bytes to copy)
             if hold is not None:
-                self.index.pin(hold.key)
+                self._index.pin(hold.key)
             promoted = self._promote_now(lower)
             if hold is not None:
-                self.index.unpin(hold.key)
+                self._index.unpin(hold.key)
             self._settle_prefetched(promoted)
             ticket.num_moved, ticket.num_skipped = len(promoted), num_below - len(promoted)
             ticket.promoted = [n.key for n in promoted]
-            self._finish(ticket)
+            finish(ticket)
             return ticket
         # Making room for the pages coming up must not spill their ancestors (idle, and leaves
         # in HBM while their children are below): a child may not rise above its parent. One
         # pin on the deepest holds the chain above it (leaves go first) until the ticket is applied.
         if hold is not None and lower:
-            self.index.pin(hold.key)
+            self._index.pin(hold.key)
             ticket.hold = hold
-        self._spared = spared
-        try:
+        with self._room.sparing(spared):
             pages = self._allocate_hbm(lower)
-        finally:
-            self._spared = ()
         lower = lower[: len(pages)]
         ticket.num_skipped = num_below - len(lower)
         groups: dict[Tier, list[int]] = {}
@@ -179,30 +202,30 @@ class Promotions:
             groups.setdefault(node.tier, []).append(i)
         for tier, idx in groups.items():  # DRAM (the parents) before NVMe
             if tier is Tier.DRAM:
-                assert self.dram is not None
-                self.dram.set_checksums([PageId(lower[i].page) for i in idx], [lower[i].checksum or 0 for i in idx])
+                assert self._pools.dram is not None
+                self._pools.dram.set_checksums([PageId(lower[i].page) for i in idx], [lower[i].checksum or 0 for i in idx])
             nodes = [lower[i] for i in idx]
             dsts = [int(pages[i]) for i in idx]
             # Above background demotions in the lanes; below a request's promotion on hit.
-            transfer = self.transfers.submit(
+            transfer = self._transfers.submit(
                 tier, Tier.HBM, list(zip([n.page for n in nodes], dsts, strict=True)),
                 TransferReason.PROMOTION_ON_HIT if for_request else TransferReason.PREFETCH,
                 priority=10 if for_request else 5,
             )
-            self._pending[transfer.transfer_id] = PendingMove(nodes, dsts, tier, Tier.HBM, ticket)
+            self._in_flight.add(transfer.transfer_id, PendingMove(nodes, dsts, tier, Tier.HBM, ticket))
             ticket.transfer_ids.append(transfer.transfer_id)
             ticket.num_open += 1
         if not ticket.num_open:
             self._release_hold(ticket)
-            self._finish(ticket)
+            finish(ticket)
         return ticket
 
     def _release_hold(self, ticket: MoveTicket) -> None:
         hold, ticket.hold = ticket.hold, None
-        if hold is not None and self.index.get(hold.key) is hold and hold.pins > 0:
-            self.index.unpin(hold.key)
+        if hold is not None and self._index.get(hold.key) is hold and hold.pins > 0:
+            self._index.unpin(hold.key)
 
-    def _apply_prefetch(self, ticket: MoveTicket, parts: list[PendingMove]) -> None:
+    def apply(self, ticket: MoveTicket, parts: list[PendingMove]) -> None:
         """Point the index at the pages that arrived intact, parents first; stop at the first
         that did not (cancelled, failed, a checksum mismatch: that page and its subtree are
         dropped, as on a promotion on hit)."""
@@ -215,25 +238,25 @@ class Promotions:
             verified = done.verified if done.verified is not None else [done.is_ok] * len(part.nodes)
             num_ok = 0
             for j, (node, page) in enumerate(zip(part.nodes, part.dsts, strict=True)):
-                self._set_moving(node, False)
-                in_place = self.index.get(node.key) is node and node.tier is part.src
+                self._shadows.set_moving(node, False)
+                in_place = self._index.get(node.key) is node and node.tier is part.src
                 arrived = done.status is TransferStatus.OK and verified[j]
                 num_ok += arrived
                 parent_in_hbm = node.parent is None or node.parent.tier is Tier.HBM
                 if not is_stopped and in_place and arrived and parent_in_hbm:
-                    self._move_up(node, page)
+                    self._shadows.move_up(node, page)
                     promoted.append(node)
                     continue
-                self.hbm.release(PageId(page))
+                self._pools.hbm.release(PageId(page))
                 if in_place:
-                    self.index.requeue(node)
+                    self._index.requeue(node)
                     if not is_stopped and done.status is TransferStatus.OK and not verified[j]:
                         failed_at = node
                 is_stopped = True
-            self.counters.moved(part.src, Tier.HBM, num_ok, self.page_bytes)
-        if failed_at is not None and self.index.get(failed_at.key) is failed_at:
-            self.counters.checksum_failures += 1
-            self.counters.pages_dropped += self.index.drop_subtree(failed_at)
+            self._counters.moved(part.src, Tier.HBM, num_ok, self._page_bytes)
+        if failed_at is not None and self._index.get(failed_at.key) is failed_at:
+            self._counters.checksum_failures += 1
+            self._counters.pages_dropped += self._index.drop_subtree(failed_at)
             log.warning("page %s failed its checksum on prefetch; dropped", short(failed_at.key))
         self._release_hold(ticket)
         self._settle_prefetched(promoted)
@@ -245,29 +268,25 @@ class Promotions:
         # A prefetch is a use to come (the session returns soon): counted as one, so the pages
         # are not the first victims of the next demotion with an access clock as old as the
         # pause. Touched while still held, they enter the eviction heap with the new clock.
-        self.index.touch(promoted)
+        self._index.touch(promoted)
         for node in promoted:  # each arrived with one reference (its allocation); the cache keeps it
-            self.hbm.release(PageId(node.page))
+            self._pools.hbm.release(PageId(node.page))
 
     def _prefetches_of(self, nodes: Sequence[RadixNode]) -> list[MoveTicket]:
         keys = {n.key for n in nodes}
         tickets: dict[int, MoveTicket] = {}
-        for part in self._pending.values():
+        for part in self._in_flight:
             if part.ticket is not None and part.ticket.is_promotion and any(n.key in keys for n in part.nodes):
                 tickets[id(part.ticket)] = part.ticket
         return list(tickets.values())
 
-    def cancel_prefetches(self, nodes: Sequence[RadixNode]) -> int:
+    def cancel(self, nodes: Sequence[RadixNode]) -> int:
         """Cancel the prefetches in flight for any of ``nodes`` and apply them now: pages of a
         transfer that completed first land, the others stay below. Returns how many."""
         tickets = self._prefetches_of(nodes)
         for ticket in tickets:
             for transfer_id in ticket.transfer_ids:
-                self.transfers.cancel(transfer_id)
+                self._transfers.cancel(transfer_id)
         for ticket in tickets:
-            self.wait_for(ticket)
+            self._wait_for(ticket)
         return len(tickets)
-
-    def prefetch(self, chain: Sequence[RadixNode]) -> MoveOutcome:
-        """``start_prefetch`` and wait until it is applied (tests, tools)."""
-        return self.wait_for(self.start_prefetch(chain))
