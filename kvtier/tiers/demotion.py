@@ -1,5 +1,5 @@
 """Demotions of the tier manager: background watermark demotion and the controller's commanded ones
-(``start_demotion``), submitted as transfers and applied to the index once they land."""
+(``start``), submitted as transfers and applied to the index once they land."""
 
 from __future__ import annotations
 

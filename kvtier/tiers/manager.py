@@ -74,8 +74,6 @@ from kvtier.tiers.shadows import Shadows
 from kvtier.tiers.transfer import TransferDone, TransferReason
 from kvtier.tiers.transfer_engine import TransferEngine
 
-__all__ = ["TierConfig", "TierCounters", "TierManager", "Watermark"]
-
 log = logging.getLogger("kvtier.domain.tiers")
 # Longest single block on the transfer engine's completion condition while waiting for a ticket.
 WAIT_STEP_S = 1.0
