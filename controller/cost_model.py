@@ -1,9 +1,10 @@
 """Route by estimated time to first token: the registry's live numbers fed to the pure cost
 model (``kvtier.policy.routing.choose_by_ttft``), the result as a ranking with fetch plans.
 
-What each candidate contributes, as of its last heartbeat: its queue depth, the prefix it holds
-by tier (the directory), and the rates it measured on itself (``WorkerCosts``: prefill per
-token, fetch bandwidth and set-up, promotion bandwidth, wait per queued request). Bytes per
+What each candidate contributes, as of its last heartbeat: its queued and running requests
+(plus the Routes that picked it since), the prefix it holds by tier (the directory), and the
+rates it measured on itself (``WorkerCosts``: prefill per token, fetch bandwidth and set-up,
+promotion bandwidth, wait per request ahead). Bytes per
 token come from its registration (HBM capacity bytes over pages over page size). A rate not
 measured yet takes ``CostParams``' stand-in.
 
@@ -13,6 +14,7 @@ history is there, and the estimate does not see a session's future turns.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 from kvtier.controller.registry import WorkerEntry
@@ -76,8 +78,12 @@ def rank_entries_by_ttft(
     *, prompt_tokens: int, page_size: int, params: RouterParams, affinity: WorkerId | None,
 ) -> tuple[RankedWorker, ...]:
     """``rank_by_ttft`` with each worker's measured costs and the bytes per token of its pages
-    from the registry."""
+    from the registry; the Routes that picked a worker since its last heartbeat count as queued
+    there (Routes between two heartbeats would otherwise all see the same idle worker)."""
     costs = {e.worker_id: e.costs for e in entries if e.costs is not None}
+    routed = {e.worker_id: e.num_routed for e in entries}
+    candidates = [dataclasses.replace(c, load=dataclasses.replace(
+        c.load, queue_depth=c.load.queue_depth + routed.get(c.worker_id, 0))) for c in candidates]
     token_bytes = max((entry_bytes_per_token(e) for e in entries), default=FALLBACK_BYTES_PER_TOKEN)
     return rank_by_ttft(candidates, matched, costs, prompt_tokens=prompt_tokens, page_size=page_size,
                         token_bytes=token_bytes, params=params, affinity=affinity)

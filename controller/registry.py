@@ -49,6 +49,9 @@ class WorkerEntry:
     tiers: tuple[TierOccupancy, ...] = ()
     queue_depth: int = 0
     num_running_seqs: int = 0
+    # Routes that picked it first since its last heartbeat: requests on their way that its
+    # queue depth does not show yet (Route by estimated TTFT counts them as queued).
+    num_routed: int = 0
     is_draining: bool = False
     costs: WorkerCosts | None = None  # measured by the worker, as of its last heartbeat that had them
 
@@ -115,7 +118,14 @@ class Registry:
         entry.tiers = heartbeat.tiers
         entry.queue_depth = heartbeat.queue_depth
         entry.num_running_seqs = heartbeat.num_running_seqs
+        entry.num_routed = 0
         entry.costs = heartbeat.costs or entry.costs
+
+    def routed(self, worker: WorkerId) -> None:
+        """A Route picked ``worker`` first (``WorkerEntry.num_routed``)."""
+        entry = self._workers.get(worker)
+        if entry is not None:
+            entry.num_routed += 1
 
     def disconnect(self, worker: WorkerId, link_id: int) -> None:
         entry = self._workers.get(worker)

@@ -205,6 +205,8 @@ class Router:
                              else len(keys) * namespace.page_size)
             ranked = rank_entries_by_ttft(entries, candidates, matched, prompt_tokens=prompt_tokens,
                                           page_size=namespace.page_size, params=self.params, affinity=affinity)
+            if ranked:  # the pick's queue, until its next heartbeat shows the request
+                self.registry.routed(ranked[0].worker_id)
         else:
             ranked = rank_workers(candidates, matched, self.params, affinity)
         if request.session_id and self.on_session_route is not None:

@@ -58,7 +58,8 @@ class Run:
     num_emitted: int = 0
     digest: NamespaceDigest | None = None  # of its namespace, from admission on
     waited: Admitted[Run] | None = None  # its wait outside the engine, if it waited
-    num_queued_ahead: int = 0  # requests queued in the engine when it was added
+    added_at: float = 0.0  # handed to the engine, after any wait outside it (time.perf_counter)
+    num_queued_ahead: int = 0  # requests in the engine when it was added: queued or running
 
 
 class Runs:
@@ -123,7 +124,8 @@ class Runs:
 
     def _add(self, run: Run, digest: NamespaceDigest) -> None:
         request = run.request
-        run.num_queued_ahead = self._engine.num_queued
+        run.added_at = time.perf_counter()
+        run.num_queued_ahead = self._engine.num_queued + self._engine.num_running
         self._engine.enqueue(list(request.prompt_token_ids), request.sampling, request_id=run.run_id,
                              priority=request.priority, namespace=request.namespace)
         self._page_events.admitted(digest, request.namespace or self._engine.namespace)
@@ -186,7 +188,7 @@ class Runs:
 
     def _final(self, run: Run) -> GenerateFinal:
         result = self._engine.pop_result(run.run_id)
-        self._costs.finished(submitted_at=run.submitted_at, prefill_started_at=result.prefill_started_at,
+        self._costs.finished(submitted_at=run.added_at, prefill_started_at=result.prefill_started_at,
                              first_token_at=run.first_token_at, num_queued_ahead=run.num_queued_ahead,
                              num_computed_tokens=len(result.prompt_token_ids) - result.num_cached_tokens)
         waited = run.waited
