@@ -101,10 +101,11 @@ def test_unmeasured_workers_use_the_stand_ins_and_affinity_stays_first():
     assert FALLBACK_BYTES_PER_TOKEN > 0
 
 
-def test_running_sequences_and_routes_since_the_heartbeat_count_as_requests_ahead():
+def test_running_sequences_and_routes_since_the_heartbeat_count_as_work_ahead():
     """A continuous batch admits at once: the holder's queue shows 0 while 8 requests run, and
-    Routes between two heartbeats see no queue at all. Both count, at the measured wait per
-    request ahead, until the next heartbeat reports them."""
+    Routes between two heartbeats see no queue at all. Running sequences count at the measured
+    wait per request ahead; the requests Routes sent since the heartbeat by the tokens they will
+    prefill there, until the next heartbeat reports them."""
     reg = registry({"a": 0, "b": 0})
     ranked = route(reg, 2048, 2080)
     assert ranked[0].worker_id == "a" and ranked[0].fetch is None  # idle holder
@@ -116,13 +117,12 @@ def test_running_sequences_and_routes_since_the_heartbeat_count_as_requests_ahea
     assert holder.estimated_ttft_ms == pytest.approx(8 * 40.0 + 32 * 0.5)
 
     reg = registry({"a": 0, "b": 0})
-    picks = []
-    for _ in range(12):
-        ranked = route(reg, 2048, 2080)
-        reg.routed(ranked[0].worker_id)  # as Router.route does for its pick
-        picks.append(ranked[0].worker_id)
-    assert picks[0] == "a" and "b" in picks, picks  # the holder fills up, then the peer fetches
+    reg.routed(WorkerId("a"), 1024)  # a request on its way will prefill 1,024 tokens on a
+    ranked = route(reg, 2048, 2080)
+    assert ranked[0].worker_id == "b" and ranked[0].fetch == PeerFetch(WorkerId("a"), 128)
+    holder = next(r for r in ranked if r.worker_id == "a")
+    assert holder.estimated_ttft_ms == pytest.approx(1024 * 0.5 + 32 * 0.5)
     entry = reg.get(WorkerId("a"))
-    assert entry.num_routed == picks.count("a") > 0
-    reg.heartbeat(WorkerId("a"), 0, Heartbeat(2, (hbm,), queue_depth=0, costs=MEASURED))
-    assert entry.num_routed == 0, "the heartbeat's queue shows them from now on"
+    assert entry.num_routed == 1 and entry.routed_tokens == 1024
+    reg.heartbeat(WorkerId("a"), 0, Heartbeat(2, (hbm,), queue_depth=1, costs=MEASURED))
+    assert entry.num_routed == entry.routed_tokens == 0, "the heartbeat's queue shows it from now on"
