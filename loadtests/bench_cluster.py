@@ -14,8 +14,11 @@ routings, each on fresh namespaces (its own tenant names), same requests:
   once its queue penalty outweighs the prefix;
 * (c) ``peer_fetch``: Route by estimated TTFT (``route_by_ttft``), with the fetch plan.
 
-Per routing: TTFT p50 / p99, tokens/s, recomputed prompt tokens (prompt − cached, summed) and
-bytes moved between workers. ``fetch_over_prefill_2k``: node B's worker fetching a 2,048-token
+Per routing: TTFT p50 / p99, tokens/s, recomputed prompt tokens (prompt − cached, summed),
+bytes moved between workers, how many requests went where (``picks``: the worker, ``+fetch``
+with a fetch plan) and where the slowest ones spent their time (``slowest``: Route, the
+worker's own time to first token with any fetch, Route's estimate). Routed requests go
+straight to the Route's first pick with its fetch plan. ``fetch_over_prefill_2k``: node B's worker fetching a 2,048-token
 prefix from node A's worker (pull, verify, install; pages in A's HBM, host memory on this CPU
 machine, as DRAM is) over the prefill of the same prompt on an idle worker.
 
