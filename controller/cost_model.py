@@ -1,9 +1,10 @@
 """Route by estimated time to first token: the registry's live numbers fed to the pure cost
 model (``kvtier.policy.routing.choose_by_ttft``), the result as a ranking with fetch plans.
 
-What each candidate contributes, as of its last heartbeat: its queue depth, the prefix it holds
+What each candidate contributes, as of its last heartbeat: its queued and running requests
+(plus the tokens that the Routes that picked it since will prefill there), the prefix it holds
 by tier (the directory), and the rates it measured on itself (``WorkerCosts``: prefill per
-token, fetch bandwidth and set-up, promotion bandwidth, wait per queued request). Bytes per
+token, fetch bandwidth and set-up, promotion bandwidth, wait per request ahead). Bytes per
 token come from its registration (HBM capacity bytes over pages over page size). A rate not
 measured yet takes ``CostParams``' stand-in.
 
@@ -46,13 +47,16 @@ def rank_by_ttft(
     token_bytes: float,
     params: RouterParams,
     affinity: WorkerId | None = None,
+    routed_tokens: Mapping[WorkerId, int] | None = None,
 ) -> tuple[RankedWorker, ...]:
     """Candidates least estimated TTFT first; a pick that counts on a peer's pages carries the
-    fetch plan. ``score`` is minus the estimate, so higher is still better."""
+    fetch plan. ``score`` is minus the estimate, so higher is still better. ``routed_tokens``:
+    tokens that requests on their way will prefill on each worker, queued ahead of this one."""
+    routed = routed_tokens or {}
     by_id = {c.worker_id: c for c in candidates}
     estimates = choose_by_ttft(
         [CostCandidate(c.worker_id, c.load, matched.get(c.worker_id, TokensByTier()),
-                       costs.get(c.worker_id, WorkerCosts())) for c in candidates],
+                       costs.get(c.worker_id, WorkerCosts()), routed.get(c.worker_id, 0)) for c in candidates],
         prompt_tokens, page_size, CostParams(bytes_per_token=token_bytes),
     )
     sticky = affinity if affinity in by_id and not is_overloaded(by_id[affinity].load, params) else None
@@ -76,11 +80,14 @@ def rank_entries_by_ttft(
     *, prompt_tokens: int, page_size: int, params: RouterParams, affinity: WorkerId | None,
 ) -> tuple[RankedWorker, ...]:
     """``rank_by_ttft`` with each worker's measured costs and the bytes per token of its pages
-    from the registry."""
+    from the registry; the tokens the Routes that picked a worker since its last heartbeat will
+    prefill there count as work queued ahead (Routes between two heartbeats would otherwise all
+    see the same idle worker)."""
     costs = {e.worker_id: e.costs for e in entries if e.costs is not None}
+    routed = {e.worker_id: e.routed_tokens for e in entries}
     token_bytes = max((entry_bytes_per_token(e) for e in entries), default=FALLBACK_BYTES_PER_TOKEN)
     return rank_by_ttft(candidates, matched, costs, prompt_tokens=prompt_tokens, page_size=page_size,
-                        token_bytes=token_bytes, params=params, affinity=affinity)
+                        token_bytes=token_bytes, params=params, affinity=affinity, routed_tokens=routed)
 
 
 def entry_bytes_per_token(entry: WorkerEntry) -> float:

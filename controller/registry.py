@@ -49,6 +49,11 @@ class WorkerEntry:
     tiers: tuple[TierOccupancy, ...] = ()
     queue_depth: int = 0
     num_running_seqs: int = 0
+    # Routes that picked it first since its last heartbeat: requests on their way that its
+    # queue does not show yet, and the prompt tokens they will prefill there (Route by
+    # estimated TTFT counts that work as queued ahead).
+    num_routed: int = 0
+    routed_tokens: int = 0
     is_draining: bool = False
     costs: WorkerCosts | None = None  # measured by the worker, as of its last heartbeat that had them
 
@@ -115,7 +120,16 @@ class Registry:
         entry.tiers = heartbeat.tiers
         entry.queue_depth = heartbeat.queue_depth
         entry.num_running_seqs = heartbeat.num_running_seqs
+        entry.num_routed = entry.routed_tokens = 0
         entry.costs = heartbeat.costs or entry.costs
+
+    def routed(self, worker: WorkerId, num_tokens: int) -> None:
+        """A Route picked ``worker`` first for a request that will prefill ``num_tokens`` there
+        (``WorkerEntry.num_routed``)."""
+        entry = self._workers.get(worker)
+        if entry is not None:
+            entry.num_routed += 1
+            entry.routed_tokens += num_tokens
 
     def disconnect(self, worker: WorkerId, link_id: int) -> None:
         entry = self._workers.get(worker)

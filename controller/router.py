@@ -205,6 +205,11 @@ class Router:
                              else len(keys) * namespace.page_size)
             ranked = rank_entries_by_ttft(entries, candidates, matched, prompt_tokens=prompt_tokens,
                                           page_size=namespace.page_size, params=self.params, affinity=affinity)
+            if ranked:  # the pick's queue, until its next heartbeat shows the request
+                pick = ranked[0]
+                covered = max(pick.matched_tokens.total_tokens, pick.fetch.num_pages * namespace.page_size
+                              if pick.fetch is not None else 0)
+                self.registry.routed(pick.worker_id, max(prompt_tokens - covered, 1))
         else:
             ranked = rank_workers(candidates, matched, self.params, affinity)
         if request.session_id and self.on_session_route is not None:

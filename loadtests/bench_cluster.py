@@ -14,8 +14,11 @@ routings, each on fresh namespaces (its own tenant names), same requests:
   once its queue penalty outweighs the prefix;
 * (c) ``peer_fetch``: Route by estimated TTFT (``route_by_ttft``), with the fetch plan.
 
-Per routing: TTFT p50 / p99, tokens/s, recomputed prompt tokens (prompt − cached, summed) and
-bytes moved between workers. ``fetch_over_prefill_2k``: node B's worker fetching a 2,048-token
+Per routing: TTFT p50 / p99, tokens/s, recomputed prompt tokens (prompt − cached, summed),
+bytes moved between workers, how many requests went where (``picks``: the worker, ``+fetch``
+with a fetch plan) and where the slowest ones spent their time (``slowest``: Route, the
+worker's own time to first token with any fetch, Route's estimate). Routed requests go
+straight to the Route's first pick with its fetch plan. ``fetch_over_prefill_2k``: node B's worker fetching a 2,048-token
 prefix from node A's worker (pull, verify, install; pages in A's HBM, host memory on this CPU
 machine, as DRAM is) over the prefill of the same prompt on an idle worker.
 
@@ -150,8 +153,6 @@ async def _moved(actors) -> int:  # noqa: ANN001
 
 
 async def _load(client, mode, namespaces, prefixes, sampling, addresses, args) -> dict[str, Any]:  # noqa: ANN001
-    from kvtier.domain.records import GenerateFinal, TokenChunk
-
     rng = random.Random(args.seed + 1)
     jobs = []
     for _ in range(args.requests):
@@ -161,30 +162,76 @@ async def _load(client, mode, namespaces, prefixes, sampling, addresses, args) -
     queue: asyncio.Queue[tuple[int, int, list[int]]] = asyncio.Queue()
     for i, (t, prompt) in enumerate(jobs):
         queue.put_nowait((i, t, prompt))
-    ttfts: list[float] = []
-    recomputed = generated = 0
+    served: list[dict[str, Any]] = []
 
     async def client_loop() -> None:
-        nonlocal recomputed, generated
         while not queue.empty():
             i, t, prompt = queue.get_nowait()
-            worker = order[i % len(order)] if mode == "round_robin" else None
             started = time.perf_counter()
-            first = None
-            async for event in client.generate(namespaces[t], prompt, sampling, worker=worker):
-                if isinstance(event, TokenChunk) and first is None:
-                    first = time.perf_counter()
-                elif isinstance(event, GenerateFinal):
-                    recomputed += event.usage.prompt_tokens - event.usage.cached_tokens
-                    generated += event.usage.generated_tokens
-            ttfts.append(((first or time.perf_counter()) - started) * 1000)
+            if mode == "round_robin":
+                pick = {"worker": order[i % len(order)], "fetch": False, "estimated_ms": 0.0}
+                plan = None
+            else:
+                best = (await client.route(namespaces[t], prompt)).workers[0]
+                pick = {"worker": best.address, "fetch": best.fetch is not None,
+                        "estimated_ms": round(best.estimated_ttft_ms, 1)}
+                plan = best.fetch
+            routed = time.perf_counter()
+            first, final = await _generate(client, namespaces[t], prompt, sampling, pick["worker"], plan)
+            served.append({**pick, "ttft_ms": ((first or time.perf_counter()) - started) * 1000,
+                           "route_ms": (routed - started) * 1000, "worker_ttft_ms": final.ttft_ms,
+                           "recomputed": final.usage.prompt_tokens - final.usage.cached_tokens,
+                           "generated": final.usage.generated_tokens})
 
     started = time.perf_counter()
     await asyncio.gather(*(client_loop() for _ in range(args.concurrency)))
     elapsed = time.perf_counter() - started
+    names = {address: f"w{node}" for node, address in addresses.items()}
+    ttfts = [r["ttft_ms"] for r in served]
+    generated = sum(r["generated"] for r in served)
     return {"ttft_p50_ms": round(statistics.median(ttfts), 2), "ttft_p99_ms": round(percentile(ttfts, 0.99), 2),
             "tokens_per_s": round((generated + sum(len(p) for _, p in jobs)) / elapsed, 1),
-            "generated_tokens_per_s": round(generated / elapsed, 1), "recomputed_tokens": recomputed}
+            "generated_tokens_per_s": round(generated / elapsed, 1),
+            "recomputed_tokens": sum(r["recomputed"] for r in served),
+            "picks": _picks(served, names), "slowest": _slowest(served, names)}
+
+
+async def _generate(client, namespace, prompt, sampling, address, plan):  # noqa: ANN001, ANN202
+    """Generate on ``address`` with the Route's fetch plan: the first token's time and the final event."""
+    from kvtier.domain.records import GenerateRequest, TokenChunk
+    from kvtier.rpc._gen import worker_pb2_grpc
+    from kvtier.rpc.convert.worker import from_proto_generate_event, to_proto_generate_request
+
+    request = GenerateRequest(namespace=namespace, prompt_token_ids=tuple(prompt), sampling=sampling,
+                              peer_fetch=plan)
+    first = final = None
+    stub = worker_pb2_grpc.WorkerStub(client._channel(address))
+    async for message in stub.Generate(to_proto_generate_request(request), timeout=300):
+        event = from_proto_generate_event(message)
+        if isinstance(event, TokenChunk):
+            first = first or time.perf_counter()
+        else:
+            final = event
+    assert final is not None
+    return first, final
+
+
+def _picks(served: list[dict[str, Any]], names: dict[str, str]) -> dict[str, int]:
+    """Requests per pick: the worker, with ``+fetch`` when it fetched from a peer first."""
+    picks: dict[str, int] = {}
+    for r in served:
+        key = names[r["worker"]] + ("+fetch" if r["fetch"] else "")
+        picks[key] = picks.get(key, 0) + 1
+    return dict(sorted(picks.items()))
+
+
+def _slowest(served: list[dict[str, Any]], names: dict[str, str], n: int = 4) -> list[dict[str, Any]]:
+    """The ``n`` slowest first tokens: where each was sent and where its time went (Route; on the
+    worker from arrival to first token, the fetch included; the rest is the network and gRPC)."""
+    slow = sorted(served, key=lambda r: r["ttft_ms"], reverse=True)[:n]
+    return [{"worker": names[r["worker"]], "fetch": r["fetch"], "estimated_ms": r["estimated_ms"],
+             "ttft_ms": round(r["ttft_ms"], 1), "route_ms": round(r["route_ms"], 1),
+             "worker_ttft_ms": round(r["worker_ttft_ms"], 1), "recomputed": r["recomputed"]} for r in slow]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

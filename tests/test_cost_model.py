@@ -99,3 +99,30 @@ def test_unmeasured_workers_use_the_stand_ins_and_affinity_stays_first():
     assert ranked[0].worker_id == "b" and ranked[0].is_affinity
     assert ranked[0].fetch == PeerFetch(WorkerId("a"), 128), "the sticky worker still fetches what a peer holds"
     assert FALLBACK_BYTES_PER_TOKEN > 0
+
+
+def test_running_sequences_and_routes_since_the_heartbeat_count_as_work_ahead():
+    """A continuous batch admits at once: the holder's queue shows 0 while 8 requests run, and
+    Routes between two heartbeats see no queue at all. Running sequences count at the measured
+    wait per request ahead; the requests Routes sent since the heartbeat by the tokens they will
+    prefill there, until the next heartbeat reports them."""
+    reg = registry({"a": 0, "b": 0})
+    ranked = route(reg, 2048, 2080)
+    assert ranked[0].worker_id == "a" and ranked[0].fetch is None  # idle holder
+    hbm = TierOccupancy(Tier.HBM, total_pages=1000, free_pages=1000, cached_pages=0, in_use_pages=0)
+    reg.heartbeat(WorkerId("a"), 0, Heartbeat(2, (hbm,), queue_depth=0, num_running_seqs=8, costs=MEASURED))
+    busy = route(reg, 2048, 2080)
+    assert busy[0].worker_id == "b" and busy[0].fetch == PeerFetch(WorkerId("a"), 128)
+    holder = next(r for r in busy if r.worker_id == "a")
+    assert holder.estimated_ttft_ms == pytest.approx(8 * 40.0 + 32 * 0.5)
+
+    reg = registry({"a": 0, "b": 0})
+    reg.routed(WorkerId("a"), 1024)  # a request on its way will prefill 1,024 tokens on a
+    ranked = route(reg, 2048, 2080)
+    assert ranked[0].worker_id == "b" and ranked[0].fetch == PeerFetch(WorkerId("a"), 128)
+    holder = next(r for r in ranked if r.worker_id == "a")
+    assert holder.estimated_ttft_ms == pytest.approx(1024 * 0.5 + 32 * 0.5)
+    entry = reg.get(WorkerId("a"))
+    assert entry.num_routed == 1 and entry.routed_tokens == 1024
+    reg.heartbeat(WorkerId("a"), 0, Heartbeat(2, (hbm,), queue_depth=1, costs=MEASURED))
+    assert entry.num_routed == entry.routed_tokens == 0, "the heartbeat's queue shows it from now on"

@@ -32,6 +32,7 @@ from kvtier.rpc._gen import worker_pb2_grpc
 from kvtier.rpc.auth import TokenTable, hash_token, make_entry
 from kvtier.rpc.convert.worker import from_proto_generate_event, to_proto_generate_request
 from kvtier.tiers.manager import TierConfig
+from kvtier.worker import peer_fetch
 from kvtier.worker.costs import PeerRates
 from kvtier.worker.page_events import PageEvents
 from kvtier.worker.peer_fetch import (
@@ -41,11 +42,13 @@ from kvtier.worker.peer_fetch import (
     PeerFetcher,
     PeerOptions,
     fetch_command_ack,
+    fetch_for_generate,
 )
 from kvtier.worker.peer_pages import RankRequest, export_pages, install_pages, rank_chains, verify_group
 from kvtier.worker.servicer import serve_worker
 
 from hf_checkpoints import build_checkpoint, load_hf
+from polling import eventually
 
 ASYNC = pytest.mark.asyncio(loop_scope="module")
 
@@ -359,3 +362,73 @@ async def test_ranked_chains_hold_the_most_valuable_pages_with_their_ancestors(p
         assert holder.engine.index.get(chain[0]).parent is None
         for parent, child in zip(chain, chain[1:], strict=False):
             assert holder.engine.index.get(child).parent.key == parent
+
+
+class Gated:
+    """The network between the two: every group asked for after the first ``num_free`` waits
+    for ``gate``; ``asked`` is the size of each group asked for."""
+
+    def __init__(self, inner, num_free=0):
+        self.inner, self.num_free, self.gate, self.asked = inner, num_free, asyncio.Event(), []
+
+    async def pull(self, peer, request):
+        self.asked.append(len(request.keys))
+        if len(self.asked) > self.num_free:
+            await self.gate.wait()
+        return await self.inner.pull(peer, request)
+
+
+@ASYNC
+async def test_a_request_waits_outside_the_engine_while_its_pages_arrive_group_by_group(pair, oracle, monkeypatch):
+    holder, receiver = pair
+    await generate(holder)
+    monkeypatch.setattr(peer_fetch, "FETCH_GROUP_PAGES", 4)  # the 10 pages in groups of 4, 4 and 2
+    transport = Gated(LocalTransport({"holder": holder.exporter}), num_free=1)
+    request = GenerateRequest(namespace=receiver.engine.namespace, prompt_token_ids=tuple(PROMPT),
+                              sampling=SamplingParams(max_tokens=STEPS, ignore_eos=True),
+                              peer_fetch=PeerFetch(WorkerId("holder")))
+
+    async def run():
+        fetch = fetch_for_generate(PeerFetcher(receiver.loop, transport), request, None)
+        return [e async for e in receiver.loop.submit(request, fetch=fetch)]
+
+    task = asyncio.create_task(run())
+    keys = page_keys(receiver.engine.digest_for(receiver.engine.namespace), PROMPT, PAGE)[:10]
+    num_cached = lambda: receiver.loop.call(lambda: len(receiver.engine.cached_chain(keys)))  # noqa: E731
+
+    async def first_group_in():
+        return await num_cached() == 4
+
+    await eventually(first_group_in, timeout_s=30, what="the first group installed while the second is held back")
+    assert await receiver.loop.call(lambda: len(receiver.loop.admission.runs())) == 1, "it waits outside"
+    # Meanwhile the engine serves other requests to their end.
+    other = [random.Random(9).randrange(256) for _ in range(23)]
+    assert (await generate(receiver, other))[1].generated_tokens == STEPS
+    assert not task.done() and await num_cached() == 4
+    transport.gate.set()
+    events = await task
+    tokens = [t for e in events if isinstance(e, TokenChunk) for t in e.token_ids]
+    assert tokens == oracle
+    assert events[-1].usage.cached_tokens == 40 and events[-1].usage.recomputed_tokens == 0
+    assert transport.asked == [4, 4, 2]
+    await assert_clean(receiver)
+
+
+@ASYNC
+async def test_concurrent_fetches_of_one_prefix_ask_the_peer_once(pair, oracle):
+    holder, receiver = pair
+    await generate(holder)
+    transport = Gated(LocalTransport({"holder": holder.exporter}))
+    fetcher_ = PeerFetcher(receiver.loop, transport)
+    fetches = [asyncio.create_task(fetcher_.fetch(receiver.engine.namespace, PROMPT, "holder", timeout_s=30))
+               for _ in range(3)]
+
+    await eventually(lambda: transport.asked, timeout_s=30, what="the first fetch asks the holder")
+    transport.gate.set()
+    outcomes = await asyncio.gather(*fetches)
+    assert sorted(o.num_installed for o in outcomes) == [0, 0, 10]
+    assert all(o.problem is None for o in outcomes)
+    assert transport.asked == [10] and holder.exporter.num_exported_pages == 10
+    tokens, usage = await generate(receiver)
+    assert tokens == oracle and usage.cached_tokens == 40
+    await assert_clean(receiver)

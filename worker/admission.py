@@ -23,6 +23,10 @@ requests the engine has yet to admit (``Room.backlog_pages``). These waits are f
 seconds; ``wait_scale`` (``WorkerConfig.wait_scale``) multiplies them all, for an engine whose
 turns take that much longer than the ones they were tuned on. A request never takes its room
 from its own session's hold.
+
+A request whose Route planned a peer fetch waits here too while the peer's pages arrive
+(``wait_for_fetch``), also on an engine without tiers; the fetch runs on the asyncio side and
+installs each page group as it is verified, and once it ends the request waits as any other.
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ class _Waiting(Generic[R]):
     below_hbm: dict[PageKey, Tier] = field(default_factory=dict)  # its pages' tier when seen below
     deferred_at: float | None = None  # began waiting for holds due back soon
     hold_wait_s: float = 0.0
+    is_fetching: bool = False  # its pages are on their way from a peer (``wait_for_fetch``)
 
 
 class Admission(Generic[R]):
@@ -132,6 +137,19 @@ class Admission(Generic[R]):
         self._waiting[run_id] = _Waiting(run, request, digest, keys, time.monotonic())
         return True
 
+    def wait_for_fetch(self, run_id: str, run: R, request: GenerateRequest, digest: NamespaceDigest) -> None:
+        """The request waits here while a peer's pages of its prompt arrive (``kvtier.worker.peer_fetch``:
+        pulled and verified off the engine thread, installed a group at a time); after
+        ``fetched`` it waits as any other request does, for its room and for pages below HBM."""
+        keys = page_keys(digest, request.prompt_token_ids, self._engine.pool.page_size)
+        self._waiting[run_id] = _Waiting(run, request, digest, keys, time.monotonic(), is_fetching=True)
+
+    def fetched(self, run_id: str) -> None:
+        """The request's peer fetch ended, whatever it brought (the rest is recomputed)."""
+        wait = self._waiting.get(run_id)
+        if wait is not None:
+            wait.is_fetching = False
+
     def cancel(self, run_id: str) -> bool:
         """Forget a waiting request (False: it was not waiting) and release its pin."""
         self.release(run_id)
@@ -160,19 +178,24 @@ class Admission(Generic[R]):
         first that lacks either, start a background demotion or bring its pages up (once). The
         caller adds each to the engine before the next is considered (the next one's room counts
         the pages the engine's queue will allocate)."""
-        tiers = require_tiers(self._engine)
         now = time.monotonic()
         scale = self.wait_scale
+        if self._engine.tiers is None or self._engine.tiers.config.simulate:
+            yield from self._fetched(now)  # no tiers to promote from or make room in: fetches only
+            return
+        tiers = require_tiers(self._engine)
         # One request's room-making or promotion at a time, in arrival order: concurrent ones
         # share the link and all finish late; one after the other, the first waits only for its own.
         is_promoting = any(w.promotion is not None and not w.promotion.is_done for w in self._waiting.values())
         has_lower = self._room.lower_tier() is not None
         for run_id, wait in list(self._waiting.items()):
+            is_waiting = now - wait.waiting_since < MAX_ADMISSION_WAIT_S * scale
+            if wait.is_fetching and is_waiting:
+                continue
             chain = self._engine.cached_chain(wait.page_keys)
             below = [n for n in chain if n.tier is not Tier.HBM]
             for node in below:
                 wait.below_hbm.setdefault(node.key, node.tier)
-            is_waiting = now - wait.waiting_since < MAX_ADMISSION_WAIT_S * scale
             if is_waiting and wait.promotion is None and has_lower:
                 # Make room first, in the background: a spill on allocation waits on the link
                 # with the engine thread. One request at a time, as promotions.
@@ -234,6 +257,16 @@ class Admission(Generic[R]):
             admission_wait_s = now - wait.waiting_since
             yield Admitted(wait.run, promoted, admission_wait_s if promoted else 0.0, admission_wait_s,
                            wait.hold_wait_s)
+
+    def _fetched(self, now: float) -> Iterator[Admitted[R]]:
+        """``ready`` on an engine without tiers: the requests whose peer fetch ended (or that
+        waited for it ``MAX_ADMISSION_WAIT_S``)."""
+        for run_id, wait in list(self._waiting.items()):
+            waited_s = now - wait.waiting_since
+            if wait.is_fetching and waited_s < MAX_ADMISSION_WAIT_S * self.wait_scale:
+                continue
+            del self._waiting[run_id]
+            yield Admitted(wait.run, {}, 0.0, waited_s, 0.0)
 
     def _short(self, request: GenerateRequest, chain: list[RadixNode]) -> int:
         """HBM pages the request's admission would free by spilling: the pages it takes

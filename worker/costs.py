@@ -1,7 +1,10 @@
 """What the worker measures about its own speed, for Route's cost model (``WorkerCosts``).
 
     prefill_ms_per_token     finished requests: prefill start → first token, per computed token
-    ms_per_queued_request    requests that queued: submission → prefill start, per request ahead
+    ms_per_queued_request    requests that waited in the engine: added → prefill start, per request
+                             ahead of it (queued or running: a continuous batch admits at once,
+                             and the running sequences' steps are what a new request waits for);
+                             a wait outside the engine (a peer fetch, room, promotion) is not in it
     {dram,nvme}_promote_bps  promotions into HBM: bytes / copy time (the transfer engine's records)
     fetch_bytes_per_s, fetch_setup_ms   peer fetches (``PeerRates``: a line through recent fetches)
 
@@ -60,7 +63,8 @@ class CostMeter:
 
     def finished(self, *, submitted_at: float, prefill_started_at: float | None, first_token_at: float | None,
                  num_computed_tokens: int, num_queued_ahead: int) -> None:
-        """One request reached its first token (times from ``time.perf_counter``)."""
+        """One request reached its first token (times from ``time.perf_counter``; ``submitted_at``:
+        when it was handed to the engine)."""
         if prefill_started_at is None:
             return
         if first_token_at is not None and num_computed_tokens > 0 and first_token_at > prefill_started_at:

@@ -33,7 +33,7 @@ import asyncio
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -97,15 +97,9 @@ class EngineLoop:
     (``WorkerConfig.session_hold_fraction``; None: all of it). ``wait_scale`` multiplies the
     fixed waits of admission and commands (``WorkerConfig.wait_scale``)."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        *,
-        name: str = "kvtier-engine",
-        on_failure: Callable[[BaseException], None] | None = None,
-        hold_fraction: float | None = None,
-        wait_scale: float = 1.0,
-    ) -> None:
+    def __init__(self, engine: Engine, *, name: str = "kvtier-engine",
+                 on_failure: Callable[[BaseException], None] | None = None,
+                 hold_fraction: float | None = None, wait_scale: float = 1.0) -> None:
         self.engine = engine
         self.holds = Holds(engine, hold_fraction=hold_fraction)
         self.page_events = PageEvents(engine.index)
@@ -164,16 +158,17 @@ class EngineLoop:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 
     # ---- requests -------------------------------------------------------------------
-    async def submit(
-        self, request: GenerateRequest, *, trace_parent: Context | None = None
-    ) -> AsyncGenerator[GenerateEvent, None]:
+    async def submit(self, request: GenerateRequest, *, trace_parent: Context | None = None,
+                     fetch: Callable[[], Awaitable[object]] | None = None) -> AsyncGenerator[GenerateEvent, None]:
         """Generate for ``request``: ``TokenChunk`` events, then exactly one ``GenerateFinal``.
 
         Admission errors (``InvalidArgument``, ``ResourceExhausted``) raise on the first
         ``__anext__``, before any token. Closing or cancelling the iterator aborts the
         request in the engine; its pages are released exactly once. Use it under
         ``contextlib.aclosing`` so that an early exit closes it at once. ``trace_parent``
-        parents the request's spans when tracing is on (``kvtier.runtime.tracing``).
+        parents the request's spans when tracing is on (``kvtier.runtime.tracing``). ``fetch``
+        brings the prompt's pages from a peer and never raises (``kvtier.worker.peer_fetch``): it
+        runs on the asyncio side while the request waits outside the engine, which keeps stepping.
         """
         if self.is_draining:
             raise Unavailable("this worker is draining and admits no new requests; route to another worker")
@@ -182,8 +177,12 @@ class EngineLoop:
         self.engine.check_prompt(request.prompt_token_ids)
         run = Run(run_id=new_run_id(), request=request, loop=asyncio.get_running_loop(), queue=asyncio.Queue(),
                   submitted_at=time.perf_counter(), trace_parent=trace_parent)
+        fetching: asyncio.Future[object] | None = None
         try:
-            await self.call(lambda: self.runs.admit(run))
+            await self.call(lambda: self.runs.admit(run, fetching=fetch is not None))
+            if fetch is not None:
+                fetching = asyncio.ensure_future(fetch())
+                fetching.add_done_callback(lambda _: self._post(lambda: self.runs.fetched(run)))
             while True:
                 item = await run.queue.get()
                 if isinstance(item, BaseException):
@@ -195,6 +194,8 @@ class EngineLoop:
                     return
                 yield item
         finally:
+            if fetching is not None:
+                fetching.cancel()  # a no-op once it ended
             if not run.is_done:
                 # Ordered after the admission in the inbox, so it always finds the run
                 # (or nothing, when admission failed or the request already finished).
@@ -237,19 +238,15 @@ class EngineLoop:
         await self.call(lambda: self.commands.demote(digest, keys, session, dst, whole_namespace, done))
         return done
 
-    async def prefetch(
-        self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None,
-        *, hold_s: float | None = None, due_s: float | None = None, away_s: float | None = None,
-        spread: float | None = None,
-    ) -> MoveOutcome:
+    async def prefetch(self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None, *,
+                       hold_s: float | None = None, due_s: float | None = None, away_s: float | None = None,
+                       spread: float | None = None) -> MoveOutcome:
         return await (await self.start_prefetch(digest, keys, session, hold_s=hold_s, due_s=due_s,
                                                 away_s=away_s, spread=spread))
 
-    async def start_prefetch(
-        self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None,
-        *, hold_s: float | None = None, due_s: float | None = None, away_s: float | None = None,
-        spread: float | None = None,
-    ) -> asyncio.Future[MoveOutcome]:
+    async def start_prefetch(self, digest: NamespaceDigest, keys: tuple[PageKey, ...], session: SessionId | None,
+                             *, hold_s: float | None = None, due_s: float | None = None,
+                             away_s: float | None = None, spread: float | None = None) -> asyncio.Future[MoveOutcome]:
         """A session's pages are held up to ``hold_s``, ranked by its return, due in ``due_s``
         (``kvtier.policy.holds.expected_return``). A draining worker refuses."""
         if self.is_draining:
@@ -392,7 +389,6 @@ class EngineLoop:
             metrics.transfer_done(done)
         if tracing.is_enabled():
             tracing.record_transfer(done)
-
 
 
 def _shutting_down() -> Unavailable:

@@ -1,11 +1,15 @@
 """Peer fetch: bring a prompt's pages from the worker that holds them into this worker's tiers.
 
-    Generate with a fetch plan ──► PeerFetcher.fetch(identity, prompt, peer, deadline)
+    Generate with a fetch plan: the request waits outside the engine (``Admission.wait_for_fetch``)
+    while, on the asyncio side, PeerFetcher.fetch(identity, prompt, peer, deadline)
         keys of the prompt's full pages; those cached here already are not asked for
-        transport.pull(peer, ExportRequest)   ──► peer: PeerExporter.export (auth, namespace)
-        verify_group (a thread)                    engine thread: export_pages
-        engine thread: install_pages → page events → the directory lists both holders
-    then the request is admitted as usual: the installed pages are prefix hits.
+        one fetch of a prefix at a time: a concurrent one waits, then asks for what is missing
+        per group of FETCH_GROUP_PAGES, GROUPS_IN_FLIGHT at a time:
+          transport.pull(peer, ExportRequest) ──► peer: PeerExporter.export (auth, namespace)
+          verify_group (a thread)                    engine thread: copy_pages; a thread: seal_group
+          engine thread: install_pages → page events → the directory lists both holders
+    then the request is admitted as usual: the installed pages are prefix hits. The engine
+    keeps stepping throughout; the holder's engine thread only copies the bytes.
 
 A fetch never fails a request. When the peer is gone, refuses, is slower than the deadline, or
 a page fails its checksum, the fetch ends with what was verified and installed (often nothing)
@@ -21,9 +25,10 @@ same process. Each fetch updates the measured rates the cost model reads
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtier.domain.errors import KvtierError, PermissionDenied, Unauthenticated
@@ -38,9 +43,10 @@ from kvtier.worker.peer_pages import (
     Installed,
     PageGroup,
     RankRequest,
-    export_pages,
+    copy_pages,
     install_pages,
     rank_chains,
+    seal_group,
     verify_group,
 )
 
@@ -53,6 +59,10 @@ MAX_FETCH_S = 10.0
 # A controller's FetchCommand (drain migration, pin replicas) has no request deadline: each
 # group of at most MAX_EXPORT_PAGES pages gets this long.
 COMMAND_FETCH_TIMEOUT_S = 60.0
+# A fetch asks the peer for groups of at most this many pages, at most GROUPS_IN_FLIGHT at a
+# time: the receiver verifies and installs one group while the next is exported and pulled.
+FETCH_GROUP_PAGES = 64
+GROUPS_IN_FLIGHT = 2
 
 
 class PeerExporter:
@@ -83,7 +93,10 @@ class PeerExporter:
     async def export(self, request: ExportRequest) -> PageGroup:
         self.authorize(request)
         started = time.perf_counter()
-        group = await self._loop.call(lambda: export_pages(self._loop.engine, self._loop.page_events, request))
+        # The bytes are copied on the engine thread, which owns them; their checksums are taken
+        # off it, so the holder's running sequences wait only for the copy.
+        copied, stored = await self._loop.call(lambda: copy_pages(self._loop.engine, self._loop.page_events, request))
+        group = await asyncio.to_thread(seal_group, copied, stored)
         if self._link_bytes_per_s:
             await asyncio.sleep(max(0.0, group.num_bytes / self._link_bytes_per_s - (time.perf_counter() - started)))
         self.num_exported_pages += group.num_pages
@@ -160,6 +173,12 @@ class FetchOutcome:
     problem: str | None = None  # why fewer pages than asked were installed; None: all were
 
 
+@dataclass(slots=True, eq=False)
+class _Flight:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    num_users: int = 0  # fetches waiting for the lock
+
+
 class PeerFetcher:
     """The receiver's side. ``credential``: this worker's bearer token, sent with each export."""
 
@@ -170,6 +189,7 @@ class PeerFetcher:
         self._credential = credential
         self._worker_id = worker_id  # a plan naming this worker fetches nothing
         self.rates = loop.costs.fetch  # what the cost model reads (``kvtier.worker.costs``)
+        self._flights: dict[PageKey, _Flight] = {}  # fetches of a prefix in progress, by its first page
         self.num_fetches = 0
         self.num_failed = 0
         self.num_fetched_bytes = 0
@@ -200,7 +220,34 @@ class PeerFetcher:
         except KvtierError as exc:  # e.g. too many namespaces: the request itself will say so
             return FetchOutcome(0, 0, 0, time.perf_counter() - started, f"{type(exc).__name__}: {_first_line(exc)}")
         end = len(keys) if num_pages is None else min(len(keys), num_pages)
-        return await self._pull(identity, digest, keys[:end], num_local, peer, timeout_s, started)
+        if end <= num_local:
+            return FetchOutcome(0, 0, 0, time.perf_counter() - started)
+        # One fetch of a prefix at a time: concurrent requests for it wait for the first one's
+        # pages, then ask only for what it did not bring (the prefix by its first page).
+        flight = self._flights.setdefault(keys[0], _Flight())
+        flight.num_users += 1
+        try:
+            if flight.lock.locked():
+                async with asyncio.timeout(timeout_s):
+                    await flight.lock.acquire()
+                num_local = await self._loop.call(lambda: len(engine.cached_chain(keys)))
+            else:
+                await flight.lock.acquire()
+        except TimeoutError:
+            self._leave(keys[0], flight)
+            return FetchOutcome(end - num_local, 0, 0, time.perf_counter() - started, "timed out")
+        finally:
+            flight.num_users -= 1
+        try:
+            remaining_s = timeout_s - (time.perf_counter() - started)
+            return await self._pull(identity, digest, keys[:end], num_local, peer, remaining_s, started)
+        finally:
+            flight.lock.release()
+            self._leave(keys[0], flight)
+
+    def _leave(self, first: PageKey, flight: _Flight) -> None:
+        if not flight.num_users and not flight.lock.locked():
+            self._flights.pop(first, None)
 
     async def fetch_chain(self, digest: NamespaceDigest, keys: Sequence[PageKey], peer: str, *,
                           timeout_s: float) -> FetchOutcome:
@@ -225,44 +272,61 @@ class PeerFetcher:
     async def _pull(self, identity: NamespaceIdentity | None, digest: NamespaceDigest, keys: list[PageKey],
                     num_local: int, peer: str, timeout_s: float, started: float) -> FetchOutcome:
         """Pull ``keys[num_local:]`` (at most ``MAX_EXPORT_PAGES``) from ``peer``, verify and install."""
-        engine = self._loop.engine
         # Pages before the first one missing here are not asked for; pages after a gap could not
         # be inserted (the index is prefix-closed), so the fetch starts at the first missing page.
-        start = num_local
-        wanted = tuple(keys[start:start + MAX_EXPORT_PAGES])
+        wanted = tuple(keys[num_local:num_local + MAX_EXPORT_PAGES])
         if not wanted:
             return FetchOutcome(0, 0, 0, time.perf_counter() - started)
-        parent = keys[start - 1] if start else root_key(digest)
+        parent = keys[num_local - 1] if num_local else root_key(digest)
+        engine = self._loop.engine
         self.num_fetches += 1
-        request = ExportRequest(digest, wanted, self._credential)
+        chunks = [wanted[i:i + FETCH_GROUP_PAGES] for i in range(0, len(wanted), FETCH_GROUP_PAGES)]
+        pulls: list[asyncio.Future[PageGroup]] = []
+        num_installed = num_bytes = 0
+        problem: str | None = None
+        pulled_at = started
         try:
             async with asyncio.timeout(timeout_s):
-                group = await self._transport.pull(peer, request)
-                pulled_at = time.perf_counter()
-                verified = await asyncio.to_thread(verify_group, group, wanted, parent)
-                named = identity or group.identity
-                if named is None:
-                    raise PermissionDenied("the page group names no namespace identity", field="identity")
-                installed: Installed = await self._loop.call(
-                    lambda: install_pages(engine, self._loop.page_events, named, group, verified.num_pages, parent))
+                for i, chunk in enumerate(chunks):
+                    while len(pulls) < min(i + GROUPS_IN_FLIGHT, len(chunks)):  # the next groups, meanwhile
+                        request = ExportRequest(digest, chunks[len(pulls)], self._credential)
+                        pulls.append(asyncio.ensure_future(self._transport.pull(peer, request)))
+                    group = await pulls[i]
+                    pulled_at = time.perf_counter()
+                    verified = await asyncio.to_thread(verify_group, group, chunk, parent)
+                    named = identity or group.identity
+                    if named is None:
+                        raise PermissionDenied("the page group names no namespace identity", field="identity")
+                    installed: Installed = await self._loop.call(functools.partial(
+                        install_pages, engine, self._loop.page_events, named, group, verified.num_pages, parent))
+                    num_installed += installed.num_pages
+                    num_bytes += group.num_bytes
+                    problem = verified.problem
+                    if problem is not None:
+                        log.warning("a fetched page failed verification; the rest is recomputed", extra={
+                            "peer": peer, "namespace": short(digest), "reason": problem})
+                    if problem is None and installed.num_pages + installed.num_present < group.num_pages:
+                        problem = "no room for every page"
+                    if problem is None and group.num_pages < len(chunk):
+                        problem = f"the peer holds {i * FETCH_GROUP_PAGES + group.num_pages} of {len(wanted)} pages"
+                    if problem is not None:
+                        break
+                    parent = chunk[-1]
         except Exception as exc:  # the peer's trouble never fails the request
             self.num_failed += 1
-            reason = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {_first_line(exc)}"
+            problem = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {_first_line(exc)}"
             log.warning("peer fetch failed; the request recomputes", extra={
-                "peer": peer, "namespace": short(digest), "num_pages": len(wanted), "reason": reason})
-            return FetchOutcome(len(wanted), 0, 0, time.perf_counter() - started, reason)
-        elapsed = time.perf_counter() - started
-        self.num_fetched_bytes += group.num_bytes
-        self.rates.record(group.num_bytes, pulled_at - started)
-        problem = verified.problem
-        if problem is None and installed.num_pages + installed.num_present < group.num_pages:
-            problem = "no room for every page"
-        if problem is None and group.num_pages < len(wanted):
-            problem = f"the peer holds {group.num_pages} of {len(wanted)} pages"
-        if verified.problem is not None:
-            log.warning("a fetched page failed verification; the rest is recomputed", extra={
-                "peer": peer, "namespace": short(digest), "reason": verified.problem})
-        return FetchOutcome(len(wanted), installed.num_pages, group.num_bytes, elapsed, problem)
+                "peer": peer, "namespace": short(digest), "num_pages": len(wanted), "reason": problem})
+            return FetchOutcome(len(wanted), num_installed, num_bytes, time.perf_counter() - started, problem)
+        finally:
+            for pull in pulls:
+                if not pull.done():
+                    pull.cancel()
+                elif not pull.cancelled():
+                    pull.exception()  # retrieved: a group after a failed one is not awaited
+        self.num_fetched_bytes += num_bytes
+        self.rates.record(num_bytes, pulled_at - started)
+        return FetchOutcome(len(wanted), num_installed, num_bytes, time.perf_counter() - started, problem)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -270,20 +334,25 @@ def _first_line(exc: BaseException) -> str:
     return text[0][:200] if text else ""
 
 
-async def fetch_before_generate(fetcher: PeerFetcher, request: GenerateRequest,
-                                time_remaining_s: float | None) -> FetchOutcome | None:
-    """Run ``request.peer_fetch`` (if any) within its share of the deadline; None without one."""
+def fetch_for_generate(fetcher: PeerFetcher, request: GenerateRequest,
+                       time_remaining_s: float | None) -> Callable[[], Awaitable[FetchOutcome]] | None:
+    """``request.peer_fetch`` (if any) within its share of the deadline, as ``EngineLoop.submit``
+    runs it while the request waits outside the engine; None without a plan."""
     plan = request.peer_fetch
     if plan is None or fetcher.is_draining:  # a draining worker refuses the request right after
         return None
     timeout_s = MAX_FETCH_S if time_remaining_s is None else min(MAX_FETCH_S, FETCH_DEADLINE_SHARE * time_remaining_s)
-    outcome = await fetcher.fetch(request.namespace, request.prompt_token_ids, plan.worker_id, timeout_s=timeout_s,
-                                  num_pages=plan.num_pages or None)
-    log.info("peer fetch before prefill", extra={
-        "request_id": request.request_id, "peer": plan.worker_id, "num_requested": outcome.num_requested,
-        "num_installed": outcome.num_installed, "num_bytes": outcome.num_bytes,
-        "elapsed_ms": round(outcome.elapsed_s * 1000.0, 3), "problem": outcome.problem})
-    return outcome
+
+    async def fetch() -> FetchOutcome:
+        outcome = await fetcher.fetch(request.namespace, request.prompt_token_ids, plan.worker_id,
+                                      timeout_s=timeout_s, num_pages=plan.num_pages or None)
+        log.info("peer fetch before prefill", extra={
+            "request_id": request.request_id, "peer": plan.worker_id, "num_requested": outcome.num_requested,
+            "num_installed": outcome.num_installed, "num_bytes": outcome.num_bytes,
+            "elapsed_ms": round(outcome.elapsed_s * 1000.0, 3), "problem": outcome.problem})
+        return outcome
+
+    return fetch
 
 
 async def fetch_command_ack(fetcher: PeerFetcher | None, command_id: CommandId, command: FetchCommand) -> CommandAck:

@@ -1,12 +1,13 @@
 """Page groups: a worker's cached pages exported for a peer, verified and installed by it.
 
-    holder (engine thread)                       receiver
-    export_pages(request)                        verify_group(group, keys, parent)   any thread
+    holder                                       receiver
+    copy_pages(request)        engine thread     verify_group(group, keys, parent)   any thread
       the longest cached prefix of the keys,       key chain and checksum of every page
       of the named namespace only (a key of        ─► the verified pages, up to the first bad one
-      another namespace refuses the request)     install_pages(...)                  engine thread
-      bytes from HBM, DRAM or NVMe, with the       HBM while it has free pages, else DRAM;
-      checksum of each page                        radix insert → page events → directory
+      another namespace refuses the request):    install_pages(...)                  engine thread
+      bytes from HBM, DRAM or NVMe                 HBM while it has free pages, else DRAM;
+    seal_group(group)          any thread          radix insert → page events → directory
+      the checksum of each page
 
 A page group is plain numpy (bytes ``[n, page_bytes]`` uint8, checksums ``[n]`` uint64, tokens
 ``[n, page_size]`` int32), so any transport carries it without a conversion: the Ray object
@@ -19,6 +20,7 @@ arrived and its checksum and key matched, and pages after a bad one are not inse
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from dataclasses import dataclass
@@ -114,8 +116,16 @@ class Installed:
 
 
 def export_pages(engine: Engine, page_events: PageEvents, request: ExportRequest) -> PageGroup:
-    """The longest cached prefix of ``request.keys`` (engine thread). Raises ``PermissionDenied``
-    when one of those pages belongs to another namespace: nothing of it leaves the worker."""
+    """The longest cached prefix of ``request.keys`` (engine thread): ``copy_pages`` then
+    ``seal_group``."""
+    return seal_group(*copy_pages(engine, page_events, request))
+
+
+def copy_pages(engine: Engine, page_events: PageEvents, request: ExportRequest) -> tuple[PageGroup, list[int | None]]:
+    """The bytes of the longest cached prefix of ``request.keys`` (engine thread), and the
+    checksum each page below HBM carries (None for a page copied from HBM: ``seal_group``
+    takes it, on any thread). Raises ``PermissionDenied`` when one of those pages belongs to
+    another namespace: nothing of it leaves the worker."""
     request.validate()
     nodes = []
     for key in request.keys:
@@ -145,12 +155,21 @@ def export_pages(engine: Engine, page_events: PageEvents, request: ExportRequest
             assert tiers is not None and tiers.nvme is not None
             data[i] = _read_slot(tiers.nvme.locate(SlotId(node.page)), geometry.page_bytes)
             stored.append(node.checksum)
-    sums = page_checksums(torch.from_numpy(data)).numpy().view(np.uint64).copy()
-    for i, checksum in enumerate(stored):
-        if checksum is not None:  # the checksum taken when the page left HBM: vouches end to end
-            sums[i] = np.uint64(checksum)
+    sums = np.zeros(len(nodes), dtype=np.uint64)
     return PageGroup(request.digest, tuple(n.key for n in nodes), tokens, sums, data,
-                     page_events.identities().get(request.digest))
+                     page_events.identities().get(request.digest)), stored
+
+
+def seal_group(group: PageGroup, stored: list[int | None]) -> PageGroup:
+    """``group`` with the checksum of each page: the one taken when the page left HBM where
+    ``stored`` has it (it vouches end to end), else computed from the bytes (any thread)."""
+    sums = group.checksums
+    if any(checksum is None for checksum in stored):
+        sums = page_checksums(torch.from_numpy(group.data)).numpy().view(np.uint64).copy()
+    for i, checksum in enumerate(stored):
+        if checksum is not None:
+            sums[i] = np.uint64(checksum)
+    return dataclasses.replace(group, checksums=sums)
 
 
 def rank_chains(engine: Engine, page_events: PageEvents, request: RankRequest) -> list[tuple[PageKey, ...]]:

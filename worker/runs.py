@@ -1,7 +1,8 @@
 """The generations in flight on a worker, from admission to their last event.
 
 A run enters through ``admit``: it waits outside the engine (``worker.admission``) when its
-pages or its room are not ready, else it is added to the engine at once. ``dispatch`` turns
+pages or its room are not ready, or while a peer's pages of its prompt arrive (``fetched``
+ends that wait), else it is added to the engine at once. ``dispatch`` turns
 each step's outputs into events for the run's consumer; ``abort`` ends a run its consumer
 left, releasing its pages exactly once; ``fail_all`` ends every run when the engine stops.
 Everything here runs on the engine thread (``worker.engine_loop``); events reach the asyncio
@@ -57,7 +58,8 @@ class Run:
     num_emitted: int = 0
     digest: NamespaceDigest | None = None  # of its namespace, from admission on
     waited: Admitted[Run] | None = None  # its wait outside the engine, if it waited
-    num_queued_ahead: int = 0  # requests queued in the engine when it was added
+    added_at: float = 0.0  # handed to the engine, after any wait outside it (time.perf_counter)
+    num_queued_ahead: int = 0  # requests in the engine when it was added: queued or running
 
 
 class Runs:
@@ -83,18 +85,27 @@ class Runs:
         """Run ids in the engine (``CheckIntegrity`` compares them with the engine's requests)."""
         return set(self._in_engine)
 
-    def admit(self, run: Run) -> None:
-        """Add ``run`` to the engine, or let it wait outside for its pages or room."""
+    def admit(self, run: Run, *, fetching: bool = False) -> None:
+        """Add ``run`` to the engine, or let it wait outside for its pages or room; ``fetching``:
+        it waits until ``fetched``, its prompt's pages on their way from a peer."""
         request = run.request
         digest = run.digest = self._engine.digest_for(request.namespace)
         if request.session_id is not None:
             self._holds.arrived(digest, request.session_id)
+        if fetching:
+            self._admission.wait_for_fetch(run.run_id, run, request, digest)
+            return
         tiers = self._engine.tiers
         if tiers is not None and not tiers.config.simulate:
             if self._admission.offer(run.run_id, run, request, digest):
                 self.admit_ready()
                 return
         self._add(run, digest)
+
+    def fetched(self, run: Run) -> None:
+        """The run's peer fetch ended: it is admitted once its room and pages are ready."""
+        self._admission.fetched(run.run_id)
+        self.admit_ready()
 
     def admit_ready(self) -> None:
         """Add the waiting runs whose room and pages are ready, one by one (``Admission.ready``)."""
@@ -113,7 +124,8 @@ class Runs:
 
     def _add(self, run: Run, digest: NamespaceDigest) -> None:
         request = run.request
-        run.num_queued_ahead = self._engine.num_queued
+        run.added_at = time.perf_counter()
+        run.num_queued_ahead = self._engine.num_queued + self._engine.num_running
         self._engine.enqueue(list(request.prompt_token_ids), request.sampling, request_id=run.run_id,
                              priority=request.priority, namespace=request.namespace)
         self._page_events.admitted(digest, request.namespace or self._engine.namespace)
@@ -176,7 +188,7 @@ class Runs:
 
     def _final(self, run: Run) -> GenerateFinal:
         result = self._engine.pop_result(run.run_id)
-        self._costs.finished(submitted_at=run.submitted_at, prefill_started_at=result.prefill_started_at,
+        self._costs.finished(submitted_at=run.added_at, prefill_started_at=result.prefill_started_at,
                              first_token_at=run.first_token_at, num_queued_ahead=run.num_queued_ahead,
                              num_computed_tokens=len(result.prompt_token_ids) - result.num_cached_tokens)
         waited = run.waited

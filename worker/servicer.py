@@ -61,7 +61,7 @@ from kvtier.worker.peer_fetch import (
     PeerExporter,
     PeerFetcher,
     PeerOptions,
-    fetch_before_generate,
+    fetch_for_generate,
 )
 
 log = get_logger("kvtier.worker.servicer")
@@ -135,9 +135,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         check_serves(namespace, self._loop.engine.namespace)
         # The digest is derived with the current policy epoch: invalidated keys are unreachable.
         generate = dataclasses.replace(generate, namespace=self._loop.epochs.apply(namespace))
-        await fetch_before_generate(self.peers, generate, context.time_remaining())  # never raises for the peer
+        # A fetch plan's pages arrive while the request waits outside the engine; never raises for the peer.
+        fetch = fetch_for_generate(self.peers, generate, context.time_remaining())
         parent = tracing.remote_parent(context.invocation_metadata())  # None unless tracing is on
-        async with contextlib.aclosing(self._loop.submit(generate, trace_parent=parent)) as events:
+        async with contextlib.aclosing(self._loop.submit(generate, trace_parent=parent, fetch=fetch)) as events:
             async for event in events:
                 yield to_proto_generate_event(event)
 

@@ -201,7 +201,7 @@ class WorkerCosts:
     fetch_setup_ms: float = 0.0  # the fixed part of one peer fetch
     dram_promote_bytes_per_s: float = 0.0
     nvme_promote_bytes_per_s: float = 0.0
-    ms_per_queued_request: float = 0.0  # mean wait of a queued request per request ahead of it
+    ms_per_queued_request: float = 0.0  # mean wait in the engine per request ahead (queued or running)
 
 
 @dataclass(frozen=True, slots=True)

@@ -122,7 +122,8 @@ def rank_workers(
 # For each candidate worker w and a prompt of P tokens whose longest cached prefix across the
 # deployment is H tokens (held by some peer), with w itself holding L ≤ H of them:
 #
-#     queue(w)     = queue_ms(w)                                   measured wait of its queue
+#     queue(w)     = (queued(w) + running(w)) × ms_per_request(w)  measured wait per request ahead
+#                    + routed(w) × prefill_ms_per_token            tokens of requests on their way
 #     promote(w)   = Σ_{tier below HBM} bytes(L_tier) / promote_bps[tier]
 #     fetch(w)     = fetch_setup_ms + bytes(H − L) / fetch_bps     only a peer holds these
 #     prefill(w)   = (P − covered) × prefill_ms_per_token
@@ -161,6 +162,7 @@ class CostCandidate:
     load: WorkerLoad
     held: TokensByTier  # the longest prefix this worker holds, contiguously from the first page
     costs: WorkerCosts = WorkerCosts()
+    routed_tokens: int = 0  # what requests sent since its last load report will prefill there
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +192,8 @@ def estimate_ttft(
     """TTFT of running the prompt on ``candidate`` (module comment above); ``holder`` is the
     peer holding the longest prefix, ``holder_tokens`` long (whole pages)."""
     costs = params.resolve(candidate.costs)
-    queue_ms = candidate.load.queue_depth * costs.ms_per_queued_request
+    queue_ms = ((candidate.load.queue_depth + candidate.load.num_running_seqs) * costs.ms_per_queued_request
+                + candidate.routed_tokens * costs.prefill_ms_per_token)
     held = candidate.held
     promote_ms = 1000.0 * params.bytes_per_token * (
         held.dram_tokens / costs.dram_promote_bytes_per_s + held.nvme_tokens / costs.nvme_promote_bytes_per_s)
