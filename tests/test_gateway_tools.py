@@ -1,4 +1,4 @@
-"""Tool-call parsers, forced-call argument repair and the tools prompt block (pure)."""
+"""Tool-call parsers (whole and streamed), streamed JSON arguments and the tools prompt block (pure)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,16 @@ import json
 
 import pytest
 
-from kvtier.gateway.tool_parsers import PARSERS, forced_arguments, get_parser, json_object_end
+from kvtier.gateway.json_prefix import ObjectPrefix
+from kvtier.gateway.tool_parsers import (
+    PARSERS,
+    ArgumentsDelta,
+    CallStart,
+    ParsedOutput,
+    get_parser,
+    json_object_end,
+    parse,
+)
 from kvtier.gateway.tool_prompt import (
     TOOLS_PREAMBLE,
     forced_arguments_opening,
@@ -26,7 +35,7 @@ def test_registry_has_hermes_and_llama3():
 def test_hermes_parses_parallel_calls_with_distinct_ids():
     text = ('Let me check.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
             '<tool_call>{"name": "time", "arguments": {}}</tool_call>')
-    out = get_parser("hermes")(text)
+    out = parse("hermes", text)
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("weather", {"city": "Oslo"}), ("time", {})]
     assert len({c.id for c in out.tool_calls}) == 2 and all(c.id.startswith("call_") for c in out.tool_calls)
     assert out.text == "Let me check." and out.num_unparsed == 0
@@ -36,21 +45,21 @@ def test_hermes_parses_parallel_calls_with_distinct_ids():
 @pytest.mark.parametrize("broken", ['<tool_call>{"name": "weather", "argu', "<tool_call>[1, 2]</tool_call>",
                                     '<tool_call>{"arguments": {}}</tool_call>'])
 def test_hermes_unparseable_call_stays_text_and_counts(broken):
-    out = get_parser("hermes")("before " + broken)
+    out = parse("hermes", "before " + broken)
     assert out.tool_calls == [] and out.num_unparsed == 1
     assert out.text == "before " + broken
 
 
 def test_hermes_plain_text_is_untouched():
-    out = get_parser("hermes")("just words {not a call}")
+    out = parse("hermes", "just words {not a call}")
     assert out.text == "just words {not a call}" and not out.tool_calls and out.num_unparsed == 0
 
 
 def test_llama3_json_calls():
-    out = get_parser("llama3")('<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {}}')
+    out = parse("llama3", '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {}}')
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("a", {"x": 1}), ("b", {})]
-    assert get_parser("llama3")("hello").tool_calls == []
-    bad = get_parser("llama3")('{"name": "a", "parameters": ')
+    assert parse("llama3", "hello").tool_calls == []
+    bad = parse("llama3", '{"name": "a", "parameters": ')
     assert bad.num_unparsed == 1 and bad.text == '{"name": "a", "parameters": '
 
 
@@ -63,16 +72,69 @@ def test_json_object_end(text, end):
 
 
 @pytest.mark.parametrize(
-    ("generated", "arguments"),
+    ("written", "arguments"),
     [
-        (' {"city": "Oslo"}}\n</tool_call>', {"city": "Oslo"}),
-        ('{"city": "Oslo", "days": 3, "unit": "cel', {"city": "Oslo", "days": 3}),
-        ("not json at all", {}),
-        ('{"a": {"b": 1, "c"', {}),
+        ('{"city": "Oslo"}}\n</tool_call>', '{"city": "Oslo"}'),
+        ('{"city": "Oslo", "days": 3, "unit": "cel', '{"city": "Oslo", "days": 3, "unit": "cel"}'),
+        ('{"a": {"b": 1, "c"', '{"a": {"b": 1}}'),
+        ('{"n": 12', '{"n": 12}'),
+        ('{"n": 1.', '{}'),
+        ('{"a": [1, tru', '{"a": [1]}'),
+        ('{"a": "x\\u00', '{"a": "x"}'),
+        ('{"a": "x", }', '{"a": "x"}'),
+        ('{"a": "q\\"", "b": null} tail', '{"a": "q\\"", "b": null}'),
     ],
 )
-def test_forced_arguments_are_always_a_json_object(generated, arguments):
-    assert json.loads(forced_arguments(generated)) == arguments
+def test_streamed_arguments_stay_a_prefix_and_close_into_one_object(written, arguments):
+    obj = ObjectPrefix()
+    sent = []
+    for ch in written:  # one character at a time, as the worst tokenizer would
+        text, used = obj.feed(ch)
+        sent.append(text)
+        if used == 0:
+            break
+    joined = "".join(sent) + obj.closing()
+    assert joined == arguments and isinstance(json.loads(joined), dict)
+    assert arguments.startswith("".join(sent))
+
+
+def _streamed(name, deltas):
+    parser = get_parser(name)
+    events = [e for d in deltas for e in parser.feed(d)] + parser.finish()
+    out = ParsedOutput()
+    out.add(events)
+    out.num_unparsed = parser.num_unparsed
+    return events, out
+
+
+@pytest.mark.parametrize(("name", "text"), [
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo", "d": [1, 2.5]}}\n'
+               '</tool_call>\n<tool_call>{"arguments": {}, "name": "time"}</tool_call>'),
+    ("hermes", 'x < y <tool_call>{"name": "w", "arguments": {"q": "a\\"b'),
+    ("hermes", "before <tool_call>[1, 2]</tool_call> after"),
+    ("llama3", '<|python_tag|>{"name": "a", "parameters": {"x": "y z"}};\n{"name": "b", "parameters": {}}'),
+    ("llama3", "plain {text}"),
+])
+def test_streamed_parse_equals_the_whole_parse_however_the_text_is_split(name, text):
+    whole = parse(name, text)
+    for size in (1, 2, 3, 7):
+        _, out = _streamed(name, [text[i:i + size] for i in range(0, len(text), size)])
+        assert out.text == whole.text and out.num_unparsed == whole.num_unparsed
+        assert [(c.name, c.arguments) for c in out.tool_calls] == [(c.name, c.arguments) for c in whole.tool_calls]
+    for c in whole.tool_calls:
+        assert isinstance(json.loads(c.arguments), dict)
+
+
+def test_a_call_streams_its_name_then_its_arguments_as_they_are_written():
+    parser = get_parser("hermes")
+    assert parser.feed("Sure. <tool_") == ["Sure."]
+    assert parser.feed('call>\n{"name": "wea') == []  # not yet known to be a call
+    start, opened = parser.feed('ther", "arguments": {"ci')
+    assert isinstance(start, CallStart) and start.name == "weather" and start.index == 0
+    assert opened == ArgumentsDelta(0, "{")  # the key is held until its value begins
+    assert parser.feed('ty": "Os') == [ArgumentsDelta(0, '"city": "Os')]
+    assert parser.feed('lo"}}\n</tool_call>') == [ArgumentsDelta(0, 'lo"}')]
+    assert parser.finish() == [] and parser.num_calls == 1
 
 
 def test_tools_block_and_calls_rendered_for_a_template_without_tools():
@@ -94,24 +156,3 @@ def test_tools_block_and_calls_rendered_for_a_template_without_tools():
     assert forced_arguments_opening(WEATHER) == ""
     city = {"function": {"parameters": {"properties": {"city": {"type": "string"}}, "required": ["city"]}}}
     assert forced_arguments_opening(city) == '{"city": "'
-
-
-def test_auto_mode_streams_text_up_to_the_first_call_tag():
-    from kvtier.gateway.chat import CallScan
-
-    scan = CallScan()
-    deltas = ["Let me ", "look <to", "ol_call>\n{", '"name": "w"}', "</tool_call>"]
-    streamed = "".join(scan.feed(d) for d in deltas)
-    assert streamed == "Let me look "
-    assert scan.rest() == '<tool_call>\n{"name": "w"}</tool_call>'
-    plain = CallScan()
-    assert "".join(plain.feed(d) for d in ["a < b", " and c"]) + plain.rest() == "a < b and c"
-
-
-@pytest.mark.parametrize("arguments", ["", "{}", '{"city": "Oslo"}', '{"q": "' + "x" * 40 + '"}'])
-def test_streamed_argument_fragments_join_to_the_arguments(arguments):
-    from kvtier.gateway.chat import ARGUMENT_PIECE_CHARS, argument_pieces
-
-    pieces = argument_pieces(arguments)
-    assert "".join(pieces) == arguments
-    assert all(0 < len(p) <= ARGUMENT_PIECE_CHARS for p in pieces)

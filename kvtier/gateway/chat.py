@@ -5,13 +5,18 @@ Tool modes (``tool_choice``):
   ``none``      tools stay in the prompt, so a turn that must answer in text (an agent's
                 last) keeps the prefix, and the cached pages, of the turns that called
                 tools; the output is text, never parsed for calls.
-  ``auto``      tools are in the prompt; text streams live up to the first ``<tool_call>``,
-                and from there the output is parsed (``hermes`` parser) when the generation
-                ends, so tool calls reach a streaming client after it.
+  ``auto``      tools are in the prompt; the output goes through the ``hermes`` parser as it
+                streams: text up to a ``<tool_call>`` streams as content, a call as
+                ``delta.tool_calls`` (its name, then its arguments as the model writes them).
   ``required``  as ``auto``, with the assistant turn opened by ``<tool_call>``.
-  a function    the assistant turn is opened with that call's name (and the first required
-                parameter's key, when the schema has one); the model writes the arguments, the stream ends as soon as one JSON object closes, and the
-                arguments are repaired into a valid object when the model breaks them.
+  a function    the assistant turn is opened with that call's name and the arguments' ``{``
+                (and the first required parameter's key, when the schema has one); the model
+                writes the arguments, the stream ends as soon as the object closes, and
+                arguments the model breaks are closed into a valid object at the break.
+
+Sessions: a response ending in tool calls pauses its session; one ending without them ends
+it (its pages stay cached), so a finished conversation holds no session; its next turn, if
+any, starts the session again.
 """
 
 from __future__ import annotations
@@ -35,11 +40,14 @@ from kvtier.gateway.protocol import DEFAULT_MAX_TOKENS, ChatRequest, Sampling
 from kvtier.gateway.tool_parsers import (
     HERMES_CLOSE,
     HERMES_OPEN,
+    ArgumentsDelta,
+    CallStart,
+    ParsedOutput,
+    ParserEvent,
     ToolCall,
-    forced_arguments,
+    ToolParser,
     get_parser,
     json_object_end,
-    new_call_id,
 )
 from kvtier.gateway.tool_prompt import forced_arguments_opening, forced_call_opening, template_messages
 from kvtier.runtime.log import get_logger
@@ -80,7 +88,7 @@ def forced_opening(req: ChatRequest) -> str:
     if not req.is_forced:
         return ""
     tool = next(t for t in req.tools if t["function"]["name"] == req.tool_choice)
-    return forced_arguments_opening(tool)
+    return forced_arguments_opening(tool) or "{"
 
 
 def chat_prompt(model: ServedModel, req: ChatRequest) -> str:
@@ -155,35 +163,47 @@ class ChatCompletion:
             self.call.metrics.session_hints_failed.inc()
             log.warning("session hint refused: %s", type(exc).__name__)
 
-    def _finish(self, text: str, fin: Finished) -> ChatResult:
-        if self.req.is_forced:
-            call = ToolCall(new_call_id(), self.req.tool_choice, forced_arguments(forced_opening(self.req) + text))
-            fin.finish_reason = "tool_calls"
-            return ChatResult(None, [call], fin)
+    def _parser(self) -> tuple[ToolParser | None, str]:
+        """The output's parser (None when the output is plain text) and the text the prompt
+        already wrote of the assistant's turn, which the parser reads first."""
         if not self.is_buffered:
-            return ChatResult(text, [], fin)
-        parsed = get_parser("hermes")((HERMES_OPEN + "\n" if self.req.tool_choice == "required" else "") + text)
-        if parsed.num_unparsed:
-            self.call.metrics.unparsed_tool_calls.inc(parsed.num_unparsed)
-        if parsed.tool_calls:
+            return None, ""
+        if self.req.is_forced:
+            return get_parser("hermes"), forced_call_opening(self.req.tool_choice, forced_opening(self.req))
+        return get_parser("hermes"), HERMES_OPEN + "\n" if self.req.tool_choice == "required" else ""
+
+    def _finish(self, out: ParsedOutput, parser: ToolParser | None, fin: Finished) -> ChatResult:
+        if parser is not None and parser.num_unparsed:
+            self.call.metrics.unparsed_tool_calls.inc(parser.num_unparsed)
+        if out.tool_calls:
             fin.finish_reason = "tool_calls"
-        return ChatResult(parsed.text or None if parsed.tool_calls else parsed.text, parsed.tool_calls, fin)
+            return ChatResult(out.text or None, out.tool_calls, fin)
+        return ChatResult(out.text, [], fin)
 
     async def _after(self, result: ChatResult) -> None:
         pause = sessions.pause_after([c.as_openai() for c in result.tool_calls], self.call.tool_expected_ms)
         if pause is not None:
             await self._hint(self.call.client.pause(self.session_id, pause.tool, pause.expected_ms))
+        else:
+            await self._hint(self.call.client.end(self.session_id))
 
     async def result(self) -> dict[str, Any]:
-        parts: list[str] = []
+        parser, prefill = self._parser()
+        out = ParsedOutput()
+        if parser is not None:
+            out.add(parser.feed(prefill))
         fin: Finished | None = None
         async for event in self._events():
             if isinstance(event, Finished):
                 fin = event
+            elif parser is not None:
+                out.add(parser.feed(event))
             else:
-                parts.append(event)
+                out.text += event
         assert fin is not None, "generation.run ends with Finished"
-        result = self._finish("".join(parts), fin)
+        if parser is not None:
+            out.add(parser.finish())
+        result = self._finish(out, parser, fin)
         await self._after(result)
         message: dict[str, Any] = {"role": "assistant", "content": result.content}
         if result.tool_calls:
@@ -198,79 +218,51 @@ class ChatCompletion:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model.name,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
 
+    def _delta(self, event: ParserEvent) -> dict[str, Any]:
+        if isinstance(event, str):
+            return self._chunk({"content": event})
+        if isinstance(event, CallStart):
+            return self._chunk({"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                                "function": {"name": event.name, "arguments": ""}}]})
+        assert isinstance(event, ArgumentsDelta)
+        return self._chunk({"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]})
+
     async def stream(self) -> AsyncGenerator[dict[str, Any], None]:
-        """Chunks as OpenAI sends them: the role, content deltas (or tool-call deltas), the
-        finish reason, then usage when asked for."""
+        """Chunks as OpenAI sends them: the role, content deltas and tool-call deltas as the
+        tokens arrive, the finish reason, then usage when asked for."""
         events = aiter(self._events())
         # Routing and the worker's first answer happen before the first chunk, so a refused
         # request (no worker, unknown key) is an HTTP error status rather than an SSE event.
         first = await anext(events)
         yield self._chunk({"role": "assistant", "content": ""})
+        parser, prefill = self._parser()
+        out = ParsedOutput()
+        parsed: list[ParserEvent] = parser.feed(prefill) if parser is not None else []
         fin: Finished | None = None
-        scan = CallScan() if self.is_buffered and not self.req.is_forced and self.req.tool_choice == "auto" \
-            else None
-        parts: list[str] = []
         async for event in _chain(first, events):
             if isinstance(event, Finished):
                 fin = event
-            elif scan is not None:
-                if text := scan.feed(event):
-                    yield self._chunk({"content": text})
-            elif self.is_buffered:
-                parts.append(event)
-            else:
+            elif parser is None:
+                out.text += event
                 yield self._chunk({"content": event})
+            else:
+                parsed += parser.feed(event)
+            out.add(parsed)
+            for e in parsed:
+                yield self._delta(e)
+            parsed = []
         assert fin is not None, "generation.run ends with Finished"
-        result = self._finish(scan.rest() if scan is not None else "".join(parts), fin)
-        if self.is_buffered and result.content:
-            yield self._chunk({"content": result.content})
-        for index, c in enumerate(result.tool_calls):
-            yield self._chunk({"tool_calls": [{"index": index, "id": c.id, "type": "function",
-                                               "function": {"name": c.name, "arguments": ""}}]})
-            for piece in argument_pieces(c.arguments):
-                yield self._chunk({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
+        if parser is not None:
+            parsed = parser.finish()
+            out.add(parsed)
+            for e in parsed:
+                yield self._delta(e)
+        result = self._finish(out, parser, fin)
         await self._after(result)
         yield self._chunk({}, fin.finish_reason)
         if self.req.include_usage:
             yield {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                    "model": self.model.name, "choices": [], "usage": usage_body(fin)}
-
-
-ARGUMENT_PIECE_CHARS = 16
-
-
-def argument_pieces(arguments: str) -> list[str]:
-    """A call's arguments as OpenAI streams them: consecutive fragments that join to the
-    whole JSON text (none when it is empty)."""
-    return [arguments[i:i + ARGUMENT_PIECE_CHARS] for i in range(0, len(arguments), ARGUMENT_PIECE_CHARS)]
-
-
-class CallScan:
-    """Streams ``auto``-mode text live up to the first ``<tool_call>``, and keeps the rest.
-
-    The last ``len("<tool_call>") - 1`` characters are held back while they could be the start
-    of the tag; from the tag on, everything is kept for the parser (``rest()``)."""
-
-    def __init__(self) -> None:
-        self.held = ""
-        self.tail: str | None = None
-
-    def feed(self, delta: str) -> str:
-        if self.tail is not None:
-            self.tail += delta
-            return ""
-        self.held += delta
-        i = self.held.find(HERMES_OPEN)
-        if i >= 0:
-            text, self.tail, self.held = self.held[:i], self.held[i:], ""
-            return text
-        keep = len(HERMES_OPEN) - 1
-        text, self.held = self.held[:-keep], self.held[-keep:]
-        return text
-
-    def rest(self) -> str:
-        """What was not streamed: the held characters, or the text from the first tag on."""
-        return self.tail if self.tail is not None else self.held
 
 
 async def _chain(first: str | Finished, rest: AsyncIterator[str | Finished]) -> AsyncIterator[str | Finished]:

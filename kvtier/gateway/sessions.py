@@ -14,7 +14,9 @@ session. A client that runs such conversations side by side sends ``X-Session-Id
 
 Pauses: a response that ends in tool calls starts a pause named after the (first) called
 function. The next request whose ``tool`` messages answer every one of those call ids
-closes it; results for only some of them (parallel calls) leave it open. The rule is a pure
+closes it; results for only some of them (parallel calls) leave it open. A response that ends
+without tool calls ends the session (``Sessions.End``, its pages kept as cache): a finished
+conversation holds no session, and its next turn, if one comes, starts it again. The rule is a pure
 function of the messages, so any gateway replica applies it the same way and a restart
 loses nothing.
 """

@@ -9,6 +9,7 @@ the stack's token table, bound to tenant ``a`` or ``b``. The oracle is transform
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import urllib.error
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from kvtier.client import AsyncClient
-from kvtier.domain.records import PredictionSource, SessionState
+from kvtier.domain.records import GenerateFinal, PredictionSource, SessionState
 from kvtier.gateway.app import GatewayOptions, create_app
 from kvtier.gateway.model import describe_served_model
 from kvtier.local import real_model
@@ -213,8 +214,85 @@ def test_streamed_forced_call_arrives_as_tool_call_deltas(sdk):
     assert fragments and all(d.index == 0 and d.id is None and d.function.name is None for d in fragments)
     arguments = "".join(d.function.arguments for d in fragments)
     assert isinstance(json.loads(arguments), dict)
-    assert len(fragments) == -(-len(arguments) // 16)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+FORCED = {"type": "function", "function": {"name": "weather"}}
+FORCED_OPENING = '{"city": "'  # what the gateway writes of the forced call's arguments
+
+
+def test_tool_call_deltas_stream_while_the_call_is_generated(live, sdk, monkeypatch):
+    """The worker's last token reaches the gateway only once the client has read a tool-call
+    delta carrying arguments the model wrote: a gateway that sent calls after the generation
+    ended would never open the gate (order, not timing: the wait's bound only ends a broken run)."""
+    messages = [{"role": "user", "content": "Weather in Rome?"}]
+    whole = sdk.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=16,
+                                        temperature=0, tool_choice=FORCED).choices[0]
+    gate, opened = threading.Event(), []
+    generate = AsyncClient.generate
+
+    async def last_token_waits_for_the_client(self, *args, **kwargs):
+        held = None
+        async with contextlib.aclosing(generate(self, *args, **kwargs)) as events:
+            async for event in events:
+                if isinstance(event, GenerateFinal) and held is not None:
+                    opened.append(await asyncio.to_thread(gate.wait, 60))
+                if held is not None:
+                    yield held
+                held = event
+        if held is not None:
+            yield held
+
+    monkeypatch.setattr(AsyncClient, "generate", last_token_waits_for_the_client)
+    deltas = []
+    for chunk in sdk.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=16,
+                                             temperature=0, tool_choice=FORCED, stream=True):
+        if chunk.choices:
+            deltas += chunk.choices[0].delta.tool_calls or []
+            finish = chunk.choices[0].finish_reason
+        if len("".join(d.function.arguments or "" for d in deltas)) > len(FORCED_OPENING):
+            gate.set()
+    assert opened == [True]
+    assert deltas[0].function.name == "weather" and deltas[0].id
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    (expected,) = whole.message.tool_calls
+    assert (deltas[0].function.name, arguments) == (expected.function.name, expected.function.arguments)
+    assert isinstance(json.loads(arguments), dict) and finish == whole.finish_reason == "tool_calls"
+
+
+def test_finished_conversations_end_their_sessions_and_a_paused_one_stays(live, sdk):
+    def open_sessions():
+        page = live.run(live.admin.list_sessions())
+        return {s.session_id: s.state for s in page.sessions
+                if s.session_id.startswith("gw-end-") and s.state is not SessionState.ENDED}
+
+    def call_tool(session, city):
+        messages = [{"role": "user", "content": f"Weather in {city}?"}]
+        reply = sdk.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=16,
+                                            temperature=0, tool_choice=FORCED,
+                                            extra_headers={"X-Session-Id": session})
+        (call,) = reply.choices[0].message.tool_calls
+        return messages + [reply.choices[0].message.model_dump(exclude_none=True),
+                           {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+
+    def answer(session, messages, stream=False):
+        reply = sdk.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="none",
+                                            max_tokens=4, temperature=0, stream=stream,
+                                            extra_headers={"X-Session-Id": session})
+        if stream:
+            list(reply)
+
+    conversations = {f"gw-end-{i}": call_tool(f"gw-end-{i}", city) for i, city in enumerate(("Oslo", "Lima", "Pune"))}
+    assert open_sessions() == dict.fromkeys(conversations, SessionState.PAUSED)
+    answer("gw-end-1", conversations["gw-end-1"])
+    answer("gw-end-2", conversations["gw-end-2"], stream=True)
+    assert open_sessions() == {"gw-end-0": SessionState.PAUSED}  # its tool result has not come yet
+    answer("gw-end-0", conversations["gw-end-0"])
+    assert open_sessions() == {}
+    paused = call_tool("gw-end-0", "Oslo")  # the next turn of a finished conversation starts it again
+    assert open_sessions() == {"gw-end-0": SessionState.PAUSED}
+    answer("gw-end-0", paused, stream=True)
+    assert open_sessions() == {}
 
 
 def test_required_tool_choice_yields_a_call_or_counts_the_unparsed_one(live, sdk):
