@@ -232,6 +232,26 @@ def test_flipped_payload_byte_on_disk_fails_that_slot_only(tmp_path, pools):
     assert verdicts == [SlotVerdict.OK, SlotVerdict.OK, SlotVerdict.CHECKSUM_MISMATCH, SlotVerdict.OK]
 
 
+@pytest.mark.parametrize("geometry", [ALIGNED, ODD], ids=["aligned", "bounce"])
+def test_flipped_byte_in_a_scattered_multi_run_read_fails_that_slot_only(tmp_path, pools, geometry):
+    # Slots out of order in two runs ({0, 1, 2} and {5, 6}), so each run's pages sit at
+    # positions of the output that are not consecutive: every page is checked against its
+    # own slot's checksum, whichever run read it.
+    pool = pools(tmp_path, 8, geometry)
+    slots, data = store(pool, range(7), geometry)
+    assert slots == list(range(7))
+    corrupt(pool, 1, 100, b"\xff\x00\xff", "payload")
+    picks = [SlotId(s) for s in (5, 0, 1, 6, 2)]
+    out = torch.zeros(5, *data.shape[1:], dtype=data.dtype)
+    verdicts = pool.read_pages(picks, out)
+    assert verdicts == [SlotVerdict.OK, SlotVerdict.OK, SlotVerdict.CHECKSUM_MISMATCH, SlotVerdict.OK, SlotVerdict.OK]
+    for i, s in enumerate(picks):
+        if s != 1:
+            assert torch.equal(out[i], data[s])
+    outs = [torch.zeros_like(data[0]) for _ in picks]
+    assert pool.read_pages(picks, outs) == verdicts
+
+
 def test_garbled_header_and_misplaced_header_are_reported(tmp_path, pools):
     pool = pools(tmp_path)
     slots, data = store(pool, range(3))
