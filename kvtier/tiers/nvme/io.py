@@ -32,6 +32,7 @@ from kvtier.tiers.nvme.format import (
     FORMAT_VERSION,
     HEADER_BYTES,
     HUGE_FROM_BYTES,
+    IOV_MAX,
     MASK64,
     NO_SPACE_ERRNOS,
     RECORD,
@@ -580,11 +581,13 @@ def preadv_all(fd: int, iov: list[memoryview], offset: int) -> int:
 
 
 def _vectored_all(call: Callable[[int, list[memoryview], int], int], fd: int, iov: list[memoryview], offset: int) -> int:
-    """Repeat a positional vectored ``call`` until ``iov`` is through or it moves no byte; bytes moved."""
+    """Repeat a positional vectored ``call`` until ``iov`` is through or it moves no byte; bytes
+    moved. Each call takes at most ``IOV_MAX`` buffers (the kernel refuses more)."""
     total = sum(len(b) for b in iov)
     done = 0
     while done < total:
-        n = call(fd, _advance(iov, done) if done else iov, offset + done)
+        rest = _advance(iov, done) if done else iov
+        n = call(fd, rest[:IOV_MAX], offset + done)
         if n == 0:
             break
         done += n
