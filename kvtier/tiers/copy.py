@@ -8,7 +8,7 @@ while it is in a register, instead of copying the run and reading it back out of
 It runs with the GIL released. Copies of at least ``STREAM_MIN_BYTES`` store with
 streaming (non-temporal) stores by default: a plain store first reads the destination line
 into cache (a third memory transfer per line), and a copy that large evicts itself from
-the caches anyway. On the 2-core AMD EPYC CI machine the one-thread kernel copied 64 MiB
+the caches anyway. On a 2-core AMD EPYC (AVX2) the one-thread kernel copied 64 MiB
 at 5.5-6.3 GB/s with streaming stores, 3.6-4.6 with plain ones, memcpy 4.2-4.9
 (decision 0005). Smaller copies use plain stores, so a promoted page the engine reads
 next is still in cache.

@@ -17,7 +17,8 @@
 // Streaming (non-temporal) stores from stream_min_bytes up: they skip the
 // read-for-ownership of every destination line (a plain store's third memory transfer)
 // and leave the caches to the engine. Callers turn them on for copies of 1 MiB and more
-// (kvtier/tiers/copy.py), where they measured 1.3-1.6x plain stores on the CI machine.
+// (kvtier/tiers/copy.py): 1.3-1.6x plain stores on a 2-core AMD EPYC, 0.93-1.05x on the
+// CI-class machine of decision 0005.
 //
 // Ops run with the GIL released (torch.ops drops it around every call), so a transfer
 // thread copying here never blocks the engine thread's Python.
