@@ -405,6 +405,11 @@ def run(directory: Path, direct: bool, total_mib: int, repeats: int) -> dict:
         name: {
             "page_bytes": g.page_bytes,
             **{r: statistics.median(it["geometries"][name][r] for it in iterations) for r in ratio_names},
+            # Lowest and highest per-iteration value of each ratio: the spread the median hides.
+            "ranges": {
+                r: [min(it["geometries"][name][r] for it in iterations), max(it["geometries"][name][r] for it in iterations)]
+                for r in ratio_names
+            },
         }
         for name, g in GEOMETRIES.items()
     }
@@ -458,8 +463,12 @@ def print_report(r: dict) -> None:
             )
     for name, p in r["geometries"].items():
         print(
-            f"median {name} ({p['page_bytes'] // 1024} KiB pages): "
-            + "  ".join(f"{k} {v:.2f}" for k, v in p.items() if k != "page_bytes")
+            f"median [range] of {len(r['iterations'])} iterations, {name} ({p['page_bytes'] // 1024} KiB pages): "
+            + "  ".join(
+                f"{k} {v:.2f} [{p['ranges'][k][0]:.2f}-{p['ranges'][k][1]:.2f}]"
+                for k, v in p.items()
+                if k not in ("page_bytes", "ranges")
+            )
         )
     print(
         f"nvme_write_vs_direct {r['nvme_write_vs_direct']:.2f}  "

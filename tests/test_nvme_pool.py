@@ -20,6 +20,7 @@ from kvtier.tiers.dram import make_dram_pool
 from kvtier.tiers.nvme.format import (
     ALIGN,
     HEADER_BYTES,
+    IOV_MAX,
     SlotHeader,
     SlotId,
     SlotState,
@@ -230,6 +231,42 @@ def test_flipped_payload_byte_on_disk_fails_that_slot_only(tmp_path, pools):
         f.write(bytes([byte[0] ^ 0x10]))
     verdicts = pool.read_pages(slots, torch.zeros_like(data))
     assert verdicts == [SlotVerdict.OK, SlotVerdict.OK, SlotVerdict.CHECKSUM_MISMATCH, SlotVerdict.OK]
+
+
+@pytest.mark.parametrize("geometry", [ALIGNED, ODD], ids=["aligned", "bounce"])
+def test_flipped_byte_in_a_scattered_multi_run_read_fails_that_slot_only(tmp_path, pools, geometry):
+    # Slots out of order in two runs ({0, 1, 2} and {5, 6}), so each run's pages sit at
+    # positions of the output that are not consecutive: every page is checked against its
+    # own slot's checksum, whichever run read it.
+    pool = pools(tmp_path, 8, geometry)
+    slots, data = store(pool, range(7), geometry)
+    assert slots == list(range(7))
+    corrupt(pool, 1, 100, b"\xff\x00\xff", "payload")
+    picks = [SlotId(s) for s in (5, 0, 1, 6, 2)]
+    out = torch.zeros(5, *data.shape[1:], dtype=data.dtype)
+    verdicts = pool.read_pages(picks, out)
+    assert verdicts == [SlotVerdict.OK, SlotVerdict.OK, SlotVerdict.CHECKSUM_MISMATCH, SlotVerdict.OK, SlotVerdict.OK]
+    for i, s in enumerate(picks):
+        if s != 1:
+            assert torch.equal(out[i], data[s])
+    outs = [torch.zeros_like(data[0]) for _ in picks]
+    assert pool.read_pages(picks, outs) == verdicts
+
+
+def test_a_run_of_more_iovecs_than_iov_max_goes_out_in_several_calls(tmp_path, pools):
+    # 2 KiB pages, buffered, each its own tensor: a payload and a pad iovec per slot, so
+    # one run of 600 slots needs more than IOV_MAX buffers.
+    g = PoolGeometry(num_layers=2, kv_heads=2, head_dim=8, page_size=8, dtype=torch.float32)
+    pool = pools(tmp_path, 600, g, direct_io=False)
+    assert g.page_bytes == 2048 and pool.max_slots_per_io >= 600 and 2 * 600 > IOV_MAX
+    data = pages_for(range(600), g)
+    slots = pool.allocate_many(600)
+    assert slots == list(range(600))
+    pages = [p.clone() for p in data]
+    pool.write_pages(slots, pages, [key_for(i) for i in range(600)], [NS] * 600, [page_checksum(p) for p in data])
+    outs = [torch.zeros_like(data[0]) for _ in range(600)]
+    assert pool.read_pages(slots, outs) == [SlotVerdict.OK] * 600
+    assert all(torch.equal(o, d) for o, d in zip(outs, data, strict=True))
 
 
 def test_garbled_header_and_misplaced_header_are_reported(tmp_path, pools):

@@ -82,11 +82,13 @@ def test_golden_value_from_the_kernel():
     assert int(page_copy.checksums(page)[0]) & (2**64 - 1) == 0x8281807F7E7D7C00
 
 
-@pytest.mark.parametrize("streaming", [True, False])
+@pytest.mark.parametrize("streaming", [True, False, None])
 @pytest.mark.parametrize("num_threads", [1, 2, 3])
 def test_large_runs_with_streaming_stores_and_helper_threads(streaming, num_threads):
     # 40 pages of 32 KiB: several 256 KiB chunks to share; an aligned destination allows
     # streaming stores (the kernel checks alignment itself and falls back to plain stores).
+    # None (the default) streams: 1.25 MiB is above STREAM_MIN_BYTES.
+    assert 40 * 32768 >= page_copy.STREAM_MIN_BYTES
     src = random_pages(40, 8192, torch.float32, seed=7)
     raw = aligned_host_tensor(src.numel() * 4)
     raw.zero_()

@@ -14,9 +14,11 @@
 // Both R and Q are kept per SIMD lane (sums mod 2**64 do not care which lane a word went
 // through) and reduced once per page.
 //
-// Streaming (non-temporal) stores are an option (stream_min_bytes): they skip the
-// read-for-ownership of every destination line and leave the caches to decode, but on
-// the CI machine they measured 0.93-1.05x plain stores, so callers leave them off.
+// Streaming (non-temporal) stores from stream_min_bytes up: they skip the
+// read-for-ownership of every destination line (a plain store's third memory transfer)
+// and leave the caches to the engine. Callers turn them on for copies of 1 MiB and more
+// (kvtier/tiers/copy.py): 1.3-1.6x plain stores on a 2-core AMD EPYC, 0.93-1.05x on the
+// CI-class machine of decision 0005.
 //
 // Ops run with the GIL released (torch.ops drops it around every call), so a transfer
 // thread copying here never blocks the engine thread's Python.

@@ -21,7 +21,7 @@ from kvtier.domain.errors import (
 )
 from kvtier.domain.hashing import NamespaceDigest, PageKey
 from kvtier.tiers import copy as page_copy
-from kvtier.tiers.checksum import CHECKSUM_ALGORITHM, page_checksums, to_unsigned
+from kvtier.tiers.checksum import CHECKSUM_ALGORITHM, to_unsigned
 from kvtier.tiers.dram import (
     CAN_ADVISE_HUGE_PAGES,
     HUGE_PAGE_BYTES,
@@ -32,6 +32,7 @@ from kvtier.tiers.nvme.format import (
     FORMAT_VERSION,
     HEADER_BYTES,
     HUGE_FROM_BYTES,
+    IOV_MAX,
     MASK64,
     NO_SPACE_ERRNOS,
     RECORD,
@@ -451,8 +452,10 @@ class SlotIO:
         """Read stored ``slots[i]`` into ``out[i]`` and verify each one.
 
         Returns one verdict per slot; bytes of a slot whose verdict is not OK are
-        garbage and must not be used (the caller frees the slot and recomputes). A run
-        ``out`` tensor ``[n, ...]`` is checksummed in one pass (``kvtier.tiers.copy``).
+        garbage and must not be used (the caller frees the slot and recomputes). Each run's
+        pages are checksummed (``kvtier.tiers.copy``) as soon as that run's read returns,
+        while its bytes are still in the CPU's cache, and while another disk thread's read
+        proceeds; summing them after every run of the call read them back from memory.
         """
         n = len(slots)
         if len(out) != n:
@@ -467,12 +470,15 @@ class SlotIO:
             crcs = self._expect_crc[slot_ids]
         source = _page_views(out, n, self.page_bytes)
         header_ok = np.zeros(n, dtype=bool)
+        sums = np.zeros(n, dtype=np.uint64)
         suspects: list[tuple[int, memoryview | None]] = []  # (position, record) to look at closely
         for run in self._runs(slot_ids):
             positions = run.tolist()
             span = self._span(int(slot_ids[positions[0]]), len(positions))
             direct = self._can_target(out, positions, None)
             records, complete = self._read_run(span, positions, source, direct)
+            # Verify the bytes where they landed (after any bounce copy): end to end.
+            sums[run] = _payload_checksums(out, run)
             # The fast path: the record is the one this pool wrote (same slot, generation,
             # checksum and crc over all its significant bytes).
             rec = records.reshape(-1).view(self._record)
@@ -489,11 +495,6 @@ class SlotIO:
             header_ok[run] = ok
             for j in np.flatnonzero(~ok).tolist():
                 suspects.append((positions[j], memoryview(records[j]) if complete[j] else None))
-        # Verify the bytes where they landed (after any bounce copy): end to end.
-        if isinstance(out, torch.Tensor):
-            sums = page_copy.checksums(out).numpy().view(np.uint64)
-        else:
-            sums = np.array([to_unsigned(int(page_checksums(t.reshape(1, -1))[0])) for t in out], np.uint64)
         payload_ok = sums == checksums
         if header_ok.all() and payload_ok.all():
             return [SlotVerdict.OK] * n
@@ -543,6 +544,20 @@ class SlotIO:
         return records, complete
 
 
+def _payload_checksums(out: torch.Tensor | Sequence[torch.Tensor], positions: np.ndarray) -> np.ndarray:
+    """Checksums (uint64) of pages ``out[positions]``: one kernel call per stretch of
+    consecutive positions of a run tensor, one per page of a list."""
+    if not isinstance(out, torch.Tensor):
+        pages = [out[i].reshape(1, -1) for i in positions.tolist()]
+        return np.array([to_unsigned(int(page_copy.checksums(p)[0])) for p in pages], dtype=np.uint64)
+    sums = np.empty(len(positions), dtype=np.uint64)
+    cuts = [0, *(np.flatnonzero(np.diff(positions) != 1) + 1).tolist(), len(positions)]
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        first = int(positions[a])
+        sums[a:b] = page_copy.checksums(out[first : first + b - a]).numpy().view(np.uint64)
+    return sums
+
+
 def _advance(iov: list[memoryview], done: int) -> list[memoryview]:
     """The buffers still to transfer after ``done`` bytes of ``iov`` went through."""
     rest: list[memoryview] = []
@@ -566,11 +581,13 @@ def preadv_all(fd: int, iov: list[memoryview], offset: int) -> int:
 
 
 def _vectored_all(call: Callable[[int, list[memoryview], int], int], fd: int, iov: list[memoryview], offset: int) -> int:
-    """Repeat a positional vectored ``call`` until ``iov`` is through or it moves no byte; bytes moved."""
+    """Repeat a positional vectored ``call`` until ``iov`` is through or it moves no byte; bytes
+    moved. Each call takes at most ``IOV_MAX`` buffers (the kernel refuses more)."""
     total = sum(len(b) for b in iov)
     done = 0
     while done < total:
-        n = call(fd, _advance(iov, done) if done else iov, offset + done)
+        rest = _advance(iov, done) if done else iov
+        n = call(fd, rest[:IOV_MAX], offset + done)
         if n == 0:
             break
         done += n

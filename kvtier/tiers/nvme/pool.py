@@ -34,7 +34,6 @@ from kvtier.tiers.nvme.format import (
     FILE_NAME_RE,
     FORMAT_VERSION,
     HEADER_BYTES,
-    IOV_MAX,
     NO_SPACE_ERRNOS,
     SLOT_FREE,
     SUPERBLOCK,
@@ -93,9 +92,10 @@ class NvmePool(SlotTable, SlotIO, SlotRecovery):
         self.max_tokens_per_slot = layout.max_tokens
         self.slot_bytes = slot_bytes_for(geometry)
         self.slots_per_file = slots_per_file or max(1, min(num_slots, DEFAULT_FILE_BYTES // self.slot_bytes))
-        # Whole groups per call where possible; iovecs: a header block per group, a payload
-        # and a pad per slot at most.
-        per_io = min(max(1, max_io_bytes // self.payload_bytes), IOV_MAX // 3)
+        # Whole groups per run where possible, up to max_io_bytes: one 16 MiB run of 32 KiB pages
+        # is 512 slots. A run whose iovecs exceed IOV_MAX (pages scattered in memory: a payload
+        # and a pad per slot) goes out in several calls (io.preadv_all, io.pwritev_all).
+        per_io = max(1, max_io_bytes // self.payload_bytes)
         self.max_slots_per_io = max(1, per_io - per_io % self.slots_per_group or per_io)
         self._record = record_dtype(self.record_bytes)
         # Striped locks for header blocks shared between runs (see Span.shared).
