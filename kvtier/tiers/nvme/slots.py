@@ -62,7 +62,7 @@ class SlotTable:
         self._expect_crc = np.zeros(num_slots, dtype=np.uint32)
         self._entries: dict[SlotId, SlotEntry] = {}
         self._by_key: dict[tuple[bytes, bytes], SlotId] = {}
-        self._free: list[SlotId] = []
+        self._free: list[SlotId] = [SlotId(s) for s in range(num_slots)]  # a sorted list is a heap
         self._releasing: list[SlotId] = []
         # Reserved slots handed out while releasing: their disk header still names the
         # freed page until written; freed unwritten, they go back to releasing, not free.
