@@ -399,7 +399,7 @@ def test_failed_write_to_nvme_frees_every_destination_slot(tiers, tmp_path):
     slots = t.nvme.allocate_many(4)
     # Make the second run's file region unwritable: replace the slot file by a read-only
     # descriptor the pool will use (EBADF on write, a device-level failure).
-    fd = t.nvme._fds[0]
+    fd = t.nvme.files.fds[0]
     ro = os.open(t.nvme.directory / "slots-000.kvt", os.O_RDONLY)
     os.dup2(ro, fd)
     os.close(ro)

@@ -1,33 +1,31 @@
-"""Slot allocation of the NVMe tier: the in-memory slot table and its lifecycle (free,
-reserved, stored, releasing), kept under one lock; I/O happens outside it.
+"""The slot table of the NVMe tier: each slot's lifecycle (free, reserved, stored, releasing),
+the pages stored and what their records must say, generations, kept under one lock. No I/O:
+the reader, writer and recovery change the table through its methods around their I/O.
 """
 
 from __future__ import annotations
 
 import heapq
-import os
+import threading
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
 
 from kvtier.domain.errors import (
+    FailedPrecondition,
     IntegrityError,
+    InvalidArgument,
 )
-from kvtier.domain.hashing import KEY_BYTES, NamespaceDigest, PageKey
+from kvtier.domain.hashing import NamespaceDigest, PageKey
 from kvtier.tiers.nvme.format import (
-    ALIGN,
-    HEADER_BYTES,
     SLOT_FREE,
     SLOT_RELEASING,
     SLOT_RESERVED,
     SLOT_STORED,
-    ZERO_HEADER,
-    SlotHeader,
+    SlotEntry,
     SlotId,
-    SlotState,
 )
-from kvtier.tiers.nvme.io import preadv_all
 
 
 class NvmeCounts(NamedTuple):
@@ -38,8 +36,38 @@ class NvmeCounts(NamedTuple):
     releasing: int = 0  # freed, header rewrite pending (allocatable: the next write replaces it)
 
 
+class Expected(NamedTuple):
+    """What the records of stored slots must say, per slot of a read: generation, payload
+    checksum (uint64) and record crc (uint32)."""
+
+    generations: np.ndarray
+    checksums: np.ndarray
+    crcs: np.ndarray
+
+
 class SlotTable:
-    """Allocation and bookkeeping of ``NvmePool`` (``kvtier.tiers.nvme.pool``), which holds the state."""
+    """Allocation and bookkeeping of ``num_slots`` NVMe slots. Thread-safe: every method
+    takes the table's lock; callers do their I/O between calls, never under it."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._lock = threading.Lock()
+        self._state = [SLOT_FREE] * num_slots
+        # What each stored slot's record must say (arrays, so a read checks a run of records
+        # and payload checksums in a few whole-array operations): generation, payload checksum
+        # and record crc, valid where _is_stored.
+        self._is_stored = np.zeros(num_slots, dtype=bool)
+        self._expect_generation = np.zeros(num_slots, dtype=np.uint64)
+        self._expect_checksum = np.zeros(num_slots, dtype=np.uint64)
+        self._expect_crc = np.zeros(num_slots, dtype=np.uint32)
+        self._entries: dict[SlotId, SlotEntry] = {}
+        self._by_key: dict[tuple[bytes, bytes], SlotId] = {}
+        self._free: list[SlotId] = [SlotId(s) for s in range(num_slots)]  # a sorted list is a heap
+        self._releasing: list[SlotId] = []
+        # Reserved slots handed out while releasing: their disk header still names the
+        # freed page until written; freed unwritten, they go back to releasing, not free.
+        self._stale: set[SlotId] = set()
+        self._next_generation = 1
 
     # ---- allocation -------------------------------------------------------------------
     @property
@@ -107,18 +135,19 @@ class SlotTable:
                 self._state[slot] = SLOT_FREE
                 heapq.heappush(self._free, slot)
 
-    def flush_frees(self) -> int:
-        """Mark every releasing slot FREE on disk and make it allocatable; returns how many."""
+    def take_releasing(self) -> tuple[list[SlotId], list[int]]:
+        """The releasing slots, each with a fresh generation for its FREE record; they stay
+        out of every list until ``finish_release``."""
         with self._lock:
             batch, self._releasing = self._releasing, []
-            generations = [self._take_generation() for _ in batch]
-        if batch:
-            self._invalidate(batch, generations)
+            return batch, [self._take_generation() for _ in batch]
+
+    def finish_release(self, slots: Sequence[SlotId]) -> None:
+        """Make slots taken by ``take_releasing`` allocatable (their headers say FREE)."""
         with self._lock:
-            for slot in batch:
+            for slot in slots:
                 self._state[slot] = SLOT_FREE
                 heapq.heappush(self._free, slot)
-        return len(batch)
 
     def entry(self, slot: SlotId) -> tuple[PageKey, NamespaceDigest, int] | None:
         """``(key, namespace, checksum)`` of a stored slot, ``None`` otherwise."""
@@ -153,31 +182,100 @@ class SlotTable:
         self._next_generation += 1
         return g
 
-    def _invalidate(self, slots: Sequence[int], generations: Sequence[int]) -> None:
-        """Rewrite the records of ``slots`` FREE, one read-change-write per header block."""
-        by_block: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-        g_size = self.slots_per_group
-        for slot, generation in zip(slots, generations, strict=True):
-            index, i = divmod(int(slot), self.slots_per_file)
-            by_block.setdefault((index, i // g_size), []).append((int(slot), i % g_size, int(generation)))
-        block = self._scratch.header_area(HEADER_BYTES)
-        zero = bytes(KEY_BYTES)
-        r = self.record_bytes
-        for (index, group), items in sorted(by_block.items()):
-            offset = ALIGN + group * self.group_bytes
-            (lock,) = self._locks_for(index, [group])
-            with lock:
-                try:
-                    if g_size > 1 and preadv_all(self._fds[index], [block], offset) < HEADER_BYTES:
-                        block[:] = ZERO_HEADER
-                    for slot, j, generation in items:
-                        header = SlotHeader(slot, SlotState.FREE, generation, 0, 0, zero, zero)
-                        header.encode_into(block[j * r : (j + 1) * r])
-                    os.pwritev(self._fds[index], [block], offset)
-                except OSError:
-                    # Best effort: a stale COMPLETE record only brings back a verified,
-                    # content-addressed page at the next start, never wrong bytes.
-                    pass
+    def stored_checksums(self, slots: Sequence[SlotId] | np.ndarray) -> np.ndarray:
+        """The checksums (uint64) stored with ``slots``, 0 for a slot that holds no page."""
+        ids = np.asarray(slots, dtype=np.int64)
+        with self._lock:
+            return np.where(self._is_stored[ids], self._expect_checksum[ids], np.uint64(0))
+
+    # ---- writes -----------------------------------------------------------------------
+    def begin_write(
+        self, slot_ids: np.ndarray, keys: Sequence[PageKey], namespaces: Sequence[NamespaceDigest]
+    ) -> np.ndarray:
+        """Check that every slot is reserved and no page is stored yet; returns a fresh
+        generation (uint64) per slot."""
+        n = len(slot_ids)
+        with self._lock:
+            for s, key, ns in zip(slot_ids.tolist(), keys, namespaces, strict=True):
+                if self._state[s] != SLOT_RESERVED:
+                    raise InvalidArgument(f"write_pages: nvme slot {s} is not reserved (allocate it first)")
+                other = self._by_key.get((key, ns))
+                if other is not None:
+                    raise InvalidArgument(f"write_pages: page already stored in nvme slot {other}")
+            first = self._next_generation
+            self._next_generation += n
+        return np.arange(first, first + n, dtype=np.uint64)
+
+    def commit_write(
+        self, slot_ids: np.ndarray, generations: np.ndarray, checksums: np.ndarray, crcs: np.ndarray,
+        entries: Sequence[SlotEntry],
+    ) -> None:
+        """The slots of a ``begin_write`` call are stored: their entries, and what their
+        records say (generation, payload checksum, record crc per slot)."""
+        with self._lock:
+            self._is_stored[slot_ids] = True
+            self._expect_generation[slot_ids] = generations
+            self._expect_checksum[slot_ids] = checksums
+            self._expect_crc[slot_ids] = crcs
+            for s, e in zip(slot_ids.tolist(), entries, strict=True):
+                self._stale.discard(SlotId(s))
+                self._state[s] = SLOT_STORED
+                self._entries[SlotId(s)] = e
+                self._by_key[(e.key, e.namespace)] = SlotId(s)
+
+    def abort_write(self, slot_ids: np.ndarray) -> None:
+        """A failed write's slots are free again (their headers were rewritten FREE)."""
+        with self._lock:
+            for s in slot_ids.tolist():
+                self._state[s] = SLOT_FREE
+                heapq.heappush(self._free, SlotId(s))
+                self._stale.discard(SlotId(s))
+
+    # ---- reads ------------------------------------------------------------------------
+    def expected(self, slot_ids: np.ndarray) -> Expected:
+        """What the records of stored ``slot_ids`` must say; raises for a slot with no page."""
+        with self._lock:
+            stored = self._is_stored[slot_ids]
+            if not stored.all():
+                raise InvalidArgument(f"read_pages: nvme slot {int(slot_ids[~stored][0])} holds no page")
+            return Expected(
+                self._expect_generation[slot_ids], self._expect_checksum[slot_ids], self._expect_crc[slot_ids]
+            )
+
+    def entries(self, slots: Sequence[int]) -> list[SlotEntry | None]:
+        """The entries of ``slots`` under one lock (``None`` for a slot with no page)."""
+        with self._lock:
+            return [self._entries.get(SlotId(s)) for s in slots]
+
+    # ---- recovery ---------------------------------------------------------------------
+    def clear(self) -> None:
+        """Forget every page (recovery rebuilds the table); refused while a slot is reserved."""
+        with self._lock:
+            if any(s == SLOT_RESERVED for s in self._state):
+                raise FailedPrecondition("recover() while slots are reserved (a write may be in flight)")
+            self._state = [SLOT_FREE] * self.num_slots
+            self._is_stored[:] = False
+            self._entries.clear()
+            self._by_key.clear()
+
+    def restore(
+        self, pages: Sequence[tuple[SlotId, SlotEntry, int]], max_generation: int, num_bad: int
+    ) -> list[int]:
+        """Install recovered ``(slot, entry, record crc)``s on a cleared table; every other slot
+        is free. Returns ``num_bad`` fresh generations for the FREE records of discarded slots."""
+        with self._lock:
+            self._next_generation = max(self._next_generation, max_generation + 1)
+            for slot, e, crc in pages:
+                self._state[slot] = SLOT_STORED
+                self._entries[slot] = e
+                self._is_stored[slot] = True
+                self._expect_generation[slot] = e.generation
+                self._expect_checksum[slot] = e.checksum
+                self._expect_crc[slot] = crc
+                self._by_key[(e.key, e.namespace)] = slot
+            self._free = [SlotId(s) for s in range(self.num_slots) if self._state[s] == SLOT_FREE]
+            heapq.heapify(self._free)
+            return [self._take_generation() for _ in range(num_bad)]
 
     # ---- integrity --------------------------------------------------------------------
     def check_integrity(self) -> None:
