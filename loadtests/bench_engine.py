@@ -1,6 +1,6 @@
 """Engine benchmark: paged vs dense decode attention, prefix-hit prefill, tokens/s.
 
-    python -m loadtests.bench_engine [--json] [--quick] [--kv-dtype fp8]
+    python -m loadtests.bench_engine [--json] [--quick] [--kv-dtype fp8] [--busy]
 
 Geometry: 8 layers, hidden 1024, 8 query / 8 KV heads of 128, fp32, on this CPU.
 Every number is measured against a baseline in the same run:
@@ -37,6 +37,7 @@ from kvtier.engine import Engine, SamplingParams
 from kvtier.engine.model.loader import write_random_checkpoint
 from kvtier.tiers.manager import TierConfig
 from loadtests.bench_attention import measure_decode, measure_fp8_decode
+from loadtests.busy import add_busy_flag, busy_core
 
 BENCH_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -269,15 +270,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quick", action="store_true", help="fewer iterations and shorter prompts")
     parser.add_argument("--kv-dtype", choices=("fp8",), help="fp8: the FP8 cache against bf16 (module doc)")
+    add_busy_flag(parser)
     args = parser.parse_args(argv)
+    with busy_core(args.busy):
+        result = run_fp8(quick=args.quick) if args.kv_dtype == "fp8" else run(quick=args.quick)
+    result["busy"] = args.busy
     if args.kv_dtype == "fp8":
-        result = run_fp8(quick=args.quick)
         if args.json:
             print(json.dumps(result, indent=2))
         else:
             print_fp8(result)
         return
-    result = run(quick=args.quick)
     if args.json:
         print(json.dumps(result, indent=2))
         return
