@@ -1,4 +1,5 @@
-"""Paged attention on CPU through a small C++/OpenMP kernel that reads pages in place.
+"""Paged attention on CPU: a small C++/OpenMP kernel that reads pages in place for decode and
+short chunks, torch's SDPA over gathered pages for prefills (``CpuFusedBackend``).
 
 The kernel (``csrc/paged_attention_cpu.cpp``) is compiled on first use and cached
 (``kvtier.tiers.native``: ``torch.utils.cpp_extension`` + ``ninja``, ``-march=native``, one
