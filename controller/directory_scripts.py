@@ -59,7 +59,8 @@ def ns_key(namespace: bytes, suffix: str) -> str:
 
 
 def pack_keys(keys: Sequence[PageKey]) -> bytes:
-    if isinstance(keys, PackedKeys):
+    # A list skips the isinstance check (an ABC's, not cheap on the lookup's hot path).
+    if type(keys) is not list and isinstance(keys, PackedKeys):
         return keys.packed
     packed = b"".join(keys)
     if len(packed) != KEY_BYTES * len(keys):

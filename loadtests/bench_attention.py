@@ -1,6 +1,6 @@
 """Decode attention: paged backends against dense SDPA over contiguous K/V.
 
-    python -m loadtests.bench_attention [--json] [--iterations N]
+    python -m loadtests.bench_attention [--json] [--iterations N] [--busy]
     python -m loadtests.bench_attention --device cuda --backend triton [--dtype bfloat16]
     python -m loadtests.bench_attention --kv-dtype fp8 [--json] [--device cuda --backend triton]
 
@@ -43,6 +43,7 @@ from kvtier.domain.page_layout import PageLayout
 from kvtier.engine.attention.base import AttentionBackend, AttentionMetadata, ReferenceBackend
 from kvtier.engine.attention.fp8 import quantize_pages
 from kvtier.engine.attention.registry import get_backend
+from loadtests.busy import add_busy_flag, busy_core
 
 GEOMETRIES = (
     # (num_seqs, context_len, num_heads, num_kv_heads)
@@ -316,7 +317,13 @@ def main(argv: list[str] | None = None) -> None:
         choices=("float32", "float16", "bfloat16"),
         help="pool and query dtype (default: float32 on cpu, bfloat16 on cuda)",
     )
+    add_busy_flag(parser)
     args = parser.parse_args(argv)
+    with busy_core(args.busy):
+        _run(args)
+
+
+def _run(args: argparse.Namespace) -> None:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

@@ -23,7 +23,7 @@ from kvtier.engine.attention.base import (
     attention_reference,
     write_kv_reference,
 )
-from kvtier.engine.attention.cpu_fused import CpuFusedBackend
+from kvtier.engine.attention.cpu_fused import SDPA_MIN_QUERY_LEN, CpuFusedBackend
 from kvtier.engine.attention.cuda import flash_attn_installed
 from kvtier.engine.attention.registry import ENV_VAR
 
@@ -221,10 +221,19 @@ def test_fused_decode_matches_reference(
 @pytest.mark.parametrize(("num_heads", "kv_heads"), [(4, 4), (8, 2)])
 @pytest.mark.parametrize("head_dim", [64, 24])  # 24: not a multiple of 16, the unblocked loops
 @pytest.mark.parametrize("partition_size", [0, 64])
+@pytest.mark.parametrize("sdpa_min_query_len", [SDPA_MIN_QUERY_LEN, 1 << 30])  # 1 << 30: all in the kernel
 def test_fused_prefill_with_prefix_matches_reference(
-    fused: CpuFusedBackend, page_size: int, num_heads: int, kv_heads: int, head_dim: int, partition_size: int
+    fused: CpuFusedBackend,
+    page_size: int,
+    num_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    partition_size: int,
+    sdpa_min_query_len: int,
 ) -> None:
-    # Query tiles of 32 rows: 70 new tokens span three tiles; 1-row decodes ride along.
+    # Query tiles of 32 rows: 70 new tokens span three tiles; 1-row decodes ride along. With
+    # the default threshold the 70-row sequence goes through SDPA and the rest through the
+    # kernel, each writing its own rows of the output.
     query_lens = [70, 1, 5, 33, 1, 16]
     context_lens = [70, 40, 21, 100, 1, 47]
     batch = make_batch(
@@ -235,7 +244,7 @@ def test_fused_prefill_with_prefix_matches_reference(
         kv_heads=kv_heads,
         head_dim=head_dim,
     )
-    backend = CpuFusedBackend(partition_size=partition_size)
+    backend = CpuFusedBackend(partition_size=partition_size, sdpa_min_query_len=sdpa_min_query_len)
     got = backend.forward(batch.q, batch.kv_layer, batch.md, head_dim**-0.5)
     torch.testing.assert_close(got, dense_oracle(batch, head_dim**-0.5), atol=1e-5, rtol=1e-5)
     expected = attention_reference(batch.q, batch.kv_layer, batch.md, head_dim**-0.5)

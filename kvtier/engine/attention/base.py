@@ -39,6 +39,8 @@ from kvtier.engine.attention.fp8 import Fp8KvLayer, write_kv_fp8
 KvLayer = torch.Tensor | Fp8KvLayer
 """``pool[:, layer]`` of a float pool, or of an FP8 pool."""
 
+_SDPA_ROW_BLOCK = 128  # query rows per SDPA call over a cached prefix (``attend_sequence``)
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -68,6 +70,26 @@ class AttentionMetadata:
     def is_decode(self) -> bool:
         """Every sequence contributes exactly one new token."""
         return self.num_tokens == self.num_seqs
+
+    def select(self, seqs: Sequence[int]) -> tuple[AttentionMetadata, torch.Tensor]:
+        """Metadata of the sequences ``seqs`` alone (in that order), and the rows of q they own."""
+        qs = self.query_start_list
+        query_start = [0]
+        for b in seqs:
+            query_start.append(query_start[-1] + qs[b + 1] - qs[b])
+        device = self.block_tables.device
+        rows = torch.cat([torch.arange(qs[b], qs[b + 1], device=device) for b in seqs])
+        index = torch.tensor(list(seqs), dtype=torch.long, device=device)
+        sub = AttentionMetadata(
+            query_start=torch.tensor(query_start, dtype=torch.int32, device=device),
+            context_lens=self.context_lens[index],
+            block_tables=self.block_tables[index],
+            slot_mapping=self.slot_mapping[rows],
+            page_size=self.page_size,
+            query_start_list=query_start,
+            context_lens_list=[self.context_lens_list[b] for b in seqs],
+        )
+        return sub, rows
 
     @classmethod
     def build(
@@ -130,11 +152,56 @@ def write_kv_reference(kv_layer: KvLayer, k: torch.Tensor, v: torch.Tensor, md: 
     kv_layer[pages, 1, offsets] = v.to(kv_layer.dtype)
 
 
-def _gather_pages(kv_layer: KvLayer, pages: torch.Tensor) -> torch.Tensor:
-    """``[n, 2, page_size, kv_heads, head_dim]`` of the listed pages; FP8 pages come back as fp32."""
+def attend_sequence(
+    q: torch.Tensor,
+    kv_layer: KvLayer,
+    pages: torch.Tensor,
+    context_len: int,
+    scale: float,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Attention of one sequence's new rows ``q`` ``[q_len, num_heads, head_dim]`` over its pages.
+
+    The rows sit at positions ``context_len - q_len … context_len - 1``; ``pages`` is the
+    sequence's block table. K and V of the pages are gathered plane by plane (one copy of
+    O(ctx) against O(q_len x ctx) work) and viewed as ``[1, heads, ctx, head_dim]``: SDPA runs
+    its blocked CPU kernel on 4-D inputs (several times faster than its 3-D path), causal in
+    place of a mask when every row is new. ``compute_dtype`` defaults to the pool's dtype
+    (fp32 for FP8 pages); the result has ``q``'s dtype.
+    """
+    _, _, page_size, kv_heads, head_dim = kv_layer.shape
+    q_len, num_heads = q.shape[0], q.shape[1]
+    listed = pages[: -(-context_len // page_size)].long()
     if isinstance(kv_layer, Fp8KvLayer):
-        return kv_layer.dequantize(pages)
-    return kv_layer[pages]
+        gathered = kv_layer.dequantize(listed)
+        k_rows, v_rows = gathered[:, 0], gathered[:, 1]
+    else:
+        k_rows, v_rows = kv_layer[listed, 0], kv_layer[listed, 1]
+    dtype = compute_dtype or k_rows.dtype
+    kb = k_rows.reshape(-1, kv_heads, head_dim)[:context_len].transpose(0, 1).to(dtype)  # [kv_heads, ctx, D]
+    vb = v_rows.reshape(-1, kv_heads, head_dim)[:context_len].transpose(0, 1).to(dtype)
+    if num_heads != kv_heads:
+        rep = num_heads // kv_heads
+        kb = kb.repeat_interleave(rep, dim=0)
+        vb = vb.repeat_interleave(rep, dim=0)
+    qb = q.transpose(0, 1).to(dtype)  # [H, q_len, D]
+    if q_len == context_len:
+        ob = F.scaled_dot_product_attention(qb[None], kb[None], vb[None], is_causal=True, scale=scale)
+    else:
+        # Query row i sits at position ctx - q_len + i and may see keys 0..that position. SDPA
+        # scores every (row, key) pair a mask covers, so rows go in blocks that each stop at
+        # their last visible key: over a cached prefix of c the work is about q_len x (c + q_len/2).
+        q_pos = torch.arange(context_len - q_len, context_len, device=q.device)[:, None]
+        k_pos = torch.arange(context_len, device=q.device)[None, :]
+        ob = torch.empty(1, num_heads, q_len, head_dim, dtype=dtype, device=q.device)
+        for r0 in range(0, q_len, _SDPA_ROW_BLOCK):
+            r1 = min(q_len, r0 + _SDPA_ROW_BLOCK)
+            keys = context_len - q_len + r1
+            ob[:, :, r0:r1] = F.scaled_dot_product_attention(
+                qb[None, :, r0:r1], kb[None, :, :keys], vb[None, :, :keys],
+                attn_mask=k_pos[:, :keys] <= q_pos[r0:r1], scale=scale,
+            )
+    return ob[0].transpose(0, 1).to(q.dtype)
 
 
 def attention_reference(q: torch.Tensor, kv_layer: KvLayer, md: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -143,31 +210,11 @@ def attention_reference(q: torch.Tensor, kv_layer: KvLayer, md: AttentionMetadat
     This is the oracle for faster backends, not the production path (the gather copies;
     FP8 pages are dequantized in that per-sequence copy).
     """
-    _, _, page_size, kv_heads, head_dim = kv_layer.shape
-    num_heads = q.shape[1]
     out = torch.empty_like(q)
     qs = md.query_start_list
     for b, ctx in enumerate(md.context_lens_list):
         start, end = qs[b], qs[b + 1]
-        q_len = end - start
-        num_pages = -(-ctx // page_size)
-        pages = md.block_tables[b, :num_pages].long()
-        gathered = _gather_pages(kv_layer, pages)
-        k = gathered[:, 0].reshape(-1, kv_heads, head_dim)[:ctx]
-        v = gathered[:, 1].reshape(-1, kv_heads, head_dim)[:ctx]
-        # Query row i sits at position ctx - q_len + i and may see keys 0..that position.
-        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
-        k_pos = torch.arange(ctx, device=q.device)[None, :]
-        mask = k_pos <= q_pos
-        qb = q[start:end].transpose(0, 1).to(k.dtype)  # [H, q_len, D]
-        kb = k.transpose(0, 1)
-        vb = v.transpose(0, 1)
-        if num_heads != kv_heads:
-            rep = num_heads // kv_heads
-            kb = kb.repeat_interleave(rep, dim=0)
-            vb = vb.repeat_interleave(rep, dim=0)
-        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
-        out[start:end] = ob.transpose(0, 1).to(out.dtype)
+        out[start:end] = attend_sequence(q[start:end], kv_layer, md.block_tables[b], ctx, scale)
     return out
 
 

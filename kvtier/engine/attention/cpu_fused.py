@@ -1,4 +1,5 @@
-"""Paged attention on CPU through a small C++/OpenMP kernel that reads pages in place.
+"""Paged attention on CPU: a small C++/OpenMP kernel that reads pages in place for decode and
+short chunks, torch's SDPA over gathered pages for prefills (``CpuFusedBackend``).
 
 The kernel (``csrc/paged_attention_cpu.cpp``) is compiled on first use and cached
 (``kvtier.tiers.native``: ``torch.utils.cpp_extension`` + ``ninja``, ``-march=native``, one
@@ -18,12 +19,20 @@ from pathlib import Path
 import torch
 
 from kvtier.domain.errors import FailedPrecondition
-from kvtier.engine.attention.base import AttentionMetadata, KvLayer, attention_reference, write_kv_reference
+from kvtier.engine.attention.base import (
+    AttentionMetadata,
+    KvLayer,
+    attend_sequence,
+    attention_reference,
+    write_kv_reference,
+)
 from kvtier.engine.attention.fp8 import FP8_DTYPES, Fp8KvLayer, write_kv_fp8
 from kvtier.tiers.native import NativeExtension
 
 logger = logging.getLogger("kvtier.engine.attention")
 
+# New tokens of one sequence from which its attention runs through SDPA (``CpuFusedBackend``).
+SDPA_MIN_QUERY_LEN = 64
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, *FP8_DTYPES)
 _EXTENSION = NativeExtension(
     "kvtier_paged_attention",
@@ -54,12 +63,22 @@ class CpuFusedBackend:
     ``partition_size``: 0 lets the kernel split long key ranges across threads only when
     there are too few (sequence, kv head) items to keep every thread busy; a positive value
     forces splits of that many keys; -1 never splits.
+
+    ``sdpa_min_query_len``: a sequence with at least this many new tokens (a prefill) skips
+    the kernel: its pages are gathered into contiguous fp32 K/V and torch's SDPA attends over
+    them (``attend_sequence``). SDPA's blocked matrix products run prefill attention about
+    ten times faster than the kernel's per-row dot products (1,024 tokens, 8 heads of 128:
+    ~80 ms against ~800 ms on a 2-core machine), so attention stays a small share of a prefill next to the projections and
+    a prefill over a cached prefix costs close to its share of new tokens; the gather costs
+    O(context) against O(new tokens x context) of work. Decode rows and short chunks stay in
+    the kernel, which reads pages in place.
     """
 
     name = "cpu-fused"
 
-    def __init__(self, partition_size: int = 0) -> None:
+    def __init__(self, partition_size: int = 0, sdpa_min_query_len: int = SDPA_MIN_QUERY_LEN) -> None:
         self.partition_size = partition_size
+        self.sdpa_min_query_len = sdpa_min_query_len
         self._warned = False
 
     def _kernel_ready(self) -> bool:
@@ -88,6 +107,23 @@ class CpuFusedBackend:
     def forward(self, q: torch.Tensor, kv_layer: KvLayer, md: AttentionMetadata, scale: float) -> torch.Tensor:
         if not (self._can_handle(kv_layer) and q.device.type == "cpu" and self._kernel_ready()):
             return attention_reference(q, kv_layer, md, scale)
+        qs = md.query_start_list
+        long = [b for b in range(md.num_seqs) if qs[b + 1] - qs[b] >= self.sdpa_min_query_len]
+        if not long:
+            return self._kernel(q, kv_layer, md, scale)
+        out = torch.empty_like(q)
+        for b in long:
+            out[qs[b] : qs[b + 1]] = attend_sequence(
+                q[qs[b] : qs[b + 1]], kv_layer, md.block_tables[b], md.context_lens_list[b], scale,
+                compute_dtype=torch.float32,
+            )
+        short = sorted(set(range(md.num_seqs)) - set(long))
+        if short:
+            sub, rows = md.select(short)
+            out[rows] = self._kernel(q[rows], kv_layer, sub, scale)
+        return out
+
+    def _kernel(self, q: torch.Tensor, kv_layer: KvLayer, md: AttentionMetadata, scale: float) -> torch.Tensor:
         codes, scales = (kv_layer.codes, kv_layer.scales) if isinstance(kv_layer, Fp8KvLayer) else (kv_layer, None)
         out = torch.ops.kvtier_attn.paged_attention(
             q, codes, md.block_tables, md.query_start, md.context_lens, scale, self.partition_size, scales
