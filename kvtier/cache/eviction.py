@@ -42,7 +42,7 @@ from kvtier.domain.errors import InvalidArgument
 from kvtier.domain.geometry import ModelGeometry
 from kvtier.domain.hashing import NamespaceDigest
 from kvtier.domain.tiers import Tier
-from kvtier.policy.eviction import Expert, ExpertLearner, Usage
+from kvtier.policy.eviction import DEFAULT_EXPERTS, Expert, ExpertLearner, Usage
 
 
 def _default_bandwidth() -> dict[tuple[Tier, Tier], float]:
@@ -218,7 +218,7 @@ class ExpertPolicy:
         *,
         tiers: Sequence[Tier] = (Tier.HBM,),
         capacity_pages: int = 4096,
-        experts: Sequence[Expert] = tuple(Expert),
+        experts: Sequence[Expert] = DEFAULT_EXPERTS,
     ) -> None:
         self._restore = ValuePolicy(cost, tiers=tiers)
         self.cost = self._restore.cost
