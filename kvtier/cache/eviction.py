@@ -27,9 +27,10 @@ wherever the page moves; only the restore cost differs by tier.
 Within a tier with a tier below, every page costs the same to restore, so the order is
 by hits and age; depth only counts where a victim is dropped for good.
 
-``ExpertPolicy`` (decision 0014) is the learned alternative: recency, frequency, this value
-and a reuse-time expert, with ``kvtier.policy.eviction``'s learner choosing which one orders
-the index; ``reorder`` queues the candidates again when the lead changes.
+``ExpertPolicy`` (decision 0014) is the learned alternative: by default recency, a reuse-time
+expert and frequency in cache turnovers (``DEFAULT_EXPERTS``; frequency by mean gaps and this
+value are selectable experts), with ``kvtier.policy.eviction``'s learner choosing which one
+orders the index; ``reorder`` queues the candidates again when the lead changes.
 """
 
 from __future__ import annotations
@@ -204,8 +205,8 @@ class ExpertPolicy:
 
     The index's access tick (``RadixNode.last_access``) is the learner's clock. A page's
     restore cost (``ValuePolicy.restore_s``: the transfer back when a tier below will take it,
-    else its recompute at its depth) enters the value expert as a ratio to the moving mean,
-    so demoting and dropping are weighed by what each would cost to undo.
+    else its recompute at its depth) enters the value expert (when ``experts`` includes it) as a
+    ratio to the moving mean, so demoting and dropping are weighed by what each would cost to undo.
     ``capacity_pages`` is the cache's size over all tiers (the learner's miniatures are that
     size scaled by their sample).
     """
