@@ -7,6 +7,7 @@ import math
 import pytest
 
 from kvtier.policy.eviction import (
+    DEFAULT_EXPERTS,
     Expert,
     ExpertLearner,
     MiniatureCache,
@@ -47,11 +48,11 @@ def test_history_forgets_the_least_recently_used_key_past_its_bound():
 @pytest.mark.parametrize(
     "usage,mean_gap,cost,max_offset,expected",
     [
-        # last, last + mean × log2(uses), the same × cost, last − gap
-        (Usage(last=100, uses=1), 10.0, 1.0, math.inf, (100.0, 100.0, 100.0, 80.0)),
-        (Usage(last=100, uses=4, gap=5.0, gap_seen=True), 10.0, 2.0, math.inf, (100.0, 120.0, 140.0, 95.0)),
-        (Usage(last=100, uses=4, gap=500.0, gap_seen=True), 10.0, 2.0, 30.0, (100.0, 120.0, 130.0, 70.0)),
-        (Usage(last=7, uses=2), 0.0, 1.0, math.inf, (7.0, 8.0, 8.0, 5.0)),  # mean gap at least 1 tick
+        # last, last + mean × log2(uses), the same × cost, last − gap, last + max_offset × log2(uses)
+        (Usage(last=100, uses=1), 10.0, 1.0, math.inf, (100.0, 100.0, 100.0, 80.0, 100.0)),
+        (Usage(last=100, uses=4, gap=5.0, gap_seen=True), 10.0, 2.0, 40.0, (100.0, 120.0, 140.0, 95.0, 180.0)),
+        (Usage(last=100, uses=4, gap=500.0, gap_seen=True), 10.0, 2.0, 30.0, (100.0, 120.0, 130.0, 70.0, 160.0)),
+        (Usage(last=7, uses=2), 0.0, 1.0, 5.0, (7.0, 8.0, 8.0, 5.0, 12.0)),  # mean gap at least 1 tick
     ],
 )
 def test_expert_scores(usage, mean_gap, cost, max_offset, expected):
@@ -97,6 +98,16 @@ def test_a_scan_over_hot_keys_hands_the_lead_to_frequency():
     drive(learner, scan_with_hot_keys(60, hot=40, scan=60))
     assert learner.leading is Expert.FREQUENCY
     assert learner.losses[1] < learner.losses[0] - 0.2
+
+
+def test_a_scan_over_hot_keys_hands_the_default_lead_to_turnover():
+    # The same scan with the default experts: only TURNOVER's order keeps the hot keys.
+    learner = ExpertLearner(64, loss_window=200)
+    assert learner.experts == DEFAULT_EXPERTS
+    drive(learner, scan_with_hot_keys(60, hot=40, scan=60))
+    assert learner.leading is Expert.TURNOVER
+    usage = learner.history.get(key(3))
+    assert learner.priority(usage) == usage.last + 64 * math.log2(usage.uses)
 
 
 def test_lru_keeps_the_lead_where_no_expert_is_better():

@@ -27,9 +27,10 @@ wherever the page moves; only the restore cost differs by tier.
 Within a tier with a tier below, every page costs the same to restore, so the order is
 by hits and age; depth only counts where a victim is dropped for good.
 
-``ExpertPolicy`` (decision 0014) is the learned alternative: recency, frequency, this value
-and a reuse-time expert, with ``kvtier.policy.eviction``'s learner choosing which one orders
-the index; ``reorder`` queues the candidates again when the lead changes.
+``ExpertPolicy`` (decision 0014) is the learned alternative: by default recency, a reuse-time
+expert and frequency in cache turnovers (``DEFAULT_EXPERTS``; frequency by mean gaps and this
+value are selectable experts), with ``kvtier.policy.eviction``'s learner choosing which one
+orders the index; ``reorder`` queues the candidates again when the lead changes.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from kvtier.domain.errors import InvalidArgument
 from kvtier.domain.geometry import ModelGeometry
 from kvtier.domain.hashing import NamespaceDigest
 from kvtier.domain.tiers import Tier
-from kvtier.policy.eviction import Expert, ExpertLearner, Usage
+from kvtier.policy.eviction import DEFAULT_EXPERTS, Expert, ExpertLearner, Usage
 
 
 def _default_bandwidth() -> dict[tuple[Tier, Tier], float]:
@@ -204,8 +205,8 @@ class ExpertPolicy:
 
     The index's access tick (``RadixNode.last_access``) is the learner's clock. A page's
     restore cost (``ValuePolicy.restore_s``: the transfer back when a tier below will take it,
-    else its recompute at its depth) enters the value expert as a ratio to the moving mean,
-    so demoting and dropping are weighed by what each would cost to undo.
+    else its recompute at its depth) enters the value expert (when ``experts`` includes it) as a
+    ratio to the moving mean, so demoting and dropping are weighed by what each would cost to undo.
     ``capacity_pages`` is the cache's size over all tiers (the learner's miniatures are that
     size scaled by their sample).
     """
@@ -218,7 +219,7 @@ class ExpertPolicy:
         *,
         tiers: Sequence[Tier] = (Tier.HBM,),
         capacity_pages: int = 4096,
-        experts: Sequence[Expert] = tuple(Expert),
+        experts: Sequence[Expert] = DEFAULT_EXPERTS,
     ) -> None:
         self._restore = ValuePolicy(cost, tiers=tiers)
         self.cost = self._restore.cost

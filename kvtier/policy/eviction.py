@@ -10,6 +10,7 @@ page longer; each score is fixed between two uses of the page, so an index can q
     FREQUENCY  last + min(Ī × log2(uses), C)             (each doubling of uses buys a mean gap)
     VALUE      last + min(Ī × log2(uses) × cost, C)      (the same, weighed by restore cost)
     REUSE      last − min(gap, C)                        (the page's own predicted reuse gap)
+    TURNOVER   last + C × log2(uses)                     (each doubling of uses buys a cache turnover)
 
 ``last`` is the tick of the page's last use, ``uses`` how often it was used, this use
 included (kept after an eviction, so a page that comes back is known), ``Ī`` the mean gap
@@ -19,8 +20,10 @@ of its own gaps once it has one, else its parent's (the next turn of a conversat
 agent back from its tool, comes back about as late as its prefix last did; a shared prompt
 with many followers has a short gap), else the mean gap of all pages twice over (a page
 never seen again is the common case). REUSE evicts the page whose next use is furthest
-away by its own history. The bound ``C`` keeps every score within one cache turnover of
-``last``.
+away by its own history. The bound ``C`` keeps the first four scores within one cache turnover of
+``last``; TURNOVER is the frequency expert in the unit of a turnover, so a page used 2ᵏ
+times stays through k turnovers without a use (a shared document or few-shot prompt outlives
+a stream of one-shot questions; a stale one ages out).
 
 The learner (``ExpertLearner``) runs each expert on a miniature cache: the pages whose key
 falls in a fixed hash sample, at the sampled share of the real capacity (as SHARDS sizes
@@ -49,9 +52,13 @@ class Expert(IntEnum):
     FREQUENCY = 1
     VALUE = 2
     REUSE = 3
+    TURNOVER = 4
 
 
 NUM_EXPERTS = len(Expert)
+# The learner's experts unless told otherwise (decision 0014: with FREQUENCY and VALUE as well,
+# the lead changes often enough on the Mooncake trace at 1k blocks to fall below LRU).
+DEFAULT_EXPERTS: tuple[Expert, ...] = (Expert.LRU, Expert.REUSE, Expert.TURNOVER)
 
 
 @dataclass(slots=True)
@@ -103,11 +110,12 @@ class UsageHistory:
 
 def expert_scores(
     usage: Usage, *, mean_gap: float, cost_ratio: float = 1.0, max_offset: float = math.inf
-) -> tuple[float, float, float, float]:
-    """The four experts' scores of a page (ticks; higher is kept longer), by ``Expert``.
+) -> tuple[float, float, float, float, float]:
+    """The five experts' scores of a page (ticks; higher is kept longer), by ``Expert``.
 
-    Each score is ``last`` moved by at most ``max_offset`` ticks either way, so a page queued
-    under one expert is misplaced by at most that much when another takes the lead."""
+    The first four move ``last`` by at most ``max_offset`` ticks either way; TURNOVER moves it
+    by ``max_offset`` per doubling of uses (a page used 2ᵏ times outlives k cache turnovers
+    unused), so it takes a finite ``max_offset``."""
     last = float(usage.last)
     mean = max(mean_gap, 1.0)
     frequency = mean * math.log2(usage.uses)  # uses counts this one: the first use buys nothing
@@ -117,6 +125,7 @@ def expert_scores(
         last + min(frequency, max_offset),
         last + min(frequency * cost_ratio, max_offset),
         last - min(gap, max_offset),
+        last + max_offset * math.log2(usage.uses) if usage.uses > 1 else last,
     )
 
 
@@ -178,7 +187,7 @@ class ExpertLearner:
         self,
         capacity_pages: int,
         *,
-        experts: Sequence[Expert] = tuple(Expert),
+        experts: Sequence[Expert] = DEFAULT_EXPERTS,
         margin: float = 0.005,
         z: float = 5.0,
         loss_window: int | None = None,
@@ -250,7 +259,7 @@ class ExpertLearner:
             self._advantage_sq = [0.0] * len(misses)
             self._num_compared = 0
 
-    def _scores(self, usage: Usage, cost_ratio: float) -> tuple[float, float, float, float]:
+    def _scores(self, usage: Usage, cost_ratio: float) -> tuple[float, float, float, float, float]:
         return expert_scores(
             usage, mean_gap=self.history.mean_gap, cost_ratio=cost_ratio, max_offset=self.max_offset
         )

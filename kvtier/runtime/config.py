@@ -326,7 +326,7 @@ class WorkerConfig:
     # The names of kvtier.cache.eviction.POLICY_NAMES (not imported here: that module loads torch).
     eviction_policy: str = setting(
         "experts",
-        "which cached pages leave a tier first: experts (recency, frequency, value and reuse-time experts; "
+        "which cached pages leave a tier first: experts (recency, reuse-time and turnover-frequency experts; "
         "the one measured best on this workload leads, LRU until another is), value (restore cost x reuse, "
         "per byte), or lru",
         choices=("value", "lru", "experts"),
