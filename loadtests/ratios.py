@@ -5,7 +5,9 @@ process (``--json``), its headline ratios read back and checked.
     python -m loadtests.ratios --busy          # each with one core burnt (``loadtests.busy``)
     python -m loadtests.ratios --only tiers,directory --json
 
-Each benchmark alternates its two sides within its own run and reports the median of its
+The agent workload runs its default (calibrated, seeds pooled) with the two policies its ratio
+compares, reactive and kvtier (~12 min on a 2-core machine). Each benchmark alternates its two
+sides within its own run and reports the median of its
 per-round ratios (with the range where it keeps one); this module only collects them, so a
 run of it is one sample of each ratio. The issue's protocol is two quiet runs and two busy
 ones; ``docs/benchmarks.md`` gives them with the date and the machine.
@@ -71,7 +73,7 @@ BENCHES = (
     Bench("serving", ("loadtests.bench_serving", "--json"), (
         Ratio("Route p50 / health p50", lambda r: r.get("route_p50_over_health_p50"), 1.5, True),
     )),
-    Bench("agent", ("loadtests.agent_workload", "--json"), (
+    Bench("agent", ("loadtests.agent_workload", "--json", "--policies", "reactive,kvtier"), (
         Ratio("agent resume TTFT p50, kvtier / reactive (pooled seeds)", _pooled("kvtier_over_reactive"), 0.5, True),
     )),
 )
