@@ -67,7 +67,7 @@ class ObjectPrefix:
             if self.is_done:
                 return "".join(out), i
             if not self._step(ch, out):
-                self.is_broken = True  # the state stays as it was before ``ch``, for ``closing``
+                self.is_broken = True  # ``ch`` leaves the state unchanged, for ``closing``
                 return "".join(out), i
         return "".join(out), len(text)
 
