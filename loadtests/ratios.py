@@ -6,7 +6,8 @@ process (``--json``), its headline ratios read back and checked.
     python -m loadtests.ratios --only tiers,directory --json
 
 The agent workload runs its default (calibrated, seeds pooled) with the two policies its ratio
-compares, reactive and kvtier (~12 min on a 2-core machine). Each benchmark alternates its two
+compares, reactive and kvtier (~12 min on a 2-core machine); the gateway benchmark serves the
+bundled real model (~8 min). Each benchmark alternates its two
 sides within its own run and reports the median of its
 per-round ratios (with the range where it keeps one); this module only collects them, so a
 run of it is one sample of each ratio. The issue's protocol is two quiet runs and two busy
@@ -72,6 +73,13 @@ BENCHES = (
     )),
     Bench("serving", ("loadtests.bench_serving", "--json"), (
         Ratio("Route p50 / health p50", lambda r: r.get("route_p50_over_health_p50"), 1.5, True),
+    )),
+    Bench("gateway", ("loadtests.bench_gateway", "--json"), (
+        Ratio("gateway / gRPC tokens/s, 32 streams",
+              lambda r: r.get("streams", {}).get("32", {}).get("gateway_over_grpc_tokens_per_s", {}).get("median"),
+              0.9, False),
+        Ratio("agent resumed-turn TTFT p50, tiered / HBM only",
+              lambda r: r.get("agents", {}).get("resume_ttft_tiered_over_hbm_only", {}).get("p50"), 0.5, True),
     )),
     Bench("agent", ("loadtests.agent_workload", "--json", "--policies", "reactive,kvtier"), (
         Ratio("agent resume TTFT p50, kvtier / reactive (pooled seeds)", _pooled("kvtier_over_reactive"), 0.5, True),

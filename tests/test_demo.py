@@ -63,6 +63,19 @@ def test_plans_are_deterministic_and_force_a_web_fetch_first():
     assert {t for p in plans for t in p.tools} == {"calculator", "search_docs", "web_fetch"}
 
 
+def test_a_tool_cycle_of_web_fetch_makes_every_call_a_fetch():
+    plans = make_plans(DemoOptions(tool_calls=3, tool_cycle=("web_fetch",)))
+    assert all(p.tools == ("web_fetch",) * 3 and len(p.fetch_s) == 3 for p in plans)
+
+
+def test_notes_are_the_asked_length_and_differ_between_sessions():
+    docs = DocSearch(ROOT)
+    notes = [docs.notes(n, 1600) for n in range(6)]
+    assert all(len(n) == 1600 for n in notes)
+    assert len(set(notes)) == 6
+    assert notes[2] == docs.notes(2, 1600)
+
+
 def _records(mode: str, resumed_ttft: float, tiers: dict[str, int]) -> list[TurnRecord]:
     return [
         TurnRecord(mode, "tenant-a", 0, 0, "web_fetch", None, 900.0, 380, 0, {"hbm": 0, "dram": 0, "nvme": 0}, 0),

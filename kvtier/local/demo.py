@@ -84,6 +84,11 @@ class DemoOptions:
     # second call cycles through them) and a paused context of about 40 pages; the engine's
     # CPU time grows with the turns and their contexts, and the HBM-only run recomputes them.
     tool_calls: int = 2
+    # The tools the calls cycle through after the first web_fetch.
+    tool_cycle: tuple[str, ...] = ("web_fetch", "search_docs", "calculator")
+    # Characters of the user's own notes (passages of the repo's docs, different per session)
+    # sent with the task: the private context an agent carries into its pauses.
+    notes_chars: int = 0
     answer_tokens: int = 16
     fetch_median_s: float = 1.5
     fetch_sigma: float = 0.5
@@ -194,6 +199,17 @@ class DocSearch:
         start = max(0, min(hits, default=0) - 40)  # the excerpt around the first word found
         return f"[{source}] {para[start:start + RESULT_CHARS]}"
 
+    def notes(self, n: int, chars: int) -> str:
+        """``chars`` characters of passages, starting at a place that differs for each ``n``."""
+        if not self.passages:
+            return ""
+        out: list[str] = []
+        i = (n * 7919) % len(self.passages)
+        while sum(map(len, out)) < chars:
+            out.append(self.passages[i % len(self.passages)][1])
+            i += 1
+        return "\n".join(out)[:chars]
+
 
 def _words(text: str) -> set[str]:
     return {w for w in re.findall(r"[a-z0-9]+", text.lower()) if len(w) > 2}
@@ -281,8 +297,8 @@ def make_plans(opts: DemoOptions) -> list[SessionPlan]:
             n = len(plans)
             # web_fetch first, so the longest pause comes while the context is already sizeable,
             # then the others in turn.
-            tools = tuple(["web_fetch", "search_docs", "calculator"][(i + n) % 3] if i else "web_fetch"
-                          for i in range(opts.tool_calls))
+            cycle = opts.tool_cycle
+            tools = tuple(cycle[(i + n) % len(cycle)] if i else "web_fetch" for i in range(opts.tool_calls))
             fetches = tuple(fetch_seconds(opts, rng) for t_ in tools if t_ == "web_fetch")
             plans.append(SessionPlan(tenant, s, TASKS[(s * len(TENANTS) + t) % len(TASKS)], tools, fetches,
                                      s * opts.stagger_s))
@@ -306,8 +322,12 @@ async def agent_session(client: Any, model: str, plan: SessionPlan, mode: str, o
     if plan.index > 0:
         await opened.wait()
     await asyncio.sleep(plan.start_s)
+    task = plan.task
+    if opts.notes_chars:
+        task += "\n\nMy notes so far:\n" + docs.notes(plan.index * len(TENANTS) + TENANTS.index(plan.tenant),
+                                                       opts.notes_chars)
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPTS[plan.tenant]},
-                                      {"role": "user", "content": plan.task}]
+                                      {"role": "user", "content": task}]
     records: list[TurnRecord] = []
     fetches = iter(plan.fetch_s)
     after: str | None = None
@@ -363,7 +383,7 @@ def page_bytes(checkpoint: Path, page_size: int = PAGE_SIZE) -> int:
 def session_pages(opts: DemoOptions) -> int:
     """About how many pages a session's final context fills: the system prompt and task, then
     per tool call the nudge, the call and its result (a fetched page is the largest)."""
-    return math.ceil((340 + opts.tool_calls * 155 + opts.answer_tokens) / PAGE_SIZE)
+    return math.ceil((340 + opts.notes_chars / 4 + opts.tool_calls * 155 + opts.answer_tokens) / PAGE_SIZE)
 
 
 def stack_options(mode: str, opts: DemoOptions, checkpoint: Path, state_dir: Path) -> StackOptions:

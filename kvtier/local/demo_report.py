@@ -63,9 +63,10 @@ def report(results: list[ModeResult], opts: DemoOptions) -> dict[str, Any]:
 
 def workload_line(opts: DemoOptions) -> str:
     low, high = opts.fetch_range_s
-    return (f"{opts.num_sessions} agent sessions in 2 tenants, {opts.tool_calls} forced tool calls each then an "
-            f"answer; web_fetch sleeps lognormal(median {opts.fetch_median_s:g} s, sigma {opts.fetch_sigma:g}) "
-            f"clipped to [{low:g}, {high:g}] s; calculator and search_docs run for real")
+    notes = f" and {opts.notes_chars:,} characters of notes" if opts.notes_chars else ""
+    return (f"{opts.num_sessions} agent sessions in 2 tenants, each with its task{notes}, {opts.tool_calls} forced "
+            f"tool calls each then an answer; web_fetch sleeps lognormal(median {opts.fetch_median_s:g} s, "
+            f"sigma {opts.fetch_sigma:g}) clipped to [{low:g}, {high:g}] s; calculator and search_docs run for real")
 
 
 def transcript_lines(messages: list[dict[str, Any]], width: int = 160) -> list[str]:
