@@ -11,10 +11,11 @@ Tool modes (``tool_choice``):
                 arguments as the model writes them).
   ``required``  as ``auto``, with the assistant turn opened by the format's call opening
                 (``<tool_call>`` for hermes).
-  a function    the assistant turn is opened, in the parser's format, with that call's name and the arguments' ``{``
-                (and the first required parameter's key, when the schema has one); the model
-                writes the arguments, the stream ends as soon as the object closes, and
-                arguments the model breaks are closed into a valid object at the break.
+  a function    the assistant turn is opened, in the parser's format, with that call's name
+                and the arguments' ``{`` (and the first required parameter's key, when the
+                schema has one); the model writes the arguments, the stream ends as soon as
+                the object closes, and arguments the model breaks are closed into a valid
+                object at the break.
 
 Sessions: a response ending in tool calls pauses its session; one ending without them ends
 it (its pages stay cached), so a finished conversation holds no session; its next turn, if
@@ -84,7 +85,10 @@ class Detached:
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         async def gated() -> None:
             async with self._gate:
-                await coro
+                try:
+                    await coro
+                except Exception:  # nobody awaits the task: its failure is logged here
+                    log.exception("a detached call failed")
 
         task = asyncio.get_running_loop().create_task(gated())
         self._tasks.add(task)
