@@ -203,6 +203,8 @@ def test_policy_file_with_an_unknown_key_or_bad_syntax(tmp_path: Path, capsys) -
         (["lookup", "--tokens", "1,two,3"], ["--tokens: item 1 is not a token id"]),
         (["lookup", "--tokens", "1", "--kv-dtype", "int3"], ["--kv-dtype"]),
         (["bench", "--sessions", "0,8"], ["--sessions"]),
+        (["gateway", "--model", "m", "--tool-parser", "mistral"],
+         ["--tool-parser", "no tool-call parser 'mistral'", "registered: hermes, llama3"]),
     ],
 )
 def test_bad_flags_exit_2_before_calling_the_controller(capsys, closed_port: int, args, needles) -> None:

@@ -6,22 +6,28 @@ import json
 
 import pytest
 
+from kvtier.domain.errors import ConfigError
 from kvtier.gateway.json_prefix import ObjectPrefix
+from kvtier.gateway.text import ChatText
 from kvtier.gateway.tool_parsers import (
     PARSERS,
     ArgumentsDelta,
     CallStart,
+    HermesParser,
+    Llama3Parser,
     ParsedOutput,
     get_parser,
     json_object_end,
     parse,
+    parser_format,
+    select_parser,
 )
 from kvtier.gateway.tool_prompt import (
     TOOLS_PREAMBLE,
     forced_arguments_opening,
-    forced_call_opening,
     template_messages,
 )
+from kvtier.local import real_model
 
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
 
@@ -151,8 +157,62 @@ def test_tools_block_and_calls_rendered_for_a_template_without_tools():
     assert json.dumps(WEATHER) in out[0]["content"]
     assert out[2]["content"] == '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     assert out[3] == {"role": "tool", "content": "sunny"}
-    assert forced_call_opening("weather").endswith('{"name": "weather", "arguments": ')
+    assert HermesParser.call_opening("weather") == '<tool_call>\n{"name": "weather", "arguments": '
     assert forced_arguments_opening({"function": {"parameters": {"required": ["city"]}}}) == '{"city": '
     assert forced_arguments_opening(WEATHER) == ""
     city = {"function": {"parameters": {"properties": {"city": {"type": "string"}}, "required": ["city"]}}}
     assert forced_arguments_opening(city) == '{"city": "'
+
+
+# Chat template excerpts as the checkpoints ship them (Jinja source).
+QWEN25_TEMPLATE = (
+    '{%- if tools %}{{- "\\n\\nFor each function call, return a json object with function name and arguments '
+    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": '
+    '<args-json-object>}\\n</tool_call><|im_end|>\\n" }}{%- endif %}')
+LLAMA31_TEMPLATE = (
+    "{%- if tools_in_user_message and not tools is none %}{{- 'Respond in the format {\"name\": function name, "
+    "\"parameters\": dictionary of argument name and its value}.' }}{%- endif %}"
+    "{%- if builtin_tools is defined %}{{- '<|python_tag|>' + tool_call.name }}{%- endif %}")
+
+
+@pytest.mark.parametrize(("template", "expected"), [
+    (QWEN25_TEMPLATE, "hermes"),
+    (LLAMA31_TEMPLATE, "llama3"),
+    ("{{ '<|python_tag|>' }}", "llama3"),
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "hermes"),  # no tools: the gateway's own block
+    (None, "hermes"),
+    ({"default": LLAMA31_TEMPLATE, "rag": "{{ x }}"}, "llama3"),  # a tokenizer's named templates
+])
+def test_the_chat_template_selects_the_tool_parser(template, expected):
+    assert select_parser(template) == expected
+
+
+def test_an_explicit_tool_parser_wins_and_an_unknown_one_lists_the_registered():
+    assert select_parser(QWEN25_TEMPLATE, "llama3") == "llama3"
+    for bad in ("mistral", ""):
+        with pytest.raises(ConfigError, match="registered: hermes, llama3") as err:
+            select_parser(LLAMA31_TEMPLATE, bad)
+        assert err.value.field == "tool_parser"
+    assert parser_format("llama3") is Llama3Parser
+
+
+def test_the_bundled_smollm2_template_selects_hermes():
+    checkpoint = real_model.default_cache_dir()
+    if not (checkpoint / "tokenizer.json").exists():
+        pytest.skip("the bundled SmolLM2 checkpoint is not converted (make setup converts it)")
+    assert select_parser(ChatText.load(checkpoint).tokenizer.chat_template) == "hermes"
+
+
+def test_llama3_format_forces_renders_and_parses_its_own_calls():
+    opening = Llama3Parser.call_opening("weather", '{"city": "')
+    assert opening == '{"name": "weather", "parameters": {"city": "'
+    out = parse("llama3", opening + 'Oslo"}}')
+    assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("weather", {"city": "Oslo"})]
+    assert parse("llama3", Llama3Parser.required_opening + '"time", "parameters": {}}').tool_calls[0].name == "time"
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]}]
+    out_messages = template_messages(messages, [WEATHER], template_has_tools=False, fmt=Llama3Parser)
+    assert out_messages[2]["content"] == '{"name": "weather", "parameters": {"city": "Oslo"}}'
+    assert out_messages[0]["content"].endswith(Llama3Parser.instruction) and "<tool_call>" not in out_messages[0]["content"]
+    assert parse("hermes", HermesParser.call_text("w", "{}")).tool_calls[0].name == "w"

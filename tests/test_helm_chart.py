@@ -851,6 +851,21 @@ def test_gateway_is_a_stateless_deployment_of_two_or_more_behind_a_service(
     assert port["targetPort"] == "http" and ctr["ports"][0]["name"] == "http"
 
 
+def test_gateway_tool_parser_comes_from_values(chart: Any, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    def command(objs: list[dict[str, Any]]) -> list[str]:
+        deployment = named(objs, "Deployment", f"{RELEASE}-kvtier-gateway")
+        return container(deployment["spec"]["template"]["spec"], "gateway")["command"]
+
+    assert "--tool-parser" not in command(rendered["gpu16"])  # the chat template chooses
+    values = ci_values("gpu16")
+    values.setdefault("gateway", {})["toolParser"] = "llama3"
+    chosen = command(render(chart, values))
+    assert chosen[chosen.index("--tool-parser") + 1] == "llama3"
+    values["gateway"]["toolParser"] = "mistral"
+    with pytest.raises(helm.HelmValuesError, match="schema"):
+        render(chart, values)
+
+
 def test_gateway_renders_only_with_a_model_path(rendered: dict[str, list[dict[str, Any]]]) -> None:
     assert not gateway_objects(rendered["default"])
     assert gateway_objects(rendered["gpu16"])

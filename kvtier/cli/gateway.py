@@ -1,11 +1,13 @@
 """``kvtier gateway``: the OpenAI-compatible HTTP front end (``kvtier.gateway``).
 
-    kvtier gateway --model DIR [--host 127.0.0.1] [--port 8000] [--require-key]
+    kvtier gateway --model DIR [--host 127.0.0.1] [--port 8000] [--require-key] [--tool-parser NAME]
 
 ``--model`` is the checkpoint directory the workers serve (its tokenizer and chat template
 are the gateway's). The gateway's own token (``--token``: a frontend or admin token, else
 the local stack's admin token) reads the served model's description (``Router.ListModels``);
 each request's ``Authorization: Bearer`` key is passed through as that request's frontend token.
+``--tool-parser`` names the model's tool-call format (``hermes``, ``llama3``); without it the
+chat template selects one (``kvtier.gateway.tool_parsers.select_parser``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Annotated
 
 import typer
 
-from kvtier.cli.common import ControllerOption, Remote, TimeoutOption, TokenOption, app
+from kvtier.cli.common import ControllerOption, Remote, TimeoutOption, TokenOption, app, fail
+from kvtier.domain.errors import ConfigError
 
 
 @app.command("gateway")
@@ -31,6 +34,10 @@ def gateway_command(
         str | None, typer.Option(help="The model name clients send (default: the directory's name).")
     ] = None,
     require_key: Annotated[bool, typer.Option(help="Refuse requests without an API key (401).")] = False,
+    tool_parser: Annotated[
+        str | None, typer.Option(help="Tool-call format of the model: hermes or llama3 (default: chosen from "
+                                      "its chat template).")
+    ] = None,
 ) -> None:
     """Serve OpenAI Chat Completions in front of the controller and workers.
 
@@ -42,10 +49,16 @@ def gateway_command(
 
     from kvtier.gateway.app import GatewayOptions, create_app
     from kvtier.gateway.model import describe_served_model
+    from kvtier.gateway.tool_parsers import parser_format
 
+    if tool_parser is not None:
+        try:
+            parser_format(tool_parser)
+        except ConfigError as exc:
+            fail(f"--tool-parser: {exc.message}")
     remote = Remote.of(controller, token, timeout_s)
     served = remote.run(lambda client: describe_served_model(client, model.expanduser().resolve(),
-                                                             name=served_model_name))
+                                                             name=served_model_name, tool_parser=tool_parser))
     app_ = create_app(served, GatewayOptions(remote.address, require_key=require_key))
-    typer.echo(f"gateway for model {served.name!r} on http://{host}:{port}/v1")
+    typer.echo(f"gateway for model {served.name!r} (tool calls: {served.tool_parser}) on http://{host}:{port}/v1")
     asyncio.run(uvicorn.Server(uvicorn.Config(app_, host=host, port=port, log_level="warning")).serve())

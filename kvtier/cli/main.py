@@ -69,7 +69,7 @@ from kvtier.cli.common import (
     fail,
     print_json,
 )
-from kvtier.domain.errors import InvalidArgument, KvtierError
+from kvtier.domain.errors import ConfigError, InvalidArgument, KvtierError
 from kvtier.domain.geometry import load_geometry, parse_dtype
 from kvtier.policy.capacity import (
     CapacityPlan,
@@ -253,6 +253,10 @@ def up_command(
                           min=0, max=65535)
     ] = 8000,
     gateway: Annotated[bool, typer.Option(help="Serve the OpenAI-compatible gateway.")] = True,
+    tool_parser: Annotated[
+        str | None, typer.Option(help="The gateway's tool-call format: hermes or llama3 (default: chosen from the "
+                                      "model's chat template).")
+    ] = None,
 ) -> None:
     """Start a local kvtier: Valkey, Ray, the controller, workers and the OpenAI-compatible gateway;
     Ctrl-C (or `kvtier down`) stops it.
@@ -266,9 +270,15 @@ def up_command(
       kvtier up --redis-url redis://10.0.0.5:6379/0 --ray-address auto --workers-per-node 2
     """
     from kvtier.cli.up import run_until_stopped
+    from kvtier.gateway.tool_parsers import parser_format
     from kvtier.local import stack as local
 
     console = _console()
+    if tool_parser is not None:
+        try:
+            parser_format(tool_parser)
+        except ConfigError as exc:
+            fail(f"--tool-parser: {exc.message}")
     # The worker settings' own checks, before anything starts; their errors name the flag.
     worker = load_config(
         WorkerConfig,
@@ -301,7 +311,8 @@ def up_command(
         # Refused before any work when other users can open it; created 0700 when missing.
         options.model = real_model.ensure_checkpoint(ensure_private_dir(state_dir) / "models" / real_model.MODEL_NAME,
                                                      seed_from=real_model.default_cache_dir())
-    asyncio.run(run_until_stopped(options, console, gateway_port=gateway_port if gateway else None))
+    asyncio.run(run_until_stopped(options, console, gateway_port=gateway_port if gateway else None,
+                                  tool_parser=tool_parser))
 
 
 @app.command("down")

@@ -19,14 +19,15 @@ from kvtier.local.supervisor import Finding, StackSupervisor
 
 
 async def run_until_stopped(options: local.StackOptions, console: Console, *,
-                            gateway_port: int | None = None) -> None:
+                            gateway_port: int | None = None, tool_parser: str | None = None) -> None:
     """``gateway_port``: serve the OpenAI-compatible gateway there (0: a free port) for the
-    stack's model, ``options.model``; None: no gateway."""
+    stack's model, ``options.model``; None: no gateway. ``tool_parser``: the gateway's
+    tool-call format (None: chosen from the chat template)."""
     from kvtier.local.frontend import start_gateway
 
     stack = await local.start_local_stack(options)
     try:
-        served = (await start_gateway(stack, options.model, port=gateway_port)
+        served = (await start_gateway(stack, options.model, port=gateway_port, tool_parser=tool_parser)
                   if gateway_port is not None and options.model is not None else None)
     except BaseException:
         await stack.stop()

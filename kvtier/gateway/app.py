@@ -23,11 +23,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
+from starlette.background import BackgroundTask
 
 from kvtier.client import AsyncClient
 from kvtier.domain.errors import KvtierError
 from kvtier.gateway import generation
-from kvtier.gateway.chat import Call, ChatCompletion, sampling_params, sse, usage_body
+from kvtier.gateway.chat import Call, ChatCompletion, Detached, sampling_params, sse, usage_body
 from kvtier.gateway.errors import ApiError, from_kvtier
 from kvtier.gateway.generation import Finished
 from kvtier.gateway.metrics import GatewayMetrics
@@ -82,10 +83,12 @@ def session_scope(key: str | None) -> str:
 def create_app(model: ServedModel, options: GatewayOptions) -> FastAPI:
     metrics = GatewayMetrics()
     clients = Clients(options.controller, options.timeout_s)
+    detached = Detached()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
+        await detached.wait()
         await clients.close()
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -157,14 +160,28 @@ def create_app(model: ServedModel, options: GatewayOptions) -> FastAPI:
         return response
 
     async def streamed(chunks: AsyncGenerator[dict[str, Any], None], endpoint: str) -> Response:
-        """An SSE response; the first chunk is awaited here so that routing errors are HTTP statuses."""
+        """An SSE response; the first chunk is awaited here so that routing errors are HTTP statuses.
+
+        A client that hangs up cancels the body's task (Starlette), which closes ``chunks`` and
+        with it the worker's stream: the worker aborts the sequence and frees its pages. The
+        stream counts in flight until ``close``, run once by the body's end or, when the client
+        left before the body started, by the response's background task."""
         started = time.perf_counter()
         iterator = chunks  # an async generator is its own iterator, and has aclose
         first = await anext(iterator)
+        metrics.streams_in_flight.inc()
+        is_closed = False
+
+        async def close() -> None:
+            nonlocal is_closed
+            if not is_closed:
+                is_closed = True
+                metrics.streams_in_flight.dec()
+                await iterator.aclose()
 
         async def body() -> AsyncIterator[bytes]:
-            yield sse(first)
             try:
+                yield sse(first)
                 first_text = True
                 async for chunk in iterator:
                     if first_text:
@@ -174,10 +191,10 @@ def create_app(model: ServedModel, options: GatewayOptions) -> FastAPI:
             except KvtierError as exc:
                 yield sse(from_kvtier(exc).body())
             finally:
-                await iterator.aclose()  # a client that hung up cancels its generation here
+                await close()
             yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(body(), media_type="text/event-stream",
+        return StreamingResponse(body(), media_type="text/event-stream", background=BackgroundTask(close),
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/chat/completions")
@@ -186,7 +203,7 @@ def create_app(model: ServedModel, options: GatewayOptions) -> FastAPI:
             req = parse_chat(body)
             check_model(req.model)
             call = Call(await clients.get(key), session_scope(key), request.headers.get("x-session-id"),
-                        expected_ms(request), metrics)
+                        expected_ms(request), metrics, detached)
             completion = ChatCompletion(model, req, call)
             if req.stream:
                 return await streamed(completion.stream(), "chat")

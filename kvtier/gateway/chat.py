@@ -5,31 +5,40 @@ Tool modes (``tool_choice``):
   ``none``      tools stay in the prompt, so a turn that must answer in text (an agent's
                 last) keeps the prefix, and the cached pages, of the turns that called
                 tools; the output is text, never parsed for calls.
-  ``auto``      tools are in the prompt; the output goes through the ``hermes`` parser as it
-                streams: text up to a ``<tool_call>`` streams as content, a call as
-                ``delta.tool_calls`` (its name, then its arguments as the model writes them).
-  ``required``  as ``auto``, with the assistant turn opened by ``<tool_call>``.
-  a function    the assistant turn is opened with that call's name and the arguments' ``{``
-                (and the first required parameter's key, when the schema has one); the model
-                writes the arguments, the stream ends as soon as the object closes, and
-                arguments the model breaks are closed into a valid object at the break.
+  ``auto``      tools are in the prompt; the output goes through the model's tool-call parser
+                (``ServedModel.tool_parser``, e.g. ``hermes``) as it streams: text up to a
+                call streams as content, a call as ``delta.tool_calls`` (its name, then its
+                arguments as the model writes them).
+  ``required``  as ``auto``, with the assistant turn opened by the format's call opening
+                (``<tool_call>`` for hermes).
+  a function    the assistant turn is opened, in the parser's format, with that call's name
+                and the arguments' ``{`` (and the first required parameter's key, when the
+                schema has one); the model writes the arguments, the stream ends as soon as
+                the object closes, and arguments the model breaks are closed into a valid
+                object at the break.
 
 Sessions: a response ending in tool calls pauses its session; one ending without them ends
 it (its pages stay cached), so a finished conversation holds no session; its next turn, if
-any, starts the session again.
+any, starts the session again. A turn that ends before its generation does (the client left
+mid-stream, or the stack failed) ends the session too, as a turn with no tool calls: no pause
+is left for the controller to prefetch for, and the pages already computed stay cached. The
+request's own task is being cancelled then, so that End goes out on a task of its own
+(``Detached``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier.client import AsyncClient
-from kvtier.domain.errors import KvtierError
+from kvtier.domain.errors import KvtierError, NotFound, ResourceExhausted
 from kvtier.domain.params import SamplingParams
 from kvtier.gateway import generation, sessions
 from kvtier.gateway.errors import ApiError
@@ -38,8 +47,6 @@ from kvtier.gateway.metrics import GatewayMetrics
 from kvtier.gateway.model import ServedModel
 from kvtier.gateway.protocol import DEFAULT_MAX_TOKENS, ChatRequest, Sampling
 from kvtier.gateway.tool_parsers import (
-    HERMES_CLOSE,
-    HERMES_OPEN,
     ArgumentsDelta,
     CallStart,
     ParsedOutput,
@@ -48,8 +55,9 @@ from kvtier.gateway.tool_parsers import (
     ToolParser,
     get_parser,
     json_object_end,
+    parser_format,
 )
-from kvtier.gateway.tool_prompt import forced_arguments_opening, forced_call_opening, template_messages
+from kvtier.gateway.tool_prompt import forced_arguments_opening, template_messages
 from kvtier.runtime.log import get_logger
 
 log = get_logger("kvtier.gateway.chat")
@@ -57,6 +65,38 @@ EXTENSION_KEY = "kvtier"
 # Tokens a forced call may run on after its arguments close (typically `}`, a newline and
 # `</tool_call>`) for the worker to end it and report its cache accounting.
 FORCED_GRACE_TOKENS = 8
+DETACHED_IN_FLIGHT = 8
+# An abandoned turn's End refused for load (the controller's per-key limits) is tried again,
+# after the controller's Retry-After or a doubling backoff, this many times in all.
+END_ATTEMPTS = 8
+END_BACKOFF_S = 0.2
+
+
+class Detached:
+    """Calls that outlive their request, each on a task of its own: a request whose task is
+    cancelled (its client left) cannot await them itself. At most ``max_in_flight`` run at
+    once, so a burst of hang-ups stays under the controller's per-key limit of Sessions calls
+    in flight. ``wait`` at shutdown."""
+
+    def __init__(self, max_in_flight: int = DETACHED_IN_FLIGHT) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._gate = asyncio.Semaphore(max_in_flight)
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        async def gated() -> None:
+            async with self._gate:
+                try:
+                    await coro
+                except Exception:  # nobody awaits the task: its failure is logged here
+                    log.exception("a detached call failed")
+
+        task = asyncio.get_running_loop().create_task(gated())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def wait(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 @dataclass(slots=True)
@@ -71,6 +111,7 @@ class Call:
     session_header: str | None
     tool_expected_ms: int | None
     metrics: GatewayMetrics
+    detached: Detached
 
 
 def sampling_params(model: ServedModel, s: Sampling, num_prompt: int) -> SamplingParams:
@@ -93,13 +134,20 @@ def forced_opening(req: ChatRequest) -> str:
 
 def chat_prompt(model: ServedModel, req: ChatRequest) -> str:
     tools = req.tools  # with "none" too: the conversation's prefix, and so its cached pages, stay the same
-    messages = template_messages(req.messages, tools, template_has_tools=model.text.supports_tools)
-    prompt = model.text.render(messages, tools if model.text.supports_tools else None)
+    fmt = parser_format(model.tool_parser)
+    messages = template_messages(req.messages, tools, template_has_tools=model.text.supports_tools, fmt=fmt)
+    return model.text.render(messages, tools if model.text.supports_tools else None) + assistant_opening(model, req)
+
+
+def assistant_opening(model: ServedModel, req: ChatRequest) -> str:
+    """What the gateway writes of the assistant's turn: a forced call's opening, the format's
+    call opening when a call is required, else nothing."""
+    fmt = parser_format(model.tool_parser)
     if req.is_forced:
-        prompt += forced_call_opening(req.tool_choice, forced_opening(req))
-    elif req.tool_choice == "required":
-        prompt += HERMES_OPEN + "\n"
-    return prompt
+        return fmt.call_opening(req.tool_choice, forced_opening(req))
+    if req.tool_choice == "required":
+        return fmt.required_opening
+    return ""
 
 
 def usage_body(fin: Finished) -> dict[str, Any]:
@@ -139,21 +187,24 @@ class ChatCompletion:
         self.session_id = sessions.session_id_for(call.session_scope, req.messages, call.session_header)
         self.prompt_ids = model.text.encode(chat_prompt(model, req))
         self.sampling = sampling_params(model, req.sampling, len(self.prompt_ids))
-        if req.is_forced:  # the worker ends a forced call at its closing tag, with its usage
-            self.sampling.stop_sequences = [model.text.encode(HERMES_CLOSE)]
+        close = parser_format(model.tool_parser).call_close.strip()
+        if req.is_forced and close:  # the worker ends a forced call at its closing tag, with its usage
+            self.sampling.stop_sequences = [model.text.encode(close)]
         self.is_buffered = req.tool_choice != "none" and bool(req.tools)
 
-    async def _events(self) -> AsyncIterator[str | Finished]:
+    async def _events(self) -> AsyncGenerator[str | Finished, None]:
         if sessions.is_returning(self.req.messages):
             await self._hint(self.call.client.returning(self.session_id))
         opening = forced_opening(self.req)
         until = (lambda text: json_object_end((opening + text).lstrip()) is not None) if self.req.is_forced \
             else None
         stops = () if self.is_buffered else self.req.sampling.stop
-        async for event in generation.run(self.call.client, self.model, self.prompt_ids, self.sampling,
-                                          stops=stops, session_id=self.session_id, until=until,
-                                          grace_tokens=FORCED_GRACE_TOKENS if self.req.is_forced else 0):
-            yield event
+        events = generation.run(self.call.client, self.model, self.prompt_ids, self.sampling, stops=stops,
+                                session_id=self.session_id, until=until,
+                                grace_tokens=FORCED_GRACE_TOKENS if self.req.is_forced else 0)
+        async with contextlib.aclosing(events) as stream:  # closing it cancels the worker's stream
+            async for event in stream:
+                yield event
 
     async def _hint(self, hint: Any) -> None:
         """Session hints steer prefetch; a refused hint never fails the request."""
@@ -168,9 +219,7 @@ class ChatCompletion:
         already wrote of the assistant's turn, which the parser reads first."""
         if not self.is_buffered:
             return None, ""
-        if self.req.is_forced:
-            return get_parser("hermes"), forced_call_opening(self.req.tool_choice, forced_opening(self.req))
-        return get_parser("hermes"), HERMES_OPEN + "\n" if self.req.tool_choice == "required" else ""
+        return get_parser(self.model.tool_parser), assistant_opening(self.model, self.req)
 
     def _finish(self, out: ParsedOutput, parser: ToolParser | None, fin: Finished) -> ChatResult:
         if parser is not None and parser.num_unparsed:
@@ -187,7 +236,41 @@ class ChatCompletion:
         else:
             await self._hint(self.call.client.end(self.session_id))
 
+    def _abandoned(self) -> None:
+        """The turn ended before its generation did: end the session (see the module's doc)."""
+        async def end() -> None:
+            backoff_s = END_BACKOFF_S
+            for attempt in range(END_ATTEMPTS):
+                try:
+                    await self.call.client.end(self.session_id)
+                    return
+                except NotFound:  # its Route never started it
+                    return
+                except ResourceExhausted as exc:
+                    if attempt + 1 < END_ATTEMPTS:
+                        await asyncio.sleep(exc.retry_after_s or backoff_s)
+                        backoff_s = min(backoff_s * 2, 2.0)
+                        continue
+                    error: KvtierError = exc
+                except KvtierError as exc:
+                    error = exc
+                self.call.metrics.session_hints_failed.inc()
+                log.warning("session end after an abandoned turn refused: %s", type(error).__name__)
+                return
+
+        self.call.detached.spawn(end())
+
     async def result(self) -> dict[str, Any]:
+        is_done = False
+        try:
+            body = await self._result()
+            is_done = True
+            return body
+        finally:
+            if not is_done:
+                self._abandoned()
+
+    async def _result(self) -> dict[str, Any]:
         parser, prefill = self._parser()
         out = ParsedOutput()
         if parser is not None:
@@ -229,8 +312,29 @@ class ChatCompletion:
 
     async def stream(self) -> AsyncGenerator[dict[str, Any], None]:
         """Chunks as OpenAI sends them: the role, content deltas and tool-call deltas as the
-        tokens arrive, the finish reason, then usage when asked for."""
-        events = aiter(self._events())
+        tokens arrive, the finish reason, then usage when asked for. Closed (or cancelled)
+        before its generation ended, it ends the session (``_abandoned``)."""
+        is_started = is_done = False
+        try:
+            async with contextlib.aclosing(self._stream()) as chunks:
+                async for chunk in chunks:
+                    if isinstance(chunk, _Done):
+                        is_done = True
+                    else:
+                        is_started = True
+                        yield chunk
+        finally:
+            if not is_done:
+                if is_started:  # else refused before its first chunk: an HTTP error, not a stream
+                    self.call.metrics.streams_abandoned.inc()
+                self._abandoned()
+
+    async def _stream(self) -> AsyncGenerator[dict[str, Any] | _Done, None]:
+        async with contextlib.aclosing(self._events()) as events:
+            async for chunk in self._chunks(events):
+                yield chunk
+
+    async def _chunks(self, events: AsyncGenerator[str | Finished, None]) -> AsyncIterator[dict[str, Any] | _Done]:
         # Routing and the worker's first answer happen before the first chunk, so a refused
         # request (no worker, unknown key) is an HTTP error status rather than an SSE event.
         first = await anext(events)
@@ -259,10 +363,15 @@ class ChatCompletion:
                 yield self._delta(e)
         result = self._finish(out, parser, fin)
         await self._after(result)
+        yield _Done()
         yield self._chunk({}, fin.finish_reason)
         if self.req.include_usage:
             yield {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                    "model": self.model.name, "choices": [], "usage": usage_body(fin)}
+
+
+class _Done:
+    """Marks, in ``_stream``'s chunks, that the generation ended and its session hint went out."""
 
 
 async def _chain(first: str | Finished, rest: AsyncIterator[str | Finished]) -> AsyncIterator[str | Finished]:

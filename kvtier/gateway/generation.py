@@ -15,7 +15,7 @@ the prompt and generated counts the gateway saw, with no cache fields (``is_work
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.client import AsyncClient
@@ -51,7 +51,7 @@ async def run(
     session_id: str | None = None,
     until: Callable[[str], bool] | None = None,
     grace_tokens: int = 0,
-) -> AsyncIterator[str | Finished]:
+) -> AsyncGenerator[str | Finished, None]:
     """Stream one generation. ``until(text_so_far)`` true ends its text with ``tool_calls``;
     up to ``grace_tokens`` more tokens are then read (not yielded) for the worker's own end
     (a stop sequence, EOS), whose final event carries the cache accounting; past them the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 @dataclass(slots=True)
@@ -14,6 +14,8 @@ class GatewayMetrics:
     unparsed_tool_calls: Counter = field(init=False)
     ttft_s: Histogram = field(init=False)
     session_hints_failed: Counter = field(init=False)
+    streams_in_flight: Gauge = field(init=False)
+    streams_abandoned: Counter = field(init=False)
 
     def __post_init__(self) -> None:
         self.requests = Counter("kvtier_gateway_requests", "HTTP requests by endpoint and status",
@@ -26,3 +28,9 @@ class GatewayMetrics:
         self.session_hints_failed = Counter(
             "kvtier_gateway_session_hints_failed", "Pause/Returning hints the controller refused",
             registry=self.registry)
+        self.streams_in_flight = Gauge(
+            "kvtier_gateway_streams_in_flight", "SSE streams open: from their first chunk until they close",
+            registry=self.registry)
+        self.streams_abandoned = Counter(
+            "kvtier_gateway_streams_abandoned", "chat streams that ended before their generation did (the client "
+            "left, or the stack failed mid-stream): generation cancelled, session ended", registry=self.registry)

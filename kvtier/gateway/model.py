@@ -18,6 +18,7 @@ from kvtier.client import AsyncClient
 from kvtier.domain.errors import ConfigError, Unavailable
 from kvtier.domain.hashing import NamespaceIdentity
 from kvtier.gateway.text import ChatText
+from kvtier.gateway.tool_parsers import DEFAULT_PARSER, select_parser
 
 
 @dataclass(slots=True)
@@ -28,6 +29,7 @@ class ServedModel:
     namespace: NamespaceIdentity
     text: ChatText
     context_tokens: int
+    tool_parser: str = DEFAULT_PARSER  # the tool-call format (kvtier.gateway.tool_parsers)
 
 
 def context_tokens(checkpoint: Path) -> int:
@@ -39,9 +41,10 @@ def context_tokens(checkpoint: Path) -> int:
 
 
 async def describe_served_model(
-    client: AsyncClient, checkpoint: Path, *, name: str | None = None
+    client: AsyncClient, checkpoint: Path, *, name: str | None = None, tool_parser: str | None = None
 ) -> ServedModel:
-    """The model the registered workers serve from ``checkpoint`` (model id: its directory name)."""
+    """The model the registered workers serve from ``checkpoint`` (model id: its directory name);
+    its tool-call format is ``tool_parser``, else the one its chat template selects."""
     model_id = checkpoint.name
     served = [m for m in await client.list_models() if m.namespace.model_id == model_id]
     if not served:
@@ -51,4 +54,6 @@ async def describe_served_model(
     namespace = dataclasses.replace(served[0].namespace, tenant="")
     facts = served[0].facts
     context = facts.max_context_tokens if facts is not None and facts.max_context_tokens else context_tokens(checkpoint)
-    return ServedModel(name or model_id, namespace, ChatText.load(checkpoint), context)
+    text = ChatText.load(checkpoint)
+    return ServedModel(name or model_id, namespace, text, context,
+                       select_parser(text.tokenizer.chat_template, tool_parser))

@@ -19,7 +19,14 @@ Formats:
   ``llama3``   a bare JSON object ``{"name": ..., "parameters": {...}}`` (Llama 3.1), one per
                line or ``;``-separated, optionally after ``<|python_tag|>``; output that does
                not open with an object is text
-Register more with ``@register("name")`` on a ``ToolParser`` subclass.
+Register more with ``@register("name")`` on a ``ToolParser`` subclass; its class attributes
+state the format's text, which the gateway writes into prompts (past calls, a forced call's
+opening, the tools block's instruction).
+
+Selection (``select_parser``): an explicit name (``kvtier gateway --tool-parser``) wins; else
+the first registered format whose markers the model's chat template mentions (``<tool_call>``:
+hermes; ``<|python_tag|>`` or a ``"parameters"`` call object: llama3); else ``hermes``, the
+format of the gateway's own tools block.
 """
 
 from __future__ import annotations
@@ -30,8 +37,9 @@ import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
+from kvtier.domain.errors import ConfigError
 from kvtier.gateway.json_prefix import ObjectPrefix
 
 
@@ -110,7 +118,29 @@ _CALL_HEAD = re.compile(
 class ToolParser(ABC):
     """Contract: ``feed`` each text delta, then ``finish`` once; the events of all calls, in
     order, are the response. Content, call names and argument fragments do not depend on how
-    the text was split into deltas."""
+    the text was split into deltas.
+
+    The format's text: ``call_open`` + ``{"name": ..., "<arguments_key>": {...}}`` +
+    ``call_close`` is one call; ``required_opening`` opens the assistant's turn when a call is
+    required; ``instruction`` ends the tools block of a template that does not render tools;
+    ``template_markers`` are the strings of a chat template that selects this format."""
+
+    call_open: ClassVar[str]
+    call_close: ClassVar[str]
+    arguments_key: ClassVar[str]
+    required_opening: ClassVar[str]
+    instruction: ClassVar[str]
+    template_markers: ClassVar[tuple[str, ...]]
+
+    @classmethod
+    def call_text(cls, name: str, arguments: str) -> str:
+        return cls.call_opening(name, arguments) + "}" + cls.call_close
+
+    @classmethod
+    def call_opening(cls, name: str, arguments_opening: str = "") -> str:
+        """The text that forces a call to ``name``: the model continues its arguments object
+        from ``arguments_opening``."""
+        return f'{cls.call_open}{{"name": {json.dumps(name)}, "{cls.arguments_key}": ' + arguments_opening
 
     def __init__(self) -> None:
         self.num_calls = 0
@@ -202,7 +232,8 @@ class ToolParser(ABC):
         return True
 
 
-PARSERS: dict[str, Callable[[], ToolParser]] = {}
+PARSERS: dict[str, type[ToolParser]] = {}
+DEFAULT_PARSER = "hermes"
 
 
 def register(name: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
@@ -219,6 +250,29 @@ def get_parser(name: str) -> ToolParser:
         return PARSERS[name]()
     except KeyError:
         raise KeyError(f"no tool-call parser {name!r}; one of {', '.join(sorted(PARSERS))}") from None
+
+
+def parser_format(name: str) -> type[ToolParser]:
+    """The registered format ``name``; a ``ConfigError`` naming the registered ones otherwise."""
+    try:
+        return PARSERS[name]
+    except KeyError:
+        raise ConfigError(f"no tool-call parser {name!r}; registered: {', '.join(sorted(PARSERS))}",
+                          field="tool_parser") from None
+
+
+def select_parser(chat_template: str | dict[str, str] | None, name: str | None = None) -> str:
+    """The tool-call format of a model (see the module's doc): ``name`` when given, else the
+    first registered format whose markers ``chat_template`` mentions (a tokenizer's named
+    templates: any of them), else ``hermes``."""
+    if name is not None:
+        parser_format(name)
+        return name
+    text = "\n".join(chat_template.values()) if isinstance(chat_template, dict) else chat_template or ""
+    for registered, parser in PARSERS.items():
+        if any(marker in text for marker in parser.template_markers):
+            return registered
+    return DEFAULT_PARSER
 
 
 def parse(name: str, text: str) -> ParsedOutput:
@@ -247,6 +301,15 @@ HERMES_CLOSE = "</tool_call>"
 class HermesParser(ToolParser):
     """Content up to ``<tool_call>``; the call's head, its arguments, then everything up to
     ``</tool_call>`` is skipped; content again after it."""
+
+    call_open = HERMES_OPEN + "\n"
+    call_close = "\n" + HERMES_CLOSE
+    arguments_key = "arguments"
+    required_opening = HERMES_OPEN + "\n"
+    instruction = ("For each function call, return a json object with function name and arguments within "
+                   "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+                   '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+    template_markers = (HERMES_OPEN,)
 
     def __init__(self) -> None:
         super().__init__()
@@ -300,6 +363,14 @@ PYTHON_TAG = "<|python_tag|>"
 @register("llama3")
 class Llama3Parser(ToolParser):
     """Calls when the output opens with ``{`` (after ``<|python_tag|>``); else all text."""
+
+    call_open = ""
+    call_close = ""
+    arguments_key = "parameters"
+    required_opening = '{"name": '
+    instruction = ("For each function call, respond with only a JSON object of the form "
+                   '{"name": <function-name>, "parameters": <args-json-object>}')
+    template_markers = (PYTHON_TAG, '"parameters"', '\\"parameters\\"')
 
     def __init__(self) -> None:
         super().__init__()

@@ -15,8 +15,10 @@ on), after the caller's own system message when there is one::
     {"name": <function-name>, "arguments": <args-json-object>}
     </tool_call>
 
-An assistant message's ``tool_calls`` become ``<tool_call>`` blocks in its content, and a
-``tool`` message keeps the ``tool`` role, for templates that only render ``content``.
+Its last lines are the selected format's ``instruction`` (above: ``hermes``; see
+``kvtier.gateway.tool_parsers``). An assistant message's ``tool_calls`` become that format's
+call text in its content (``<tool_call>`` blocks for hermes), and a ``tool`` message keeps the
+``tool`` role, for templates that only render ``content``.
 """
 
 from __future__ import annotations
@@ -25,26 +27,17 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.gateway.tool_parsers import HERMES_CLOSE, HERMES_OPEN
+from kvtier.gateway.tool_parsers import HermesParser, ToolParser
 
 TOOLS_PREAMBLE = (
     "You may call one or more functions to assist with the user query.\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
 )
-TOOLS_POSTAMBLE = (
-    "\n</tools>\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
-)
 
 
-def tools_system_block(tools: Sequence[dict[str, Any]]) -> str:
+def tools_system_block(tools: Sequence[dict[str, Any]], fmt: type[ToolParser] = HermesParser) -> str:
     listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return TOOLS_PREAMBLE + listed + TOOLS_POSTAMBLE
-
-
-def hermes_call_text(name: str, arguments: str) -> str:
-    return f'{HERMES_OPEN}\n{{"name": {json.dumps(name)}, "arguments": {arguments}}}\n{HERMES_CLOSE}'
+    return TOOLS_PREAMBLE + listed + "\n</tools>\n" + fmt.instruction
 
 
 def forced_arguments_opening(tool: dict[str, Any]) -> str:
@@ -61,14 +54,9 @@ def forced_arguments_opening(tool: dict[str, Any]) -> str:
     return "{" + json.dumps(required[0]) + ": " + quote
 
 
-def forced_call_opening(name: str, arguments_opening: str = "") -> str:
-    """The text the gateway places at the start of the assistant's turn to force a call to
-    ``name``; the model continues the arguments object from ``arguments_opening``."""
-    return f'{HERMES_OPEN}\n{{"name": {json.dumps(name)}, "arguments": ' + arguments_opening
-
-
 def template_messages(
-    messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None, *, template_has_tools: bool
+    messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None, *, template_has_tools: bool,
+    fmt: type[ToolParser] = HermesParser,
 ) -> list[dict[str, Any]]:
     """Messages as the chat template takes them: content as one string, tool calls as text,
     and the tools block in the system message when the template does not render tools."""
@@ -76,7 +64,7 @@ def template_messages(
     for m in messages:
         content = m.get("content") or ""
         if m.get("tool_calls") and not template_has_tools:
-            calls = [hermes_call_text(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+            calls = [fmt.call_text(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
             content = "\n".join([content, *calls]) if content else "\n".join(calls)
             out.append({"role": m["role"], "content": content})
         elif m.get("tool_calls"):
@@ -84,7 +72,7 @@ def template_messages(
         else:
             out.append({"role": m["role"], "content": content})
     if tools and not template_has_tools:
-        block = tools_system_block(tools)
+        block = tools_system_block(tools, fmt)
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + block}
         else:

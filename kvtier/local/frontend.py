@@ -52,14 +52,15 @@ class LocalGateway:
 
 async def start_gateway(
     stack: LocalStack, checkpoint: Path, *, host: str = "127.0.0.1", port: int = DEFAULT_GATEWAY_PORT,
-    require_key: bool = True,
+    require_key: bool = True, tool_parser: str | None = None,
 ) -> LocalGateway:
-    """Serve the gateway for ``stack`` (which serves ``checkpoint``) on ``host:port`` (0: a free port)."""
+    """Serve the gateway for ``stack`` (which serves ``checkpoint``) on ``host:port`` (0: a free port);
+    ``tool_parser``: the tool-call format (None: the chat template's)."""
     import uvicorn
 
     async with AsyncClient(stack.controller_address, token=stack.admin_token) as client:
         try:
-            model = await describe_served_model(client, checkpoint.expanduser().resolve())
+            model = await describe_served_model(client, checkpoint.expanduser().resolve(), tool_parser=tool_parser)
         except ConfigError as exc:  # no tokenizer or chat template: a weights-only checkpoint
             raise ConfigError(f"{exc.message}; the gateway needs the checkpoint's tokenizer and chat "
                               "template (`kvtier up --no-gateway` serves without the gateway)",

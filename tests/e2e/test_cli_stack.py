@@ -126,6 +126,7 @@ def test_up_serves_and_down_stops_everything_it_started(tmp_path: Path):
         (["--session-hold-fraction", "0"], "--session-hold-fraction"),
         (["--eviction-policy", "fifo"], "--eviction-policy"),
         (["--hbm-gib", "0"], "--hbm-gib"),
+        (["--tool-parser", "mistral"], "--tool-parser"),
     ],
 )
 def test_up_refuses_a_bad_worker_setting_before_starting_anything(tmp_path: Path, flags: list[str], named: str):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import threading
 import urllib.error
@@ -54,8 +55,6 @@ class Live:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     async def start(self) -> None:
-        import uvicorn
-
         self.stack = await start_local_stack(StackOptions(
             state_dir=self.state_dir, model=self.checkpoint, page_size=PAGE, max_restarts=0, lease_ttl_s=2.0,
             auth=True))
@@ -66,12 +65,18 @@ class Live:
         self.admin = AsyncClient(self.stack.controller_address, token=self.stack.admin_token)
         self.model = await describe_served_model(self.admin, self.checkpoint)
         self.app = create_app(self.model, GatewayOptions(self.stack.controller_address, require_key=True))
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning"))
-        self.serving = asyncio.ensure_future(self.server.serve())
-        while not self.server.started:
+        self.server, self.serving, self.url = await self.serve(self.app)
+
+    @staticmethod
+    async def serve(app):
+        """Serve ``app`` on a free loopback port: (server, its task, its URL)."""
+        import uvicorn
+
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        serving = asyncio.ensure_future(server.serve())
+        while not server.started:
             await asyncio.sleep(0.05)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        return server, serving, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
 
     async def stop(self) -> None:
         self.server.should_exit = True
@@ -260,6 +265,36 @@ def test_tool_call_deltas_stream_while_the_call_is_generated(live, sdk, monkeypa
     assert isinstance(json.loads(arguments), dict) and finish == whole.finish_reason == "tool_calls"
 
 
+def test_a_gateway_with_the_llama3_parser_forces_calls_in_its_format(live):
+    """The same model behind a gateway told ``tool_parser="llama3"``: the forced call opens as a
+    bare ``{"name": ..., "parameters": {`` object (no ``<tool_call>`` tag), and the call comes
+    back whole and streamed, with valid JSON arguments."""
+    model = dataclasses.replace(live.model, tool_parser="llama3")
+    app = create_app(model, GatewayOptions(live.stack.controller_address, require_key=True))
+    server, serving, url = live.run(live.serve(app))
+    try:
+        sdk = openai.OpenAI(base_url=url + "/v1", api_key=KEY_A, max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
+        reply = sdk.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=24,
+                                            temperature=0, tool_choice=FORCED)
+        (call,) = reply.choices[0].message.tool_calls
+        assert reply.choices[0].finish_reason == "tool_calls" and call.function.name == "weather"
+        assert isinstance(json.loads(call.function.arguments), dict)
+        chunks = list(sdk.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=24,
+                                                  temperature=0, tool_choice=FORCED, stream=True))
+        deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        assert deltas[0].function.name == "weather"
+        assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    finally:
+        server.should_exit = True
+
+        async def stopped():
+            await serving
+
+        live.run(stopped())
+
+
 def test_finished_conversations_end_their_sessions_and_a_paused_one_stays(live, sdk):
     def open_sessions():
         page = live.run(live.admin.list_sessions())
@@ -429,7 +464,9 @@ def test_two_hundred_disconnects_mid_stream_leak_no_pages(live):
     """200 streams, 32 at a time, each dropped after its first chunk (the worker has produced a
     token and is decoding the next): every generation is cancelled and its pages freed, so the
     worker settles with nothing running, no page in use and its pools consistent
-    (CheckIntegrity)."""
+    (CheckIntegrity); no stream counts in flight and no session of theirs is left active."""
+    num_active = live.run(count_sessions(live, SessionState.ACTIVE))
+
     async def one(client: openai.AsyncOpenAI, i: int, gate: asyncio.Semaphore) -> None:
         async with gate:
             stream = await client.chat.completions.create(
@@ -448,18 +485,126 @@ def test_two_hundred_disconnects_mid_stream_leak_no_pages(live):
     worker = live.stack.workers[0].address
 
     async def settled():
+        seen = None
         for _ in range(300):
             (info,) = await live.admin.list_workers()
-            if info.num_running_seqs == 0 and info.queue_depth == 0:
-                hbm = next(t for t in info.tiers if t.tier.label == "hbm")
-                if hbm.in_use_pages == 0:
-                    return await live.admin.check_integrity(worker), hbm
+            hbm = next(t for t in info.tiers if t.tier.label == "hbm")
+            seen = {"running": info.num_running_seqs, "queued": info.queue_depth, "in_use_pages": hbm.in_use_pages,
+                    "streams_in_flight": live.app.state.metrics.streams_in_flight._value.get(),
+                    "active_sessions": await count_sessions(live, SessionState.ACTIVE) - num_active}
+            if not any(seen.values()):
+                return await live.admin.check_integrity(worker), seen
             await asyncio.sleep(0.1)
-        return None, None
+        return None, seen
 
-    integrity, hbm = live.run(settled())
-    assert hbm is not None, "the worker still runs sequences or holds pages in use 30 s after the disconnects"
+    integrity, seen = live.run(settled())
+    assert integrity is not None, f"30 s after the disconnects: {seen}"
     assert integrity.is_ok, integrity.problems
+
+
+async def count_sessions(live, state: SessionState) -> int:
+    num, page_token = 0, None
+    while True:
+        page = await live.admin.list_sessions(state, page_token=page_token)
+        num += len(page.sessions)
+        if page.next_page_token is None:
+            return num
+        page_token = page.next_page_token
+
+
+async def session_state(live, session_id: str) -> SessionState | None:
+    """The session's state, through every page of ``ListSessions``; None when there is none."""
+    page_token = None
+    while True:
+        page = await live.admin.list_sessions(page_token=page_token)
+        found = {s.session_id: s.state for s in page.sessions}
+        if session_id in found or page.next_page_token is None:
+            return found.get(session_id)
+        page_token = page.next_page_token
+
+
+def test_a_client_gone_mid_stream_aborts_its_sequence_and_ends_its_session(live, sdk, monkeypatch):
+    """A conversation paused on a tool call comes back with the result (the pause closes), and
+    the client hangs up after the first chunk of that streamed turn. The gateway holds
+    the worker's stream after its first event until the client is gone, so the sequence is
+    running on the worker when the disconnect lands: it is aborted (nothing runs, the pages in
+    use are back to their count before), the session is ended rather than left active or
+    paused, the stream is no longer counted in flight, and the next request is served."""
+    session, worker = "gw-gone", live.stack.workers[0].address
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    reply = sdk.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=16, temperature=0,
+                                        tool_choice=FORCED, extra_headers={"X-Session-Id": session})
+    (call,) = reply.choices[0].message.tool_calls
+    returning = messages + [reply.choices[0].message.model_dump(exclude_none=True),
+                            {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
+                            {"role": "user", "content": "Now the weather in every capital of Europe, one by one."}]
+
+    def state():
+        return live.run(session_state(live, session))
+
+    async def worker_load():
+        (info,) = await live.admin.list_workers()
+        return info.num_running_seqs, next(t for t in info.tiers if t.tier.label == "hbm").in_use_pages
+
+    async def idle():  # the controller sees the worker's load as of its last heartbeat
+        for _ in range(100):
+            if await worker_load() == (0, 0):
+                return True
+            await asyncio.sleep(0.1)
+        return False
+
+    assert state() is SessionState.PAUSED
+    assert live.run(idle()), "the worker runs nothing before the request"
+    gone, measured, held = threading.Event(), threading.Event(), []
+    generate = AsyncClient.generate
+
+    async def held_after_the_first_event(self, *args, **kwargs):
+        async with contextlib.aclosing(generate(self, *args, **kwargs)) as events:
+            async for event in events:
+                yield event
+                if not held:
+                    held.append(await live_load_while_held())
+                    measured.set()
+                    await asyncio.to_thread(gone.wait, 60)  # cancelled when the client hangs up
+
+    async def live_load_while_held():
+        for _ in range(100):
+            load = await worker_load()
+            if load[0] == 1:
+                return load
+            await asyncio.sleep(0.05)
+        return await worker_load()
+
+    monkeypatch.setattr(AsyncClient, "generate", held_after_the_first_event)
+    metrics = live.app.state.metrics
+    abandoned = metrics.streams_abandoned._value.get()
+    stream = sdk.chat.completions.create(model=MODEL, messages=returning, tools=TOOLS, max_tokens=400,
+                                         temperature=0, tool_choice="none", stream=True,
+                                         extra_headers={"X-Session-Id": session})
+    next(iter(stream))
+    assert measured.wait(60)
+    stream.close()
+    gone.set()
+    monkeypatch.undo()
+    (running, in_use), = held
+    assert running == 1 and in_use > 0, "the sequence was running on the worker when the client left"
+
+    async def settled():
+        for _ in range(100):
+            if await worker_load() == (0, 0) and metrics.streams_in_flight._value.get() == 0 \
+                    and await session_state(live, session) is SessionState.ENDED:
+                return True
+            await asyncio.sleep(0.1)
+        return False
+
+    settled_ok = live.run(settled())
+    assert live.run(worker_load()) == (0, 0), "the aborted sequence's pages were freed"
+    assert metrics.streams_in_flight._value.get() == 0
+    assert state() is SessionState.ENDED, "no session is left active or paused by a client gone"
+    assert metrics.streams_abandoned._value.get() == abandoned + 1
+    assert settled_ok and live.run(live.admin.check_integrity(worker)).is_ok
+    again = sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0)
+    assert again.usage.completion_tokens == 2
 
 
 def test_a_prompt_over_the_worker_capacity_is_a_429_error_object(live, sdk):
