@@ -52,7 +52,7 @@ CUDA_CHUNK_BYTES = 8 << 20
 CPU_CHUNK_BYTES = 32 << 20
 # Disk-lane threads. A disk thread checksums each run it read before it issues its next read,
 # so with two the device sat idle while both summed; four keep reads in flight meanwhile
-# (decision 0019: NVMe reads 1.1-1.4x the speed of two threads, quiet and with a core burnt).
+# (decision 0019: NVMe reads 1.06-1.46x the speed of two threads, quiet and with a core burnt).
 DISK_THREADS = 4
 
 
