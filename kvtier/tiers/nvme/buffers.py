@@ -41,18 +41,27 @@ def _byte_view(t: torch.Tensor) -> memoryview:
 class Pages(NamedTuple):
     """Byte views of the pages of one call, and where they are adjacent in memory: with
     ``whole`` (one tensor's bytes) page ``i`` is row ``rows[i]`` of it, so consecutive rows go
-    out as one iovec segment."""
+    out as one iovec segment. ``view(i)`` slices page ``i`` on demand: a run of consecutive rows
+    goes out as one segment and never needs its pages one by one."""
 
-    views: list[memoryview]
+    listed: list[memoryview] | None  # a list of page tensors: one view each
     whole: memoryview | None
     rows: np.ndarray | None
+    page_bytes: int
+
+    def view(self, i: int) -> memoryview:
+        if self.listed is not None:
+            return self.listed[i]
+        assert self.whole is not None and self.rows is not None
+        r = int(self.rows[i])
+        return self.whole[r * self.page_bytes : (r + 1) * self.page_bytes]
 
 
 def page_views(
     pages: torch.Tensor | Sequence[torch.Tensor], n: int, page_bytes: int, rows: np.ndarray | None = None
 ) -> Pages:
     """Zero-copy byte views of ``n`` pages: one conversion for a tensor (a run ``[n, ...]``,
-    or a pool ``[N, ...]`` whose pages ``rows`` are meant), slices of it per page."""
+    or a pool ``[N, ...]`` whose pages ``rows`` are meant), one per page of a list."""
     if isinstance(pages, torch.Tensor):
         whole = _byte_view(pages)
         if rows is None:
@@ -60,22 +69,20 @@ def page_views(
                 raise InvalidArgument(
                     f"{n} pages of {page_bytes} bytes expected, got a tensor of {len(whole)} bytes"
                 )
-            views = [whole[i * page_bytes : (i + 1) * page_bytes] for i in range(n)]
-            return Pages(views, whole, np.arange(n, dtype=np.int64))
+            return Pages(None, whole, np.arange(n, dtype=np.int64), page_bytes)
         num_rows = pages.shape[0] if pages.dim() else 0
         if len(whole) != num_rows * page_bytes:
             raise InvalidArgument(f"a pool of {page_bytes}-byte pages expected, got {tuple(pages.shape)}")
         if len(rows) and not (0 <= int(rows.min()) and int(rows.max()) < num_rows):
             raise InvalidArgument(f"page rows out of range [0, {num_rows})", field="rows")
-        views = [whole[r * page_bytes : (r + 1) * page_bytes] for r in rows.tolist()]
-        return Pages(views, whole, rows)
+        return Pages(None, whole, rows, page_bytes)
     if rows is not None:
         raise InvalidArgument("rows select pages of one pool tensor, got a list of pages", field="rows")
     views = [_byte_view(p) for p in pages]
     bad = [len(v) for v in views if len(v) != page_bytes]
     if bad:
         raise InvalidArgument(f"a page of {bad[0]} bytes, the pool's pages have {page_bytes}")
-    return Pages(views, None, None)
+    return Pages(views, None, None, page_bytes)
 
 
 

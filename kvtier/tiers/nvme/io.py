@@ -93,7 +93,7 @@ class Runs:
                 r0 = int(rows[a])
                 iov.append(source.whole[r0 * page_bytes : (r0 + b - a) * page_bytes])
             else:
-                iov.append(source.views[positions[a]])
+                iov.append(source.view(positions[a]))
                 if len(pad):
                     iov.append(pad)
         return iov

@@ -125,7 +125,7 @@ class SlotReader:
         complete = (ends - start <= num_read) & lead_ok
         if staging is not None:
             for j in np.flatnonzero(complete).tolist():
-                source.views[positions[j]][:] = staging[j * p_bytes : j * p_bytes + f.page_bytes]
+                source.view(positions[j])[:] = staging[j * p_bytes : j * p_bytes + f.page_bytes]
         base = span.groups[0] * g_size
         records = np.frombuffer(blocks, dtype=np.uint8).reshape(-1, r_bytes)[local - base]  # a copy
         return records, complete

@@ -184,7 +184,7 @@ class SlotWriter:
             if staging is not None:
                 for j, i in enumerate(positions):
                     area = staging[j * p_bytes : (j + 1) * p_bytes]
-                    area[: f.page_bytes] = source.views[i]
+                    area[: f.page_bytes] = source.view(i)
                     area[f.page_bytes :] = pad
             iov = self._runs.iov(span, positions, source, blocks, staging, pad)
             start = f.payload_offset(span.first) if lead else f.header_offset(span.first)
