@@ -157,7 +157,7 @@ def report_lines(peer: dict[str, Any]) -> list[str]:
         return [peer["skipped"]]
     info = peer["info"]
     lines = [
-        f"LMCache {info['lmcache_version']} (torch {info['torch_version']}) StorageManager, LocalCPUBackend + "
+        f"LMCache {info['lmcache_version']} (torch {info['torch_version']}, {info['torch_threads']} thread) StorageManager, LocalCPUBackend + "
         f"LocalDiskBackend, O_DIRECT {'yes' if info['o_direct'] else 'NO'}, {info['disk_io_threads']} disk threads: "
         f"kvtier / LMCache, median [range] of {peer['rounds']} alternating rounds"
     ]
@@ -195,6 +195,10 @@ class _Peer:
         from lmcache.v1.metadata import LMCacheMetadata
         from lmcache.v1.storage_backend.storage_manager import StorageManager
 
+        # One intra-op thread, as each of kvtier's transfer lanes uses: with the other core
+        # busy, a second OpenMP thread makes every per-page copy_ wait for it, and LMCache's
+        # memory path lost most of its speed to that (docs/benchmarks.md, "kvtier against LMCache").
+        torch.set_num_threads(1)
         dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
         self.geometries = {
             name: _Geometry(name, g["shape"], dtypes[g["dtype"]], g["num_pages"], seed=i)
@@ -350,6 +354,7 @@ class _Peer:
         return {
             "lmcache_version": getattr(lmcache, "__version__", "unknown"),
             "torch_version": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
             "o_direct": bool(self.disk.use_odirect),
             "disk_io_threads": self.disk._read_thread_pool._max_workers,
             "disk_dir": self.disk.path,
