@@ -174,7 +174,8 @@ def report_lines(peer: dict[str, Any]) -> list[str]:
 
 
 class _Geometry:
-    """One geometry's pages in LMCache: the source and destination page tensors and the keys."""
+    """One geometry's pages: the source pages every path stores, the destination every read
+    fills (compared with the source after each timed read), and the round count for fresh keys."""
 
     def __init__(self, name: str, shape: list[int], dtype: Any, num_pages: int, seed: int) -> None:
         import torch
@@ -188,6 +189,8 @@ class _Geometry:
 
 
 class _Peer:
+    """One ``StorageManager`` over all geometries; ``round`` runs the four paths of one."""
+
     def __init__(self, directory: str, geometries: dict[str, dict[str, Any]], rounds: int, threads: int | None) -> None:
         import torch
         from lmcache.v1.config import LMCacheEngineConfig
@@ -208,8 +211,8 @@ class _Peer:
         # CPU: one round's memory-path objects, one round's disk reads (written back to
         # LocalCPUBackend) and one round's disk-write sources, all at once, with slack.
         cpu_gib = 4 * round_bytes / 2**30 + 0.25
-        # Disk: every byte of every round (removes do not return bytes to the count), plus
-        # the warm-up round.
+        # Disk: every byte of every round (removes do not return bytes to the count), the
+        # warm-up round and one spare.
         disk_gib = ((rounds + 2) * round_bytes + (64 << 20)) / 2**30
         Path(directory).mkdir(parents=True, exist_ok=True)
         extra: dict[str, Any] = {"use_odirect": True}
@@ -239,12 +242,9 @@ class _Peer:
         self.directory = directory
 
     def _keys(self, geo: _Geometry, tag: int) -> list[Any]:
-        import torch
         from lmcache.utils import CacheEngineKey
 
-        model = f"{geo.name}-{tag}"
-        dtype = geo.dtype if geo.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.uint8
-        return [CacheEngineKey(model, 1, 0, i, dtype) for i in range(geo.n)]
+        return [CacheEngineKey(f"{geo.name}-{tag}", 1, 0, i, geo.dtype) for i in range(geo.n)]
 
     def _allocate(self, geo: _Geometry) -> list[Any]:
         from lmcache.v1.memory_management import MemoryFormat
