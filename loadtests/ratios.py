@@ -5,6 +5,8 @@ process (``--json``), its headline ratios read back and checked.
     python -m loadtests.ratios --busy          # each with one core burnt (``loadtests.busy``)
     python -m loadtests.ratios --only tiers,directory --json
 
+The tier benchmark's kvtier / LMCache rows (one per path and page size, each ≥ 1.0) appear
+where ``bench_tiers`` found LMCache (``make lmcache-venv``); otherwise its skip line does.
 The agent workload runs its default (calibrated, seeds pooled) with the two policies its ratio
 compares, reactive and kvtier (~12 min on a 2-core machine). Each benchmark alternates its two
 sides within its own run and reports the median of its
