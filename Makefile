@@ -11,7 +11,7 @@ STAMP := $(VENV)/.kvtier-installed
 NODE_DIR := tests/contract_node
 NODE_STAMP := $(NODE_DIR)/node_modules/.kvtier-installed
 
-.PHONY: setup node-setup test test-slow test-redis-cluster demo bench proto proto-check proto-lint lint typecheck clean
+.PHONY: setup node-setup lmcache-venv test test-slow test-redis-cluster demo bench proto proto-check proto-lint lint typecheck clean
 
 setup: $(STAMP)
 
@@ -68,6 +68,16 @@ demo: setup
 
 bench: setup
 	$(BIN)/python -m loadtests.bench_engine
+
+# LMCache, the peer that `python -m loadtests.bench_tiers` measures kvtier against, in a venv of
+# its own (its pins conflict with the project's). Not part of `make test`.
+LMCACHE_VENV := .venv-lmcache
+# Its wheel is built for CPython 3.11.
+LMCACHE_PYTHON ?= python3.11
+lmcache-venv:
+	@test -x $(LMCACHE_VENV)/bin/python || $(LMCACHE_PYTHON) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_VENV)/bin/python -m pip install --quiet $(TORCH_SPEC)
+	$(LMCACHE_VENV)/bin/python -m pip install --quiet 'lmcache==0.5.6'
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(NODE_DIR)/node_modules

@@ -1,6 +1,7 @@
 """Tier moves against what the hardware gives: kvtier's page transfers vs `dd` and memcpy.
 
     python -m loadtests.bench_tiers [--json] [--dir PATH] [--mib N] [--repeats N] [--busy]
+                                    [--lmcache-python PATH | --no-lmcache]
 
 Baselines, measured in the same run on the same directory:
 
@@ -27,6 +28,12 @@ each ratio is the median of its per-iteration ratios. Two geometries: the tiny t
 model (32 KiB pages) and Llama-3.1-8B (bf16, 2 MiB pages). The 1-minute load average is
 recorded with every iteration: on a shared machine it explains most of the spread.
 
+Peer: LMCache's ``StorageManager`` (``loadtests/lmcache_peer.py``, in a child process under the
+Python of ``.venv-lmcache/``, built by ``make lmcache-venv``) stores and reads the same pages
+in every iteration, right after kvtier's, and the ``lmcache`` key holds kvtier / LMCache per
+path (memory write and read, disk write and read) with medians and ranges; without LMCache
+the report says it skipped the peer in one line.
+
 ``decode_slowdown_during_demotion``: the engine's decode step (built-in tiny model, 8
 sequences) while 256 MiB of cached pages demote HBM -> DRAM through the engine's own tier
 manager, over the same step with no transfer running.
@@ -41,6 +48,7 @@ import re
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -61,6 +69,7 @@ from kvtier.tiers.manager import TierConfig, Watermark
 from kvtier.tiers.nvme.pool import NvmePool
 from kvtier.tiers.transfer import TransferReason
 from kvtier.tiers.transfer_engine import TransferEngine
+from loadtests import lmcache_peer
 from loadtests.busy import add_busy_flag, busy_core
 
 GEOMETRIES = {
@@ -356,7 +365,28 @@ def decode_slowdown_during_demotion(n_bytes: int = 256 << 20, steps: int = 10, b
     }
 
 
-def run(directory: Path, direct: bool, total_mib: int, repeats: int) -> dict:
+def start_peer(python: str, directory: Path, total: int, repeats: int) -> tuple[lmcache_peer.PeerProcess, dict]:
+    """The LMCache child with this run's pages, after one warm-up round per geometry (as
+    kvtier's benches take one in their constructors)."""
+    peer = lmcache_peer.PeerProcess(python)
+    try:
+        info = peer.call("setup", directory=str(directory / "lmcache"), rounds=repeats, threads=None, geometries={
+            name: {
+                "shape": [2, g.num_layers, g.page_size, g.kv_heads * g.head_dim],
+                "dtype": str(g.dtype).removeprefix("torch."),
+                "num_pages": max(1, total // g.page_bytes),
+            }
+            for name, g in GEOMETRIES.items()
+        })
+        for name in GEOMETRIES:
+            peer.call("round", geometry=name)
+    except BaseException:
+        peer.close()
+        raise
+    return peer, info
+
+
+def run(directory: Path, direct: bool, total_mib: int, repeats: int, peer_python: str | None = None) -> dict:
     """Every measurement once per iteration, back to back, so noise from other processes
     on a shared machine lands on baseline and kvtier alike; each ratio is the median of
     its per-iteration ratios."""
@@ -366,6 +396,8 @@ def run(directory: Path, direct: bool, total_mib: int, repeats: int) -> dict:
     benches = {name: (NvmeBench(directory, g, total), CopyBench(g, total)) for name, g in GEOMETRIES.items()}
     copy_threads = next(iter(benches.values()))[1].pair.engine.copy_threads
     iterations: list[dict] = []
+    peer, peer_info = start_peer(peer_python, directory, total, repeats) if peer_python else (None, {})
+    peer_rounds: dict[str, list[dict]] = {name: [] for name in GEOMETRIES}
     try:
         for _ in range(repeats):
             it: dict = {
@@ -387,11 +419,19 @@ def run(directory: Path, direct: bool, total_mib: int, repeats: int) -> dict:
                     "dram_copy_vs_memcpy_1thread": min(c["demote_Bps"], c["promote_Bps"])
                     / it["memcpy"]["1_threads_Bps"],
                 }
+                if peer is not None:
+                    num_bytes = nvme.n * nvme.geometry.page_bytes
+                    peer_rounds[name].append(
+                        lmcache_peer.round_ratios({**n, **c}, peer.call("round", geometry=name), num_bytes)
+                    )
+                    it["geometries"][name]["lmcache"] = peer_rounds[name][-1]
             iterations.append(it)
     finally:
         for nvme, copy in benches.values():
             nvme.close()
             copy.close()
+        if peer is not None:
+            peer.close()
     slowdown = decode_slowdown_during_demotion(256 << 20)
     ratio_names = (
         "nvme_write_vs_direct",
@@ -428,6 +468,8 @@ def run(directory: Path, direct: bool, total_mib: int, repeats: int) -> dict:
         "dd_read_cached": not direct,
         "copy_kernel": "fused C++" if page_copy.kernel_enabled() else "torch (copy, then checksum)",
         "copy_threads": copy_threads,
+        "lmcache": {"info": peer_info, **lmcache_peer.summarize(peer_rounds)} if peer is not None
+        else {"skipped": "LMCache peer not run"},
         "load_avg_1m": [it["load_avg_1m"] for it in iterations] + [os.getloadavg()[0]],
         "iterations": iterations,
         "elapsed_s": time.perf_counter() - started,
@@ -477,6 +519,8 @@ def print_report(r: dict) -> None:
         f" (1 thread {r['dram_copy_vs_memcpy_1thread']:.2f})"
         f"  decode_slowdown_during_demotion {slowdown}  ({r['elapsed_s']:.0f} s)"
     )
+    for line in lmcache_peer.report_lines(r["lmcache"]):
+        print(line)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -487,12 +531,27 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--mib", type=int, default=256, help="bytes moved per measurement, in MiB")
     parser.add_argument("--repeats", type=int, default=3, help="iterations; ratios are per-iteration medians")
+    peer = parser.add_mutually_exclusive_group()
+    peer.add_argument(
+        "--lmcache-python",
+        help="Python that imports lmcache, for the LMCache peer (default: .venv-lmcache/bin/python, "
+        "else this one if it imports lmcache)",
+    )
+    peer.add_argument("--no-lmcache", action="store_true", help="leave the LMCache peer out")
     add_busy_flag(parser)
     args = parser.parse_args(argv)
+    peer_python, peer_line = (None, "LMCache peer left out (--no-lmcache)") if args.no_lmcache else (
+        lmcache_peer.find_python(args.lmcache_python)
+    )
+    if args.lmcache_python and peer_python is None:
+        parser.error(peer_line)
+    print(peer_line, file=sys.stderr, flush=True)
     directory, direct = pick_directory(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
     with busy_core(args.busy):
-        result = run(directory, direct, args.mib, args.repeats)
+        result = run(directory, direct, args.mib, args.repeats, peer_python)
+    if peer_python is None:
+        result["lmcache"] = {"skipped": peer_line}
     result["busy"] = args.busy
     if args.json:
         print(json.dumps(result, indent=2, default=str))

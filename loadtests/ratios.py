@@ -5,6 +5,8 @@ process (``--json``), its headline ratios read back and checked.
     python -m loadtests.ratios --busy          # each with one core burnt (``loadtests.busy``)
     python -m loadtests.ratios --only tiers,directory --json
 
+The tier benchmark's kvtier / LMCache rows (one per path and page size, each ≥ 1.0) appear
+where ``bench_tiers`` found LMCache (``make lmcache-venv``); otherwise its skip line does.
 The agent workload runs its default (calibrated, seeds pooled) with the two policies its ratio
 compares, reactive and kvtier (~12 min on a 2-core machine); the gateway benchmark serves the
 bundled real model (~8 min). Each benchmark alternates its two
@@ -34,6 +36,7 @@ class Ratio:
     read: Callable[[dict[str, Any]], float | None]
     bound: float
     at_most: bool  # True: the ratio must be <= bound; False: >= bound
+    optional: bool = False  # a peer's ratio: left out of the report when that peer did not run
 
     def met(self, value: float | None) -> bool | None:
         if value is None:
@@ -52,6 +55,15 @@ def _geometry(name: str, key: str) -> Callable[[dict[str, Any]], float | None]:
     return lambda r: r.get("geometries", {}).get(name, {}).get(key)
 
 
+def _vs_lmcache(name: str, path: str) -> Callable[[dict[str, Any]], float | None]:
+    return lambda r: r.get("lmcache", {}).get("geometries", {}).get(name, {}).get(path, {}).get("median")
+
+
+_LMCACHE_PATHS = {"mem_write": "memory write", "mem_read": "memory read", "disk_write": "disk write",
+                  "disk_read": "disk read"}
+_PAGES = {"tiny": "32 KiB", "llama-3.1-8b": "2 MiB"}
+
+
 def _pooled(key: str) -> Callable[[dict[str, Any]], float | None]:
     return lambda r: r.get("pooled", {}).get(key)
 
@@ -66,6 +78,12 @@ BENCHES = (
         Ratio("NVMe read / dd, 2 MiB", _geometry("llama-3.1-8b", "nvme_read_vs_direct"), 0.95, False),
         Ratio("DRAM demote / memcpy, 32 KiB", _geometry("tiny", "dram_demote_vs_memcpy"), 0.8, False),
         Ratio("DRAM demote / memcpy, 2 MiB", _geometry("llama-3.1-8b", "dram_demote_vs_memcpy"), 0.8, False),
+        # kvtier over LMCache (loadtests/lmcache_peer.py), where bench_tiers found LMCache.
+        *(
+            Ratio(f"kvtier / LMCache, {label}, {pages}", _vs_lmcache(name, path), 1.0, False, optional=True)
+            for name, pages in _PAGES.items()
+            for path, label in _LMCACHE_PATHS.items()
+        ),
     )),
     Bench("directory", ("loadtests.bench_directory", "--json"), (
         Ratio("directory lookup p50 / PING p50", lambda r: r.get("lookup_p50_over_ping"), 1.5, True),
@@ -122,12 +140,17 @@ def run_bench(bench: Bench, busy: bool) -> dict[str, Any]:
     if proc.returncode != 0:
         return {"bench": bench.name, "error": f"exit {proc.returncode}: {proc.stderr[-2000:]}", "elapsed_s": elapsed}
     result = last_json(proc.stdout)
+    peer = result.get("lmcache") or {}
+    notes = [peer["skipped"]] if "skipped" in peer else []
     rows = []
     for ratio in bench.ratios:
         value = ratio.read(result)
+        if value is None and ratio.optional:
+            continue
         rows.append({"ratio": ratio.name, "value": value, "target": ("<= " if ratio.at_most else ">= ") + f"{ratio.bound:g}",
                      "met": ratio.met(value)})
-    return {"bench": bench.name, "rows": rows, "elapsed_s": elapsed, "load_avg_1m": os.getloadavg()[0]}
+    return {"bench": bench.name, "rows": rows, "elapsed_s": elapsed, "load_avg_1m": os.getloadavg()[0],
+            "notes": notes}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['bench']}: {r['error']}")
             continue
         print(f"{r['bench']} ({r['elapsed_s']:.0f} s, load {r['load_avg_1m']:.1f})")
+        for note in r.get("notes", []):
+            print(f"  {note}")
         for row in r["rows"]:
             value = "n/a" if row["value"] is None else f"{row['value']:.3g}"
             verdict = {True: "met", False: "MISSED", None: "not measured"}[row["met"]]

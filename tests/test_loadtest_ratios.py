@@ -26,7 +26,20 @@ def test_every_ratio_reads_its_benchmark_keys() -> None:
     tiers = next(b for b in BENCHES if b.name == "tiers")
     result = {"geometries": {"tiny": {"nvme_read_vs_direct": 0.9, "dram_demote_vs_memcpy": 0.7},
                              "llama-3.1-8b": {"nvme_read_vs_direct": 0.96, "dram_demote_vs_memcpy": 0.85}}}
-    assert [r.met(r.read(result)) for r in tiers.ratios] == [True, True, False, True]
+    assert [r.met(r.read(result)) for r in tiers.ratios if not r.optional] == [True, True, False, True]
+
+
+def test_the_lmcache_ratios_are_read_only_where_the_peer_ran() -> None:
+    tiers = next(b for b in BENCHES if b.name == "tiers")
+    peer = [r for r in tiers.ratios if r.optional]
+    assert len(peer) == 8  # four paths, two geometries
+    assert {r.read({"lmcache": {"skipped": "LMCache peer skipped: ..."}}) for r in peer} == {None}
+    ran = {"lmcache": {"geometries": {name: {path: {"median": 1.2} for path in
+                                             ("mem_write", "mem_read", "disk_write", "disk_read")}
+                                      for name in ("tiny", "llama-3.1-8b")}}}
+    ran["lmcache"]["geometries"]["llama-3.1-8b"]["disk_read"]["median"] = 0.9
+    missed = [r.name for r in peer if r.met(r.read(ran)) is False]
+    assert missed == ["kvtier / LMCache, disk read, 2 MiB"]
 
 
 def test_an_unknown_benchmark_is_named(capsys: pytest.CaptureFixture[str]) -> None:
