@@ -232,10 +232,10 @@ def test_fused_prefill_with_prefix_matches_reference(
     sdpa_min_query_len: int,
 ) -> None:
     # Query tiles of 32 rows: 70 new tokens span three tiles; 1-row decodes ride along. With
-    # the default threshold the 70-row sequence goes through SDPA and the rest through the
-    # kernel, each writing its own rows of the output.
-    query_lens = [70, 1, 5, 33, 1, 16]
-    context_lens = [70, 40, 21, 100, 1, 47]
+    # the default threshold the 70-row sequence and the 80 rows after a 70-token prefix go
+    # through SDPA and the rest through the kernel, each writing its own rows of the output.
+    query_lens = [70, 1, 5, 33, 1, 16, 80]
+    context_lens = [70, 40, 21, 100, 1, 47, 150]
     batch = make_batch(
         query_lens,
         context_lens,
@@ -249,6 +249,14 @@ def test_fused_prefill_with_prefix_matches_reference(
     torch.testing.assert_close(got, dense_oracle(batch, head_dim**-0.5), atol=1e-5, rtol=1e-5)
     expected = attention_reference(batch.q, batch.kv_layer, batch.md, head_dim**-0.5)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("num_heads", "kv_heads"), [(4, 4), (4, 1)])
+def test_rows_after_a_cached_prefix_match_the_dense_oracle(num_heads: int, kv_heads: int) -> None:
+    # 300 and 129 new rows: several SDPA row blocks, the last one partial.
+    batch = make_batch([300, 129], [1000, 140], page_size=16, num_heads=num_heads, kv_heads=kv_heads, head_dim=32)
+    got = attention_reference(batch.q, batch.kv_layer, batch.md, 0.2)
+    torch.testing.assert_close(got, dense_oracle(batch, 0.2), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
