@@ -171,7 +171,9 @@ def detok_us_per_token(model: ServedModel, passes: int = 5) -> float:
 def agent_options() -> Any:
     """The agent workload: paused sessions outnumber what HBM holds, and each carries private
     context (its notes) that a resumed turn either finds cached or computes again. Sessions
-    start 3 s apart, so resumed turns measure the resume, not a queue of first turns."""
+    start 3 s apart; on a 2-core machine the engine still has a queue through most of the run,
+    so a resumed turn's TTFT is mostly its wait behind the other sessions' prefills, which the
+    HBM-only run lengthens by recomputing."""
     from kvtier.local.demo import DemoOptions
 
     return DemoOptions(sessions_per_tenant=3, tool_calls=2, tool_cycle=("web_fetch",), notes_chars=1600,
