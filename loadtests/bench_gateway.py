@@ -43,15 +43,11 @@ from kvtier.domain.params import SamplingParams
 from kvtier.domain.records import TokenChunk
 from kvtier.gateway.model import ServedModel
 from kvtier.local import real_model
+from kvtier.local.demo_report import pct
 from kvtier.local.stack import StackOptions, start_local_stack
 
 CONCURRENCY = (1, 8, 32)
 QUESTION = "In two sentences, why does a KV cache speed up decoding? Ticket {nonce}."
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
 
 
 def messages(nonce: str) -> list[dict[str, str]]:
@@ -185,7 +181,7 @@ async def agents(rounds: int, log: Any) -> dict[str, Any]:
     import ray
 
     from kvtier.local.demo import DocSearch, ModeResult, run_mode
-    from kvtier.local.demo_report import pct, summarize
+    from kvtier.local.demo_report import summarize
 
     opts = agent_options()
     checkpoint = real_model.ensure_checkpoint(real_model.default_cache_dir())
